@@ -1,0 +1,230 @@
+"""Agent side: a small async client for the task server, and :func:`run_agents` for the common case.
+
+::
+
+    async def solve(task_input, llm: LLM) -> float:
+        client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="-")
+        ...
+        return reward
+
+    await run_agents(daemon.server_url, solve, concurrency=32)
+
+:func:`run_agents` long-polls for tasks, resolves the task's ``main_llm`` into a plain :class:`LLM` whose
+``endpoint`` is the per-rollout proxy URL (user code never formats URLs), awaits ``fn(task_input, llm)`` and
+posts its result. An exception in ``fn`` is posted as a failed rollout with the error in its metadata (the
+task is retried while attempts remain), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+from pydantic import ValidationError
+
+from .models import LLM, ProxyLLM, ResourcesUpdate, Rollout, Task, TaskIfAny, dumps
+
+__all__ = ["AgentClient", "AgentFn", "TaskServerError", "run_agents"]
+
+logger = logging.getLogger(__name__)
+
+AgentResult = float | int | Rollout | None
+AgentFn = Callable[[Any, LLM], Awaitable[AgentResult]]
+
+#: Long-poll length per GET /task; the server answers the moment a task is queued.
+LONG_POLL_SECONDS = 30.0
+
+
+class TaskServerError(Exception):
+    """The task server answered with an error status; ``status`` and the server's ``detail`` are kept."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"task server answered {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class AgentClient:
+    """Async client for the task server routes (``GET /task``, resources, ``POST /rollout``, heartbeats)."""
+
+    def __init__(self, server_url: str, *, token: str | None = None, connections: int = 100) -> None:
+        self.server_url = server_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=15),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        )
+        self._resources: dict[str, ResourcesUpdate] = {}
+
+    async def __aenter__(self) -> AgentClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._session.close()
+
+    async def _request(self, method: str, path: str, body: bytes | None = None) -> Any:
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        async with self._session.request(method, self.server_url + path, data=body, headers=headers) as resp:
+            payload = await resp.read()
+            if resp.status >= 400:
+                try:
+                    detail = str(orjson.loads(payload).get("detail", payload[:500]))
+                except (orjson.JSONDecodeError, AttributeError):
+                    detail = payload[:500].decode(errors="replace")
+                raise TaskServerError(resp.status, detail)
+            return orjson.loads(payload)
+
+    async def next_task(self, wait: float = LONG_POLL_SECONDS) -> Task | None:
+        """The next task, long-polling up to ``wait`` seconds; ``None`` if none was queued meanwhile."""
+        data = await self._request("GET", f"/task?wait={wait:g}")
+        return TaskIfAny.model_validate(data).task
+
+    async def resources(self, resources_id: str | None = None) -> ResourcesUpdate | None:
+        """A resources version (cached: versions never change), or the latest; ``None`` if there is none."""
+        if resources_id is not None and resources_id in self._resources:
+            return self._resources[resources_id]
+        try:
+            data = await self._request("GET", f"/resources/{resources_id or 'latest'}")
+        except TaskServerError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        update = ResourcesUpdate.model_validate(data)
+        self._resources[update.resources_id] = update
+        return update
+
+    async def post_rollout(self, rollout: Rollout) -> str:
+        """Report a result; returns the server's message."""
+        data = await self._request("POST", "/rollout", dumps(rollout))
+        return str(data.get("message", ""))
+
+    async def heartbeat(self, rollout_id: str, attempt_id: str | None = None) -> float:
+        """Extend the claim's lease; returns the seconds until it expires."""
+        body = orjson.dumps({"attempt_id": attempt_id}) if attempt_id else None
+        data = await self._request("POST", f"/rollout/{rollout_id}/heartbeat", body)
+        return float(data["lease_seconds"])
+
+    async def llm_for(self, task: Task, name: str = "main_llm") -> LLM:
+        """The task's LLM resource as a plain :class:`LLM` whose endpoint is this rollout attempt's URL."""
+        update = await self.resources(task.resources_id)
+        if update is None or name not in update.resources:
+            raise LookupError(f"resources {task.resources_id!r} have no {name!r}")
+        llm = update.resources[name]
+        if isinstance(llm, ProxyLLM):
+            if task.attempt_id is None:
+                raise LookupError(f"task {task.rollout_id} carries no attempt id to build the proxy URL from")
+            return llm.resolve(task.rollout_id, task.attempt_id)
+        if not isinstance(llm, LLM):
+            raise LookupError(f"resource {name!r} is a {llm.resource_type}, not an LLM")
+        return llm
+
+
+def _to_rollout(task: Task, result: AgentResult) -> Rollout:
+    if isinstance(result, Rollout):
+        update = {"attempt_id": result.attempt_id or task.attempt_id}
+        return result.model_copy(update=update)
+    reward = None if result is None else float(result)
+    return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward)
+
+
+def _failure(task: Task, exc: BaseException) -> Rollout:
+    error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return Rollout(
+        rollout_id=task.rollout_id,
+        attempt_id=task.attempt_id,
+        status="failed",
+        metadata={"error": error, "traceback": traceback.format_exc(limit=20)},
+    )
+
+
+async def run_agents(
+    server_url: str,
+    fn: AgentFn,
+    *,
+    concurrency: int = 1,
+    token: str | None = None,
+    max_tasks: int | None = None,
+    llm_name: str = "main_llm",
+    heartbeat_seconds: float | None = None,
+) -> int:
+    """Run ``concurrency`` agent loops against the task server until cancelled (or ``max_tasks`` are done).
+
+    Each loop long-polls a task, resolves its LLM, awaits ``fn(task.input, llm)`` and posts the result: a
+    number is the final reward, a :class:`Rollout` is posted as is (ids filled in), ``None`` posts no reward.
+    If ``fn`` raises, a failed rollout carrying the error is posted instead. With ``heartbeat_seconds``, the
+    claim's lease is extended that often while ``fn`` runs (for rollouts longer than the daemon's lease).
+    Returns how many tasks were done.
+    Cancellation stops the loops; a task in progress is then left to its lease (or to the server noticing
+    the dropped long-poll).
+    """
+    done = 0
+    polling: set[anyio.CancelScope] = set()
+    stopping = False
+
+    async def worker(client: AgentClient) -> None:
+        nonlocal done, stopping
+        while not stopping:
+            task = None
+            with anyio.CancelScope() as scope:
+                polling.add(scope)
+                task = await client.next_task()
+            polling.discard(scope)
+            if task is None:
+                continue
+            try:
+                rollout = await attempt(client, task)
+            except (Exception, ValidationError) as exc:  # the agent's failure is data, not a crash
+                logger.warning("agent failed on %s: %s", task.rollout_id, exc)
+                rollout = _failure(task, exc)
+            try:
+                await client.post_rollout(rollout)
+            except TaskServerError as exc:  # e.g. another attempt finished first; the loop goes on
+                logger.warning("result for %s not taken: %s", task.rollout_id, exc.detail)
+            done += 1
+            if max_tasks is not None and done >= max_tasks:
+                stopping = True  # tasks in progress are finished; parked long-polls are dropped
+                for parked in list(polling):
+                    parked.cancel()
+
+    async def attempt(client: AgentClient, task: Task) -> Rollout:
+        llm = await client.llm_for(task, llm_name)
+        if not heartbeat_seconds:
+            return _to_rollout(task, await fn(task.input, llm))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep_alive, client, task)
+                result = await fn(task.input, llm)
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # report the agent's own error, not the task group wrapping it
+            while len(getattr(exc, "exceptions", ())) == 1:
+                exc = exc.exceptions[0]  # type: ignore[attr-defined]
+            raise exc from None
+        return _to_rollout(task, result)
+
+    async def keep_alive(client: AgentClient, task: Task) -> None:
+        assert heartbeat_seconds
+        while True:
+            await anyio.sleep(heartbeat_seconds)
+            try:
+                await client.heartbeat(task.rollout_id, task.attempt_id)
+            except TaskServerError as exc:  # the attempt no longer holds the task: stop extending it
+                logger.warning("heartbeat for %s refused: %s", task.rollout_id, exc.detail)
+                return
+
+    async with AgentClient(server_url, token=token, connections=max(concurrency, 1) + 4) as client:
+        async with anyio.create_task_group() as tg:
+            for _ in range(concurrency):
+                tg.start_soon(worker, client)
+    return done

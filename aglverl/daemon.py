@@ -1,0 +1,276 @@
+"""``AgentDaemon``: the store, task server, LLM proxy and collector in one task group on the caller's loop.
+
+::
+
+    async with AgentDaemon(backends=["http://127.0.0.1:8000"], model="my-model") as daemon:
+        await daemon.submit(samples, n=4)            # agents at daemon.server_url pick the tasks up
+        async for batch in daemon.batches:           # verl DataProto + metrics, one per training step
+            ...                                      # train; daemon.update_resources(...) / set_backends(...)
+
+A trainer needs nothing else: :meth:`AgentDaemon.submit`, :attr:`AgentDaemon.batches`, and the resource/
+backend/weight-update calls. The daemon never owns the event loop; leaving the ``async with`` block (or
+cancelling the task that runs :meth:`AgentDaemon.serve`) shuts every component down: listening ports released,
+parked long-polls answered, upstream connections closed, no task or thread left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from .batch import BatchConfig
+from .collector import RolloutCollector, Step, TrainingBatch
+from .journal import Journal
+from .metrics import Registry
+from .models import LLM, Mode, NamedResources, Rollout
+from .proxy import LLMProxy, RetryPolicy
+from .server import TaskServer
+from .store import TaskStore
+
+__all__ = ["AgentDaemon"]
+
+logger = logging.getLogger(__name__)
+
+
+class AgentDaemon:
+    """The embeddable control plane. All arguments are keyword-only.
+
+    - ``host``/``port``: the task server (Agent Lightning routes); ``proxy_port``: the LLM proxy. Both bind
+      ``127.0.0.1`` unless told otherwise; port 0 picks a free port (see :attr:`server_url`, :attr:`proxy_url`).
+    - ``backends``: OpenAI-compatible inference servers (``http://host:port``, no ``/v1``); ``model`` and
+      ``sampling_parameters`` describe the ``main_llm`` resource published at start.
+    - ``llm_resource``: ``"proxy"`` publishes ``main_llm`` as a :class:`ProxyLLM` (per-rollout URLs, token ids
+      recorded by the proxy); ``"plain"`` as a plain :class:`LLM` on the proxy's unattributed ``/v1`` for
+      Agent Lightning 0.1 clients, which cannot read ``proxy_llm`` resources and post their own triplets.
+    - ``lease_seconds``/``max_attempts``: how long a claim lasts without a heartbeat, and how many claims a
+      rollout gets. ``step_timeout``: default per-step deadline. ``vocab_size``: bound for posted token ids.
+    - ``batch``: padding/truncation/reward fill for training batches; ``max_buffered_batches``: how many
+      finished batches may wait for the trainer.
+    - ``token``: bearer token required by the task server and the proxy.
+    - ``journal_path``: a write-ahead journal; every accepted result is in it before the agent hears "ok", and
+      a daemon started on the same file recovers the unfinished steps (only their unfinished rollouts are
+      handed out again). ``journal_fsync``: also ``fsync`` before answering (survives power loss, not just
+      a killed process).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        proxy_port: int = 0,
+        backends: Sequence[str] = (),
+        model: str = "default",
+        sampling_parameters: Mapping[str, Any] | None = None,
+        llm_resource: Literal["proxy", "plain"] = "proxy",
+        lease_seconds: float = 600.0,
+        max_attempts: int = 3,
+        step_timeout: float | None = None,
+        vocab_size: int | None = None,
+        batch: BatchConfig | None = None,
+        max_buffered_batches: int = 1,
+        token: str | None = None,
+        retry: RetryPolicy | None = None,
+        journal_path: str | os.PathLike[str] | None = None,
+        journal_fsync: bool = False,
+        registry: Registry | None = None,
+    ) -> None:
+        self.registry = registry or Registry()
+        self.model = model
+        self.sampling_parameters = dict(sampling_parameters or {})
+        self.llm_resource_kind = llm_resource
+        self.store = TaskStore(
+            lease_seconds=lease_seconds,
+            max_attempts=max_attempts,
+            vocab_size=vocab_size,
+            registry=self.registry,
+        )
+        self.server = TaskServer(self.store, host=host, port=port, token=token)
+        self.proxy = LLMProxy(
+            self.store,
+            backends=backends,
+            host=host,
+            port=proxy_port,
+            registry=self.registry,
+            retry=retry or RetryPolicy(),
+            token=token,
+        )
+        self.collector = RolloutCollector(
+            self.store, batch=batch, max_buffered_batches=max_buffered_batches, step_timeout=step_timeout
+        )
+        self.journal = Journal(journal_path, fsync=journal_fsync) if journal_path is not None else None
+        self._stack: AsyncExitStack | None = None
+
+    # ------------------------------------------------------------------ life cycle
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run every component until cancelled; ``task_status.started()`` once all of them are serving."""
+        try:
+            async with anyio.create_task_group() as tg:
+                await self._start(tg)
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self._close_journal()
+
+    def _open_journal(self) -> None:
+        """Replay the journal (if any) into the store and collector, then start a compacted file."""
+        journal = self.journal
+        if journal is None:
+            return
+        records = journal.replay()
+        self.store.restore(records)
+        self.collector.restore(records)
+        journal.live_records = lambda: itertools.chain(
+            self.store.live_records(), self.collector.live_records()
+        )
+        journal.open(journal.live_records())
+        self.store.journal = journal
+        if records:
+            logger.info(
+                "journal %s replayed: %d open steps recovered",
+                journal.path,
+                len(self.collector.recovered_steps),
+            )
+
+    def _close_journal(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.store.journal = None
+
+    async def _start(self, tg: TaskGroup) -> None:
+        self._open_journal()
+        await tg.start(self.store.serve)
+        await tg.start(self.server.serve)
+        await tg.start(self.proxy.serve)
+        await tg.start(self.collector.serve)
+        self.update_resources({"main_llm": self.main_llm()})
+        logger.info("aglverl daemon: tasks at %s, LLM proxy at %s", self.server_url, self.proxy_url)
+
+    async def __aenter__(self) -> AgentDaemon:
+        if self._stack is not None:
+            raise RuntimeError("this AgentDaemon is already running")
+        stack = AsyncExitStack()
+        stack.callback(self._close_journal)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)  # runs first on exit: leaving the block stops every component
+        try:
+            await self._start(tg)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        stack, self._stack = self._stack, None
+        assert stack is not None
+        return await stack.__aexit__(exc_type, exc, tb)
+
+    # ------------------------------------------------------------------ addresses and resources
+    @property
+    def server_url(self) -> str:
+        """Base URL of the task server, e.g. ``http://127.0.0.1:41234``."""
+        return self.server.url
+
+    @property
+    def proxy_url(self) -> str:
+        """Base URL of the LLM proxy (``/v1`` and ``/rollout/{id}/attempt/{id}/v1`` live under it)."""
+        return self.proxy.url
+
+    def main_llm(self, sampling_parameters: Mapping[str, Any] | None = None) -> LLM:
+        """The ``main_llm`` resource agents should use (see ``llm_resource``)."""
+        params = dict(self.sampling_parameters if sampling_parameters is None else sampling_parameters)
+        if self.llm_resource_kind == "plain":
+            return LLM(endpoint=f"{self.proxy_url}/v1", model=self.model, sampling_parameters=params)
+        return self.proxy.llm_resource(self.model, params)
+
+    def update_resources(self, resources: NamedResources) -> str:
+        """Publish a new resources version (agents fetch it by the task's ``resources_id``); returns its id."""
+        return self.store.add_resources(resources).resources_id
+
+    def set_backends(self, backends: Sequence[str]) -> None:
+        """Replace the inference servers the proxy forwards to (between steps)."""
+        self.proxy.set_backends(backends)
+
+    @asynccontextmanager
+    async def updating_weights(self, weight_version: int | None = None) -> AsyncIterator[None]:
+        """Pause LLM calls around a weight update: new calls wait, in-flight ones drain, then the block runs.
+
+        On exit (also on error or cancellation) calls resume under the new weight version.
+        """
+        await self.proxy.pause()
+        try:
+            yield
+        finally:
+            self.proxy.resume(weight_version)
+
+    # ------------------------------------------------------------------ trainer API
+    async def submit(
+        self,
+        samples: Sequence[Any],
+        *,
+        n: int = 1,
+        mode: Mode = "train",
+        resources_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        deadline: float | None = None,
+    ) -> Step:
+        """Queue a step (each sample ``n`` times); training batches arrive in :attr:`batches`.
+
+        Returns the step's handle at once; ``await step.wait()`` gives its report (for ``mode="val"``, the
+        validation metrics).
+        """
+        return await self.collector.submit(
+            samples, n=n, mode=mode, resources_id=resources_id, metadata=metadata, deadline=deadline
+        )
+
+    async def validate(self, samples: Sequence[Any], *, n: int = 1) -> dict[str, float]:
+        """Run a validation step and return its metrics (``val/reward``, response lengths, turn counts)."""
+        step = await self.submit(samples, n=n, mode="val")
+        return (await step.wait()).metrics
+
+    @property
+    def recovered_steps(self) -> list[Step]:
+        """Steps a previous run left unfinished, re-opened from the journal; their batches come as usual."""
+        return self.collector.recovered_steps
+
+    @property
+    def batches(self) -> MemoryObjectReceiveStream[TrainingBatch]:
+        """Training batches, in step completion order; the stream ends when the daemon stops."""
+        return self.collector.batches
+
+    # ------------------------------------------- Agent Lightning server verbs (for migrating callers)
+    async def queue_task(
+        self,
+        sample: Any,
+        mode: Mode | None = None,
+        resources_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Queue one task outside any step; returns its rollout id (``AgentLightningServer.queue_task``)."""
+        return self.store.enqueue(
+            sample, mode=mode, resources_id=resources_id or self.store.latest_resources_id, metadata=metadata
+        )
+
+    async def get_completed_rollout(self, rollout_id: str) -> Rollout | None:
+        """The finished rollout's result, removed from the daemon; ``None`` while it is unfinished."""
+        return self.store.pop_finished(rollout_id)
+
+    async def wait_for_rollout(self, rollout_id: str, timeout: float | None = None) -> Rollout | None:  # noqa: ASYNC109
+        """Await a rollout's end (an event; the old ``poll_completed_rollout`` slept in a loop)."""
+        return await self.store.wait_for_rollout(rollout_id, timeout)
+
+    async def retrieve_completed_rollouts(self) -> list[Rollout]:
+        """Every finished rollout queued with :meth:`queue_task`, removed from the daemon."""
+        return self.store.pop_all_finished()

@@ -1,0 +1,179 @@
+"""Wire models: what agents, the task server and the trainer exchange.
+
+Field-for-field compatible with Agent Lightning 0.1 clients (``Task``, ``TaskIfAny``, ``Rollout``, ``Triplet``,
+``LLM``, ``PromptTemplate``, ``ResourcesUpdate``, ``GenericResponse``); the fields aglverl adds are optional, so
+old clients ignore them when reading and omit them when writing.
+
+Inbound models (what agents post) reject unknown fields and non-finite numbers: a typo in a field name is an
+error that names the field, never silently dropped data.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from annotated_types import Ge
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+__all__ = [
+    "LLM",
+    "GenericResponse",
+    "NamedResources",
+    "PromptTemplate",
+    "ProxyLLM",
+    "Resource",
+    "ResourcesUpdate",
+    "Rollout",
+    "Task",
+    "TaskIfAny",
+    "TokenIds",
+    "Triplet",
+    "dumps",
+]
+
+Mode = Literal["train", "val", "test"]
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialise a model (or plain data) to JSON bytes with orjson.
+
+    Task inputs often come from parquet data sets as numpy arrays and scalars; orjson writes those natively,
+    so a model is dumped in Python mode and handed to orjson as is.
+    """
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump()
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+
+
+class _Inbound(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Outbound(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+TokenId = Annotated[int, Strict(), Ge(0)]
+
+
+class TokenIds(BaseModel):
+    """One side of a triplet: ``{"token_ids": [...], ...}``; keys other than ``token_ids`` are kept as they are."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    token_ids: list[TokenId]
+
+
+class Triplet(_Inbound):
+    """One LLM call of a rollout: the exact prompt and response token ids, optionally a per-call reward."""
+
+    prompt: TokenIds
+    response: TokenIds
+    reward: float | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Task(_Outbound):
+    """A rollout request handed to an agent. ``attempt_id`` is aglverl's addition (old clients ignore it)."""
+
+    rollout_id: str
+    input: Any = None
+    mode: Mode | None = None
+    resources_id: str | None = None
+    create_time: float | None = None
+    last_claim_time: float | None = None
+    num_claims: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    attempt_id: str | None = None
+
+
+class TaskIfAny(_Outbound):
+    is_available: bool
+    task: Task | None = None
+
+
+class Rollout(_Inbound):
+    """What an agent reports for a task.
+
+    ``attempt_id`` (optional) names the attempt the result belongs to; without it the result is attributed to
+    ``task.attempt_id`` if the task is echoed, else to the rollout's current attempt. ``status="failed"``
+    reports that the agent could not finish (the error goes in ``metadata["error"]``): the task is retried
+    with a new attempt while attempts remain.
+    """
+
+    rollout_id: str
+    task: Task | None = None
+    final_reward: float | None = None
+    triplets: list[Triplet] | None = None
+    trace: list[dict[str, Any]] | None = None
+    logs: list[str] | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    attempt_id: str | None = None
+    status: Literal["succeeded", "failed"] = "succeeded"
+
+    @property
+    def effective_attempt_id(self) -> str | None:
+        if self.attempt_id is not None:
+            return self.attempt_id
+        return self.task.attempt_id if self.task is not None else None
+
+
+class Resource(_Outbound):
+    resource_type: Any
+
+
+class LLM(Resource):
+    """An OpenAI-compatible endpoint (base URL ending in ``/v1``) and the model name to ask it for."""
+
+    resource_type: Literal["llm"] = "llm"
+    endpoint: str
+    model: str
+    sampling_parameters: dict[str, Any] = Field(default_factory=dict)
+
+    def get_base_url(self, rollout_id: str | None = None, attempt_id: str | None = None) -> str:
+        return self.endpoint
+
+
+class ProxyLLM(LLM):
+    """An LLM reached through aglverl's proxy: ``endpoint`` is a template with ``{rollout_id}`` and ``{attempt_id}``.
+
+    Calls made through :meth:`get_base_url` are attributed to that rollout attempt, so the proxy can record
+    their exact token ids.
+    """
+
+    resource_type: Literal["proxy_llm"] = "proxy_llm"  # type: ignore[assignment]
+
+    def get_base_url(self, rollout_id: str | None = None, attempt_id: str | None = None) -> str:
+        if rollout_id is None or attempt_id is None:
+            raise ValueError("ProxyLLM.get_base_url needs both rollout_id and attempt_id")
+        return self.endpoint.replace("{rollout_id}", rollout_id).replace("{attempt_id}", attempt_id)
+
+    def resolve(self, rollout_id: str, attempt_id: str) -> LLM:
+        """The plain :class:`LLM` an agent uses for this rollout attempt."""
+        return LLM(
+            endpoint=self.get_base_url(rollout_id, attempt_id),
+            model=self.model,
+            sampling_parameters=dict(self.sampling_parameters),
+        )
+
+
+class PromptTemplate(Resource):
+    resource_type: Literal["prompt_template"] = "prompt_template"
+    template: str
+    engine: Literal["jinja", "f-string", "poml"]
+
+
+ResourceUnion = Annotated[LLM | ProxyLLM | PromptTemplate, Field(discriminator="resource_type")]
+NamedResources = dict[str, ResourceUnion]
+
+
+class ResourcesUpdate(_Outbound):
+    resources_id: str
+    resources: NamedResources
+
+
+class GenericResponse(_Outbound):
+    status: str = "ok"
+    message: str | None = None
+    data: dict[str, Any] | None = None

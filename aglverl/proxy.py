@@ -1,0 +1,1229 @@
+"""The LLM proxy: agents' OpenAI calls go through it to the inference backends, and it records their token ids.
+
+:class:`LLMProxy` is an aiohttp application served inside the caller's anyio task group. Two route families,
+every HTTP method:
+
+- ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` — attributed calls. The attempt is checked against
+  the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
+  ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and are recorded
+  in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact prompt/response ids, logprobs,
+  finish reason, weight version, backend, latency.
+- ``/v1/{path}`` — unattributed calls: forwarded verbatim and counted, never recorded.
+
+The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
+chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the
+SSE events; bodies with a ``Content-Length`` are read whole (bounded), parsed once and sent unchanged.
+
+Routing: every call of a rollout goes to the backend its first call went to while that backend is healthy
+(vLLM's prefix cache then holds the conversation); a new rollout goes to the healthy backend with the fewest
+calls in flight. Before any byte has reached the agent, connection failures, 5xx and 429 are retried on
+another backend with capped exponential backoff and jitter (:class:`RetryPolicy`; ``Retry-After`` honoured
+within the budget). A backend that refuses connections is ejected for ``eject_seconds`` and then probed
+(``GET /health``) by a task that sleeps until that deadline; it takes traffic again only once a probe passes.
+
+Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
+(4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
+to close. Cancelling ``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds,
+cancels the rest (each cancelled upstream request closes its connection), then closes the server and the
+session: no task, socket or connection is left.
+
+Error handling: errors the proxy produces itself are OpenAI-shaped JSON, ``{"error": {"message", "type",
+"param": null, "code"}}``, with a message naming what was wrong. An agent that disconnects cancels its upstream
+request at once (aiohttp's ``handler_cancellation``); the call is recorded as failed. A stream that breaks
+after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` event (the OpenAI SDK raises
+it as ``APIError``) and recorded as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import hmac
+import itertools
+import logging
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import anyio
+import orjson
+from aiohttp import web
+from anyio.abc import TaskGroup, TaskStatus
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from ._net import bind_listener, url_of
+from .metrics import Registry
+from .models import ProxyLLM
+from .store import LLMCall, StoreError, TaskStore
+
+__all__ = ["LLMProxy", "ProxyError", "RetryPolicy"]
+
+logger = logging.getLogger(__name__)
+
+#: RFC 9110 §7.6.1 connection-specific headers; never forwarded in either direction (``Proxy-*`` too).
+HOP_BY_HOP: frozenset[str] = frozenset(
+    {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)
+#: Also dropped from requests: the backend's own Host and a recomputed length; the agent's credential (meant
+#: for this proxy, never for the backend); ``Expect`` because the proxy has already read the whole body.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+#: Also dropped from responses: the length, recomputed for the body actually sent.
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+#: Paths (after ``/v1/``) whose token ids are captured, and the response shape each one has.
+CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
+    "chat/completions": "chat",
+    "completions": "completion",
+}
+#: Upstream statuses retried on another backend while no byte has reached the agent.
+RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
+#: Rollouts whose backend is remembered (LRU); far more than can be in flight at once.
+STICKY_ROLLOUTS = 100_000
+#: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
+#: drops an idle connection before the server does and never sends a request into one being closed.
+UPSTREAM_KEEPALIVE = 4.0
+#: What an ejected backend must answer 200 to before it takes traffic again (vLLM and the mock serve it).
+PROBE_PATH = "/health"
+#: Seconds a probe may take on top of ``connect_timeout``.
+PROBE_READ_TIMEOUT = 2.0
+#: Largest error body kept from a retried 5xx/429, to pass through if no retry succeeds.
+ERROR_BODY_LIMIT = 64 << 10
+#: Bound on each closing step (server, runner, session) after the grace period.
+_CLOSE_TIMEOUT = 1.0
+_SSE = "text/event-stream"
+_JSON = "application/json"
+
+_ERROR_TYPES: Mapping[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+Outcome = Literal["ok", "upstream_error", "failed", "cancelled", "rejected"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How hard the proxy tries before the first byte reaches the agent.
+
+    ``attempts`` upstream tries per call, across backends. ``total_timeout`` is the budget, from the call's
+    arrival, within which a retry may still start (a backoff or ``Retry-After`` that would end past it is not
+    waited for: the last failure is returned instead); a single try is bounded by the proxy's
+    ``request_timeout``, since a non-streamed generation sends nothing until it is done. Retry ``k`` (1-based)
+    waits ``min(backoff_max, backoff_initial * 2**(k-1))`` reduced by a random fraction up to ``jitter``.
+    """
+
+    attempts: int = 3
+    total_timeout: float = 30.0
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.total_timeout < 0 or self.backoff_initial < 0 or self.backoff_max < 0:
+            raise ValueError("RetryPolicy needs attempts >= 1 and non-negative times")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("RetryPolicy.jitter is a fraction in [0, 1]")
+
+    def backoff(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1-based)."""
+        delay = min(self.backoff_max, self.backoff_initial * 2 ** (retry - 1))
+        return delay * (1.0 - self.jitter * random.random())
+
+
+class ProxyError(Exception):
+    """A call the proxy answers itself, with an HTTP ``status`` and a message naming what was wrong."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def body(self) -> bytes:
+        return _error_body(self.status, self.message)
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body(), content_type=_JSON)
+
+
+def _error_body(status: int, message: str) -> bytes:
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": None, "code": status}
+    return orjson.dumps({"error": error})
+
+
+class _Unreachable(Exception):
+    """An upstream try that got no response at all (connection refused, reset or closed before answering)."""
+
+
+# ---------------------------------------------------------------------------------------------- token capture
+class _ChoiceCapture:
+    __slots__ = ("finish_reason", "ids", "ids_missing", "logprobs", "logprobs_bad", "prompt_ids")
+
+    def __init__(self) -> None:
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] | None = None
+        self.logprobs: list[float] | None = None
+        self.finish_reason: str | None = None
+        self.ids_missing = False
+        self.logprobs_bad = False
+
+
+class _Capture:
+    """Token ids, logprobs and finish reasons of one call, assembled from its JSON body or its SSE events.
+
+    ``feed`` takes a stream's bytes as they arrive, in chunks cut anywhere (partial lines are buffered), and
+    parses each complete event once; ``apply`` takes one parsed body or event. Choices are kept by ``index``,
+    so ``n > 1`` streams that interleave choices assemble correctly. An event that cannot be parsed makes the
+    capture ``broken``: its response ids are then reported as absent rather than incomplete.
+    """
+
+    __slots__ = ("_buf", "_crlf", "_data", "broken", "choices", "done", "kind", "model", "prompt_ids")
+
+    def __init__(self, kind: Literal["chat", "completion"]) -> None:
+        self.kind = kind
+        self.prompt_ids: list[int] | None = None
+        self.model: str | None = None
+        self.choices: dict[int, _ChoiceCapture] = {}
+        self.done = False
+        self.broken = False
+        self._buf = b""
+        self._data: list[bytes] = []
+        self._crlf = False
+
+    # ------------------------------------------------------------------ SSE framing
+    def feed(self, chunk: bytes) -> None:
+        buf = self._buf + chunk if self._buf else chunk
+        if self._crlf or b"\r" in buf:
+            self._crlf = True  # from now on the general line parser, which also takes CR LF line ends
+            self._buf = self._feed_lines(buf)
+            return
+        # Fast path for the way vLLM frames events: "data: <json>" lines, events split by a blank line.
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            block = buf[start:end]
+            start = end + 2
+            if block[:6] == b"data: " and b"\n" not in block:
+                self._dispatch(block[6:])
+            elif block:
+                self._feed_lines(block + b"\n\n")
+        self._buf = buf[start:]
+
+    def _feed_lines(self, buf: bytes) -> bytes:
+        """The general SSE line parser; returns the bytes of an unfinished last line."""
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            line = buf[start:end]
+            start = end + 1
+            if line[-1:] == b"\r":
+                line = line[:-1]
+            if not line:
+                if self._data:
+                    data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+                    self._data = []
+                    self._dispatch(data)
+            elif line[:5] == b"data:":
+                value = line[5:]
+                self._data.append(value[1:] if value[:1] == b" " else value)
+            # Other SSE fields (event:, id:, retry:, comments) carry nothing the proxy records.
+        return buf[start:]
+
+    def _dispatch(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self.done = True
+            return
+        try:
+            self._apply(orjson.loads(data))
+        except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
+            self.broken = True  # not an OpenAI-shaped event: ids from this stream cannot be trusted
+
+    # ------------------------------------------------------------------ bodies and events
+    def apply(self, obj: Any) -> None:
+        """Take one parsed JSON body (or event)."""
+        try:
+            self._apply(obj)
+        except (AttributeError, TypeError, KeyError):
+            self.broken = True
+
+    def _apply(self, obj: dict[str, Any]) -> None:
+        if self.model is None:
+            model = obj.get("model")
+            self.model = model if isinstance(model, str) else None
+        if self.prompt_ids is None:
+            self.prompt_ids = obj.get("prompt_token_ids")
+        for ch in obj.get("choices") or ():
+            idx = ch.get("index", 0)
+            c = self.choices.get(idx)
+            if c is None:
+                c = self.choices[idx] = _ChoiceCapture()
+            ids = ch.get("token_ids")
+            if ids is not None:
+                if c.ids is None:
+                    c.ids = ids  # a fresh list from orjson: owned, extended in place by later events
+                else:
+                    c.ids.extend(ids)
+            elif self._has_output(ch):
+                c.ids_missing = True
+            if c.prompt_ids is None:
+                c.prompt_ids = ch.get("prompt_token_ids")
+            lp = ch.get("logprobs")
+            if lp:
+                self._add_logprobs(c, lp)
+            finish = ch.get("finish_reason")
+            if finish is not None:
+                c.finish_reason = finish
+
+    def _has_output(self, ch: dict[str, Any]) -> bool:
+        if self.kind == "completion":
+            return bool(ch.get("text"))
+        delta = ch.get("delta") or ch.get("message") or {}
+        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
+
+    def _add_logprobs(self, c: _ChoiceCapture, lp: dict[str, Any]) -> None:
+        if self.kind == "chat":
+            values = [entry["logprob"] for entry in lp.get("content") or ()]
+        else:
+            values = lp.get("token_logprobs") or []
+        if not all(type(v) is float or type(v) is int for v in values):
+            c.logprobs_bad = True  # e.g. None for an echoed first prompt token: not a per-response-token list
+            return
+        if c.logprobs is None:
+            c.logprobs = [float(v) for v in values]
+        else:
+            c.logprobs.extend(float(v) for v in values)
+
+    def result(self) -> list[tuple[int, _ChoiceCapture, list[int] | None, list[float] | None]]:
+        """``(index, choice, response_ids, logprobs)`` per choice in index order; ids ``None`` unless complete."""
+        out = []
+        for idx in sorted(self.choices):
+            c = self.choices[idx]
+            ids = None if (c.ids_missing or self.broken) else c.ids
+            lps = c.logprobs
+            if ids is None or lps is None or c.logprobs_bad or len(lps) != len(ids):
+                lps = None
+            out.append((idx, c, ids, lps))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- state
+class _Backend:
+    """One inference server and what routing needs to know about it."""
+
+    __slots__ = ("ejected", "ejected_until", "in_flight", "not_before", "picks", "probing", "removed", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.in_flight = 0
+        self.picks = 0
+        self.ejected = False
+        self.ejected_until = 0.0
+        self.not_before = 0.0  # a 429's Retry-After: do not send before this (monotonic seconds)
+        self.probing = False
+        self.removed = False
+
+
+class _Call:
+    """One agent request on its way through the proxy."""
+
+    __slots__ = (
+        "attempt_id",
+        "backend",
+        "body",
+        "capture",
+        "delivered",
+        "error",
+        "first_byte",
+        "headers",
+        "kind",
+        "method",
+        "model",
+        "outcome",
+        "path",
+        "records",
+        "response",
+        "rollout_id",
+        "seq",
+        "sse",
+        "started_at",
+        "t0",
+        "tail",
+        "target",
+        "upstream_end",
+        "upstream_start",
+        "weight_version",
+    )
+
+    def __init__(self, seq: int, t0: float, rollout_id: str | None, attempt_id: str | None) -> None:
+        self.seq = seq
+        self.t0 = t0
+        self.started_at = time.time()
+        self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
+        self.method = "GET"
+        self.path = ""
+        self.target = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.body = b""
+        self.kind: Literal["chat", "completion"] | None = None
+        self.model: str | None = None
+        self.capture: _Capture | None = None
+        self.weight_version = 0
+        self.backend = ""
+        self.response: web.StreamResponse | None = None
+        self.sse = False
+        self.tail = b""
+        self.first_byte = 0.0
+        self.upstream_start = 0.0
+        self.upstream_end = 0.0
+        self.outcome: Outcome = "ok"
+        self.error: str | None = None
+        self.records: list[LLMCall] | None = None  # what was put in the store, once it was
+        self.delivered = False  # the agent has the complete response: nothing can fail the call any more
+
+    def fail(self, error: str, outcome: Outcome = "failed") -> None:
+        """Mark the call failed with its first error; a call already delivered stays as it is."""
+        if self.error is None and not self.delivered:
+            self.error = error
+            self.outcome = outcome
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A retryable upstream answer kept in case no retry does better."""
+
+    status: int
+    reason: str | None
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+def _forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """The end-to-end headers of ``headers``: hop-by-hop ones, ``Proxy-*`` and those named in ``Connection``
+    removed, as well as ``drop``."""
+    out: CIMultiDict[str] = CIMultiDict(headers)  # copied in C; removals are by set intersection (hot path)
+    present = set(map(str.lower, headers.keys()))
+    remove = set(drop.intersection(present))
+    remove.update(name for name in present if name.startswith("proxy-"))
+    named = headers.get("Connection")
+    if named:
+        remove.update(token.strip() for token in named.split(","))
+    for name in remove:
+        out.popall(name, None)
+    return out
+
+
+def _may_end_stream(tail: bytes, chunk: bytes) -> bool:
+    """Whether ``chunk`` (after ``tail``, the previous chunk) may complete an SSE ``data: [DONE]`` line."""
+    return b"[DONE]" in chunk or (bool(tail) and b"[DONE]" in tail[-6:] + chunk[:6])
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds asked by a ``Retry-After`` header (delta-seconds or HTTP date); 0 when absent or unreadable."""
+    if not value:
+        return 0.0
+    try:
+        seconds = float(value)
+        return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return 0.0
+
+
+def _error_message(body: bytes, limit: int = 500) -> str:
+    """The message of an OpenAI/vLLM error body, for the call record (bounded; the raw body otherwise)."""
+    try:
+        obj = orjson.loads(body)
+        error = obj.get("error", obj) if isinstance(obj, dict) else obj
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            return message[:limit]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:limit].decode("utf-8", "replace")
+
+
+def _normalise_backend(url: str) -> str:
+    parsed = URL(url)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"backend {url!r} must be an absolute http(s) URL such as 'http://host:8000'")
+    if parsed.path not in ("", "/") or parsed.query_string or parsed.fragment:
+        raise ValueError(
+            f"backend {url!r} must be 'http://host:port' with no path (no '/v1'), query or fragment"
+        )
+    return url.rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------------- the proxy
+class LLMProxy:
+    """Token-recording reverse proxy in front of OpenAI-compatible backends (see the module docstring).
+
+    Serve it with ``await tg.start(proxy.serve)``; :attr:`url` is valid once ``start`` returns.
+    ``token``: when set, every request needs ``Authorization: Bearer <token>`` (an OpenAI client's
+    ``api_key``); it is never logged nor forwarded. ``backend_api_key``: sent to the backends as a bearer token
+    (they never see the agents' credentials). ``max_request_bytes``/``max_response_bytes`` bound bodies;
+    ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
+    event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused;
+    ``shutdown_grace`` how long in-flight calls may finish on shutdown.
+    """
+
+    def __init__(
+        self,
+        store: TaskStore,
+        *,
+        backends: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        registry: Registry | None = None,
+        retry: RetryPolicy = RetryPolicy(),  # frozen: one shared default instance is safe
+        request_timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        token: str | None = None,
+        max_request_bytes: int = 32 << 20,
+        max_response_bytes: int = 256 << 20,
+        eject_seconds: float = 5.0,
+        pause_timeout: float = 600.0,
+        shutdown_grace: float = 5.0,
+        backend_api_key: str | None = None,
+    ) -> None:
+        self.store = store
+        self.host = host
+        self.port = port
+        self.retry = retry
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.max_request_bytes = max_request_bytes
+        self.max_response_bytes = max_response_bytes
+        self.eject_seconds = eject_seconds
+        self.pause_timeout = pause_timeout
+        self.shutdown_grace = shutdown_grace
+        #: Model weights version recorded on every call; set or incremented by :meth:`resume`.
+        self.weight_version = 0
+        self._auth = f"Bearer {token}".encode() if token is not None else None
+        self._backend_auth = f"Bearer {backend_api_key}" if backend_api_key is not None else None
+        self._backends: list[_Backend] = []
+        self._sticky: OrderedDict[str, _Backend] = OrderedDict()
+        self._seq = itertools.count()
+        self._in_flight = 0
+        self._drained: anyio.Event | None = None  # created by a pause() waiting for in-flight calls
+        self._paused = False
+        self._resumed: anyio.Event | None = None  # exists while paused
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self._session: aiohttp.ClientSession | None = None
+        self._tg: TaskGroup | None = None
+        self._url: str | None = None
+        self.set_backends(backends)
+        self._register_metrics(registry or Registry())
+
+    # ------------------------------------------------------------------ metrics
+    def _register_metrics(self, r: Registry) -> None:
+        self.registry = r
+        self.m_calls = r.counter("aglverl_proxy_calls_total", "LLM calls handled by the proxy.", ["outcome"])
+        self.m_retries = r.counter("aglverl_proxy_retries_total", "Upstream tries repeated after a failure.")
+        self.m_ejections = r.counter(
+            "aglverl_proxy_backend_ejections_total",
+            "Backends taken out of rotation after failed connections.",
+        )
+        self.m_no_ids = r.counter(
+            "aglverl_proxy_calls_without_token_ids_total",
+            "Recorded calls (choices) the backend sent no ids for.",
+        )
+        self.m_unrecorded = r.counter(
+            "aglverl_proxy_calls_unrecorded_total",
+            "Attributed calls dropped because their rollout had ended.",
+        )
+        self.m_upstream = r.histogram(
+            "aglverl_proxy_upstream_seconds", "Upstream request sent to last upstream byte (seconds)."
+        )
+        self.m_first_byte = r.histogram(
+            "aglverl_proxy_first_byte_seconds", "Request arrival to first byte sent to the agent (seconds)."
+        )
+        self.m_added = r.histogram(
+            "aglverl_proxy_added_seconds",
+            "Time a call spent in the proxy beyond its last upstream try (seconds).",
+        )
+        r.gauge("aglverl_proxy_in_flight", "Calls being forwarded now.", lambda: self._in_flight)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the proxy; valid once :meth:`serve` has started."""
+        if self._url is None:
+            raise RuntimeError("LLMProxy is not serving yet")
+        return self._url
+
+    @property
+    def backends(self) -> list[str]:
+        """The configured backend URLs, in order."""
+        return [b.url for b in self._backends]
+
+    @property
+    def healthy_backends(self) -> list[str]:
+        """The backends currently taking traffic (not ejected)."""
+        return [b.url for b in self._backends if not b.ejected]
+
+    def set_backends(self, urls: Sequence[str]) -> None:
+        """Replace the backends (``http://host:port``, no ``/v1``); raises ``ValueError`` for anything else.
+
+        A backend kept from the previous list keeps its health and load; calls already running on a removed
+        backend finish there, and rollouts pinned to it move on their next call.
+        """
+        wanted = list(dict.fromkeys(_normalise_backend(u) for u in urls))
+        old: dict[str, _Backend | None] = {b.url: b for b in self._backends}
+        self._backends = [old.pop(url, None) or _Backend(url) for url in wanted]
+        for gone in old.values():
+            if gone is not None:
+                gone.removed = True
+
+    def llm_resource(self, model: str, sampling_parameters: Mapping[str, Any] | None = None) -> ProxyLLM:
+        """The resource agents get: ``endpoint`` templated with ``{rollout_id}`` and ``{attempt_id}``."""
+        return ProxyLLM(
+            endpoint=f"{self.url}/rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1",
+            model=model,
+            sampling_parameters=dict(sampling_parameters or {}),
+        )
+
+    async def pause(self) -> None:
+        """Hold new calls (for a weight update) and return once every call in flight has finished.
+
+        Held calls wait up to ``pause_timeout`` for :meth:`resume`, then get a 503. Cancelling ``pause``
+        stops the wait for the drain but leaves the proxy paused: call :meth:`resume`.
+        """
+        if not self._paused:
+            self._paused = True
+            self._resumed = anyio.Event()
+        while self._in_flight:
+            if self._drained is None:
+                self._drained = anyio.Event()
+            await self._drained.wait()
+
+    def resume(self, weight_version: int | None = None) -> None:
+        """Release held calls; ``weight_version`` becomes the recorded version (default: the current one + 1)."""
+        self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
+        self._paused = False
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def in_flight(self) -> int:
+        """Calls admitted and not yet finished."""
+        return self._in_flight
+
+    # ------------------------------------------------------------------ life cycle
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; ``task_status.started()`` once the listener accepts connections.
+
+        On cancellation (shielded, bounded by ``shutdown_grace`` plus a few seconds): stop accepting, let
+        in-flight calls finish within ``shutdown_grace``, cancel the rest, close the server and the session.
+        """
+        if self._session is not None:
+            raise RuntimeError("LLMProxy is already serving")
+        sock = bind_listener(self.host, self.port)
+        app = self._make_app()
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=_CLOSE_TIMEOUT
+        )
+        self._session = self._make_session()
+        self._closing = False
+        site: web.SockSite | None = None
+        try:
+            await runner.setup()
+            site = web.SockSite(runner, sock)
+            await site.start()
+            self._url = url_of(sock)
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self._tg = None
+            with anyio.CancelScope(shield=True):
+                await self._close(runner, site)
+            sock.close()
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_request_bytes)
+        app.router.add_route("*", "/v1/{path:.*}", self._unattributed)
+        app.router.add_route("*", "/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:.*}", self._attributed)
+        app.router.add_route("*", "/{tail:.*}", self._no_route)
+        return app
+
+    def _make_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # concurrency is bounded by the agents, and a pool cap would queue calls invisibly
+            keepalive_timeout=UPSTREAM_KEEPALIVE,
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            # request_timeout bounds each upstream try, body included; aiohttp arms one timer per request anyway.
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=self.connect_timeout),
+            auto_decompress=False,  # bodies are relayed byte for byte; captured calls ask for identity
+            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),  # forward the agent's, add none
+            cookie_jar=aiohttp.DummyCookieJar(),  # a backend's cookie must not leak from one agent to another
+            trust_env=False,  # nothing but the configured backends is ever contacted
+        )
+
+    async def _close(self, runner: web.AppRunner, site: web.SockSite | None) -> None:
+        self._closing = True
+        with anyio.move_on_after(self.shutdown_grace + 4 * _CLOSE_TIMEOUT):
+            if site is not None:
+                await site.stop()
+            if self._handlers:
+                await asyncio.wait(set(self._handlers), timeout=self.shutdown_grace)
+            for task in self._handlers:
+                task.cancel()
+            if self._handlers:
+                await asyncio.wait(set(self._handlers), timeout=_CLOSE_TIMEOUT)
+            await runner.cleanup()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    # ------------------------------------------------------------------ handlers
+    async def _no_route(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except ProxyError as exc:
+            return exc.response()
+        message = f"no such route {request.path!r}: use /v1/... or /rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1/..."
+        return ProxyError(404, message).response()
+
+    async def _unattributed(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, None, None, request.rel_url.raw_path)
+
+    async def _attributed(self, request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        # The raw (still percent-encoded) path after the attempt segment is what goes upstream.
+        target = "/" + request.rel_url.raw_path.split("/", 5)[5]
+        return await self._handle(request, info["rollout_id"], info["attempt_id"], target)
+
+    async def _handle(
+        self, request: web.Request, rollout_id: str | None, attempt_id: str | None, target: str
+    ) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        call = _Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
+        try:
+            try:
+                await self._admit(request, call, target)
+            except ProxyError as exc:
+                self.m_calls.inc(1, "rejected")
+                return exc.response()
+            except asyncio.CancelledError:  # the agent left while its body was read or while paused
+                self.m_calls.inc(1, "cancelled")
+                raise
+            self._enter()
+            try:
+                return await self._run(request, call)
+            finally:
+                self._leave()
+        finally:
+            self._handlers.discard(task)
+
+    async def _admit(self, request: web.Request, call: _Call, target: str) -> None:
+        """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
+        self._authorize(request)
+        path = request.match_info["path"]
+        if call.rollout_id is not None:
+            assert call.attempt_id is not None
+            try:
+                self.store.check_attempt(call.rollout_id, call.attempt_id)
+            except StoreError as exc:
+                raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
+        if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
+            raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
+        query = request.rel_url.raw_query_string
+        call.method = request.method
+        call.path = "/v1/" + path
+        call.target = f"{target}?{query}" if query else target
+        call.headers = _forward_headers(request.headers, _REQUEST_DROP)
+        if self._backend_auth is not None:
+            call.headers["Authorization"] = self._backend_auth
+        call.body = await self._read_body(request)
+        kind = CAPTURED_PATHS.get(path) if call.method == "POST" else None
+        if kind is not None and call.rollout_id is not None:
+            self._prepare_capture(call, kind)
+        if self._paused:
+            await self._wait_resumed()
+
+    def _authorize(self, request: web.Request) -> None:
+        if self._auth is None:
+            return
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self._auth):
+            raise ProxyError(401, "missing or wrong proxy token: send 'Authorization: Bearer <token>'")
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        limit = self.max_request_bytes
+        if length is not None and length > limit:
+            raise ProxyError(
+                413, f"request body of {length} bytes exceeds the proxy's limit of {limit} bytes"
+            )
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
+
+    def _prepare_capture(self, call: _Call, kind: Literal["chat", "completion"]) -> None:
+        """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
+        try:
+            obj = orjson.loads(call.body)
+        except orjson.JSONDecodeError as exc:
+            raise ProxyError(400, f"request body of {call.path} is not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ProxyError(
+                400, f"request body of {call.path} must be a JSON object, not {type(obj).__name__}"
+            )
+        model = obj.get("model")
+        call.model = model if isinstance(model, str) else None
+        call.kind = kind
+        call.capture = _Capture(kind)
+        call.headers["Accept-Encoding"] = "identity"
+        if "return_token_ids" not in obj:
+            # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
+            i = call.body.index(b"{") + 1
+            call.body = (
+                call.body[:i]
+                + (b'"return_token_ids":true,' if obj else b'"return_token_ids":true')
+                + call.body[i:]
+            )
+
+    async def _wait_resumed(self) -> None:
+        with anyio.move_on_after(self.pause_timeout):
+            while self._paused and self._resumed is not None:
+                await self._resumed.wait()
+        if self._paused:
+            raise ProxyError(503, f"the proxy is paused for a weight update for over {self.pause_timeout:g}s")
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._drained is not None:
+            self._drained.set()
+            self._drained = None
+
+    # ------------------------------------------------------------------ forwarding
+    async def _run(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        """Forward ``call``, always ending with it recorded and counted, whatever happens."""
+        call.weight_version = self.weight_version
+        try:
+            return await self._attempts(request, call)
+        except ProxyError as exc:
+            call.fail(exc.message)
+            return exc.response()
+        except asyncio.CancelledError:
+            call.fail("proxy shutting down" if self._closing else "agent disconnected", "cancelled")
+            raise
+        except Exception as exc:
+            logger.exception("proxy failure on %s", call.path)
+            call.fail(f"internal proxy error: {exc!r}")
+            if call.response is not None:
+                return call.response
+            return ProxyError(500, f"internal proxy error: {exc!r}").response()
+        finally:
+            self._finish(call)
+
+    def _timed_out(self, call: _Call) -> str:
+        return f"backend {call.backend} did not finish within request_timeout={self.request_timeout:g}s"
+
+    async def _attempts(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        policy = self.retry
+        deadline = call.t0 + policy.total_timeout
+        tried: list[_Backend] = []
+        failure: ProxyError | None = None
+        held: _Held | None = None
+        for attempt in range(policy.attempts):
+            backend = self._pick(call.rollout_id, tried)
+            if backend is None:
+                raise ProxyError(503, "no backends are configured")
+            if attempt:
+                delay = max(policy.backoff(attempt), backend.not_before - time.monotonic())
+                if time.monotonic() + delay > deadline:
+                    break
+                self.m_retries.inc()
+                if delay > 0:
+                    await anyio.sleep(delay)
+            tried.append(backend)
+            backend.in_flight += 1
+            try:
+                upstream = await self._send(backend, call)
+                if upstream.status in RETRY_STATUSES and attempt + 1 < policy.attempts:
+                    held = await self._hold(backend, upstream)
+                    continue
+                return await self._relay(request, call, upstream)
+            except _Unreachable as exc:  # raised only while nothing has been sent to the agent
+                failure = ProxyError(502, str(exc))
+            finally:
+                backend.in_flight -= 1
+        if held is not None:
+            return await self._send_held(request, call, held)
+        assert failure is not None
+        tries = len(tried)
+        raise ProxyError(502, f"{failure.message} (after {tries} {'try' if tries == 1 else 'tries'})")
+
+    def _pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None:
+        """The backend for the next try: the rollout's own while healthy, else the least loaded healthy one."""
+        if not self._backends:
+            return None
+        first = not tried and rollout_id is not None
+        if first:
+            sticky = self._sticky.get(rollout_id)  # type: ignore[arg-type]
+            if sticky is not None and not sticky.ejected and not sticky.removed:
+                self._sticky.move_to_end(rollout_id)  # type: ignore[arg-type]
+                return sticky
+        now = time.monotonic()
+        best = min(
+            self._backends,
+            key=lambda b: (b.ejected, b in tried, b.not_before > now, b.in_flight, b.picks),
+        )
+        best.picks += 1
+        if first:
+            self._sticky[rollout_id] = best  # type: ignore[index]
+            self._sticky.move_to_end(rollout_id)  # type: ignore[arg-type]
+            if len(self._sticky) > STICKY_ROLLOUTS:
+                self._sticky.popitem(last=False)
+        return best
+
+    async def _send(self, backend: _Backend, call: _Call) -> aiohttp.ClientResponse:
+        """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came."""
+        assert self._session is not None
+        call.backend = backend.url
+        call.upstream_start = time.monotonic()
+        try:
+            upstream = await self._session.request(
+                call.method,
+                URL(backend.url + call.target, encoded=True),
+                headers=call.headers,
+                data=call.body or None,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            self._eject(backend, exc)
+            raise _Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # Typically a pooled connection the server closed just as it was reused: worth another try.
+            raise _Unreachable(
+                f"backend {backend.url} closed the connection without answering: {exc!r}"
+            ) from exc
+        except TimeoutError:  # request_timeout (aiohttp's total timeout) before the response head
+            raise ProxyError(504, self._timed_out(call)) from None
+        except aiohttp.ClientError as exc:  # e.g. a malformed response head: the backend is not speaking HTTP
+            raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc!r}") from exc
+        if backend.ejected:
+            self._restore(backend)
+        return upstream
+
+    async def _hold(self, backend: _Backend, upstream: aiohttp.ClientResponse) -> _Held:
+        """Keep a retryable answer (bounded) and free its connection; note a 429's ``Retry-After``."""
+        try:
+            if upstream.status == 429:
+                backend.not_before = time.monotonic() + _retry_after(upstream.headers.get("Retry-After"))
+            length = upstream.content_length
+            body = b""
+            if length is not None and length <= ERROR_BODY_LIMIT:
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError):
+                    body = b""
+            headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
+            if not body:
+                body = _error_body(upstream.status, f"backend {backend.url} answered {upstream.status}")
+                headers["Content-Type"] = _JSON
+            logger.debug("backend %s answered %d; retrying", backend.url, upstream.status)
+            return _Held(upstream.status, upstream.reason, headers, body)
+        finally:
+            upstream.close()
+
+    async def _send_held(self, request: web.Request, call: _Call, held: _Held) -> web.StreamResponse:
+        call.upstream_end = time.monotonic()
+        call.fail(f"backend answered {held.status}: {_error_message(held.body)}", "upstream_error")
+        response = web.Response(status=held.status, reason=held.reason, body=held.body, headers=held.headers)
+        await self._send_whole(request, call, response)
+        return response
+
+    async def _relay(
+        self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """Relay the backend's answer to the agent, capturing token ids on the way; closes ``upstream``."""
+        try:
+            headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
+            content_type = upstream.headers.get("Content-Type", "")
+            call.sse = content_type.startswith(_SSE)
+            if call.sse or (
+                upstream.content_length is None
+                and upstream.status not in (204, 304)
+                and call.method != "HEAD"
+            ):
+                return await self._relay_stream(request, call, upstream, headers)
+            return await self._relay_whole(request, call, upstream, headers)
+        finally:
+            upstream.close()  # a no-op once the body was read to the end; otherwise drops the connection
+
+    async def _relay_whole(
+        self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+    ) -> web.StreamResponse:
+        length = upstream.content_length or 0
+        if length > self.max_response_bytes:
+            raise ProxyError(
+                502, f"backend answered {length} bytes, over max_response_bytes={self.max_response_bytes}"
+            )
+        try:
+            body = await upstream.read()
+        except TimeoutError:
+            raise ProxyError(504, self._timed_out(call)) from None
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            # Nothing has reached the agent yet, so this is as retryable as a refused connection.
+            raise _Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
+        call.upstream_end = time.monotonic()
+        self._capture_body(call, upstream.status, body)
+        response = web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
+        await self._send_whole(request, call, response)
+        return response
+
+    async def _send_whole(self, request: web.Request, call: _Call, response: web.Response) -> None:
+        self._commit(call)
+        try:
+            await response.prepare(request)
+            call.first_byte = time.monotonic()
+            await response.write_eof()
+        except ConnectionError:
+            call.fail("agent disconnected", "cancelled")
+        else:
+            call.delivered = True
+
+    def _capture_body(self, call: _Call, status: int, body: bytes) -> None:
+        if status >= 400:
+            call.fail(f"backend answered {status}: {_error_message(body)}", "upstream_error")
+            return
+        if call.capture is None:
+            return
+        try:
+            call.capture.apply(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            call.fail(f"backend answered {status} with a body that is not JSON")
+
+    async def _relay_stream(
+        self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+    ) -> web.StreamResponse:
+        status = upstream.status
+        response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
+        call.response = response
+        try:
+            await response.prepare(request)
+        except ConnectionError:
+            call.fail("agent disconnected", "cancelled")
+            return response
+        call.first_byte = time.monotonic()
+        capture = call.capture if status < 400 else None
+        whole = bytearray() if capture is not None and not call.sse else None
+        limit, size = self.max_response_bytes, 0
+        content = upstream.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except TimeoutError:
+                await self._end_broken(call, 504, self._timed_out(call))
+                return response
+            except (aiohttp.ClientError, OSError) as exc:
+                await self._end_broken(call, 502, f"backend {call.backend} broke off the response: {exc!r}")
+                return response
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit:
+                await self._end_broken(call, 502, f"backend response exceeds max_response_bytes={limit}")
+                return response
+            parse_after = capture is not None
+            if whole is not None:
+                whole += chunk
+                parse_after = False
+            elif capture is not None and _may_end_stream(call.tail, chunk):
+                parse_after = False
+                capture.feed(chunk)
+                if capture.done:  # record before the agent can read [DONE] and report its rollout done
+                    call.upstream_end = time.monotonic()
+                    self._commit(call)
+            try:
+                await response.write(chunk)
+            except ConnectionError:
+                call.fail("agent disconnected", "cancelled")
+                return response
+            call.tail = chunk
+            if call.records is not None:
+                call.delivered = True
+            elif parse_after:
+                capture.feed(chunk)  # type: ignore[union-attr]  # parsed once the agent has the bytes
+        if not call.delivered:
+            call.upstream_end = time.monotonic()
+        if status >= 400:
+            call.fail(f"backend answered {status}", "upstream_error")
+        elif whole is not None:
+            self._capture_body(call, status, bytes(whole))
+        self._commit(call)
+        try:
+            await response.write_eof()
+        except ConnectionError:
+            call.fail("agent disconnected", "cancelled")
+        else:
+            call.delivered = True
+        return response
+
+    async def _end_broken(self, call: _Call, status: int, message: str) -> None:
+        """End a response whose head already went out: a final SSE error event (for streams), then EOF.
+
+        A call whose agent already has the whole answer (``[DONE]`` went out) just gets its EOF.
+        """
+        response = call.response
+        assert response is not None
+        if not call.delivered:
+            call.upstream_end = time.monotonic()
+            call.fail(message)
+            logger.warning(
+                "call %d on %s failed after its response started: %s", call.seq, call.path, message
+            )
+        try:
+            if call.sse and not call.delivered:
+                # A blank line first ends any event the backend left half-sent.
+                prefix = b"" if call.tail.endswith(b"\n\n") else b"\n\n"
+                await response.write(prefix + b"data: " + _error_body(status, message) + b"\n\n")
+            await response.write_eof()
+        except ConnectionError:
+            pass
+
+    # ------------------------------------------------------------------ backend health
+    def _eject(self, backend: _Backend, exc: BaseException) -> None:
+        if backend.ejected or backend.removed:
+            return
+        backend.ejected = True
+        backend.ejected_until = time.monotonic() + self.eject_seconds
+        self.m_ejections.inc()
+        logger.warning("backend %s ejected for %gs: %s", backend.url, self.eject_seconds, exc)
+        if self._tg is not None and not backend.probing:
+            backend.probing = True
+            self._tg.start_soon(self._probe, backend)
+
+    def _restore(self, backend: _Backend) -> None:
+        if backend.ejected:
+            backend.ejected = False
+            logger.info("backend %s is back in rotation", backend.url)
+
+    async def _probe(self, backend: _Backend) -> None:
+        """Sleep until the ejection ends, probe; repeat until a probe passes or the backend is removed."""
+        try:
+            while backend.ejected and not backend.removed:
+                await anyio.sleep(max(0.0, backend.ejected_until - time.monotonic()))
+                if not backend.ejected or backend.removed:
+                    break
+                if await self._probe_once(backend):
+                    self._restore(backend)
+                else:
+                    backend.ejected_until = time.monotonic() + self.eject_seconds
+        finally:
+            backend.probing = False
+
+    async def _probe_once(self, backend: _Backend) -> bool:
+        session = self._session
+        if session is None:
+            return False
+        try:
+            with anyio.fail_after(self.connect_timeout + PROBE_READ_TIMEOUT):
+                async with session.get(URL(backend.url + PROBE_PATH), allow_redirects=False) as response:
+                    await response.read()
+                    return response.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    # ------------------------------------------------------------------ recording
+    def _commit(self, call: _Call) -> None:
+        """Put an attributed call in the store (once), as soon as its outcome is known.
+
+        That is before the agent can see the end of the response: an agent that reports its rollout the
+        moment it has its answer must not finish the rollout before its last call is recorded.
+        """
+        if call.records is not None or call.rollout_id is None or call.kind is None:
+            return
+        assert call.attempt_id is not None
+        call.records = self._records(call, time.monotonic() - call.t0)
+        if not self.store.record_calls(call.rollout_id, call.attempt_id, call.records):
+            self.m_unrecorded.inc()
+
+    def _finish(self, call: _Call) -> None:
+        """Count the call; record it if that has not happened, or mark its records failed if delivery failed."""
+        end = time.monotonic()
+        self.m_calls.inc(1, call.outcome)
+        if call.upstream_end:
+            upstream = call.upstream_end - call.upstream_start
+            self.m_upstream.observe(upstream)
+            self.m_added.observe(max(0.0, (end - call.t0) - upstream))
+        if call.first_byte:
+            self.m_first_byte.observe(call.first_byte - call.t0)
+        if call.records is None:
+            self._commit(call)
+        elif call.error is not None:
+            for record in call.records:  # recorded as answered, then the agent never got the answer
+                if record.status == "ok":
+                    record.status, record.error = "failed", call.error
+                    record.response_token_ids = record.logprobs = record.finish_reason = None
+
+    def _records(self, call: _Call, latency: float) -> list[LLMCall]:
+        capture = call.capture
+        ok = call.error is None
+        common: dict[str, Any] = {
+            "rollout_id": call.rollout_id,
+            "attempt_id": call.attempt_id,
+            "seq": call.seq,
+            "path": call.path,
+            "backend": call.backend,
+            "started_at": call.started_at,
+            "latency": latency,
+            "status": "ok" if ok else "failed",
+            "error": call.error,
+            "model": (capture.model if capture is not None else None) or call.model,
+            "weight_version": call.weight_version,
+        }
+        choices = capture.result() if capture is not None else []
+        if not choices:
+            prompt = capture.prompt_ids if capture is not None else None
+            if ok:
+                self.m_no_ids.inc()
+            return [LLMCall(**common, prompt_token_ids=prompt)]
+        records = []
+        for idx, choice, ids, logprobs in choices:
+            prompt = choice.prompt_ids if choice.prompt_ids is not None else capture.prompt_ids  # type: ignore[union-attr]
+            if not ok:
+                ids = logprobs = None  # a broken call's partial output is never passed off as a response
+            elif ids is None or prompt is None:
+                self.m_no_ids.inc()
+            records.append(
+                LLMCall(
+                    **common,
+                    choice_index=idx,
+                    prompt_token_ids=prompt,
+                    response_token_ids=ids,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason if ok else None,
+                )
+            )
+        return records

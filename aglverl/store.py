@@ -1,0 +1,786 @@
+"""The task store: the single source of truth for tasks, leases, attempts, results, LLM calls and resources.
+
+Everything here runs on one event loop and every mutating method is synchronous, so each one is atomic with
+respect to the others: no locks, no threads. The only awaits are the ones that wait for something to happen
+(:meth:`TaskStore.claim` long-polls, :meth:`TaskStore.wait_terminal`, :meth:`TaskStore.wait_for_rollout`) and
+the lease reaper started by :meth:`TaskStore.serve`, which sleeps until the earliest lease deadline.
+
+Life of a rollout::
+
+    enqueue ──▶ queued ──claim──▶ claimed(attempt k) ──result──▶ completed
+                  ▲                  │ lease expired / agent reported failure / never delivered
+                  └──── requeued ◀───┘ (new attempt id, same rollout id; after max_attempts: failed)
+
+A result from any attempt the rollout has had is accepted while the rollout is unfinished (first finished
+attempt wins); later results are acknowledged and ignored. The LLM calls the proxy recorded for the winning
+attempt are kept, the others discarded.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskStatus
+
+from .metrics import Registry
+from .models import Mode, NamedResources, ResourcesUpdate, Rollout, Task
+
+__all__ = [
+    "AlreadyFinished",
+    "InvalidResult",
+    "LLMCall",
+    "RolloutRecord",
+    "StepEnded",
+    "StoreClosed",
+    "StoreError",
+    "TaskStore",
+    "UnknownAttempt",
+    "UnknownRollout",
+]
+
+logger = logging.getLogger(__name__)
+
+RolloutState = Literal["queued", "claimed", "completed", "failed"]
+TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
+
+#: How many ids of released (handed-over) rollouts are remembered, to tell a late post from an unknown id.
+_TOMBSTONES = 100_000
+
+
+class StoreError(Exception):
+    """A request the store refuses; ``status`` is the HTTP status the server answers with."""
+
+    status = 400
+
+
+class UnknownRollout(StoreError):
+    status = 404
+
+
+class UnknownAttempt(StoreError):
+    status = 404
+
+
+class StepEnded(StoreError):
+    """The rollout's step already ended and its results were handed over; nothing can change it now."""
+
+    status = 409
+
+
+class AlreadyFinished(StoreError):
+    """A different result for a rollout that already finished: ignored (an identical resend is acknowledged)."""
+
+    status = 409
+
+
+class InvalidResult(StoreError):
+    status = 422
+
+
+class StoreClosed(StoreError):
+    status = 503
+
+
+@dataclass(slots=True)
+class LLMCall:
+    """One LLM call (one choice of it) recorded by the proxy under a rollout attempt.
+
+    ``prompt_token_ids``/``response_token_ids`` are exactly what the backend returned; ``None`` when the
+    backend sent none (the call is kept and counted, never given invented ids).
+    """
+
+    rollout_id: str | None
+    attempt_id: str | None
+    seq: int
+    path: str
+    backend: str
+    started_at: float
+    latency: float = 0.0
+    status: Literal["ok", "failed"] = "ok"
+    error: str | None = None
+    choice_index: int = 0
+    model: str | None = None
+    weight_version: int = 0
+    prompt_token_ids: list[int] | None = None
+    response_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def has_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None and self.response_token_ids is not None
+
+
+class Journal(Protocol):
+    """Where accepted state changes are appended before they are acknowledged (see ``aglverl.journal``)."""
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def maybe_compact(self) -> None: ...
+
+    async def commit(self) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    remaining: int = 0
+    event: anyio.Event = field(default_factory=anyio.Event)
+
+    def one_done(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.event.set()
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """An agent parked in a long-poll; :meth:`TaskStore._dispatch` hands it a claimed task directly."""
+
+    event: anyio.Event = field(default_factory=anyio.Event)
+    task: Task | None = None
+    gone: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    rollout_id: str
+    input: Any
+    mode: Mode | None
+    resources_id: str | None
+    metadata: dict[str, Any]
+    create_time: float
+    owner: str | None
+    state: RolloutState = "queued"
+    attempts: list[str] = field(default_factory=list)
+    num_claims: int = 0
+    last_claim_time: float | None = None
+    lease_deadline: float = math.inf
+    result: Rollout | None = None
+    result_attempt: str | None = None
+    error: str | None = None
+    calls: dict[str, list[LLMCall]] = field(default_factory=dict)
+    groups: list[_Group] = field(default_factory=list)
+    done: anyio.Event | None = None
+    claimed_at: float = 0.0
+
+    @property
+    def attempt_id(self) -> str | None:
+        return self.attempts[-1] if self.attempts else None
+
+    def task(self) -> Task:
+        return Task(
+            rollout_id=self.rollout_id,
+            input=self.input,
+            mode=self.mode,
+            resources_id=self.resources_id,
+            create_time=self.create_time,
+            last_claim_time=self.last_claim_time,
+            num_claims=self.num_claims,
+            metadata=self.metadata,
+            attempt_id=self.attempt_id,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class RolloutRecord:
+    """A terminal rollout as the collector sees it: the result (if any) and the winning attempt's calls."""
+
+    rollout_id: str
+    state: RolloutState
+    input: Any
+    metadata: dict[str, Any]
+    num_claims: int
+    result: Rollout | None
+    attempt_id: str | None
+    calls: list[LLMCall]
+    error: str | None
+
+
+def _same(a: Rollout, b: Rollout | None) -> bool:
+    """Whether two results say the same thing (how the attempt was named, or the task echoed, aside)."""
+    ignore = {"attempt_id", "task"}
+    return b is not None and a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class TaskStore:
+    """In-memory store of tasks, attempts and results (see the module docstring for the life cycle).
+
+    ``lease_seconds`` is how long a claim lasts without a heartbeat; ``max_attempts`` how many claims a
+    rollout gets before it is failed; ``vocab_size`` (when known) bounds posted token ids.
+    """
+
+    def __init__(
+        self,
+        *,
+        lease_seconds: float = 600.0,
+        max_attempts: int = 3,
+        vocab_size: int | None = None,
+        registry: Registry | None = None,
+        journal: Journal | None = None,
+    ) -> None:
+        if lease_seconds <= 0 or max_attempts < 1:
+            raise ValueError("lease_seconds must be > 0 and max_attempts >= 1")
+        self.lease_seconds = lease_seconds
+        self.max_attempts = max_attempts
+        self.vocab_size = vocab_size
+        self.journal = journal
+        self._entries: dict[str, _Entry] = {}
+        self._queue: deque[str] = deque()
+        self._waiters: deque[_Waiter] = deque()
+        self._leases: list[tuple[float, int, str, str]] = []
+        self._lease_seq = 0
+        self._rearm = anyio.Event()
+        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._resources: dict[str, ResourcesUpdate] = {}
+        self._latest_resources: str | None = None
+        self._closed = False
+        self._queued_count = 0
+        self._claimed_count = 0
+        self._register_metrics(registry or Registry())
+
+    # ------------------------------------------------------------------ metrics
+    def _register_metrics(self, r: Registry) -> None:
+        self.registry = r
+        c = r.counter
+        self.m_queued = c("aglverl_tasks_queued_total", "Rollouts queued.")
+        self.m_claimed = c("aglverl_tasks_claimed_total", "Claims handed to agents (attempts started).")
+        self.m_completed = c("aglverl_rollouts_completed_total", "Rollouts completed with a result.")
+        self.m_failed = c("aglverl_rollouts_failed_total", "Rollouts failed terminally.")
+        self.m_requeued = c("aglverl_tasks_requeued_total", "Tasks requeued for a new attempt.", ["reason"])
+        self.m_released = c("aglverl_tasks_released_total", "Claims returned unused (agent gone).")
+        self.m_duplicates = c(
+            "aglverl_results_ignored_total", "Results acknowledged and ignored.", ["reason"]
+        )
+        self.m_rollout_latency = r.histogram(
+            "aglverl_rollout_seconds", "Claim to accepted result, per rollout (seconds)."
+        )
+        self.m_queue_wait = r.histogram("aglverl_task_queue_seconds", "Enqueue to first claim (seconds).")
+        r.gauge("aglverl_tasks_queued", "Tasks waiting for an agent.", lambda: self._queued_count)
+        r.gauge("aglverl_tasks_claimed", "Tasks claimed and not yet finished.", lambda: self._claimed_count)
+        r.gauge("aglverl_agents_waiting", "Agents parked in a long-poll.", lambda: len(self._waiters))
+        r.gauge("aglverl_rollouts_held", "Rollouts held in memory.", lambda: len(self._entries))
+
+    # ------------------------------------------------------------------ life cycle
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the lease reaper until cancelled; then close the store (parked long-polls return no task).
+
+        The reaper sleeps until the earliest lease deadline and is re-armed when an earlier one appears; it
+        never ticks on a fixed period.
+        """
+        task_status.started()
+        try:
+            while True:
+                self._rearm = anyio.Event()
+                delay = self._leases[0][0] - time.monotonic() if self._leases else math.inf
+                if delay > 0:
+                    with anyio.move_on_after(delay):
+                        await self._rearm.wait()
+                self._expire_due(time.monotonic())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Refuse new claims and wake every parked long-poll with no task."""
+        self._closed = True
+        while self._waiters:
+            self._waiters.popleft().event.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ queueing
+    def enqueue(
+        self,
+        input: Any,
+        *,
+        mode: Mode | None = None,
+        resources_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        owner: str | None = None,
+        rollout_id: str | None = None,
+    ) -> str:
+        """Queue a task and return its rollout id. ``owner`` is the collector step it belongs to, if any."""
+        rollout_id = rollout_id or _new_id("rollout")
+        if rollout_id in self._entries:
+            raise ValueError(f"rollout id {rollout_id!r} is already queued")
+        entry = _Entry(
+            rollout_id=rollout_id,
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            metadata=dict(metadata or {}),
+            create_time=time.time(),
+            owner=owner,
+        )
+        entry.claimed_at = time.monotonic()  # enqueue time until the first claim
+        self._entries[rollout_id] = entry
+        self._journal({"kind": "task", **self._task_record(entry)})
+        self.m_queued.inc()
+        self._push(entry, front=False)
+        return rollout_id
+
+    @staticmethod
+    def _task_record(e: _Entry) -> dict[str, Any]:
+        return {
+            "rollout_id": e.rollout_id,
+            "input": e.input,
+            "mode": e.mode,
+            "resources_id": e.resources_id,
+            "metadata": e.metadata,
+            "owner": e.owner,
+            "create_time": e.create_time,
+        }
+
+    def _push(self, entry: _Entry, *, front: bool) -> None:
+        entry.state = "queued"
+        self._queued_count += 1
+        if front:
+            self._queue.appendleft(entry.rollout_id)
+        else:
+            self._queue.append(entry.rollout_id)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand queued tasks straight to parked agents, oldest waiter first."""
+        while self._waiters and self._queued_count:
+            waiter = self._waiters.popleft()
+            if waiter.gone:
+                continue
+            waiter.task = self._claim_next()
+            waiter.event.set()
+
+    def _claim_next(self) -> Task | None:
+        while self._queue:
+            entry = self._entries.get(self._queue.popleft())
+            if entry is not None and entry.state == "queued":
+                return self._start_attempt(entry)
+        return None
+
+    def _start_attempt(self, entry: _Entry) -> Task:
+        now = time.monotonic()
+        if entry.num_claims == 0:
+            self.m_queue_wait.observe(now - entry.claimed_at)
+        self._queued_count -= 1
+        self._claimed_count += 1
+        entry.state = "claimed"
+        entry.num_claims += 1
+        entry.attempts.append(_new_id("attempt"))
+        entry.last_claim_time = time.time()
+        entry.claimed_at = now
+        self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": entry.attempt_id})
+        self._set_lease(entry, now + self.lease_seconds)
+        self.m_claimed.inc()
+        return entry.task()
+
+    def try_claim(self) -> Task | None:
+        """Claim the next queued task, or return ``None`` at once."""
+        if self._closed:
+            return None
+        return self._claim_next()
+
+    async def claim(self, wait: float = 0.0) -> Task | None:
+        """Claim the next task, waiting up to ``wait`` seconds for one to be queued.
+
+        Returns as soon as a task is queued (it is handed to the longest-waiting agent), or ``None`` when the
+        wait ends or the store closes. Cancellation: a task already handed to this waiter when it is
+        cancelled goes back to the front of the queue as if it had never been claimed, so a long-poll whose
+        agent vanished never loses a task.
+        """
+        task = self.try_claim()
+        if task is not None or wait <= 0 or self._closed:
+            return task
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        delivered = False
+        try:
+            with anyio.move_on_after(wait):
+                await waiter.event.wait()
+            # A waiter woken with a task in the same loop turn as it was cancelled must not return it:
+            # its caller is going away. Raise here, and the finally clause gives the task back.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            delivered = True
+            return waiter.task
+        finally:
+            waiter.gone = True
+            if not delivered and waiter.task is not None:
+                self.release(waiter.task.rollout_id, waiter.task.attempt_id or "")
+
+    def release(self, rollout_id: str, attempt_id: str) -> bool:
+        """Undo a claim whose task never reached its agent: back to the front of the queue, no attempt used."""
+        entry = self._entries.get(rollout_id)
+        if entry is None or entry.state != "claimed" or entry.attempt_id != attempt_id:
+            return False
+        entry.attempts.pop()
+        entry.num_claims -= 1
+        entry.lease_deadline = math.inf
+        self._claimed_count -= 1
+        self.m_released.inc()
+        self._push(entry, front=True)
+        return True
+
+    # ------------------------------------------------------------------ leases
+    def _set_lease(self, entry: _Entry, deadline: float) -> None:
+        entry.lease_deadline = deadline
+        self._lease_seq += 1
+        earliest = self._leases[0][0] if self._leases else math.inf
+        heapq.heappush(self._leases, (deadline, self._lease_seq, entry.rollout_id, entry.attempt_id or ""))
+        if deadline < earliest:
+            self._rearm.set()
+
+    def heartbeat(self, rollout_id: str, attempt_id: str | None = None) -> float:
+        """Extend the current attempt's lease by ``lease_seconds``; returns the seconds until it expires."""
+        entry = self._require(rollout_id)
+        attempt_id = attempt_id or entry.attempt_id
+        self._require_attempt(entry, attempt_id)
+        if entry.state in TERMINAL:
+            raise StepEnded(f"rollout {rollout_id!r} is already {entry.state}; nothing to extend")
+        if entry.state != "claimed" or attempt_id != entry.attempt_id:
+            raise UnknownAttempt(
+                f"attempt {attempt_id!r} of rollout {rollout_id!r} no longer holds the task "
+                f"(current attempt: {entry.attempt_id!r}, state: {entry.state})"
+            )
+        self._set_lease(entry, time.monotonic() + self.lease_seconds)
+        return self.lease_seconds
+
+    def _expire_due(self, now: float) -> None:
+        while self._leases and self._leases[0][0] <= now:
+            deadline, _, rollout_id, attempt_id = heapq.heappop(self._leases)
+            entry = self._entries.get(rollout_id)
+            if (
+                entry is None
+                or entry.state != "claimed"
+                or entry.attempt_id != attempt_id
+                or entry.lease_deadline != deadline
+            ):
+                continue  # finished, superseded by a newer attempt, or extended by a heartbeat
+            self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
+
+    def _retry_or_fail(self, entry: _Entry, reason: str, message: str) -> None:
+        self._claimed_count -= 1
+        entry.lease_deadline = math.inf
+        if entry.num_claims >= self.max_attempts:
+            self._finish(
+                entry, "failed", error=f"{message} (attempt {entry.num_claims} of {self.max_attempts})"
+            )
+            return
+        self.m_requeued.inc(1, reason)
+        logger.info("requeueing %s (%s, attempt %d)", entry.rollout_id, reason, entry.num_claims)
+        self._push(entry, front=True)
+
+    # ------------------------------------------------------------------ results
+    def _require(self, rollout_id: str) -> _Entry:
+        entry = self._entries.get(rollout_id)
+        if entry is not None:
+            return entry
+        if rollout_id in self._tombstones:
+            raise StepEnded(f"rollout {rollout_id!r} belongs to a step that has already ended")
+        raise UnknownRollout(f"unknown rollout id {rollout_id!r}")
+
+    @staticmethod
+    def _require_attempt(entry: _Entry, attempt_id: str | None) -> None:
+        if attempt_id is None or attempt_id not in entry.attempts:
+            if not entry.attempts:
+                raise UnknownAttempt(f"rollout {entry.rollout_id!r} has not been claimed yet")
+            raise UnknownAttempt(f"unknown attempt id {attempt_id!r} for rollout {entry.rollout_id!r}")
+
+    def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
+        """Raise unless ``attempt_id`` is an attempt of the unfinished rollout ``rollout_id``."""
+        entry = self._require(rollout_id)
+        self._require_attempt(entry, attempt_id)
+        if entry.state in TERMINAL:
+            raise StepEnded(f"rollout {rollout_id!r} is already {entry.state}")
+
+    def submit_result(self, rollout: Rollout) -> str:
+        """Accept an agent's result; returns a message for the agent.
+
+        Raises :class:`UnknownRollout`/:class:`UnknownAttempt` (404), :class:`StepEnded` or
+        :class:`AlreadyFinished` (409) or :class:`InvalidResult` (422) without changing anything. The winning
+        attempt resending the same result (a retried POST) is acknowledged and ignored; any other result for a
+        finished rollout is an :class:`AlreadyFinished`. With a journal, the result is written to it before
+        this returns.
+        """
+        entry = self._require(rollout.rollout_id)
+        attempt_id = rollout.effective_attempt_id or entry.attempt_id
+        self._require_attempt(entry, attempt_id)
+        assert attempt_id is not None
+        self._check_vocab(rollout)
+        if entry.state in TERMINAL:
+            if entry.state == "completed" and attempt_id == entry.result_attempt and _same(rollout, entry.result):
+                self.m_duplicates.inc(1, "resent")
+                return f"rollout {rollout.rollout_id} was already received from this attempt; resend ignored"
+            self.m_duplicates.inc(1, "already_finished")
+            by = f" by attempt {entry.result_attempt}" if entry.result_attempt else ""
+            raise AlreadyFinished(
+                f"rollout {rollout.rollout_id} is already {entry.state}{by}; this result was ignored"
+            )
+        if rollout.status == "failed":
+            return self._agent_failed(entry, attempt_id, rollout)
+        self._journal(self._result_record(entry, attempt_id, rollout))
+        if entry.state == "claimed":
+            self._claimed_count -= 1
+        elif entry.state == "queued":
+            self._queued_count -= 1
+        self.m_rollout_latency.observe(time.monotonic() - entry.claimed_at)
+        self._finish(entry, "completed", result=rollout, attempt_id=attempt_id)
+        return f"rollout {rollout.rollout_id} received and stored"
+
+    def _agent_failed(self, entry: _Entry, attempt_id: str, rollout: Rollout) -> str:
+        error = str(rollout.metadata.get("error", "agent reported failure"))
+        if entry.state != "claimed" or attempt_id != entry.attempt_id:
+            self.m_duplicates.inc(1, "stale_failure")
+            return f"failure of superseded attempt {attempt_id} of {rollout.rollout_id} ignored"
+        self._retry_or_fail(entry, "agent_failed", f"agent reported failure: {error}")
+        return f"failure of rollout {rollout.rollout_id} recorded ({entry.state})"
+
+    def _check_vocab(self, rollout: Rollout) -> None:
+        if self.vocab_size is None or not rollout.triplets:
+            return
+        for i, t in enumerate(rollout.triplets):
+            for side, ids in (("prompt", t.prompt.token_ids), ("response", t.response.token_ids)):
+                if ids and max(ids) >= self.vocab_size:
+                    raise InvalidResult(
+                        f"triplets[{i}].{side}.token_ids has id {max(ids)} >= vocabulary size {self.vocab_size}"
+                    )
+
+    def _finish(
+        self,
+        entry: _Entry,
+        state: Literal["completed", "failed"],
+        *,
+        result: Rollout | None = None,
+        attempt_id: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        if state == "failed":
+            self._journal({"kind": "failed", "rollout_id": entry.rollout_id, "error": error})
+        entry.state = state
+        entry.result = result
+        entry.result_attempt = attempt_id
+        entry.error = error
+        entry.lease_deadline = math.inf
+        entry.calls = {attempt_id: entry.calls.get(attempt_id, [])} if attempt_id else {}
+        (self.m_completed if state == "completed" else self.m_failed).inc()
+        for group in entry.groups:
+            group.one_done()
+        entry.groups.clear()
+        if entry.done is not None:
+            entry.done.set()
+
+    def fail(self, rollout_ids: Iterable[str], reason: str) -> int:
+        """Fail every unfinished rollout among ``rollout_ids`` (a step's deadline passed); returns how many."""
+        n = 0
+        for rollout_id in rollout_ids:
+            entry = self._entries.get(rollout_id)
+            if entry is None or entry.state in TERMINAL:
+                continue
+            if entry.state == "claimed":
+                self._claimed_count -= 1
+            else:
+                self._queued_count -= 1
+            self._finish(entry, "failed", error=reason)
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ LLM calls
+    def record_calls(self, rollout_id: str, attempt_id: str, calls: Sequence[LLMCall]) -> bool:
+        """Keep calls the proxy made for an attempt; calls for finished or unknown rollouts are dropped."""
+        entry = self._entries.get(rollout_id)
+        if entry is None or entry.state in TERMINAL or attempt_id not in entry.attempts:
+            return False
+        entry.calls.setdefault(attempt_id, []).extend(calls)
+        return True
+
+    # ------------------------------------------------------------------ waiting for results
+    async def wait_terminal(self, rollout_ids: Iterable[str]) -> None:
+        """Return the moment every one of ``rollout_ids`` is completed or failed (no polling).
+
+        Unknown ids raise :class:`UnknownRollout`. Cancelling the wait changes nothing in the store.
+        """
+        group = _Group()
+        for rollout_id in rollout_ids:
+            entry = self._require(rollout_id)
+            if entry.state not in TERMINAL:
+                group.remaining += 1
+                entry.groups.append(group)
+        if group.remaining:
+            await group.event.wait()
+
+    def record(self, rollout_id: str) -> RolloutRecord:
+        """A snapshot of a rollout (terminal or not)."""
+        e = self._require(rollout_id)
+        attempt = e.result_attempt
+        return RolloutRecord(
+            rollout_id=e.rollout_id,
+            state=e.state,
+            input=e.input,
+            metadata=e.metadata,
+            num_claims=e.num_claims,
+            result=e.result,
+            attempt_id=attempt,
+            calls=sorted(e.calls.get(attempt, []), key=lambda c: (c.seq, c.choice_index)) if attempt else [],
+            error=e.error,
+        )
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        """Drop finished rollouts from memory once their step was handed over; later posts get a 409."""
+        rollout_ids = list(rollout_ids)
+        for rollout_id in rollout_ids:
+            entry = self._entries.pop(rollout_id, None)
+            if entry is None:
+                continue
+            if entry.state not in TERMINAL:  # pragma: no cover - callers only forget terminal rollouts
+                self._entries[rollout_id] = entry
+                raise ValueError(f"rollout {rollout_id!r} is still {entry.state}")
+            self._tombstones[rollout_id] = None
+            if len(self._tombstones) > _TOMBSTONES:
+                self._tombstones.popitem(last=False)
+        if self.journal is not None and rollout_ids:
+            self.journal.write({"kind": "forget", "rollout_ids": rollout_ids})
+            self.journal.maybe_compact()
+
+    def knows(self, rollout_id: str) -> bool:
+        """Whether the rollout is held (queued, claimed or finished and not yet forgotten)."""
+        return rollout_id in self._entries
+
+    def state(self, rollout_id: str) -> RolloutState:
+        return self._require(rollout_id).state
+
+    # -------------------------------------------------- Agent Lightning server verbs (owner-less rollouts)
+    def _as_result(self, entry: _Entry) -> Rollout:
+        if entry.result is not None:
+            return entry.result
+        return Rollout(rollout_id=entry.rollout_id, status="failed", metadata={"error": entry.error})
+
+    def pop_finished(self, rollout_id: str) -> Rollout | None:
+        """The result of a finished owner-less rollout, removed from the store; ``None`` if unfinished."""
+        entry = self._require(rollout_id)
+        if entry.state not in TERMINAL:
+            return None
+        self.forget([rollout_id])
+        return self._as_result(entry)
+
+    async def wait_for_rollout(self, rollout_id: str, timeout: float | None = None) -> Rollout | None:  # noqa: ASYNC109
+        """Await one rollout's end (an event, no polling); ``None`` if ``timeout`` passes first."""
+        entry = self._require(rollout_id)
+        if entry.state not in TERMINAL:
+            if entry.done is None:
+                entry.done = anyio.Event()
+            with anyio.move_on_after(math.inf if timeout is None else timeout):
+                await entry.done.wait()
+        return self.pop_finished(rollout_id)
+
+    def pop_all_finished(self) -> list[Rollout]:
+        """Results of every finished owner-less rollout, removed from the store."""
+        done = [e for e in self._entries.values() if e.owner is None and e.state in TERMINAL]
+        self.forget([e.rollout_id for e in done])
+        return [self._as_result(e) for e in done]
+
+    # ------------------------------------------------------------------ resources
+    def add_resources(self, resources: NamedResources, resources_id: str | None = None) -> ResourcesUpdate:
+        """Publish a new resources version and make it the latest."""
+        update = ResourcesUpdate(resources_id=resources_id or _new_id("res"), resources=resources)
+        self._resources[update.resources_id] = update
+        self._latest_resources = update.resources_id
+        self._journal({"kind": "resources", "update": update.model_dump(mode="json")})
+        return update
+
+    def resources(self, resources_id: str | None = None) -> ResourcesUpdate | None:
+        """A resources version by id, or the latest one when ``resources_id`` is ``None``."""
+        rid = resources_id if resources_id is not None else self._latest_resources
+        return self._resources.get(rid) if rid is not None else None
+
+    @property
+    def latest_resources_id(self) -> str | None:
+        return self._latest_resources
+
+    # ------------------------------------------------------------------ journal
+    def _journal(self, record: Mapping[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.write(record)
+
+    def journal_write(self, record: Mapping[str, Any]) -> None:
+        """Append a record of another component (e.g. a collector step) to the store's journal, if any."""
+        self._journal(record)
+
+    async def commit(self) -> None:
+        """Return once everything accepted so far is durable by the journal's policy (at once without one)."""
+        if self.journal is not None:
+            await self.journal.commit()
+
+    def live_records(self) -> Iterator[dict[str, Any]]:
+        """Records that rebuild the current state (used to compact the journal)."""
+        for update in self._resources.values():
+            yield {"kind": "resources", "update": update.model_dump(mode="json")}
+        for e in self._entries.values():
+            yield {"kind": "task", **self._task_record(e)}
+            for attempt_id in e.attempts:
+                yield {"kind": "attempt", "rollout_id": e.rollout_id, "attempt_id": attempt_id}
+            if e.state == "completed" and e.result is not None:
+                yield self._result_record(e, e.result_attempt or "", e.result)
+            elif e.state == "failed":
+                yield {"kind": "failed", "rollout_id": e.rollout_id, "error": e.error}
+
+    def _result_record(self, e: _Entry, attempt_id: str, result: Rollout) -> dict[str, Any]:
+        return {
+            "kind": "result",
+            "rollout_id": e.rollout_id,
+            "attempt_id": attempt_id,
+            "result": result.model_dump(mode="json"),
+            "calls": e.calls.get(attempt_id, []),
+        }
+
+    def restore(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Rebuild state from journal records (before serving). Unfinished rollouts are queued again with
+        their attempts remembered, so a late result from an agent of the previous run is still accepted;
+        records of other components are skipped."""
+        for r in records:
+            kind = r.get("kind")
+            if kind == "task":
+                entry = _Entry(
+                    rollout_id=r["rollout_id"],
+                    input=r["input"],
+                    mode=r["mode"],
+                    resources_id=r["resources_id"],
+                    metadata=r["metadata"],
+                    create_time=r["create_time"],
+                    owner=r["owner"],
+                )
+                entry.claimed_at = time.monotonic()
+                self._entries[entry.rollout_id] = entry
+            elif kind == "attempt" and (entry := self._entries.get(r["rollout_id"])) is not None:
+                entry.attempts.append(r["attempt_id"])
+                entry.num_claims += 1
+            elif kind == "result" and (entry := self._entries.get(r["rollout_id"])) is not None:
+                entry.calls = {r["attempt_id"]: [LLMCall(**c) for c in r["calls"]]}
+                entry.state, entry.result_attempt = "completed", r["attempt_id"]
+                entry.result = Rollout.model_validate(r["result"])
+            elif kind == "failed" and (entry := self._entries.get(r["rollout_id"])) is not None:
+                entry.state, entry.error = "failed", r["error"]
+            elif kind == "forget":
+                for rollout_id in r["rollout_ids"]:
+                    if self._entries.pop(rollout_id, None) is not None:
+                        self._tombstones[rollout_id] = None
+            elif kind == "resources":
+                update = ResourcesUpdate.model_validate(r["update"])
+                self._resources[update.resources_id] = update
+                self._latest_resources = update.resources_id
+        for entry in self._entries.values():
+            if entry.state not in TERMINAL:
+                entry.state = "queued"
+                self._queued_count += 1
+                self._queue.append(entry.rollout_id)

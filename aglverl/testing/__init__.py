@@ -1,0 +1,27 @@
+"""Test and benchmark helpers: a vLLM-shaped mock backend (no model, no GPU, loopback only)."""
+
+from .mock_vllm import (
+    DEFAULT_MODEL,
+    VOCAB_SIZE,
+    MockVLLM,
+    ReplayCase,
+    SeenRequest,
+    completion_token_ids,
+    load_replay_cases,
+    prompt_token_ids,
+    render_chat,
+    token_logprob,
+)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "VOCAB_SIZE",
+    "MockVLLM",
+    "ReplayCase",
+    "SeenRequest",
+    "completion_token_ids",
+    "load_replay_cases",
+    "prompt_token_ids",
+    "render_chat",
+    "token_logprob",
+]

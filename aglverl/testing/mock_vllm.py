@@ -1,0 +1,657 @@
+"""A vLLM-shaped OpenAI-compatible backend on loopback, for tests and benchmarks.
+
+:class:`MockVLLM` answers ``POST /v1/chat/completions`` and ``POST /v1/completions`` the way vLLM does with
+``"return_token_ids": true`` (see ``tests/fixtures/vllm/``): top-level ``prompt_token_ids`` for chat, per-choice
+``prompt_token_ids`` for completions, ``choices[i].token_ids``, logprobs when asked, ``usage``, SSE streams with
+``n`` choices interleaved by ``index``, ``stream_options.include_usage`` and ``data: [DONE]``. Token ids are
+deterministic functions of the request (:func:`prompt_token_ids`, :func:`completion_token_ids`), so a test can
+compute what a proxy must have recorded without asking the mock.
+
+It also serves ``GET /v1/models`` and ``GET /health``, injects faults on the next generation calls (500, 429
+with ``Retry-After``, a stall that never answers, a connection closed mid-stream, an answer without token ids),
+and records what it saw: every request with its body, and how many generation calls the client abandoned.
+
+With ``replay_dir`` it serves recorded vLLM bytes instead: a request whose method, path and body match a
+recorded case (ignoring ``return_token_ids``, which a proxy may add) gets that case's status, content type and
+exact body; streams are written in small pieces so SSE events straddle network chunks.
+
+Per-request CPU is kept low (one ``orjson.dumps`` per body or event, no per-request parsing beyond the body)
+because the proxy benchmark uses this mock as its backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import orjson
+from aiohttp import web
+from anyio.abc import TaskStatus
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from .._net import bind_listener, url_of
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "VOCAB_SIZE",
+    "MockVLLM",
+    "ReplayCase",
+    "SeenRequest",
+    "completion_token_ids",
+    "load_replay_cases",
+    "prompt_token_ids",
+    "render_chat",
+    "token_logprob",
+]
+
+#: Token ids the mock produces are in ``range(VOCAB_SIZE)``.
+VOCAB_SIZE = 50_000
+DEFAULT_MODEL = "mock"
+#: vLLM runs on uvicorn, whose idle keep-alive timeout is 5 s; the mock mirrors it so a proxy's pool is tested
+#: against the same server-side close.
+KEEPALIVE_SECONDS = 5.0
+#: Bytes per write when replaying a recorded stream: smaller than one event, so events split across chunks.
+REPLAY_PIECE = 64
+#: How long stop() lets the aiohttp runner close idle connections.
+_CLOSE_TIMEOUT = 1.0
+_SSE_TYPE = "text/event-stream; charset=utf-8"
+_JSON_TYPE = "application/json"
+_DONE = b"data: [DONE]\n\n"
+
+FaultKind = Literal["error", "throttle", "stall", "break", "no_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- token ids
+def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The prompt text the mock "tokenizes" for chat messages (one byte = one token id)."""
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"<|{message.get('role', '')}|>{content or ''}\n")
+    parts.append("<|assistant|>")
+    return "".join(parts)
+
+
+def prompt_token_ids(body: Mapping[str, Any]) -> list[list[int]]:
+    """The prompt ids the mock assigns to a request: one list per prompt (chat has exactly one).
+
+    Text is tokenized as its UTF-8 bytes; a completions prompt given as token ids is taken as it is.
+    """
+    if "messages" in body:
+        return [list(render_chat(body["messages"]).encode())]
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return [list(prompt.encode())]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return [list(p.encode()) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def completion_token_ids(prompt_ids: Sequence[int], index: int, count: int) -> list[int]:
+    """The ids the mock generates for choice ``index`` of a prompt: a fixed function of both."""
+    base = (sum(prompt_ids) + 7919 * index) % VOCAB_SIZE
+    return [(base + 104_729 * (k + 1)) % VOCAB_SIZE for k in range(count)]
+
+
+def token_logprob(token_id: int) -> float:
+    """The logprob the mock reports for a generated token (a fixed function of the id)."""
+    return -((token_id % 97) + 1) / 100
+
+
+def _text(token_id: int) -> str:
+    return f" t{token_id}"
+
+
+# ---------------------------------------------------------------------------------------------- records
+@dataclass(frozen=True, slots=True)
+class SeenRequest:
+    """One request the mock received: what a test asserts the proxy forwarded."""
+
+    method: str
+    path: str
+    query: str
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    json: Any
+
+
+@dataclass(slots=True)
+class _Fault:
+    kind: FaultKind
+    status: int = 500
+    retry_after: float = 0.0
+    after_events: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayCase:
+    """One recorded vLLM exchange (``NAME.request.json`` + ``NAME.response.*`` + ``NAME.meta.json``)."""
+
+    name: str
+    method: str
+    path: str
+    body: dict[str, Any]
+    status: int
+    content_type: str
+    response: bytes
+
+    @property
+    def streamed(self) -> bool:
+        return self.content_type.startswith("text/event-stream")
+
+
+def load_replay_cases(directory: str | Path) -> dict[str, ReplayCase]:
+    """Every recorded case in ``directory``, by name. Raises ``FileNotFoundError`` for a missing directory."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"replay directory {root} does not exist")
+    cases = {}
+    for request_file in sorted(root.glob("*.request.json")):
+        name = request_file.name.removesuffix(".request.json")
+        request = orjson.loads(request_file.read_bytes())
+        meta = orjson.loads((root / f"{name}.meta.json").read_bytes())
+        [response_file] = [p for p in root.glob(f"{name}.response.*")]
+        cases[name] = ReplayCase(
+            name=name,
+            method=request["method"],
+            path=request["path"],
+            body=request["body"],
+            status=int(meta["status"]),
+            content_type=meta["content_type"],
+            response=response_file.read_bytes(),
+        )
+    return cases
+
+
+def _replay_key(method: str, path: str, body: Any) -> tuple[str, str, bytes]:
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k != "return_token_ids"}
+    return method, path, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+
+
+def _error_body(status: int, message: str, type_: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}})
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+# ---------------------------------------------------------------------------------------------- generation
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt: list[int]
+    ids: list[int]
+
+
+class _Generation:
+    """What one generation request asks for and the deterministic answer to it."""
+
+    def __init__(self, kind: str, body: Mapping[str, Any], count: int, with_ids: bool, model: str) -> None:
+        self.kind = kind
+        self.body = body
+        self.with_ids = with_ids
+        self.model = model
+        self.created = int(time.time())
+        n = int(body.get("n") or 1)
+        prompts = prompt_token_ids(body)
+        self.prompts = prompts
+        self.choices = [
+            _Choice(p * n + j, prompt, completion_token_ids(prompt, p * n + j, count))
+            for p, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
+        raw_lp = body.get("logprobs")
+        self.logprobs = bool(raw_lp) if kind == "chat" else raw_lp is not None and raw_lp is not False
+        stream_options = body.get("stream_options") or {}
+        self.include_usage = bool(stream_options.get("include_usage"))
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+    def _chat_logprobs(self, ids: Sequence[int]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for t in ids:
+            text = _text(t)
+            content.append(
+                {"token": text, "logprob": token_logprob(t), "bytes": list(text.encode()), "top_logprobs": []}
+            )
+        return {"content": content}
+
+    def _completion_logprobs(self, ids: Sequence[int], offset: int) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        tokens = [_text(t) for t in ids]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+        lps = [token_logprob(t) for t in ids]
+        return {
+            "text_offset": offsets,
+            "token_logprobs": lps,
+            "tokens": tokens,
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps, strict=False)],
+        }
+
+    # ------------------------------------------------------------------ whole responses
+    def response(self, request_id: str) -> bytes:
+        choices = [
+            self._chat_choice(c) if self.kind == "chat" else self._completion_choice(c) for c in self.choices
+        ]
+        obj: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+        if self.kind == "chat":
+            obj["prompt_token_ids"] = self.prompts[0] if self.with_ids else None
+        return orjson.dumps(obj)
+
+    def _chat_choice(self, c: _Choice) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(map(_text, c.ids))},
+            "logprobs": self._chat_logprobs(c.ids),
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": c.ids if self.with_ids else None,
+        }
+
+    def _completion_choice(self, c: _Choice) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "text": "".join(map(_text, c.ids)),
+            "logprobs": self._completion_logprobs(c.ids, 0),
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": c.ids if self.with_ids else None,
+            "prompt_token_ids": c.prompt if self.with_ids else None,
+        }
+
+    # ------------------------------------------------------------------ streams
+    def events(self, request_id: str) -> list[bytes]:
+        """Every SSE event of the streamed answer, ``[DONE]`` included, in the order vLLM sends them."""
+        head: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+        events = []
+        if self.kind == "chat":
+            for c in self.choices:
+                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
+                first |= {"logprobs": None, "finish_reason": None}
+                obj = {**head, "choices": [first]}
+                if self.with_ids:
+                    obj["prompt_token_ids"] = c.prompt
+                events.append(_sse(obj))
+        steps = max((len(c.ids) for c in self.choices), default=0)
+        offsets = [0] * len(self.choices)
+        for k in range(steps):
+            for i, c in enumerate(self.choices):
+                if k < len(c.ids):
+                    last = k == len(c.ids) - 1
+                    choice = self._chunk_choice(c, k, last, offsets[i])
+                    offsets[i] += len(_text(c.ids[k]))
+                    events.append(_sse({**head, "choices": [choice]}))
+        if self.include_usage:
+            events.append(_sse({**head, "choices": [], "usage": self.usage()}))
+        events.append(_DONE)
+        return events
+
+    def _chunk_choice(self, c: _Choice, k: int, last: bool, offset: int) -> dict[str, Any]:
+        t = c.ids[k]
+        choice: dict[str, Any] = {"index": c.index}
+        if self.kind == "chat":
+            choice["delta"] = {"content": _text(t)}
+            choice["logprobs"] = self._chat_logprobs([t])
+        else:
+            choice["text"] = _text(t)
+            choice["logprobs"] = self._completion_logprobs([t], offset)
+        choice["finish_reason"] = "length" if last else None
+        choice["stop_reason"] = None
+        if self.with_ids:
+            if self.kind == "completion":
+                choice["prompt_token_ids"] = c.prompt if k == 0 else None
+            choice["token_ids"] = [t]
+        return choice
+
+
+# ---------------------------------------------------------------------------------------------- the server
+class MockVLLM:
+    """A loopback vLLM look-alike; see the module docstring.
+
+    ``latency`` is slept before each generation answer, ``chunk_latency`` between stream events (and between
+    replayed pieces); ``completion_tokens`` is how many tokens each choice gets (capped by the request's
+    ``max_tokens``). ``record_requests=False`` keeps memory flat in long benchmarks. ``response_headers`` are
+    added to every generation answer (e.g. hop-by-hop headers a proxy must not pass on). ``eof_delay`` is slept
+    between a stream's last event and the end of its body, as a server that flushes ``[DONE]`` first may do.
+
+    Use ``async with MockVLLM() as mock:`` or ``await tg.start(mock.serve)``; ``mock.url`` is then
+    ``http://127.0.0.1:PORT`` (no ``/v1``). It can be stopped and started again on the same port (pass
+    ``port=``) to simulate a backend that goes away and comes back.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model: str = DEFAULT_MODEL,
+        latency: float = 0.0,
+        chunk_latency: float = 0.0,
+        completion_tokens: int = 8,
+        replay_dir: str | Path | None = None,
+        record_requests: bool = True,
+        response_headers: Mapping[str, str] | None = None,
+        eof_delay: float = 0.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.model = model
+        self.latency = latency
+        self.chunk_latency = chunk_latency
+        self.completion_tokens = completion_tokens
+        self.record_requests = record_requests
+        self.response_headers = dict(response_headers or {})
+        self.eof_delay = eof_delay
+        self.replay_cases = load_replay_cases(replay_dir) if replay_dir is not None else {}
+        self._replay = {_replay_key(c.method, c.path, c.body): c for c in self.replay_cases.values()}
+        #: Every request received, in arrival order (when ``record_requests``).
+        self.requests: list[SeenRequest] = []
+        #: Generation calls the client abandoned (disconnected) before the mock finished answering.
+        self.cancelled = 0
+        #: Generation calls answered completely.
+        self.completed = 0
+        #: Generation calls whose connection the mock closed on purpose (``break_next``).
+        self.broken = 0
+        #: Generation calls being answered right now.
+        self.active = 0
+        self._faults: deque[_Fault] = deque()
+        self._ids = itertools.count()
+        self._changed: anyio.Event | None = None  # exists while someone is in wait_until()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self._url: str | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ fault injection
+    def fail_next(self, count: int = 1, *, status: int = 500) -> None:
+        """The next ``count`` generation calls get ``status`` with an OpenAI-shaped error body."""
+        self._faults.extend(_Fault("error", status=status) for _ in range(count))
+
+    def throttle_next(self, count: int = 1, *, retry_after: float = 0.0) -> None:
+        """The next ``count`` generation calls get 429 with ``Retry-After: retry_after`` (seconds)."""
+        self._faults.extend(_Fault("throttle", status=429, retry_after=retry_after) for _ in range(count))
+
+    def stall_next(self, count: int = 1) -> None:
+        """The next ``count`` generation calls are never answered (until the client goes away)."""
+        self._faults.extend(_Fault("stall") for _ in range(count))
+
+    def break_next(self, count: int = 1, *, after_events: int = 1) -> None:
+        """The next ``count`` calls lose their connection: streams after ``after_events`` events, others at once."""
+        self._faults.extend(_Fault("break", after_events=after_events) for _ in range(count))
+
+    def omit_ids_next(self, count: int = 1) -> None:
+        """The next ``count`` generation calls are answered without token ids, as if not asked for them."""
+        self._faults.extend(_Fault("no_ids") for _ in range(count))
+
+    # ------------------------------------------------------------------ observation
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("MockVLLM is not serving")
+        return self._url
+
+    def generation_requests(self) -> list[SeenRequest]:
+        """The recorded POSTs to ``/v1/chat/completions`` and ``/v1/completions``."""
+        return [r for r in self.requests if r.method == "POST" and r.path.endswith("completions")]
+
+    def expected(self, body: Mapping[str, Any]) -> list[tuple[list[int], list[int]]]:
+        """``(prompt_ids, response_ids)`` per choice, in index order, that this mock answers ``body`` with."""
+        kind = "chat" if "messages" in body else "completion"
+        gen = _Generation(kind, body, self._count(body), True, self.model)
+        return [(c.prompt, c.ids) for c in gen.choices]
+
+    async def wait_until(self, predicate: Callable[[MockVLLM], bool]) -> None:
+        """Return once ``predicate(self)`` holds; re-checked whenever a request starts or ends.
+
+        Waits on an event, never polls; bound it with ``anyio.fail_after`` in tests.
+        """
+        while not predicate(self):
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        """Bind and start answering; returns once the listener accepts connections."""
+        if self._runner is not None:
+            raise RuntimeError("MockVLLM is already serving")
+        sock = bind_listener(self.host, self.port)
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=KEEPALIVE_SECONDS,
+            shutdown_timeout=_CLOSE_TIMEOUT,
+        )
+        try:
+            await runner.setup()
+            site = web.SockSite(runner, sock)
+            await site.start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        self._runner, self._site, self._url = runner, site, url_of(sock)
+        self.port = sock.getsockname()[1]
+        self._stopping = False
+
+    async def stop(self) -> None:
+        """Stop listening, abandon calls in progress (counted neither as cancelled nor completed), close all."""
+        runner, site = self._runner, self._site
+        if runner is None or site is None:
+            return
+        self._stopping = True
+        with anyio.CancelScope(shield=True):
+            await site.stop()
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=_CLOSE_TIMEOUT)
+            await runner.cleanup()
+        self._runner = self._site = None
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, then :meth:`stop`; ``task_status.started()`` once accepting connections."""
+        await self.start()
+        task_status.started()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            await self.stop()
+
+    async def __aenter__(self) -> MockVLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ handlers
+    async def _health(self, request: web.Request) -> web.Response:
+        self._seen(request, b"", None)
+        return web.Response()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._seen(request, b"", None)
+        card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm"}
+        card |= {"root": self.model, "parent": None, "max_model_len": 4096}
+        return web.Response(body=orjson.dumps({"object": "list", "data": [card]}), content_type=_JSON_TYPE)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    def _seen(self, request: web.Request, raw: bytes, body: Any) -> None:
+        if self.record_requests:
+            headers = CIMultiDictProxy(CIMultiDict(request.headers))
+            self.requests.append(
+                SeenRequest(request.method, request.path, request.query_string, headers, raw, body)
+            )
+        self._notify()
+
+    def _count(self, body: Mapping[str, Any]) -> int:
+        limit = body.get("max_tokens") or body.get("max_completion_tokens")
+        return min(self.completion_tokens, limit) if isinstance(limit, int) else self.completion_tokens
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.active += 1
+        fault = self._faults.popleft() if self._faults else None
+        done = False
+        try:
+            response = await self._answer(request, kind, fault)
+            done = True
+            return response
+        except asyncio.CancelledError:
+            if fault is not None and fault.kind == "break":
+                self.broken += 1
+            elif not self._stopping:
+                self.cancelled += 1
+            raise
+        finally:
+            self._tasks.discard(task)
+            self.active -= 1
+            if done:
+                self.completed += 1
+            self._notify()
+
+    async def _answer(self, request: web.Request, kind: str, fault: _Fault | None) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            self._seen(request, raw, None)
+            return _json_error(400, f"invalid JSON body: {exc}", "BadRequestError")
+        self._seen(request, raw, body)
+        if fault is not None and fault.kind != "no_ids":
+            return await self._fault(request, fault, body)
+        if self.latency > 0:
+            await anyio.sleep(self.latency)
+        if self._replay:
+            return await self._replay_answer(request, body)
+        if not isinstance(body, dict):
+            return _json_error(400, "request body must be a JSON object", "BadRequestError")
+        if body.get("model") != self.model:
+            return _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        with_ids = body.get("return_token_ids") is True and fault is None
+        gen = _Generation(kind, body, self._count(body), with_ids, self.model)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = f"{prefix}-mock{next(self._ids)}"
+        if body.get("stream") is True:
+            return await self._stream(request, gen.events(request_id))
+        headers = {**self.response_headers, "Content-Type": _JSON_TYPE}
+        return web.Response(body=gen.response(request_id), headers=headers)
+
+    async def _stream(
+        self, request: web.Request, events: Sequence[bytes], break_after: int = -1
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**self.response_headers, "Content-Type": _SSE_TYPE})
+        await response.prepare(request)
+        for i, event in enumerate(events):
+            if i == break_after:
+                await self._break(request)
+            if i and self.chunk_latency > 0:
+                await anyio.sleep(self.chunk_latency)
+            await response.write(event)
+        if self.eof_delay > 0:
+            await anyio.sleep(self.eof_delay)
+        await response.write_eof()
+        return response
+
+    async def _fault(self, request: web.Request, fault: _Fault, body: Any) -> web.StreamResponse:
+        if fault.kind == "error":
+            return _json_error(fault.status, f"injected failure ({fault.status})", "InternalServerError")
+        if fault.kind == "throttle":
+            response = _json_error(429, "injected rate limit", "RateLimitError")
+            response.headers["Retry-After"] = f"{fault.retry_after:g}"
+            return response
+        if fault.kind == "stall":
+            await anyio.sleep_forever()
+        # "break": a stream loses its connection after some events, anything else before any answer.
+        if isinstance(body, dict) and body.get("stream") is True:
+            gen = _Generation(
+                "chat" if "messages" in body else "completion", body, self._count(body), True, self.model
+            )
+            return await self._stream(request, gen.events("broken"), break_after=fault.after_events)
+        await self._break(request)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    async def _break(request: web.Request) -> None:
+        """Close the connection without ending the response, then wait for aiohttp to cancel this handler.
+
+        An orderly close (FIN) rather than a reset: the bytes already written still reach the client, which then
+        sees a truncated chunked body (or no response at all), like a backend process that died.
+        """
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        await anyio.sleep_forever()
+
+    async def _replay_answer(self, request: web.Request, body: Any) -> web.StreamResponse:
+        case = self._replay.get(_replay_key(request.method, request.path, body))
+        if case is None:
+            return _json_error(404, "no recorded response matches this request", "NotFoundError")
+        headers = {"Content-Type": case.content_type}
+        if not case.streamed:
+            return web.Response(status=case.status, body=case.response, headers=headers)
+        data = case.response
+        pieces = [data[i : i + REPLAY_PIECE] for i in range(0, len(data), REPLAY_PIECE)]
+        response = web.StreamResponse(status=case.status, headers=headers)
+        await response.prepare(request)
+        for i, piece in enumerate(pieces):
+            if i and self.chunk_latency > 0:
+                await anyio.sleep(self.chunk_latency)
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+
+def _json_error(status: int, message: str, type_: str) -> web.Response:
+    return web.Response(
+        status=status, body=_error_body(status, message, type_), headers={"Content-Type": _JSON_TYPE}
+    )

@@ -1,0 +1,209 @@
+"""Helpers shared by the benchmarks: percentiles, per-process CPU and memory from ``/proc``, JSON-line children.
+
+Processes talk over pipes, one JSON object per line: a child writes its description (URLs, pid) as its first
+stdout line, then answers each command read from stdin with one line; a child exits when its stdin closes.
+Nothing here sleeps to wait for a child: every wait is a read of its next line (bound it with
+``anyio.fail_after``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import platform
+import sys
+from collections.abc import AsyncIterator, Sequence
+from subprocess import PIPE
+from typing import Any
+
+import anyio
+import anyio.abc
+import orjson
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+__all__ = [
+    "JsonChild",
+    "emit",
+    "machine_info",
+    "peak_rss_bytes",
+    "percentile",
+    "proc_cpu_seconds",
+    "stdin_commands",
+    "summary_ms",
+    "system_busy_seconds",
+]
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: Longest JSON line a child may write.
+MAX_LINE = 64 << 20
+#: How long a child gets to exit after its stdin closed, before it is terminated (then killed).
+STOP_GRACE = 20.0
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks; NaN if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float | int]:
+    """p50 / p99 / max in milliseconds (3 decimals) and the sample count."""
+    if not seconds:
+        return {"n": 0}
+    return {
+        "p50": round(percentile(seconds, 50) * 1e3, 3),
+        "p99": round(percentile(seconds, 99) * 1e3, 3),
+        "max": round(max(seconds) * 1e3, 3),
+        "n": len(seconds),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- /proc
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads included (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def _status_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise KeyError(f"{key} not in /proc/{pid}/status")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """Peak resident set size of a process (``VmHWM``)."""
+    return _status_kib(pid, "VmHWM:") * 1024
+
+
+def system_busy_seconds() -> float:
+    """CPU seconds all CPUs spent doing anything but idling/waiting for I/O since boot (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on: CPU count and model, Python, load average when asked."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    with open("/proc/loadavg") as f:
+        load = [float(x) for x in f.read().split()[:3]]
+    return {
+        "nproc": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "loadavg_1_5_15": load,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- children
+class JsonChild:
+    """A child process speaking JSON lines: ``info`` is its first line; :meth:`request` sends one and reads one.
+
+    Its stderr is inherited, so its warnings and tracebacks reach the terminal. :meth:`stop` closes its stdin
+    (the child's signal to leave cleanly) and waits; a child that does not leave is terminated, then killed.
+    """
+
+    def __init__(self, process: anyio.abc.Process, info: dict[str, Any]) -> None:
+        self.process = process
+        self.info = info
+        assert process.stdout is not None
+        self._lines = BufferedByteReceiveStream(process.stdout)
+
+    @classmethod
+    async def start(cls, args: Sequence[str], *, ready_within: float = 120.0) -> JsonChild:
+        """Spawn ``python args...`` and wait (up to ``ready_within`` s) for its first JSON line."""
+        process = await anyio.open_process([sys.executable, *args], stdin=PIPE, stdout=PIPE, stderr=None)
+        child = cls(process, {})
+        try:
+            with anyio.fail_after(ready_within):
+                child.info = await child.read()
+        except BaseException:
+            await child.kill()
+            raise
+        return child
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def cpu_seconds(self) -> float:
+        return proc_cpu_seconds(self.pid)
+
+    def peak_rss_bytes(self) -> int:
+        return peak_rss_bytes(self.pid)
+
+    async def read(self) -> dict[str, Any]:
+        """The child's next JSON line; ``RuntimeError`` if it exited instead."""
+        try:
+            line = await self._lines.receive_until(b"\n", MAX_LINE)
+        except (anyio.EndOfStream, anyio.IncompleteRead):
+            raise RuntimeError(
+                f"benchmark child {self.pid} exited (code {self.process.returncode})"
+            ) from None
+        return orjson.loads(line)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send(orjson.dumps(message) + b"\n")
+
+    async def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        await self.send(message)
+        return await self.read()
+
+    async def stop(self) -> None:
+        """Close stdin, wait up to ``STOP_GRACE`` s for the child to leave, else terminate/kill it."""
+        with anyio.CancelScope(shield=True):
+            if self.process.stdin is not None:
+                await self.process.stdin.aclose()
+            with anyio.move_on_after(STOP_GRACE):
+                await self.process.wait()
+                return
+            await self.kill()
+
+    async def kill(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                self.process.terminate()
+                with anyio.move_on_after(5):
+                    await self.process.wait()
+                    return
+                self.process.kill()
+                await self.process.wait()
+
+
+def emit(obj: Any) -> None:
+    """Write one JSON line to stdout (the child side of :class:`JsonChild`)."""
+    sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+    sys.stdout.buffer.flush()
+
+
+async def stdin_commands() -> AsyncIterator[dict[str, Any]]:
+    """The JSON commands a child reads from stdin, until stdin closes (read on the loop, no thread)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_LINE)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := await reader.readline():
+            yield orjson.loads(line)
+    finally:
+        transport.close()

@@ -1,0 +1,1014 @@
+"""Control-plane efficiency: N tasks, M agents, 1-3 LLM calls each, through the real daemon, against the ideal.
+
+Run: ``python benchmarks/control_plane.py [--tasks 256 --agents 32 --latency-ms 50] [--baseline] [--stream]``,
+``python benchmarks/control_plane.py --sweep`` (N x M x stream grid, table and plots), or ``--profile`` (the
+daemon process sampled by py-spy during the measured steps). Prints one JSON object per run on stdout.
+
+Processes (each CPU / memory figure belongs to one program):
+
+- ``mock``: a :class:`~aglverl.testing.MockVLLM` that sleeps ``latency`` before each answer (8 tokens);
+- ``daemon``: an :class:`~aglverl.AgentDaemon` (task server, LLM proxy, store, collector) plus the trainer side:
+  ``step = await daemon.submit(samples)`` then ``await daemon.batches.receive()``. Wall time is measured here,
+  from just before ``submit`` to the batch in hand; so are its CPU (``/proc/self/stat`` utime + stime, all
+  threads) and its peak RSS (``VmHWM``). It then checks every row of the batch against the mock: the response
+  ids must be exactly what the mock generates for that row's prompt ids;
+- ``agents``: M aiohttp agents in one process (``--agent-procs`` to split them): long-poll ``GET /task``,
+  resolve the task's ``main_llm`` (a ``ProxyLLM`` -> the rollout attempt's URL), make k chat calls (JSON or
+  SSE), post the reward. k in {1, 2, 3} is a fixed function of the task's index (a hash), so the work, and the
+  ideal, are known exactly before the run and identical for every system measured;
+- ``baseline`` (with ``--baseline``): a bare aiohttp task server written here (a queue, long-poll, a counter
+  and an event; no store, no proxy) whose agents call the mock directly. Same agents, same tasks, same k.
+- this process: starts the others, sends commands over stdin/stdout JSON lines (no sleeps anywhere), probes
+  ``GET /healthz`` every ``--healthz-interval`` seconds during measured steps, and reads every process's CPU
+  plus the machine-wide busy time, so CPU taken by unrelated programs during a step is reported too.
+
+Ideal wall time = sum over tasks of k * latency / M (perfect packing, zero overhead). It cannot be reached even
+with zero overhead: agents take tasks in queue order and the last ones leave a tail, so the JSON also gives the
+makespan of that greedy schedule with zero overhead (``simulated_zero_overhead_wall_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import logging
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _common import (
+    JsonChild,
+    emit,
+    machine_info,
+    peak_rss_bytes,
+    proc_cpu_seconds,
+    stdin_commands,
+    summary_ms,
+    system_busy_seconds,
+)
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+RESULTS_MD = HERE / "RESULTS.md"
+MODEL = "mock"
+COMPLETION_TOKENS = 8
+#: Batch widths: the longest prompt here (3rd turn of the longest task text) is ~220 ids, so nothing is cut.
+PROMPT_WIDTH, RESPONSE_WIDTH = 256, 16
+#: Agents' long-poll length; the server answers the moment a task is queued.
+LONG_POLL_SECONDS = 30.0
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+#: Targets from the issue, and the reference figures measured elsewhere for the default work (256 x 32 x 50 ms).
+TARGETS = {
+    "efficiency_min": 0.75,
+    "token_ids_ratio": 1.0,
+    "healthz_p99_ms_max_at_512_agents": 10.0,
+    "cpu_per_rollout_spread_max": 1.5,
+}
+REFERENCE_DEFAULT_WORK = {
+    "ideal_wall_s": 0.8,
+    "old_thread_flask_5s_polling_daemon_wall_s": 10.0,
+    "litellm_successor_wall_s": 45.9,
+    "litellm_successor_rollouts_missing_token_ids": "3 of 256",
+    "controller_polling_every_1s_wall_s": 17.2,
+    "bare_aiohttp_baseline_efficiency_measured_elsewhere": "0.76-0.78",
+}
+SWEEP_TASKS = (256, 1024, 4096)
+SWEEP_AGENTS = (32, 128, 512)
+
+
+# ---------------------------------------------------------------------------------------------- the work
+def calls_for(index: int) -> int:
+    """How many LLM calls the agent makes for task ``index``: 1, 2 or 3, uniform, fixed by a hash."""
+    digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()
+    return 1 + int.from_bytes(digest, "little") % 3
+
+
+def task_text(index: int) -> str:
+    return f"Task {index}: answer yes or no."
+
+
+def simulate_greedy(ks: Sequence[int], agents: int, latency: float) -> float:
+    """Makespan with zero overhead when each free agent takes the next task in queue order."""
+    free_at = [0.0] * min(agents, len(ks))
+    heapq.heapify(free_at)
+    for k in ks:
+        heapq.heappush(free_at, heapq.heappop(free_at) + k * latency)
+    return max(free_at, default=0.0)
+
+
+@dataclass(frozen=True)
+class Work:
+    tasks: int
+    agents: int
+    latency: float
+
+    @property
+    def ks(self) -> list[int]:
+        return [calls_for(i) for i in range(self.tasks)]
+
+    def describe(self) -> dict[str, Any]:
+        ks = self.ks
+        ideal = sum(ks) * self.latency / self.agents
+        sim = simulate_greedy(ks, self.agents, self.latency)
+        return {
+            "tasks": self.tasks,
+            "agents": self.agents,
+            "latency_ms": round(self.latency * 1e3, 3),
+            "llm_calls": sum(ks),
+            "calls_per_task": dict(sorted(Counter(ks).items())),
+            "ideal_wall_s": round(ideal, 4),
+            "simulated_zero_overhead_wall_s": round(sim, 4),
+            "simulated_zero_overhead_efficiency": round(ideal / sim, 4) if sim else None,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- children
+def _child_args(role: str, cfg: dict[str, Any]) -> list[str]:
+    return [os.path.abspath(__file__), "--child", role, json.dumps(cfg)]
+
+
+async def _run_mock(cfg: dict[str, Any]) -> None:
+    from aglverl.testing import MockVLLM
+
+    async with MockVLLM(
+        latency=cfg["latency"], completion_tokens=COMPLETION_TOKENS, record_requests=False, model=MODEL
+    ) as mock:
+        emit({"url": mock.url, "pid": os.getpid()})
+        async for _ in stdin_commands():
+            emit({"completed": mock.completed, "cancelled": mock.cancelled})
+
+
+class _LogCounter(logging.Handler):
+    """Counts WARNING+ records (and keeps the first few) so a run reports what the daemon complained about."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.first: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        if len(self.first) < 5:
+            self.first.append(f"{record.name}: {record.getMessage()[:300]}")
+
+
+def _check_rows(data: Any, rollout_ids: Sequence[str]) -> dict[str, Any]:
+    """Every batch row's ids against the mock: response ids must be what the mock generates for the prompt."""
+    from aglverl.testing import completion_token_ids
+
+    prompts = data.batch["prompts"]
+    responses = data.batch["responses"]
+    prompt_mask = data.batch["attention_mask"][:, : prompts.shape[1]].bool()
+    response_len = data.batch["response_mask"].sum(-1).tolist()
+    row_rollouts = list(data.non_tensor_batch["rollout_id_list"])
+    with_ids = matching = 0
+    good_rows: Counter[str] = Counter()
+    for row in range(len(data)):
+        prompt = prompts[row][prompt_mask[row]].tolist()
+        response = responses[row][: response_len[row]].tolist()
+        if prompt and response:
+            with_ids += 1
+            if response == completion_token_ids(prompt, 0, COMPLETION_TOKENS):
+                matching += 1
+                good_rows[row_rollouts[row]] += 1
+    incomplete = sum(good_rows[rid] != calls_for(i) for i, rid in enumerate(rollout_ids))
+    return {
+        "rows": len(data),
+        "rows_with_ids": with_ids,
+        "rows_matching_backend": matching,
+        "rollouts_with_missing_or_wrong_ids": incomplete,
+    }
+
+
+async def _run_daemon(cfg: dict[str, Any]) -> None:
+    from aglverl import AgentDaemon, BatchConfig
+
+    counter = _LogCounter()
+    for name in ("", "uvicorn", "uvicorn.error"):
+        logging.getLogger(name).addHandler(counter)
+    logging.getLogger().addHandler(logging.StreamHandler())  # keep printing what lastResort would have
+    logging.getLogger().setLevel(logging.WARNING)
+    pid = os.getpid()
+    daemon = AgentDaemon(
+        port=0,
+        proxy_port=0,
+        backends=[cfg["mock_url"]],
+        model=MODEL,
+        batch=BatchConfig(max_prompt_length=PROMPT_WIDTH, max_response_length=RESPONSE_WIDTH),
+        lease_seconds=600,
+    )
+    async with daemon:
+        emit({"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "pid": pid})
+        async for cmd in stdin_commands():
+            samples = [{"i": i, "text": task_text(i)} for i in range(cmd["tasks"])]
+            cpu0 = proc_cpu_seconds(pid)
+            t0 = time.perf_counter()
+            step = await daemon.submit(samples)
+            batch = await daemon.batches.receive()
+            wall = time.perf_counter() - t0
+            cpu = proc_cpu_seconds(pid) - cpu0
+            assert batch.step == step.number
+            keep = ("batch/", "step/n_", "step/seconds")
+            emit(
+                {
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "peak_rss_bytes": peak_rss_bytes(pid),
+                    "ids": _check_rows(batch.data, step.rollout_ids),
+                    "metrics": {k: v for k, v in batch.metrics.items() if k.startswith(keep)},
+                    "log_warnings": counter.count,
+                    "log_first": counter.first,
+                }
+            )
+
+
+async def _run_baseline(cfg: dict[str, Any]) -> None:
+    """A bare aiohttp task server: a queue with long-poll, a POST counter, an event at the last post."""
+    import asyncio
+
+    from aiohttp import web
+
+    from aglverl._net import bind_listener, url_of
+
+    loop = asyncio.get_running_loop()
+    queue: deque[dict[str, Any]] = deque()
+    parked: deque[asyncio.Future[dict[str, Any]]] = deque()
+    state: dict[str, Any] = {"remaining": set(), "done": asyncio.Event()}
+    resources = {
+        "resources_id": "bare",
+        "resources": {
+            "main_llm": {
+                "resource_type": "llm",
+                "endpoint": f"{cfg['mock_url']}/v1",
+                "model": MODEL,
+                "sampling_parameters": {},
+            }
+        },
+    }
+
+    def answer(task: dict[str, Any] | None) -> web.Response:
+        body = orjson.dumps({"is_available": task is not None, "task": task})
+        return web.Response(body=body, content_type="application/json")
+
+    async def get_task(request: web.Request) -> web.Response:
+        if queue:
+            return answer(queue.popleft())
+        wait = float(request.query.get("wait", "0"))
+        if wait <= 0:
+            return answer(None)
+        future: asyncio.Future[dict[str, Any]] = loop.create_future()
+        parked.append(future)
+        with anyio.move_on_after(wait):
+            return answer(await future)
+        return answer(None)
+
+    async def get_resources(request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(resources), content_type="application/json")
+
+    async def post_rollout(request: web.Request) -> web.Response:
+        rollout = orjson.loads(await request.read())
+        remaining: set[str] = state["remaining"]
+        remaining.discard(rollout["rollout_id"])
+        if not remaining:
+            state["done"].set()
+        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/task", get_task)
+    app.router.add_get("/resources/{rid}", get_resources)
+    app.router.add_post("/rollout", post_rollout)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = bind_listener("127.0.0.1", 0)
+    await web.SockSite(runner, sock).start()
+    pid = os.getpid()
+    emit({"server_url": url_of(sock), "pid": pid})
+    try:
+        async for cmd in stdin_commands():
+            number = cmd["number"]
+            tasks = [
+                {
+                    "rollout_id": f"s{number}-{i}",
+                    "attempt_id": "a0",
+                    "input": {"i": i, "text": task_text(i)},
+                    "resources_id": "bare",
+                    "mode": "train",
+                    "metadata": {},
+                }
+                for i in range(cmd["tasks"])
+            ]
+            state["remaining"] = {t["rollout_id"] for t in tasks}
+            state["done"] = done = asyncio.Event()
+            cpu0 = proc_cpu_seconds(pid)
+            t0 = time.perf_counter()
+            queue.extend(tasks)
+            while queue and parked:
+                future = parked.popleft()
+                if not future.done():
+                    future.set_result(queue.popleft())
+            await done.wait()
+            wall = time.perf_counter() - t0
+            emit(
+                {"wall_s": wall, "cpu_s": proc_cpu_seconds(pid) - cpu0, "peak_rss_bytes": peak_rss_bytes(pid)}
+            )
+    finally:
+        await runner.cleanup()
+
+
+async def _run_agents(cfg: dict[str, Any]) -> None:
+    """``cfg["agents"]`` agent loops sharing one aiohttp session; ``stats`` returns and resets the counters."""
+    from aglverl.models import ProxyLLM, ResourcesUpdate
+
+    server = cfg["server_url"]
+    stream = bool(cfg["stream"])
+    latencies: list[float] = []
+    counts = {"calls": 0, "tasks": 0, "errors": 0}
+    first_errors: list[str] = []
+    llms: dict[str, Any] = {}
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+    )
+
+    async def llm_of(task: dict[str, Any]) -> tuple[str, str]:
+        rid = task["resources_id"]
+        llm = llms.get(rid)
+        if llm is None:
+            async with session.get(f"{server}/resources/{rid}") as resp:
+                update = ResourcesUpdate.model_validate_json(await resp.read())
+            llm = llms[rid] = update.resources["main_llm"]
+        if isinstance(llm, ProxyLLM):
+            return llm.get_base_url(task["rollout_id"], task["attempt_id"]), llm.model
+        return llm.endpoint, llm.model
+
+    async def chat(url: str, body: dict[str, Any]) -> str:
+        started = time.perf_counter()
+        async with session.post(url, data=orjson.dumps(body), headers=JSON_HEADERS) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"chat call answered {resp.status}: {(await resp.read())[:200]!r}")
+            if stream:
+                content = await _read_sse(resp)
+            else:
+                content = orjson.loads(await resp.read())["choices"][0]["message"]["content"]
+        latencies.append(time.perf_counter() - started)
+        counts["calls"] += 1
+        return content
+
+    async def solve(task: dict[str, Any]) -> dict[str, Any]:
+        base, model = await llm_of(task)
+        index = task["input"]["i"]
+        messages = [{"role": "user", "content": task["input"]["text"]}]
+        for _ in range(calls_for(index)):
+            body = {"model": model, "messages": messages, "max_tokens": COMPLETION_TOKENS, "stream": stream}
+            content = await chat(f"{base}/chat/completions", body)
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "again"}]
+        return {"rollout_id": task["rollout_id"], "attempt_id": task["attempt_id"], "final_reward": index % 2}
+
+    async def agent() -> None:
+        while True:
+            async with session.get(f"{server}/task?wait={LONG_POLL_SECONDS:g}") as resp:
+                task = orjson.loads(await resp.read()).get("task")
+            if not task:
+                continue
+            try:
+                result = await solve(task)
+            except Exception as exc:  # reported, and posted as a failed attempt like a real agent would
+                counts["errors"] += 1
+                if len(first_errors) < 5:
+                    first_errors.append(repr(exc)[:300])
+                result = {
+                    "rollout_id": task["rollout_id"],
+                    "attempt_id": task["attempt_id"],
+                    "status": "failed",
+                }
+            async with session.post(
+                f"{server}/rollout", data=orjson.dumps(result), headers=JSON_HEADERS
+            ) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    counts["errors"] += 1
+            counts["tasks"] += 1
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(cfg["agents"]):
+                tg.start_soon(agent)
+            emit({"pid": os.getpid()})
+            async for _ in stdin_commands():
+                emit({**counts, "first_errors": first_errors, "latencies": [round(x, 6) for x in latencies]})
+                latencies.clear()
+                counts.update(calls=0, tasks=0, errors=0)
+            tg.cancel_scope.cancel()
+    finally:
+        await session.close()
+
+
+async def _read_sse(resp: aiohttp.ClientResponse) -> str:
+    """The assistant text of a streamed chat completion, parsed event by event as chunks arrive."""
+    parts: list[str] = []
+    pending = b""
+    async for chunk in resp.content.iter_any():
+        pending += chunk
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: "):
+                continue
+            payload = event[6:]
+            if payload == b"[DONE]":
+                return "".join(parts)
+            choices = orjson.loads(payload).get("choices") or []
+            if choices:
+                parts.append(choices[0].get("delta", {}).get("content") or "")
+    raise RuntimeError("stream ended without [DONE]")
+
+
+def _child_main(role: str, cfg: dict[str, Any]) -> None:
+    runners = {"mock": _run_mock, "daemon": _run_daemon, "baseline": _run_baseline, "agents": _run_agents}
+    anyio.run(runners[role], cfg)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+@dataclass
+class System:
+    """A task server child (the daemon, or the bare baseline) with its agent children."""
+
+    name: str
+    server: JsonChild
+    agents: list[JsonChild]
+    steps: int = 0
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, name: str, mock_url: str, agents: int, procs: int, stream: bool) -> System:
+        server = await JsonChild.start(_child_args(name, {"mock_url": mock_url}))
+        children: list[JsonChild] = []
+        try:
+            for p in range(procs):
+                share = agents // procs + (p < agents % procs)
+                cfg = {"server_url": server.info["server_url"], "agents": share, "stream": stream}
+                children.append(await JsonChild.start(_child_args("agents", cfg)))
+        except BaseException:
+            for child in children:
+                await child.kill()
+            await server.kill()
+            raise
+        return cls(name, server, children)
+
+    async def step(self, tasks: int) -> dict[str, Any]:
+        self.steps += 1
+        return await self.server.request({"cmd": "step", "tasks": tasks, "number": self.steps})
+
+    async def agent_stats(self) -> dict[str, Any]:
+        total: dict[str, Any] = {"calls": 0, "tasks": 0, "errors": 0, "first_errors": [], "latencies": []}
+        for child in self.agents:
+            stats = await child.request({"cmd": "stats"})
+            for key in ("calls", "tasks", "errors", "first_errors", "latencies"):
+                total[key] += stats[key]
+        return total
+
+    async def stop(self, *, kill: bool = False) -> None:
+        for child in [*self.agents, self.server]:
+            await (child.kill() if kill else child.stop())
+
+
+class _Cpu:
+    """CPU seconds of every benchmark process, and of the whole machine, between two snapshots."""
+
+    def __init__(self, children: dict[str, JsonChild]) -> None:
+        self.pids = {name: c.pid for name, c in children.items()} | {"orchestrator": os.getpid()}
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: proc_cpu_seconds(pid) for name, pid in self.pids.items()} | {
+            "_machine": system_busy_seconds()
+        }
+
+    @staticmethod
+    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        d = {k: after[k] - before[k] for k in before}
+        d["_foreign"] = max(0.0, d["_machine"] - sum(v for k, v in d.items() if not k.startswith("_")))
+        return d
+
+
+async def _probe_healthz(url: str, interval: float, out: list[float]) -> None:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        while True:
+            started = time.perf_counter()
+            async with session.get(url) as resp:
+                await resp.read()
+            out.append(time.perf_counter() - started)
+            await anyio.sleep(interval)
+
+
+async def measure_once(
+    system: System, mock: JsonChild, work: Work, *, healthz_interval: float, deadline: float
+) -> dict[str, Any]:
+    """One measured step of ``work`` on ``system``; ``TimeoutError`` past ``deadline`` seconds."""
+    children = {"server": system.server, "mock": mock} | {
+        f"agents{i}": a for i, a in enumerate(system.agents)
+    }
+    cpu = _Cpu(children)
+    health: list[float] = []
+    probe = healthz_interval > 0 and system.name == "daemon"
+    async with anyio.create_task_group() as tg:
+        if probe:
+            url = f"{system.server.info['server_url']}/healthz"
+            async with aiohttp.ClientSession() as s, s.get(url) as r:  # also checks the route answers
+                await r.read()
+            tg.start_soon(_probe_healthz, url, healthz_interval, health)
+        before = cpu.snapshot()
+        with anyio.fail_after(deadline):
+            result = await system.step(work.tasks)
+        after = cpu.snapshot()
+        tg.cancel_scope.cancel()
+    stats = await system.agent_stats()
+    d = cpu.delta(before, after)
+    result["cpu"] = d
+    result["agents"] = stats
+    result["healthz"] = health
+    return result
+
+
+def summarize(name: str, work: Work, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures over its measured steps (medians; latencies pooled)."""
+    desc = work.describe()
+    walls = [r["wall_s"] for r in runs]
+    wall = statistics.median(walls)
+    n, calls = work.tasks, desc["llm_calls"]
+
+    def per_rollout_ms(key: str) -> float:
+        return round(
+            statistics.median(sum(v for k, v in r["cpu"].items() if k.startswith(key)) for r in runs)
+            / n
+            * 1e3,
+            4,
+        )
+
+    out: dict[str, Any] = {
+        "wall_s": round(wall, 4),
+        "walls_s": [round(w, 4) for w in walls],
+        "efficiency": round(desc["ideal_wall_s"] / wall, 4),
+        "efficiency_vs_simulated_zero_overhead": round(desc["simulated_zero_overhead_wall_s"] / wall, 4),
+        "rollouts_per_s": round(n / wall, 1),
+        "llm_calls_per_s": round(calls / wall, 1),
+        "agent_llm_latency_ms": summary_ms([x for r in runs for x in r["agents"]["latencies"]]),
+        "server_cpu_s_per_rollout": round(statistics.median(r["cpu_s"] for r in runs) / n, 7),
+        "server_peak_rss_mb": round(max(r["peak_rss_bytes"] for r in runs) / 2**20, 1),
+        "cpu_ms_per_rollout": {
+            "server": per_rollout_ms("server"),
+            "agents": per_rollout_ms("agents"),
+            "mock": per_rollout_ms("mock"),
+            "orchestrator": per_rollout_ms("orchestrator"),
+            "other_programs_on_machine": per_rollout_ms("_foreign"),
+        },
+        "agent_calls_made": [r["agents"]["calls"] for r in runs],
+        "agent_errors": sum(r["agents"]["errors"] for r in runs),
+        "agent_first_errors": [e for r in runs for e in r["agents"]["first_errors"]][:5],
+    }
+    if name == "daemon":
+        ids = [r["ids"] for r in runs]
+        made = sum(r["agents"]["calls"] for r in runs)
+        out["daemon_cpu_s_per_rollout"] = out.pop("server_cpu_s_per_rollout")
+        out["daemon_peak_rss_mb"] = out.pop("server_peak_rss_mb")
+        out["token_ids"] = {
+            "calls_made": made,
+            "rows": sum(i["rows"] for i in ids),
+            "rows_with_ids": sum(i["rows_with_ids"] for i in ids),
+            "rows_matching_backend": sum(i["rows_matching_backend"] for i in ids),
+            "rollouts_with_missing_or_wrong_ids": sum(i["rollouts_with_missing_or_wrong_ids"] for i in ids),
+            "captured_over_expected": round(sum(i["rows_matching_backend"] for i in ids) / made, 6)
+            if made
+            else None,
+        }
+        out["healthz_ms"] = summary_ms([x for r in runs for x in r["healthz"]])
+        out["batch_metrics_last_step"] = {
+            k: v for k, v in runs[-1]["metrics"].items() if not k.endswith("_mean")
+        }
+        out["daemon_log_warnings"] = runs[-1]["log_warnings"]
+        out["daemon_log_first"] = runs[-1]["log_first"]
+    else:
+        out["bare_server_cpu_s_per_rollout"] = out.pop("server_cpu_s_per_rollout")
+        out["bare_server_peak_rss_mb"] = out.pop("server_peak_rss_mb")
+    return out
+
+
+def targets(work: Work, ours: dict[str, Any]) -> dict[str, Any]:
+    t: dict[str, Any] = {
+        "efficiency": {
+            "target": f">= {TARGETS['efficiency_min']}",
+            "measured": ours["efficiency"],
+            "met": ours["efficiency"] >= TARGETS["efficiency_min"],
+        },
+        "token_ids_ratio": {
+            "target": TARGETS["token_ids_ratio"],
+            "measured": ours["token_ids"]["captured_over_expected"],
+            "met": ours["token_ids"]["captured_over_expected"] == TARGETS["token_ids_ratio"],
+        },
+    }
+    if work.agents >= 512:
+        p99 = ours["healthz_ms"].get("p99", math.inf)
+        t["healthz_p99_ms"] = {
+            "target": f"<= {TARGETS['healthz_p99_ms_max_at_512_agents']}",
+            "measured": p99,
+            "met": p99 <= TARGETS["healthz_p99_ms_max_at_512_agents"],
+        }
+    return t
+
+
+async def run_point(
+    mock: JsonChild,
+    work: Work,
+    *,
+    stream: bool,
+    baseline: bool,
+    repeats: int,
+    warmup_tasks: int,
+    agent_procs: int,
+    healthz_interval: float,
+    deadline: float,
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """Start the systems, warm up, measure ``repeats`` steps (alternating systems), stop; one JSON object."""
+    names = ["daemon", "baseline"] if baseline else ["daemon"]
+    systems: list[System] = []
+    killed = False
+    record: dict[str, Any] = {
+        "benchmark": "control_plane",
+        "stream": stream,
+        "work": work.describe(),
+        "repeats": repeats,
+        "machine": machine_info(),
+    }
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        for name in names:
+            systems.append(await System.start(name, mock.info["url"], work.agents, agent_procs, stream))
+        for system in systems:
+            with anyio.fail_after(deadline):
+                await system.step(min(work.tasks, warmup_tasks))
+            await system.agent_stats()
+        if profile is not None:
+            spy = _start_py_spy(systems[0].server.pid, profile)
+        for _ in range(repeats):
+            for system in systems:
+                system.runs.append(
+                    await measure_once(
+                        system, mock, work, healthz_interval=healthz_interval, deadline=deadline
+                    )
+                )
+    except TimeoutError:
+        killed = True
+        record["skipped"] = f"a step did not finish within {deadline:.0f} s (cap per point); processes killed"
+        return record
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=60)
+        for system in systems:
+            await system.stop(kill=killed)
+    ours = summarize("daemon", work, systems[0].runs)
+    record["aglverl"] = ours
+    if baseline:
+        bare = summarize("baseline", work, systems[1].runs)
+        record["baseline_bare_aiohttp_direct_to_mock"] = bare
+        record["daemon_cost"] = {
+            "wall_ratio_daemon_over_bare": round(ours["wall_s"] / bare["wall_s"], 3),
+            "efficiency_ratio_daemon_over_bare": round(ours["efficiency"] / bare["efficiency"], 3),
+            "extra_wall_s": round(ours["wall_s"] - bare["wall_s"], 4),
+        }
+    record["targets"] = targets(work, ours)
+    if (work.tasks, work.agents, work.latency) == (256, 32, 0.05):
+        record["reference_default_work"] = REFERENCE_DEFAULT_WORK
+        record["speedup_vs_old_daemon"] = round(10.0 / ours["wall_s"], 1)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- profiling
+def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling ``pid`` (all threads, idle excluded) into collapsed stacks; returns once attached."""
+    exe = Path(sys.executable).with_name("py-spy")
+    cmd = [
+        str(exe),
+        "record",
+        "--pid",
+        str(pid),
+        "--format",
+        "raw",
+        "--rate",
+        "250",
+        "--nonblocking",
+        "-o",
+        str(out),
+    ]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert spy.stderr is not None
+    line = spy.stderr.readline()  # "py-spy> Sampling process ..." once attached
+    if b"Sampling" not in line:
+        raise RuntimeError(f"py-spy did not start: {line!r}")
+    return spy
+
+
+def _frame_key(frame: str) -> str:
+    name, _, where = frame.partition(" (")
+    path = where.split(":", 1)[0]
+    for marker in ("site-packages/", "lib/python3.11/", "/work/main/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return f"{name} ({path})"
+
+
+def summarize_profile(path: Path, top: int = 25) -> dict[str, Any]:
+    """Self and inclusive sample shares per function, and self share per library, from collapsed stacks."""
+    self_counts: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    libs: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = [_frame_key(f) for f in stack.split(";") if "(" in f]
+        if not frames:
+            continue
+        total += count
+        self_counts[frames[-1]] += count
+        for key in set(frames):
+            incl[key] += count
+        leaf_path = frames[-1].rsplit("(", 1)[1].rstrip(")")
+        libs[leaf_path.split("/", 1)[0].removesuffix(".py")] += count
+
+    def share(c: Counter[str]) -> list[list[Any]]:
+        return [[k, round(v / total * 100, 1)] for k, v in c.most_common(top)]
+
+    return {
+        "samples": total,
+        "self_percent": share(self_counts),
+        "inclusive_percent": share(incl),
+        "self_percent_by_library": share(libs),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- sweep output
+TABLE_HEAD = (
+    "| N | M | stream | ideal s | zero-overhead s | wall s | efficiency | eff. vs zero-overhead | rollouts/s "
+    "| LLM calls/s | LLM p50 / p99 ms | daemon CPU ms/rollout | peak RSS MB | ids | /healthz p99 ms "
+    "| other programs' CPU s |\n"
+    "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def table_row(rec: dict[str, Any]) -> str:
+    w = rec["work"]
+    head = f"| {w['tasks']} | {w['agents']} | {'sse' if rec['stream'] else 'json'} | {w['ideal_wall_s']:.3f} "
+    head += f"| {w['simulated_zero_overhead_wall_s']:.3f} "
+    if "aglverl" not in rec:
+        return head + f"| skipped: {rec.get('skipped', '?')} |" + " |" * 10
+    a = rec["aglverl"]
+    lat = a["agent_llm_latency_ms"]
+    foreign = a["cpu_ms_per_rollout"]["other_programs_on_machine"] * w["tasks"] / 1e3
+    return head + (
+        f"| {a['wall_s']:.3f} | {a['efficiency']:.3f} | {a['efficiency_vs_simulated_zero_overhead']:.3f} "
+        f"| {a['rollouts_per_s']:.0f} | {a['llm_calls_per_s']:.0f} | {lat['p50']:.1f} / {lat['p99']:.1f} "
+        f"| {a['daemon_cpu_s_per_rollout'] * 1e3:.2f} | {a['daemon_peak_rss_mb']:.0f} "
+        f"| {a['token_ids']['captured_over_expected']} | {a['healthz_ms'].get('p99', float('nan')):.1f} "
+        f"| {foreign:.1f} |"
+    )
+
+
+def plot_sweep(records: list[dict[str, Any]], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if "aglverl" in r]
+    written = []
+    for metric, label, fname in (
+        ("efficiency", "efficiency = ideal / wall", "control_plane_efficiency.png"),
+        ("cpu", "daemon CPU ms per rollout", "control_plane_cpu_per_rollout.png"),
+    ):
+
+        def value(r: dict[str, Any], metric: str = metric) -> float:
+            a = r["aglverl"]
+            return a["efficiency"] if metric == "efficiency" else a["daemon_cpu_s_per_rollout"] * 1e3
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, (x_key, line_key, x_label, line_label) in zip(
+            axes,
+            (("tasks", "agents", "N (tasks)", "M"), ("agents", "tasks", "M (agents)", "N")),
+            strict=True,
+        ):
+            for stream in (False, True):
+                for line in sorted({r["work"][line_key] for r in done}):
+                    pts = sorted(
+                        (r["work"][x_key], value(r))
+                        for r in done
+                        if r["stream"] == stream and r["work"][line_key] == line
+                    )
+                    if pts:
+                        xs, ys = zip(*pts, strict=True)
+                        ax.plot(
+                            xs,
+                            ys,
+                            marker="o",
+                            linestyle="--" if stream else "-",
+                            label=f"{line_label}={line} {'sse' if stream else 'json'}",
+                        )
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(label)
+            if metric == "efficiency":
+                ax.axhline(TARGETS["efficiency_min"], color="grey", linewidth=0.8, linestyle=":")
+                ax.set_ylim(0, 1)
+            else:
+                ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+        fig.suptitle(f"aglverl control plane: {label} (mock latency 50 ms, 1-3 calls/task, 2 cores shared)")
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path.relative_to(HERE.parent)))
+    return written
+
+
+SWEEP_BEGIN = "<!-- control_plane_sweep:begin -->"
+SWEEP_END = "<!-- control_plane_sweep:end -->"
+
+
+def write_sweep_table(table: str) -> None:
+    """Put ``table`` between the sweep markers of RESULTS.md's "## Control plane" section (created if absent)."""
+    block = f"{SWEEP_BEGIN}\n{table}\n{SWEEP_END}"
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
+    if SWEEP_BEGIN in text and SWEEP_END in text:
+        head, rest = text.split(SWEEP_BEGIN, 1)
+        text = head + block + rest.split(SWEEP_END, 1)[1]
+    elif "## Control plane" in text:
+        head, rest = text.split("## Control plane", 1)
+        nxt = rest.find("\n## ")
+        section, tail = (rest, "") if nxt < 0 else (rest[:nxt], rest[nxt:])
+        text = head + "## Control plane" + section.rstrip("\n") + "\n\n" + block + "\n" + tail
+    else:
+        text = text.rstrip("\n") + "\n\n## Control plane\n\n" + block + "\n"
+    RESULTS_MD.write_text(text)
+
+
+# ---------------------------------------------------------------------------------------------- main
+async def main_async(args: argparse.Namespace) -> None:
+    latency = args.latency_ms / 1e3
+    mock = await JsonChild.start(_child_args("mock", {"latency": latency}))
+    try:
+        if args.sweep:
+            await sweep(mock, args, latency)
+            return
+        work = Work(args.tasks, args.agents, latency)
+        profile_path = RESULTS_DIR / "control_plane_profile.txt" if args.profile else None
+        if profile_path is not None:
+            RESULTS_DIR.mkdir(exist_ok=True)
+        record = await run_point(
+            mock,
+            work,
+            stream=args.stream,
+            baseline=args.baseline,
+            repeats=args.repeats,
+            warmup_tasks=args.warmup_tasks or max(args.agents, 64),
+            agent_procs=args.agent_procs,
+            healthz_interval=args.healthz_interval,
+            deadline=args.deadline,
+            profile=profile_path,
+        )
+        if profile_path is not None and profile_path.exists():
+            record["profile"] = {
+                "file": str(profile_path.relative_to(HERE.parent)),
+                **summarize_profile(profile_path),
+            }
+        print(json.dumps(record), flush=True)
+    finally:
+        await mock.stop()
+
+
+async def sweep(mock: JsonChild, args: argparse.Namespace, latency: float) -> None:
+    RESULTS_DIR.mkdir(exist_ok=True)
+    started = time.monotonic()
+    records = []
+    rows_path = RESULTS_DIR / "control_plane_sweep.jsonl"
+    with rows_path.open("w") as rows:
+        for stream in (False, True):
+            for tasks in SWEEP_TASKS:
+                for agents in SWEEP_AGENTS:
+                    work = Work(tasks, agents, latency)
+                    ideal = work.describe()["ideal_wall_s"]
+                    deadline = min(args.point_cap, max(30.0, 8 * ideal + 20))
+                    record = await run_point(
+                        mock,
+                        work,
+                        stream=stream,
+                        baseline=False,
+                        repeats=1,
+                        warmup_tasks=min(tasks, max(agents, 64)),
+                        agent_procs=args.agent_procs,
+                        healthz_interval=args.healthz_interval,
+                        deadline=deadline,
+                    )
+                    print(json.dumps(record), flush=True)
+                    rows.write(json.dumps(record) + "\n")
+                    records.append(record)
+    done = [r for r in records if "aglverl" in r]
+    cpu = [r["aglverl"]["daemon_cpu_s_per_rollout"] * 1e3 for r in done]
+    at512 = [r["aglverl"]["healthz_ms"].get("p99") for r in done if r["work"]["agents"] == 512]
+    table = "\n".join([TABLE_HEAD, *(table_row(r) for r in records)])
+    (RESULTS_DIR / "control_plane_sweep.md").write_text(table + "\n")
+    if args.write_results:
+        write_sweep_table(table)
+    plots = plot_sweep(records, RESULTS_DIR)
+    spread = max(cpu) / min(cpu) if cpu else math.nan
+    summary = {
+        "benchmark": "control_plane_sweep_summary",
+        "points": len(records),
+        "skipped": [
+            {
+                "tasks": r["work"]["tasks"],
+                "agents": r["work"]["agents"],
+                "stream": r["stream"],
+                "why": r["skipped"],
+            }
+            for r in records
+            if "skipped" in r
+        ],
+        "sweep_seconds": round(time.monotonic() - started, 1),
+        "daemon_cpu_ms_per_rollout": {
+            "min": round(min(cpu), 3),
+            "max": round(max(cpu), 3),
+            "max_over_min": round(spread, 3),
+            "target": f"roughly constant (max/min <= {TARGETS['cpu_per_rollout_spread_max']})",
+            "met": spread <= TARGETS["cpu_per_rollout_spread_max"],
+        },
+        "healthz_p99_ms_at_512_agents": {
+            "measured": at512,
+            "target": f"<= {TARGETS['healthz_p99_ms_max_at_512_agents']}",
+            "met": all(x is not None and x <= TARGETS["healthz_p99_ms_max_at_512_agents"] for x in at512),
+        },
+        "efficiency": {
+            f"{r['work']['tasks']}x{r['work']['agents']}{'-sse' if r['stream'] else ''}": r["aglverl"][
+                "efficiency"
+            ]
+            for r in done
+        },
+        "plots": plots,
+        "table_markdown": table,
+        "machine": machine_info(),
+    }
+    print(json.dumps(summary), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", type=int, default=256, help="N: tasks per step (default 256)")
+    p.add_argument("--agents", type=int, default=32, help="M: concurrent agents (default 32)")
+    p.add_argument("--latency-ms", type=float, default=50.0, help="mock latency per LLM call (default 50)")
+    p.add_argument("--stream", action="store_true", help="agents make streaming (SSE) chat calls")
+    p.add_argument(
+        "--baseline", action="store_true", help="also measure a bare aiohttp server, agents -> mock"
+    )
+    p.add_argument("--sweep", action="store_true", help="N in {256,1024,4096} x M in {32,128,512} x stream")
+    p.add_argument("--profile", action="store_true", help="py-spy the daemon during the measured steps")
+    p.add_argument("--repeats", type=int, default=5, help="measured steps per system (median reported)")
+    p.add_argument(
+        "--warmup-tasks", type=int, default=0, help="tasks in the warm-up step (default max(M, 64))"
+    )
+    p.add_argument("--agent-procs", type=int, default=1, help="processes the M agents are split across")
+    p.add_argument(
+        "--healthz-interval", type=float, default=0.01, help="seconds between /healthz probes (0: off)"
+    )
+    p.add_argument("--deadline", type=float, default=120.0, help="cap on one step, seconds")
+    p.add_argument("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
+    p.add_argument("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        _child_main(args.child[0], json.loads(args.child[1]))
+        return
+    anyio.run(main_async, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""Latency, throughput and CPU cost the LLM proxy adds over calling the backend directly.
+
+Run: ``python benchmarks/proxy.py [--quick] [--proxy-uvloop]``. Prints ONE JSON object on stdout.
+
+Separate processes, so each CPU figure belongs to one program:
+- a :class:`~aglverl.testing.MockVLLM` backend (zero latency, 16 completion tokens, nothing recorded);
+- an :class:`~aglverl.proxy.LLMProxy` in front of it, with its own :class:`~aglverl.store.TaskStore` holding
+  claimed rollouts, so every proxied call takes the real path (attribution check, ``return_token_ids``
+  injection, token capture, one ``LLMCall`` recorded per call);
+- the floor: a bare aiohttp pass-through (one handler, one ``ClientSession``, nothing else), measured in the
+  same sequential run, to tell what any aiohttp hop costs on this machine from what the proxy adds to it;
+- this process: the aiohttp load generator, which calls the mock directly, through the proxy and through the
+  floor with the same request bytes.
+
+Added latency is ``percentile(proxied) - percentile(direct)`` (sequential calls interleave the targets so all
+see the same machine state); time to first byte is measured to the first body chunk of a streamed chat
+completion. CPU is read from ``/proc/<pid>/stat`` (utime + stime) around each phase. All processes use the
+default asyncio loop unless ``--proxy-uvloop`` (then the proxy and the floor run on uvloop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import anyio
+import orjson
+
+#: What the proxy must achieve (ms); the old designs for reference.
+TARGETS_MS = {"added_latency_p50_idle": 0.5, "added_ttfb_p50": 1.0}
+REFERENCE_MS = {"flask_proxy_added_latency": 5.0, "litellm_proxy_added_latency": 57.0}
+COMPLETION_TOKENS = 16
+ROLLOUTS = 256  # one per concurrent client at the highest concurrency
+BODY = orjson.dumps(
+    {
+        "model": "mock",
+        "messages": [{"role": "user", "content": "Say yes, please."}],
+        "max_tokens": COMPLETION_TOKENS,
+    }
+)
+STREAM_BODY = orjson.dumps({**orjson.loads(BODY), "stream": True})
+HEADERS = {"Content-Type": "application/json"}
+
+
+# ---------------------------------------------------------------------------------------------- children
+async def _until_terminated() -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return
+
+
+async def _run_mock() -> None:
+    from aglverl.testing import MockVLLM
+
+    async with MockVLLM(completion_tokens=COMPLETION_TOKENS, record_requests=False) as mock:
+        print(json.dumps({"url": mock.url}), flush=True)
+        await _until_terminated()
+
+
+async def _run_proxy(backend: str) -> None:
+    from aglverl.proxy import LLMProxy
+    from aglverl.store import TaskStore
+
+    store = TaskStore(lease_seconds=3600)
+    proxy = LLMProxy(store, backends=[backend])
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)
+        bases = []
+        for i in range(ROLLOUTS):
+            store.enqueue({"i": i})
+            task = store.try_claim()
+            assert task is not None and task.attempt_id is not None
+            bases.append(proxy.llm_resource("mock").get_base_url(task.rollout_id, task.attempt_id))
+        print(json.dumps({"url": proxy.url, "bases": bases}), flush=True)
+        await _until_terminated()
+        tg.cancel_scope.cancel()
+
+
+async def _run_bare(backend: str) -> None:
+    """The floor: an aiohttp server that forwards the body to the backend with one ClientSession, nothing else."""
+    from aiohttp import web
+
+    from aglverl._net import bind_listener, url_of
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            url = f"{backend}/v1/{request.match_info['path']}"
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as upstream:
+                data = await upstream.read()
+                return web.Response(status=upstream.status, body=data, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/v1/{path:.*}", forward)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        sock = bind_listener("127.0.0.1", 0)
+        await web.SockSite(runner, sock).start()
+        print(json.dumps({"url": url_of(sock)}), flush=True)
+        try:
+            await _until_terminated()
+        finally:
+            await runner.cleanup()
+
+
+def _child_main(role: str, backend: str | None, use_uvloop: bool) -> None:
+    if role == "mock":
+        anyio.run(_run_mock)
+        return
+    assert backend is not None
+    options = {"use_uvloop": True} if use_uvloop else {}
+    anyio.run(_run_bare if role == "bare" else _run_proxy, backend, backend_options=options)
+
+
+class Child:
+    """A benchmark server in its own process; its first stdout line is a JSON object describing it."""
+
+    def __init__(self, *args: str) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark child {args} exited before starting")
+        self.info: dict[str, Any] = json.loads(line)
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------- load
+async def call(session: aiohttp.ClientSession, url: str, body: bytes = BODY) -> float:
+    started = time.perf_counter()
+    async with session.post(url, data=body, headers=HEADERS) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{url} answered {response.status}")
+    return time.perf_counter() - started
+
+
+async def first_byte(session: aiohttp.ClientSession, url: str) -> float:
+    started = time.perf_counter()
+    async with session.post(url, data=STREAM_BODY, headers=HEADERS) as response:
+        await response.content.readany()
+        elapsed = time.perf_counter() - started
+        await response.read()
+    return elapsed
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def summary_ms(samples: list[float]) -> dict[str, float]:
+    return {
+        "p50": round(pct(samples, 50) * 1e3, 3),
+        "p99": round(pct(samples, 99) * 1e3, 3),
+        "mean": round(statistics.fmean(samples) * 1e3, 3),
+    }
+
+
+def added_ms(direct: dict[str, float], proxied: dict[str, float]) -> dict[str, float]:
+    return {k: round(proxied[k] - direct[k], 3) for k in ("p50", "p99")}
+
+
+async def alternating(n: int, *targets: Callable[[], Awaitable[float]]) -> list[list[float]]:
+    """``n`` calls to each target, interleaved (rotating who goes first) so all see the same machine state."""
+    samples: list[list[float]] = [[] for _ in targets]
+    for i in range(n):
+        for k in range(len(targets)):
+            j = (i + k) % len(targets)
+            samples[j].append(await targets[j]())
+    return samples
+
+
+async def concurrent(
+    session: aiohttp.ClientSession, urls: list[str], clients: int, per_client: int
+) -> tuple[list[float], float]:
+    latencies: list[float] = []
+
+    async def client(i: int) -> None:
+        url = urls[i % len(urls)]
+        for _ in range(per_client):
+            latencies.append(await call(session, url))
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(clients):
+            tg.start_soon(client, i)
+    return latencies, time.perf_counter() - started
+
+
+async def measure(mock: Child, proxy: Child, bare: Child, quick: bool) -> dict[str, Any]:
+    direct_url = f"{mock.info['url']}/v1/chat/completions"
+    bare_url = f"{bare.info['url']}/v1/chat/completions"
+    bases: list[str] = proxy.info["bases"]
+    proxied_urls = [f"{b}/chat/completions" for b in bases]
+    seq_n, ttfb_n = (300, 150) if quick else (2000, 600)
+    per_client = {64: 10 if quick else 40, 256: 4 if quick else 12}
+    out: dict[str, Any] = {}
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as ds,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as ps,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as bs,
+    ):
+        await alternating(  # warm-up
+            200, lambda: call(ds, direct_url), lambda: call(ps, proxied_urls[0]), lambda: call(bs, bare_url)
+        )
+        proxy_cpu, mock_cpu, proxied_calls, direct_calls = 0.0, 0.0, 0, 0
+
+        def cpu() -> tuple[float, float]:
+            return proxy.cpu_seconds(), mock.cpu_seconds()
+
+        c0, b0 = cpu(), bare.cpu_seconds()
+        d, p, b = await alternating(
+            seq_n, lambda: call(ds, direct_url), lambda: call(ps, proxied_urls[0]), lambda: call(bs, bare_url)
+        )
+        c1, b1 = cpu(), bare.cpu_seconds()
+        proxy_cpu += c1[0] - c0[0]
+        proxied_calls += seq_n
+        mock_cpu += c1[1] - c0[1]
+        direct_calls += 3 * seq_n  # the mock answered every side
+        ds_ms, ps_ms, bs_ms = summary_ms(d), summary_ms(p), summary_ms(b)
+        out["sequential"] = {
+            "calls": seq_n,
+            "direct_ms": ds_ms,
+            "proxied_ms": ps_ms,
+            "added_ms": added_ms(ds_ms, ps_ms),
+            "proxy_cpu_ms_per_request": round((c1[0] - c0[0]) / seq_n * 1e3, 4),
+        }
+        out["floor_bare_aiohttp_hop"] = {
+            "what": "a minimal aiohttp server + ClientSession pass-through in its own process, same sequential run",
+            "added_ms": added_ms(ds_ms, bs_ms),
+            "cpu_ms_per_request": round((b1 - b0) / seq_n * 1e3, 4),
+        }
+
+        for clients in (64, 256):
+            k = per_client[clients]
+            d, d_wall = await concurrent(ds, [direct_url], clients, k)
+            c0 = cpu()
+            p, p_wall = await concurrent(ps, proxied_urls, clients, k)
+            c1 = cpu()
+            proxy_cpu += c1[0] - c0[0]
+            proxied_calls += clients * k
+            ds_ms, ps_ms = summary_ms(d), summary_ms(p)
+            out[f"concurrent_{clients}"] = {
+                "calls": clients * k,
+                "direct_ms": ds_ms,
+                "proxied_ms": ps_ms,
+                "added_ms": added_ms(ds_ms, ps_ms),
+                "direct_rps": round(len(d) / d_wall, 1),
+                "proxied_rps": round(len(p) / p_wall, 1),
+                "proxy_cpu_ms_per_request": round((c1[0] - c0[0]) / (clients * k) * 1e3, 4),
+            }
+
+        c0 = cpu()
+        d, p = await alternating(
+            ttfb_n, lambda: first_byte(ds, direct_url), lambda: first_byte(ps, proxied_urls[0])
+        )
+        c1 = cpu()
+        proxy_cpu += c1[0] - c0[0]
+        proxied_calls += ttfb_n
+        ds_ms, ps_ms = summary_ms(d), summary_ms(p)
+        out["stream_first_byte"] = {
+            "calls": ttfb_n,
+            "tokens_per_stream": COMPLETION_TOKENS,
+            "direct_ms": ds_ms,
+            "proxied_ms": ps_ms,
+            "added_ms": added_ms(ds_ms, ps_ms),
+        }
+        out["proxy_cpu_ms_per_request_all_phases"] = round(proxy_cpu / proxied_calls * 1e3, 4)
+        out["mock_cpu_ms_per_request_sequential"] = round(mock_cpu / direct_calls * 1e3, 4)
+    return out
+
+
+def report(results: dict[str, Any], use_uvloop: bool) -> dict[str, Any]:
+    measured = {
+        "added_latency_p50_idle": results["sequential"]["added_ms"]["p50"],
+        "added_ttfb_p50": results["stream_first_byte"]["added_ms"]["p50"],
+    }
+    return {
+        "benchmark": "aglverl LLMProxy overhead vs direct calls to MockVLLM (loopback, separate processes)",
+        "route": "attributed: /rollout/{id}/attempt/{id}/v1/chat/completions (token capture + LLMCall recorded)",
+        "event_loop": {
+            "proxy": "uvloop" if use_uvloop else "asyncio (default)",
+            "mock_and_client": "asyncio",
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "aiohttp": aiohttp.__version__,
+        },
+        "mock": {"latency_s": 0.0, "completion_tokens": COMPLETION_TOKENS},
+        **results,
+        "targets_ms": {
+            name: {"target": target, "measured": measured[name], "met": measured[name] <= target}
+            for name, target in TARGETS_MS.items()
+        },
+        "reference_ms": REFERENCE_MS,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    parser.add_argument("--proxy-uvloop", action="store_true", help="run the proxy child on uvloop")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child_main(args.child[0], args.child[1] if len(args.child) > 1 else None, args.proxy_uvloop)
+        return
+    mock = Child("mock")
+    children = [mock]
+    try:
+        extra = ["--proxy-uvloop"] if args.proxy_uvloop else []
+        proxy = Child("proxy", mock.info["url"], *extra)
+        children.append(proxy)
+        bare = Child("bare", mock.info["url"], *extra)
+        children.append(bare)
+        results = asyncio.run(measure(mock, proxy, bare, args.quick))
+    finally:
+        for child in reversed(children):
+            child.stop()
+    print(json.dumps(report(results, args.proxy_uvloop), indent=2))
+
+
+if __name__ == "__main__":
+    main()

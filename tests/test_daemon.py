@@ -1,0 +1,214 @@
+"""AgentDaemon end to end on loopback: agents (openai SDK via run_agents) -> proxy -> mock vLLM -> batches."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import anyio
+import openai
+import pytest
+
+from aglverl import LLM, AgentDaemon, BatchConfig, ProxyLLM, Rollout, run_agents
+from aglverl.client import AgentClient
+from aglverl.testing.mock_vllm import MockVLLM
+
+pytestmark = pytest.mark.anyio
+
+BATCH = BatchConfig(max_prompt_length=256, max_response_length=16)
+
+
+def _chat_agent(turns: int, *, stream: bool = False):
+    """An agent that holds a multi-turn chat through the per-rollout URL and scores the last answer."""
+
+    async def agent(task_input, llm: LLM) -> float:
+        client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": f"question {task_input['q']}"}]
+        try:
+            for _ in range(turns):
+                if stream:
+                    parts = []
+                    async for chunk in await client.chat.completions.create(
+                        model=llm.model, messages=messages, max_tokens=4, stream=True
+                    ):
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            parts.append(chunk.choices[0].delta.content)
+                    content = "".join(parts)
+                else:
+                    reply = await client.chat.completions.create(
+                        model=llm.model, messages=messages, max_tokens=4
+                    )
+                    content = reply.choices[0].message.content or ""
+                messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "again"}]
+        finally:
+            await client.close()
+        return float(task_input["q"] % 2)
+
+    return agent
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_step_through_proxy_yields_batch_with_the_backends_token_ids(stream: bool) -> None:
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH) as daemon,
+    ):
+        assert isinstance(daemon.main_llm(), ProxyLLM)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_agents(daemon.server_url, _chat_agent(2, stream=stream), concurrency=4))
+            step = await daemon.submit([{"q": 1}, {"q": 2}], n=2)
+            with anyio.fail_after(20):
+                batch = await daemon.batches.receive()
+            tg.cancel_scope.cancel()
+    data = batch.data
+    assert batch.step == step.number
+    assert len(data) == 8  # 2 samples x n=2 x 2 turns
+    assert batch.metrics["step/n_rollouts_with_proxy_triplets"] == 4
+    # Every row's ids are exactly what the mock answered for that call.
+    answered = {}
+    for seen in mock.generation_requests():
+        ((prompt, response),) = mock.expected(seen.json)
+        answered[tuple(prompt)] = response
+    prompts = data.batch["prompts"]
+    mask = data.batch["attention_mask"][:, : BATCH.max_prompt_length].bool()
+    for row in range(len(data)):
+        prompt = prompts[row][mask[row]].tolist()
+        response = data.batch["responses"][row][: int(data.batch["response_mask"][row].sum())].tolist()
+        assert answered[tuple(prompt)] == response
+    # Rewards: q % 2 on the last response token of every turn, GRPO groups per sample.
+    scores = data.batch["token_level_scores"].sum(-1).tolist()
+    assert sorted(scores) == [0.0] * 4 + [1.0] * 4
+    uids = list(data.non_tensor_batch["uid"])
+    assert len(set(uids)) == 2 and all(uids.count(u) == 4 for u in set(uids))
+    assert sorted(data.non_tensor_batch["turn_index_list"].tolist()) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+async def test_validation_step_returns_metrics() -> None:
+    async with (
+        MockVLLM(completion_tokens=3) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH) as daemon,
+    ):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_agents(daemon.server_url, _chat_agent(1), concurrency=2))
+            with anyio.fail_after(20):
+                metrics = await daemon.validate([{"q": 1}, {"q": 3}, {"q": 4}])
+            tg.cancel_scope.cancel()
+    assert metrics["val/n_rollouts"] == 3
+    assert metrics["val/reward"] == pytest.approx(2 / 3)
+    assert metrics["val/turn_count"] == 1 and metrics["val/mean_response_length"] == 3
+
+
+async def test_agent_exception_becomes_a_failed_attempt_that_is_retried() -> None:
+    calls = 0
+
+    async def flaky(task_input, llm: LLM) -> float:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("tool crashed")
+        return 1.0
+
+    async with AgentDaemon(batch=BATCH, max_attempts=2) as daemon, anyio.create_task_group() as tg:
+        tg.start_soon(lambda: run_agents(daemon.server_url, flaky, concurrency=1))
+        step = await daemon.submit([{"q": 0}])
+        with anyio.fail_after(20):
+            report = await step.wait()
+        tg.cancel_scope.cancel()
+    assert calls == 2
+    assert report.metrics["step/n_completed"] == 1 and report.metrics["step/n_requeued"] == 1
+
+
+async def test_agents_cancelled_mid_long_poll_do_not_swallow_the_next_step() -> None:
+    async with AgentDaemon(batch=BATCH) as daemon:
+        async with anyio.create_task_group() as doomed:
+            doomed.start_soon(lambda: run_agents(daemon.server_url, _chat_agent(1), concurrency=8))
+            with anyio.fail_after(10):
+                while len(daemon.store._waiters) < 8:
+                    await anyio.sleep(0.01)
+            doomed.cancel_scope.cancel()  # eight agents vanish while parked in GET /task?wait=...
+        step = await daemon.submit([{"q": i} for i in range(6)])
+
+        async def reward_one(task_input, llm: LLM) -> float:
+            return 1.0
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_agents(daemon.server_url, reward_one, concurrency=2))
+            with anyio.fail_after(10):
+                report = await step.wait()
+            tg.cancel_scope.cancel()
+    assert report.metrics["step/n_completed"] == 6
+    assert report.metrics["step/n_requeued"] == 0  # nothing waited for a lease to expire
+
+
+async def test_agent_lightning_server_verbs_work_against_the_daemon() -> None:
+    async with AgentDaemon(batch=BATCH) as daemon, AgentClient(daemon.server_url) as client:
+        rid = await daemon.queue_task({"q": 7}, mode="val", metadata={"source": "old"})
+        task = await client.next_task(wait=1)
+        assert task is not None and task.rollout_id == rid and task.metadata == {"source": "old"}
+        assert await daemon.get_completed_rollout(rid) is None
+        async with anyio.create_task_group() as tg:
+
+            async def report() -> None:
+                await client.post_rollout(Rollout(rollout_id=rid, final_reward=0.75))
+
+            tg.start_soon(report)
+            with anyio.fail_after(5):
+                rollout = await daemon.wait_for_rollout(rid, timeout=10)
+        assert rollout is not None and rollout.final_reward == 0.75
+        other = await daemon.queue_task({"q": 8})
+        task = await client.next_task(wait=1)
+        assert task is not None
+        await client.post_rollout(Rollout(rollout_id=other, final_reward=0.5))
+        assert [r.rollout_id for r in await daemon.retrieve_completed_rollouts()] == [other]
+        assert await daemon.retrieve_completed_rollouts() == []
+
+
+async def test_plain_llm_resource_for_agent_lightning_01_clients() -> None:
+    async with (
+        AgentDaemon(llm_resource="plain", model="m") as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        update = await client.resources()
+        assert update is not None
+        llm = update.resources["main_llm"]
+        assert type(llm) is LLM and llm.endpoint == f"{daemon.proxy_url}/v1" and llm.model == "m"
+
+
+async def test_leaving_the_block_shuts_everything_down() -> None:
+    threads_before = set(threading.enumerate())
+    tasks_before = asyncio.all_tasks()
+    async with MockVLLM() as mock:
+        async with AgentDaemon(backends=[mock.url], model="mock", batch=BATCH) as daemon:
+            addresses = [daemon.server_url, daemon.proxy_url]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: run_agents(daemon.server_url, _chat_agent(1), concurrency=3))
+                step = await daemon.submit([{"q": 1}])
+                with anyio.fail_after(20):
+                    await daemon.batches.receive()
+                tg.cancel_scope.cancel()
+            await step.wait()
+    for url in addresses:
+        host, port = url.removeprefix("http://").split(":")
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), timeout=1).close()
+    assert asyncio.all_tasks() - tasks_before == set()
+    # Idle pool threads of the event loop itself may stay: anyio's worker threads (batches are built off the
+    # loop) and asyncio's default executor (aiohttp resolves host names there). The loop owns and closes them.
+    loop_pools = ("AnyIO worker", "asyncio_")
+    left = [t for t in set(threading.enumerate()) - threads_before if not t.name.startswith(loop_pools)]
+    assert left == []
+
+
+async def test_heartbeats_keep_a_long_rollout_from_being_requeued() -> None:
+    async def slow(task_input, llm: LLM) -> float:
+        await anyio.sleep(0.8)  # longer than the lease
+        return 1.0
+
+    async with AgentDaemon(batch=BATCH, lease_seconds=0.3) as daemon, anyio.create_task_group() as tg:
+        tg.start_soon(lambda: run_agents(daemon.server_url, slow, concurrency=2, heartbeat_seconds=0.1))
+        step = await daemon.submit([{"q": 0}])
+        with anyio.fail_after(10):
+            report = await step.wait()
+        tg.cancel_scope.cancel()
+    assert report.metrics["step/n_completed"] == 1 and report.metrics["step/n_requeued"] == 0

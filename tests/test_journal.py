@@ -1,0 +1,180 @@
+"""Durability: accepted results reach the journal before the 200; a restarted daemon recovers its step."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import orjson
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from aglverl import AgentDaemon, BatchConfig, Rollout, Triplet
+from aglverl.client import AgentClient
+from aglverl.journal import Journal, read_records
+
+pytestmark = pytest.mark.anyio
+
+BATCH = BatchConfig(max_prompt_length=8, max_response_length=8)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rollout(task, reward: float = 1.0) -> Rollout:
+    ids = [int(task.input["i"]) + 1]
+    return Rollout(
+        rollout_id=task.rollout_id,
+        attempt_id=task.attempt_id,
+        final_reward=reward,
+        triplets=[Triplet(prompt={"token_ids": ids}, response={"token_ids": ids * 2})],
+    )
+
+
+async def test_accepted_result_is_in_the_journal_before_the_agent_hears_ok(tmp_path: Path) -> None:
+    path = tmp_path / "run.journal"
+    async with (
+        AgentDaemon(journal_path=path, batch=BATCH) as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        await daemon.submit([{"i": 0}])
+        task = await client.next_task(wait=1)
+        assert task is not None
+        await client.post_rollout(_rollout(task, 0.5))
+        results = [r for r in read_records(path) if r["kind"] == "result"]
+        assert [(r["rollout_id"], r["attempt_id"], r["result"]["final_reward"]) for r in results] == [
+            (task.rollout_id, task.attempt_id, 0.5)
+        ]
+        await daemon.batches.receive()
+
+
+async def test_restart_recovers_finished_rollouts_and_reissues_only_unfinished_ones(tmp_path: Path) -> None:
+    path = tmp_path / "run.journal"
+    async with (
+        AgentDaemon(journal_path=path, batch=BATCH) as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        step = await daemon.submit([{"i": i} for i in range(4)])
+        tasks = [await client.next_task(wait=1) for _ in range(3)]
+        for task in tasks[:2]:
+            assert task is not None
+            await client.post_rollout(_rollout(task))
+        # The daemon stops mid-step: two results in, one task out with an agent, one never handed out.
+    late = tasks[2]
+    assert late is not None
+    async with (
+        AgentDaemon(journal_path=path, batch=BATCH) as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        (recovered,) = daemon.recovered_steps
+        assert recovered.rollout_ids == step.rollout_ids
+        reissued = [await client.next_task(wait=0.2) for _ in range(3)]
+        assert {t.rollout_id for t in reissued if t} == set(step.rollout_ids[2:])
+        assert reissued[2] is None  # the two finished rollouts are not handed out again
+        # The agent that held the task before the restart still gets its result accepted (first wins).
+        await client.post_rollout(_rollout(late))
+        other = next(t for t in reissued if t and t.rollout_id != late.rollout_id)
+        await client.post_rollout(_rollout(other))
+        with anyio.fail_after(10):
+            batch = await daemon.batches.receive()
+        assert batch.step == recovered.number
+        assert sorted(batch.data.non_tensor_batch["rollout_id_list"]) == sorted(step.rollout_ids)
+        assert batch.metrics["step/n_completed"] == 4
+        next_step = await daemon.submit([{"i": 9}])
+        assert next_step.number == recovered.number + 1
+
+
+async def test_killed_daemon_process_recovers_its_step(tmp_path: Path) -> None:
+    """Kill -9 a daemon process mid-step; a new one on the same journal finishes the step."""
+    path = tmp_path / "kill.journal"
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "journal_daemon.py"), str(path), "6"]
+
+    async def first_line(process: anyio.abc.Process) -> dict:
+        assert process.stdout is not None
+        reader = BufferedByteReceiveStream(process.stdout)
+        with anyio.fail_after(60):
+            return orjson.loads(await reader.receive_until(b"\n", 1 << 20)), reader
+
+    process = await anyio.open_process(cmd, cwd=ROOT)
+    try:
+        hello, _ = await first_line(process)
+        assert hello["recovered"] == []
+        async with AgentClient(hello["server_url"]) as client:
+            done = []
+            for _ in range(4):
+                task = await client.next_task(wait=5)
+                assert task is not None
+                await client.post_rollout(_rollout(task))  # the 200 means: in the journal
+                done.append(task.rollout_id)
+        process.send_signal(signal.SIGKILL)
+        await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+    process = await anyio.open_process(cmd, cwd=ROOT)
+    try:
+        hello, reader = await first_line(process)
+        (recovered,) = hello["recovered"]
+        assert set(done) < set(recovered) and len(recovered) == 6
+        async with AgentClient(hello["server_url"]) as client:
+            handed = []
+            while (task := await client.next_task(wait=0.3)) is not None:
+                handed.append(task.rollout_id)
+                await client.post_rollout(_rollout(task))
+        assert sorted(handed) == sorted(set(recovered) - set(done))
+        with anyio.fail_after(30):
+            batch = orjson.loads(await reader.receive_until(b"\n", 1 << 20))
+        assert sorted(batch["rollout_ids"]) == sorted(recovered)
+        assert batch["metrics"]["step/n_completed"] == 6
+        await process.wait()
+        assert process.returncode == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def test_torn_last_line_ends_replay_without_losing_earlier_records(tmp_path: Path) -> None:
+    path = tmp_path / "torn.journal"
+    journal = Journal(path)
+    journal.open()
+    journal.write({"kind": "a", "n": 1})
+    journal.write({"kind": "b", "n": 2})
+    journal.close()
+    with path.open("ab") as f:
+        f.write(b'{"kind": "c", "n"')  # the process died mid-write
+    assert [r["kind"] for r in read_records(path)] == ["a", "b"]
+
+
+async def test_journal_is_compacted_to_the_work_in_flight(tmp_path: Path) -> None:
+    path = tmp_path / "compact.journal"
+    daemon = AgentDaemon(journal_path=path, batch=BATCH)
+    async with daemon, AgentClient(daemon.server_url) as client:
+        assert daemon.journal is not None
+        daemon.journal.compact_bytes = 4096
+        for _ in range(5):
+            await daemon.submit([{"i": i} for i in range(4)])
+            while (task := await client.next_task(wait=0.2)) is not None:
+                await client.post_rollout(_rollout(task))
+            await daemon.batches.receive()
+        assert path.stat().st_size < 4096 + 2048
+        kinds = [r["kind"] for r in read_records(path)]
+        assert "result" not in kinds or kinds.count("result") < 20  # finished steps were dropped
+    async with AgentDaemon(journal_path=path, batch=BATCH) as again:
+        assert again.recovered_steps == []
+        step = await again.submit([{"i": 0}])
+        assert step.number == 5
+
+
+async def test_fsync_commit_is_shared_by_concurrent_posts(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "sync.journal", fsync=True)
+    journal.open()
+    for i in range(10):
+        journal.write({"kind": "x", "i": i})
+    async with anyio.create_task_group() as tg:
+        for _ in range(5):
+            tg.start_soon(journal.commit)
+    assert journal._synced == journal._written == 10
+    journal.close()
