@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from annotated_types import Ge
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 __all__ = [
     "LLM",
@@ -57,6 +57,16 @@ class _Outbound(BaseModel):
 TokenId = Annotated[int, Strict(), Ge(0)]
 
 
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a reward must be a number, not a boolean")
+    return value
+
+
+#: A finite number; JSON ``true``/``false`` are refused rather than read as 1.0/0.0.
+Reward = Annotated[float, BeforeValidator(_not_bool)]
+
+
 class TokenIds(BaseModel):
     """One side of a triplet: ``{"token_ids": [...], ...}``; keys other than ``token_ids`` are kept as they are."""
 
@@ -70,7 +80,7 @@ class Triplet(_Inbound):
 
     prompt: TokenIds
     response: TokenIds
-    reward: float | None = None
+    reward: Reward | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -104,7 +114,7 @@ class Rollout(_Inbound):
 
     rollout_id: str
     task: Task | None = None
-    final_reward: float | None = None
+    final_reward: Reward | None = None
     triplets: list[Triplet] | None = None
     trace: list[dict[str, Any]] | None = None
     logs: list[str] | None = None

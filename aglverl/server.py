@@ -15,6 +15,7 @@ id, 409 step already ended, 413 body too large, 422 invalid field); a rejected r
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import math
@@ -31,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ._net import bind_listener, url_of
 from .models import GenericResponse, Rollout, TaskIfAny, dumps
@@ -98,6 +100,44 @@ class _InFlight:
         if self.count:
             self.idle = anyio.Event()
             await self.idle.wait()
+
+
+class _OneWritePerTurn:
+    """Transport wrapper: bytes written during one event-loop turn leave in one ``send``.
+
+    uvicorn writes a response's status line and headers, then its body, with two ``transport.write`` calls:
+    two syscalls and two packets for every small JSON answer. Joining the writes of a turn halves both (the
+    agent's loop is also woken once instead of twice), and adds no delay: the flush runs in the next turn.
+    Everything else is the wrapped transport's.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _HttpProtocol(HttpToolsProtocol):
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_OneWritePerTurn(transport))  # type: ignore[arg-type]
 
 
 class TaskServer:
@@ -170,6 +210,7 @@ class TaskServer:
             server_header=False,
         )
         config.load()
+        config.http_protocol_class = _HttpProtocol
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)  # "off": no ASGI lifespan, nothing to wait for
         try:

@@ -751,7 +751,7 @@ class TaskStore:
         for r in records:
             kind = r.get("kind")
             if kind == "task":
-                entry = _Entry(
+                self._entries[r["rollout_id"]] = _Entry(
                     rollout_id=r["rollout_id"],
                     input=r["input"],
                     mode=r["mode"],
@@ -759,18 +759,8 @@ class TaskStore:
                     metadata=r["metadata"],
                     create_time=r["create_time"],
                     owner=r["owner"],
+                    claimed_at=time.monotonic(),
                 )
-                entry.claimed_at = time.monotonic()
-                self._entries[entry.rollout_id] = entry
-            elif kind == "attempt" and (entry := self._entries.get(r["rollout_id"])) is not None:
-                entry.attempts.append(r["attempt_id"])
-                entry.num_claims += 1
-            elif kind == "result" and (entry := self._entries.get(r["rollout_id"])) is not None:
-                entry.calls = {r["attempt_id"]: [LLMCall(**c) for c in r["calls"]]}
-                entry.state, entry.result_attempt = "completed", r["attempt_id"]
-                entry.result = Rollout.model_validate(r["result"])
-            elif kind == "failed" and (entry := self._entries.get(r["rollout_id"])) is not None:
-                entry.state, entry.error = "failed", r["error"]
             elif kind == "forget":
                 for rollout_id in r["rollout_ids"]:
                     if self._entries.pop(rollout_id, None) is not None:
@@ -779,6 +769,16 @@ class TaskStore:
                 update = ResourcesUpdate.model_validate(r["update"])
                 self._resources[update.resources_id] = update
                 self._latest_resources = update.resources_id
+            elif (entry := self._entries.get(r.get("rollout_id", ""))) is not None:
+                if kind == "attempt":
+                    entry.attempts.append(r["attempt_id"])
+                    entry.num_claims += 1
+                elif kind == "result":
+                    entry.calls = {r["attempt_id"]: [LLMCall(**c) for c in r["calls"]]}
+                    entry.state, entry.result_attempt = "completed", r["attempt_id"]
+                    entry.result = Rollout.model_validate(r["result"])
+                elif kind == "failed":
+                    entry.state, entry.error = "failed", r["error"]
         for entry in self._entries.values():
             if entry.state not in TERMINAL:
                 entry.state = "queued"

@@ -49,7 +49,9 @@ from typing import Any
 
 import aiohttp
 import anyio
+import anyio.abc
 import orjson
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -74,6 +76,8 @@ PROMPT_WIDTH, RESPONSE_WIDTH = 256, 16
 #: Agents' long-poll length; the server answers the moment a task is queued.
 LONG_POLL_SECONDS = 30.0
 JSON_HEADERS = {"Content-Type": "application/json"}
+#: Length of one sample of the machine's load when waiting for other programs to quiet down.
+QUIET_WINDOW = 0.5
 
 #: Targets from the issue, and the reference figures measured elsewhere for the default work (256 x 32 x 50 ms).
 TARGETS = {
@@ -227,12 +231,15 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
             cpu = proc_cpu_seconds(pid) - cpu0
             assert batch.step == step.number
             keep = ("batch/", "step/n_", "step/seconds")
+            check_started = time.process_time()
+            ids = _check_rows(batch.data, step.rollout_ids)
             emit(
                 {
                     "wall_s": wall,
                     "cpu_s": cpu,
+                    "bench_check_cpu_s": time.process_time() - check_started,
                     "peak_rss_bytes": peak_rss_bytes(pid),
-                    "ids": _check_rows(batch.data, step.rollout_ids),
+                    "ids": ids,
                     "metrics": {k: v for k, v in batch.metrics.items() if k.startswith(keep)},
                     "log_warnings": counter.count,
                     "log_first": counter.first,
@@ -340,6 +347,9 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
     server = cfg["server_url"]
     stream = bool(cfg["stream"])
     latencies: list[float] = []
+    get_times: list[float] = []  # GET /task that returned a task: pure overhead once tasks are queued
+    since = [time.perf_counter()]  # GETs parked before the last stats call waited for the step, not in it
+    post_times: list[float] = []
     counts = {"calls": 0, "tasks": 0, "errors": 0}
     first_errors: list[str] = []
     llms: dict[str, Any] = {}
@@ -384,10 +394,13 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
 
     async def agent() -> None:
         while True:
+            started = time.perf_counter()
             async with session.get(f"{server}/task?wait={LONG_POLL_SECONDS:g}") as resp:
                 task = orjson.loads(await resp.read()).get("task")
             if not task:
                 continue
+            if started >= since[0]:
+                get_times.append(time.perf_counter() - started)
             try:
                 result = await solve(task)
             except Exception as exc:  # reported, and posted as a failed attempt like a real agent would
@@ -399,12 +412,14 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
                     "attempt_id": task["attempt_id"],
                     "status": "failed",
                 }
+            started = time.perf_counter()
             async with session.post(
                 f"{server}/rollout", data=orjson.dumps(result), headers=JSON_HEADERS
             ) as resp:
                 await resp.read()
                 if resp.status != 200:
                     counts["errors"] += 1
+            post_times.append(time.perf_counter() - started)
             counts["tasks"] += 1
 
     try:
@@ -413,8 +428,18 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
                 tg.start_soon(agent)
             emit({"pid": os.getpid()})
             async for _ in stdin_commands():
-                emit({**counts, "first_errors": first_errors, "latencies": [round(x, 6) for x in latencies]})
-                latencies.clear()
+                emit(
+                    {
+                        **counts,
+                        "first_errors": first_errors,
+                        "latencies": [round(x, 6) for x in latencies],
+                        "get_task": [round(x, 6) for x in get_times],
+                        "post_rollout": [round(x, 6) for x in post_times],
+                    }
+                )
+                for samples in (latencies, get_times, post_times):
+                    samples.clear()
+                since[0] = time.perf_counter()
                 counts.update(calls=0, tasks=0, errors=0)
             tg.cancel_scope.cancel()
     finally:
@@ -442,10 +467,28 @@ async def _read_sse(resp: aiohttp.ClientResponse) -> str:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     runners = {"mock": _run_mock, "daemon": _run_daemon, "baseline": _run_baseline, "agents": _run_agents}
-    anyio.run(runners[role], cfg)
+    options = {"use_uvloop": True} if cfg.get("uvloop") else {}
+    anyio.run(runners[role], cfg, backend_options=options)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """How a point is measured (everything but the work itself)."""
+
+    stream: bool = False
+    baseline: bool = False
+    repeats: int = 5
+    warmup_tasks: int = 64
+    agent_procs: int = 1
+    healthz_interval: float = 0.01
+    deadline: float = 120.0
+    server_uvloop: bool = False
+    quiet_cores: float = 0.35
+    quiet_max_wait: float = 60.0
+    profile: Path | None = None
+
+
 @dataclass
 class System:
     """A task server child (the daemon, or the bare baseline) with its agent children."""
@@ -457,13 +500,16 @@ class System:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    async def start(cls, name: str, mock_url: str, agents: int, procs: int, stream: bool) -> System:
-        server = await JsonChild.start(_child_args(name, {"mock_url": mock_url}))
+    async def start(cls, name: str, mock_url: str, agents: int, opts: Options) -> System:
+        server = await JsonChild.start(
+            _child_args(name, {"mock_url": mock_url, "uvloop": opts.server_uvloop})
+        )
         children: list[JsonChild] = []
+        procs = opts.agent_procs
         try:
             for p in range(procs):
                 share = agents // procs + (p < agents % procs)
-                cfg = {"server_url": server.info["server_url"], "agents": share, "stream": stream}
+                cfg = {"server_url": server.info["server_url"], "agents": share, "stream": opts.stream}
                 children.append(await JsonChild.start(_child_args("agents", cfg)))
         except BaseException:
             for child in children:
@@ -477,10 +523,11 @@ class System:
         return await self.server.request({"cmd": "step", "tasks": tasks, "number": self.steps})
 
     async def agent_stats(self) -> dict[str, Any]:
-        total: dict[str, Any] = {"calls": 0, "tasks": 0, "errors": 0, "first_errors": [], "latencies": []}
+        lists = ("first_errors", "latencies", "get_task", "post_rollout")
+        total: dict[str, Any] = {"calls": 0, "tasks": 0, "errors": 0} | {k: [] for k in lists}
         for child in self.agents:
             stats = await child.request({"cmd": "stats"})
-            for key in ("calls", "tasks", "errors", "first_errors", "latencies"):
+            for key in total:
                 total[key] += stats[key]
         return total
 
@@ -517,32 +564,48 @@ async def _probe_healthz(url: str, interval: float, out: list[float]) -> None:
             await anyio.sleep(interval)
 
 
-async def measure_once(
-    system: System, mock: JsonChild, work: Work, *, healthz_interval: float, deadline: float
-) -> dict[str, Any]:
-    """One measured step of ``work`` on ``system``; ``TimeoutError`` past ``deadline`` seconds."""
+async def _wait_for_quiet(cpu: _Cpu, cores: float, max_wait: float) -> float:
+    """Wait (up to ``max_wait`` s) for a 0.5 s window in which other programs used < ``cores`` CPUs.
+
+    The machine is shared; this keeps other people's test runs out of the measured step where possible
+    (the CPU they did take during the step is reported either way). Returns the seconds waited.
+    """
+    started = time.monotonic()
+    while time.monotonic() - started < max_wait:
+        before = cpu.snapshot()
+        await anyio.sleep(QUIET_WINDOW)
+        if cpu.delta(before, cpu.snapshot())["_foreign"] < cores * QUIET_WINDOW:
+            break
+    return time.monotonic() - started
+
+
+async def measure_once(system: System, mock: JsonChild, work: Work, opts: Options) -> dict[str, Any]:
+    """One measured step of ``work`` on ``system``; ``TimeoutError`` past ``opts.deadline`` seconds."""
     children = {"server": system.server, "mock": mock} | {
         f"agents{i}": a for i, a in enumerate(system.agents)
     }
     cpu = _Cpu(children)
+    waited = await _wait_for_quiet(cpu, opts.quiet_cores, opts.quiet_max_wait) if opts.quiet_cores else 0.0
     health: list[float] = []
-    probe = healthz_interval > 0 and system.name == "daemon"
+    probe = opts.healthz_interval > 0 and system.name == "daemon"
     async with anyio.create_task_group() as tg:
         if probe:
             url = f"{system.server.info['server_url']}/healthz"
             async with aiohttp.ClientSession() as s, s.get(url) as r:  # also checks the route answers
                 await r.read()
-            tg.start_soon(_probe_healthz, url, healthz_interval, health)
+            tg.start_soon(_probe_healthz, url, opts.healthz_interval, health)
         before = cpu.snapshot()
-        with anyio.fail_after(deadline):
+        with anyio.fail_after(opts.deadline):
             result = await system.step(work.tasks)
         after = cpu.snapshot()
         tg.cancel_scope.cancel()
     stats = await system.agent_stats()
     d = cpu.delta(before, after)
+    d["server"] -= result.get("bench_check_cpu_s", 0.0)  # the benchmark's own id check, not the daemon's work
     result["cpu"] = d
     result["agents"] = stats
     result["healthz"] = health
+    result["waited_for_quiet_s"] = waited
     return result
 
 
@@ -569,6 +632,9 @@ def summarize(name: str, work: Work, runs: list[dict[str, Any]]) -> dict[str, An
         "rollouts_per_s": round(n / wall, 1),
         "llm_calls_per_s": round(calls / wall, 1),
         "agent_llm_latency_ms": summary_ms([x for r in runs for x in r["agents"]["latencies"]]),
+        "agent_get_task_ms": summary_ms([x for r in runs for x in r["agents"]["get_task"]]),
+        "agent_post_rollout_ms": summary_ms([x for r in runs for x in r["agents"]["post_rollout"]]),
+        "waited_for_quiet_s": [round(r["waited_for_quiet_s"], 1) for r in runs],
         "server_cpu_s_per_rollout": round(statistics.median(r["cpu_s"] for r in runs) / n, 7),
         "server_peak_rss_mb": round(max(r["peak_rss_bytes"] for r in runs) / 2**20, 1),
         "cpu_ms_per_rollout": {
@@ -632,60 +698,44 @@ def targets(work: Work, ours: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
-async def run_point(
-    mock: JsonChild,
-    work: Work,
-    *,
-    stream: bool,
-    baseline: bool,
-    repeats: int,
-    warmup_tasks: int,
-    agent_procs: int,
-    healthz_interval: float,
-    deadline: float,
-    profile: Path | None = None,
-) -> dict[str, Any]:
+async def run_point(mock: JsonChild, work: Work, opts: Options) -> dict[str, Any]:
     """Start the systems, warm up, measure ``repeats`` steps (alternating systems), stop; one JSON object."""
-    names = ["daemon", "baseline"] if baseline else ["daemon"]
+    names = ["daemon", "baseline"] if opts.baseline else ["daemon"]
     systems: list[System] = []
     killed = False
     record: dict[str, Any] = {
         "benchmark": "control_plane",
-        "stream": stream,
+        "stream": opts.stream,
         "work": work.describe(),
-        "repeats": repeats,
+        "repeats": opts.repeats,
+        "server_event_loop": "uvloop" if opts.server_uvloop else "asyncio",
         "machine": machine_info(),
     }
-    spy: subprocess.Popen[bytes] | None = None
+    spy: anyio.abc.Process | None = None
     try:
         for name in names:
-            systems.append(await System.start(name, mock.info["url"], work.agents, agent_procs, stream))
+            systems.append(await System.start(name, mock.info["url"], work.agents, opts))
         for system in systems:
-            with anyio.fail_after(deadline):
-                await system.step(min(work.tasks, warmup_tasks))
+            with anyio.fail_after(opts.deadline):
+                await system.step(min(work.tasks, opts.warmup_tasks))
             await system.agent_stats()
-        if profile is not None:
-            spy = _start_py_spy(systems[0].server.pid, profile)
-        for _ in range(repeats):
+        if opts.profile is not None:
+            spy = await _start_py_spy(systems[0].server.pid, opts.profile)
+        for _ in range(opts.repeats):
             for system in systems:
-                system.runs.append(
-                    await measure_once(
-                        system, mock, work, healthz_interval=healthz_interval, deadline=deadline
-                    )
-                )
+                system.runs.append(await measure_once(system, mock, work, opts))
     except TimeoutError:
         killed = True
-        record["skipped"] = f"a step did not finish within {deadline:.0f} s (cap per point); processes killed"
+        record["skipped"] = f"a step did not finish within {opts.deadline:.0f} s (cap per point); killed"
         return record
     finally:
         if spy is not None:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(timeout=60)
+            await _stop_py_spy(spy)
         for system in systems:
             await system.stop(kill=killed)
     ours = summarize("daemon", work, systems[0].runs)
     record["aglverl"] = ours
-    if baseline:
+    if opts.baseline:
         bare = summarize("baseline", work, systems[1].runs)
         record["baseline_bare_aiohttp_direct_to_mock"] = bare
         record["daemon_cost"] = {
@@ -701,28 +751,24 @@ async def run_point(
 
 
 # ---------------------------------------------------------------------------------------------- profiling
-def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+async def _start_py_spy(pid: int, out: Path) -> anyio.abc.Process:
     """py-spy sampling ``pid`` (all threads, idle excluded) into collapsed stacks; returns once attached."""
     exe = Path(sys.executable).with_name("py-spy")
-    cmd = [
-        str(exe),
-        "record",
-        "--pid",
-        str(pid),
-        "--format",
-        "raw",
-        "--rate",
-        "250",
-        "--nonblocking",
-        "-o",
-        str(out),
-    ]
-    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert spy.stderr is not None
-    line = spy.stderr.readline()  # "py-spy> Sampling process ..." once attached
-    if b"Sampling" not in line:
+    cmd = [str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking"]
+    spy = await anyio.open_process([*cmd, "-o", str(out)], stdout=subprocess.PIPE, stderr=None)
+    assert spy.stdout is not None
+    with anyio.fail_after(30):
+        line = await BufferedByteReceiveStream(spy.stdout).receive_until(b"\n", 4096)
+    if b"Sampling" not in line:  # "py-spy> Sampling process 250 times a second. ..." once attached
         raise RuntimeError(f"py-spy did not start: {line!r}")
     return spy
+
+
+async def _stop_py_spy(spy: anyio.abc.Process) -> None:
+    """SIGINT makes py-spy write its output file and exit."""
+    with anyio.CancelScope(shield=True), anyio.fail_after(60):
+        spy.send_signal(signal.SIGINT)
+        await spy.wait()
 
 
 def _frame_key(frame: str) -> str:
@@ -873,6 +919,22 @@ def write_sweep_table(table: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def _options(args: argparse.Namespace, **overrides: Any) -> Options:
+    fields = {
+        "stream": args.stream,
+        "baseline": args.baseline,
+        "repeats": args.repeats,
+        "warmup_tasks": args.warmup_tasks or max(args.agents, 64),
+        "agent_procs": args.agent_procs,
+        "healthz_interval": args.healthz_interval,
+        "deadline": args.deadline,
+        "server_uvloop": args.server_uvloop,
+        "quiet_cores": args.quiet_cores,
+        "quiet_max_wait": args.quiet_max_wait,
+    }
+    return Options(**(fields | overrides))
+
+
 async def main_async(args: argparse.Namespace) -> None:
     latency = args.latency_ms / 1e3
     mock = await JsonChild.start(_child_args("mock", {"latency": latency}))
@@ -880,55 +942,39 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.sweep:
             await sweep(mock, args, latency)
             return
-        work = Work(args.tasks, args.agents, latency)
-        profile_path = RESULTS_DIR / "control_plane_profile.txt" if args.profile else None
-        if profile_path is not None:
+        profile = RESULTS_DIR / "control_plane_profile.txt" if args.profile else None
+        if profile is not None:
             RESULTS_DIR.mkdir(exist_ok=True)
         record = await run_point(
-            mock,
-            work,
-            stream=args.stream,
-            baseline=args.baseline,
-            repeats=args.repeats,
-            warmup_tasks=args.warmup_tasks or max(args.agents, 64),
-            agent_procs=args.agent_procs,
-            healthz_interval=args.healthz_interval,
-            deadline=args.deadline,
-            profile=profile_path,
+            mock, Work(args.tasks, args.agents, latency), _options(args, profile=profile)
         )
-        if profile_path is not None and profile_path.exists():
-            record["profile"] = {
-                "file": str(profile_path.relative_to(HERE.parent)),
-                **summarize_profile(profile_path),
-            }
+        if profile is not None and profile.exists():
+            record["profile"] = {"file": str(profile.relative_to(HERE.parent)), **summarize_profile(profile)}
         print(json.dumps(record), flush=True)
     finally:
         await mock.stop()
 
 
 async def sweep(mock: JsonChild, args: argparse.Namespace, latency: float) -> None:
+    """Every (N, M, stream) point once, each in fresh daemon and agent processes; then table and plots."""
     RESULTS_DIR.mkdir(exist_ok=True)
     started = time.monotonic()
     records = []
-    rows_path = RESULTS_DIR / "control_plane_sweep.jsonl"
-    with rows_path.open("w") as rows:
+    with (RESULTS_DIR / "control_plane_sweep.jsonl").open("w") as rows:
         for stream in (False, True):
             for tasks in SWEEP_TASKS:
                 for agents in SWEEP_AGENTS:
                     work = Work(tasks, agents, latency)
-                    ideal = work.describe()["ideal_wall_s"]
-                    deadline = min(args.point_cap, max(30.0, 8 * ideal + 20))
-                    record = await run_point(
-                        mock,
-                        work,
+                    cap = min(args.point_cap, max(30.0, 8 * work.describe()["ideal_wall_s"] + 20))
+                    opts = _options(
+                        args,
                         stream=stream,
                         baseline=False,
-                        repeats=1,
+                        repeats=args.sweep_repeats,
                         warmup_tasks=min(tasks, max(agents, 64)),
-                        agent_procs=args.agent_procs,
-                        healthz_interval=args.healthz_interval,
-                        deadline=deadline,
+                        deadline=cap,
                     )
+                    record = await run_point(mock, work, opts)
                     print(json.dumps(record), flush=True)
                     rows.write(json.dumps(record) + "\n")
                     records.append(record)
@@ -982,27 +1028,26 @@ async def sweep(mock: JsonChild, args: argparse.Namespace, latency: float) -> No
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tasks", type=int, default=256, help="N: tasks per step (default 256)")
-    p.add_argument("--agents", type=int, default=32, help="M: concurrent agents (default 32)")
-    p.add_argument("--latency-ms", type=float, default=50.0, help="mock latency per LLM call (default 50)")
-    p.add_argument("--stream", action="store_true", help="agents make streaming (SSE) chat calls")
-    p.add_argument(
-        "--baseline", action="store_true", help="also measure a bare aiohttp server, agents -> mock"
-    )
-    p.add_argument("--sweep", action="store_true", help="N in {256,1024,4096} x M in {32,128,512} x stream")
-    p.add_argument("--profile", action="store_true", help="py-spy the daemon during the measured steps")
-    p.add_argument("--repeats", type=int, default=5, help="measured steps per system (median reported)")
-    p.add_argument(
-        "--warmup-tasks", type=int, default=0, help="tasks in the warm-up step (default max(M, 64))"
-    )
-    p.add_argument("--agent-procs", type=int, default=1, help="processes the M agents are split across")
-    p.add_argument(
-        "--healthz-interval", type=float, default=0.01, help="seconds between /healthz probes (0: off)"
-    )
-    p.add_argument("--deadline", type=float, default=120.0, help="cap on one step, seconds")
-    p.add_argument("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
-    p.add_argument("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    add = p.add_argument
+    add("--tasks", type=int, default=256, help="N: tasks per step (default 256)")
+    add("--agents", type=int, default=32, help="M: concurrent agents (default 32)")
+    add("--latency-ms", type=float, default=50.0, help="mock latency per LLM call (default 50)")
+    add("--stream", action="store_true", help="agents make streaming (SSE) chat calls")
+    add("--baseline", action="store_true", help="also measure a bare aiohttp server, agents -> mock")
+    add("--sweep", action="store_true", help="N in {256,1024,4096} x M in {32,128,512} x stream on/off")
+    add("--profile", action="store_true", help="py-spy the daemon during the measured steps")
+    add("--repeats", type=int, default=5, help="measured steps per system (median reported; default 5)")
+    add("--sweep-repeats", type=int, default=1, help="measured steps per sweep point (default 1)")
+    add("--warmup-tasks", type=int, default=0, help="tasks in the warm-up step (default max(M, 64))")
+    add("--agent-procs", type=int, default=1, help="processes the M agents are split across (default 1)")
+    add("--server-uvloop", action="store_true", help="run the daemon (and bare server) on uvloop")
+    add("--healthz-interval", type=float, default=0.01, help="seconds between /healthz probes (0: off)")
+    add("--quiet-cores", type=float, default=0.35, help="wait for other programs to use < this many CPUs")
+    add("--quiet-max-wait", type=float, default=60.0, help="longest wait for quiet before a step, seconds")
+    add("--deadline", type=float, default=120.0, help="cap on one step, seconds")
+    add("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
+    add("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")
+    add("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         _child_main(args.child[0], json.loads(args.child[1]))

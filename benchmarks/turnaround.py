@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -27,9 +28,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from aglverl import AgentClient, Rollout, Triplet  # noqa: E402
 
 
-async def agents(server_url: str, count: int, total: int) -> None:
-    """The agent process: ``count`` agents handle ``total`` tasks, then print every post's (step, time)."""
+async def agents(server_url: str, count: int, total: int, think_ms: float) -> None:
+    """The agent process: ``count`` agents handle ``total`` tasks, then print every post's (step, time).
+
+    Each agent "works" a random 0..``think_ms`` ms on a task, as real agents do, so a step's rollouts do
+    not all land in the same millisecond and the last post measures the daemon, not a burst queued before it.
+    """
     posts: list[tuple[int, float]] = []
+    rng = random.Random(0)
     async with AgentClient(server_url, connections=count + 4) as client, anyio.create_task_group() as tg:
 
         async def agent() -> None:
@@ -37,6 +43,7 @@ async def agents(server_url: str, count: int, total: int) -> None:
                 task = await client.next_task(wait=30)
                 if task is None:
                     continue
+                await anyio.sleep(rng.uniform(0, think_ms) / 1000)
                 rollout = Rollout(
                     rollout_id=task.rollout_id,
                     attempt_id=task.attempt_id,
@@ -53,13 +60,13 @@ async def agents(server_url: str, count: int, total: int) -> None:
     print(json.dumps(posts), flush=True)
 
 
-async def daemon_side(steps: int, rollouts: int, count: int, warmup: int) -> dict:
+async def daemon_side(steps: int, rollouts: int, count: int, warmup: int, think_ms: float) -> dict:
     from aglverl import AgentDaemon, BatchConfig
 
     received: dict[int, float] = {}
     async with AgentDaemon(batch=BatchConfig(max_prompt_length=64, max_response_length=32)) as daemon:
         total = (steps + warmup) * rollouts
-        cmd = [sys.executable, __file__, "--agent-process", daemon.server_url, str(count), str(total)]
+        cmd = [sys.executable, __file__, "--agent-process", daemon.server_url, str(count), str(total), str(think_ms)]
         with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
             for _ in range(warmup + steps):
                 step = await daemon.submit([{"i": j} for j in range(rollouts)], n=1)
@@ -77,6 +84,7 @@ async def daemon_side(steps: int, rollouts: int, count: int, warmup: int) -> dic
         "rollouts_per_step": rollouts,
         "agents": count,
         "agents_in": "separate process",
+        "agent_think_ms": f"uniform 0..{think_ms:g}",
         "p50_ms": round(float(np.percentile(ms, 50)), 3),
         "p99_ms": round(float(np.percentile(ms, 99)), 3),
         "max_ms": round(float(ms.max()), 3),
@@ -88,16 +96,18 @@ async def daemon_side(steps: int, rollouts: int, count: int, warmup: int) -> dic
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--agent-process":
-        anyio.run(agents, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--agent-process":
+        anyio.run(agents, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
         return
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rollouts", type=int, default=32, help="rollouts per step")
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--think-ms", type=float, default=20.0, help="agent work per task: uniform 0..THINK_MS ms")
     args = p.parse_args()
-    print(json.dumps(anyio.run(daemon_side, args.steps, args.rollouts, args.agents, args.warmup)))
+    result = anyio.run(daemon_side, args.steps, args.rollouts, args.agents, args.warmup, args.think_ms)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -120,7 +120,10 @@ async def test_killed_daemon_process_recovers_its_step(tmp_path: Path) -> None:
         assert set(done) < set(recovered) and len(recovered) == 6
         async with AgentClient(hello["server_url"]) as client:
             handed = []
-            while (task := await client.next_task(wait=0.3)) is not None:
+            # Exactly the unfinished ones come out; after the last result the step ends and the process exits.
+            for _ in range(len(recovered) - len(done)):
+                task = await client.next_task(wait=5)
+                assert task is not None
                 handed.append(task.rollout_id)
                 await client.post_rollout(_rollout(task))
         assert sorted(handed) == sorted(set(recovered) - set(done))

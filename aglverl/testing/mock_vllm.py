@@ -10,6 +10,8 @@ compute what a proxy must have recorded without asking the mock.
 It also serves ``GET /v1/models`` and ``GET /health``, injects faults on the next generation calls (500, 429
 with ``Retry-After``, a stall that never answers, a connection closed mid-stream, an answer without token ids),
 and records what it saw: every request with its body, and how many generation calls the client abandoned.
+For soak runs it can also fail a random fraction of generation calls and add random latency, from a seeded
+generator so a run can be repeated.
 
 With ``replay_dir`` it serves recorded vLLM bytes instead: a request whose method, path and body match a
 recorded case (ignoring ``return_token_ids``, which a proxy may add) gets that case's status, content type and
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -343,6 +346,11 @@ class MockVLLM:
     added to every generation answer (e.g. hop-by-hop headers a proxy must not pass on). ``eof_delay`` is slept
     between a stream's last event and the end of its body, as a server that flushes ``[DONE]`` first may do.
 
+    Random faults (all off by default): ``failure_rate`` is the probability that a generation call with no
+    injected fault pending is answered at once with ``failure_status`` (an OpenAI-shaped error body);
+    ``latency_jitter`` adds a uniform random ``[0, latency_jitter)`` seconds to ``latency``; both draw from
+    ``random.Random(seed)``. :attr:`failed_randomly` counts the calls failed that way.
+
     Use ``async with MockVLLM() as mock:`` or ``await tg.start(mock.serve)``; ``mock.url`` is then
     ``http://127.0.0.1:PORT`` (no ``/v1``). It can be stopped and started again on the same port (pass
     ``port=``) to simulate a backend that goes away and comes back.
@@ -361,7 +369,15 @@ class MockVLLM:
         record_requests: bool = True,
         response_headers: Mapping[str, str] | None = None,
         eof_delay: float = 0.0,
+        failure_rate: float = 0.0,
+        failure_status: int = 500,
+        latency_jitter: float = 0.0,
+        seed: int | None = None,
     ) -> None:
+        if not 0.0 <= failure_rate <= 1.0:
+            raise ValueError(f"failure_rate is a probability in [0, 1], got {failure_rate}")
+        if latency_jitter < 0:
+            raise ValueError(f"latency_jitter must be >= 0, got {latency_jitter}")
         self.host = host
         self.port = port
         self.model = model
@@ -371,6 +387,10 @@ class MockVLLM:
         self.record_requests = record_requests
         self.response_headers = dict(response_headers or {})
         self.eof_delay = eof_delay
+        self.failure_rate = failure_rate
+        self.failure_status = failure_status
+        self.latency_jitter = latency_jitter
+        self._rng = random.Random(seed)
         self.replay_cases = load_replay_cases(replay_dir) if replay_dir is not None else {}
         self._replay = {_replay_key(c.method, c.path, c.body): c for c in self.replay_cases.values()}
         #: Every request received, in arrival order (when ``record_requests``).
@@ -383,6 +403,8 @@ class MockVLLM:
         self.broken = 0
         #: Generation calls being answered right now.
         self.active = 0
+        #: Generation calls answered with ``failure_status`` by the random ``failure_rate``.
+        self.failed_randomly = 0
         self._faults: deque[_Fault] = deque()
         self._ids = itertools.count()
         self._changed: anyio.Event | None = None  # exists while someone is in wait_until()
@@ -540,7 +562,7 @@ class MockVLLM:
         assert task is not None
         self._tasks.add(task)
         self.active += 1
-        fault = self._faults.popleft() if self._faults else None
+        fault = self._faults.popleft() if self._faults else self._random_fault()
         done = False
         try:
             response = await self._answer(request, kind, fault)
@@ -559,6 +581,17 @@ class MockVLLM:
                 self.completed += 1
             self._notify()
 
+    def _random_fault(self) -> _Fault | None:
+        if self.failure_rate > 0 and self._rng.random() < self.failure_rate:
+            self.failed_randomly += 1
+            return _Fault("error", status=self.failure_status)
+        return None
+
+    def _delay(self) -> float:
+        if self.latency_jitter > 0:
+            return self.latency + self._rng.uniform(0.0, self.latency_jitter)
+        return self.latency
+
     async def _answer(self, request: web.Request, kind: str, fault: _Fault | None) -> web.StreamResponse:
         raw = await request.read()
         try:
@@ -569,8 +602,9 @@ class MockVLLM:
         self._seen(request, raw, body)
         if fault is not None and fault.kind != "no_ids":
             return await self._fault(request, fault, body)
-        if self.latency > 0:
-            await anyio.sleep(self.latency)
+        delay = self._delay()
+        if delay > 0:
+            await anyio.sleep(delay)
         if self._replay:
             return await self._replay_answer(request, body)
         if not isinstance(body, dict):
