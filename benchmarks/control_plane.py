@@ -30,6 +30,7 @@ makespan of that greedy schedule with zero overhead (``simulated_zero_overhead_w
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import heapq
 import json
@@ -174,6 +175,40 @@ class _LogCounter(logging.Handler):
             self.first.append(f"{record.name}: {record.getMessage()[:300]}")
 
 
+class _GcWatch:
+    """Times the cyclic garbage collector's passes (``gc.callbacks``): count, total and longest, per generation."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        self.passes = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest = [0.0, 0.0, 0.0]
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        gen = info["generation"]
+        took = time.perf_counter() - self._started
+        self.passes[gen] += 1
+        self.seconds[gen] += took
+        self.longest[gen] = max(self.longest[gen], took)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            f"gen{g}": {
+                "passes": self.passes[g],
+                "total_ms": round(self.seconds[g] * 1e3, 2),
+                "longest_ms": round(self.longest[g] * 1e3, 2),
+            }
+            for g in range(3)
+        } | {"tracked_objects": len(gc.get_objects())}
+
+
 def _check_rows(data: Any, rollout_ids: Sequence[str]) -> dict[str, Any]:
     """Every batch row's ids against the mock: response ids must be what the mock generates for the prompt."""
     from aglverl.testing import completion_token_ids
@@ -202,6 +237,41 @@ def _check_rows(data: Any, rollout_ids: Sequence[str]) -> dict[str, Any]:
     }
 
 
+class _LoopLag:
+    """Diagnosis (``--loop-lag``): how late the daemon's loop wakes a 2 ms sleeper, and why.
+
+    For each wake-up it notes the lateness and the main thread's CPU time in the interval: a late wake-up
+    with little CPU used means the process was waiting for a core (other processes ran); one with the CPU
+    used means the loop itself was busy running other callbacks.
+    """
+
+    TICK = 0.002
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.active = False
+
+    async def run(self) -> None:
+        while True:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            await anyio.sleep(self.TICK)
+            if self.active:
+                self.samples.append((time.perf_counter() - t0 - self.TICK, time.thread_time() - c0))
+
+    def report(self) -> dict[str, Any] | None:
+        if not self.samples:
+            return None
+        late = [(lag, cpu) for lag, cpu in self.samples if lag > 0.005]
+        late_wall = sum(lag + self.TICK for lag, _ in late)
+        return {
+            "wakeups": len(self.samples),
+            "lateness_ms": summary_ms([lag for lag, _ in self.samples]),
+            "late_over_5ms": len(late),
+            "late_over_5ms_total_ms": round(sum(lag for lag, _ in late) * 1e3, 1),
+            "late_over_5ms_share_on_cpu": round(sum(c for _, c in late) / late_wall, 3) if late else None,
+        }
+
+
 async def _run_daemon(cfg: dict[str, Any]) -> None:
     from aglverl import AgentDaemon, BatchConfig
 
@@ -210,7 +280,6 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
         logging.getLogger(name).addHandler(counter)
     logging.getLogger().addHandler(logging.StreamHandler())  # keep printing what lastResort would have
     logging.getLogger().setLevel(logging.WARNING)
-    pid = os.getpid()
     daemon = AgentDaemon(
         port=0,
         proxy_port=0,
@@ -219,32 +288,50 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
         batch=BatchConfig(max_prompt_length=PROMPT_WIDTH, max_response_length=RESPONSE_WIDTH),
         lease_seconds=600,
     )
-    async with daemon:
-        emit({"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "pid": pid})
-        async for cmd in stdin_commands():
-            samples = [{"i": i, "text": task_text(i)} for i in range(cmd["tasks"])]
-            cpu0 = proc_cpu_seconds(pid)
-            t0 = time.perf_counter()
-            step = await daemon.submit(samples)
-            batch = await daemon.batches.receive()
-            wall = time.perf_counter() - t0
-            cpu = proc_cpu_seconds(pid) - cpu0
-            assert batch.step == step.number
-            keep = ("batch/", "step/n_", "step/seconds")
-            check_started = time.process_time()
-            ids = _check_rows(batch.data, step.rollout_ids)
-            emit(
-                {
-                    "wall_s": wall,
-                    "cpu_s": cpu,
-                    "bench_check_cpu_s": time.process_time() - check_started,
-                    "peak_rss_bytes": peak_rss_bytes(pid),
-                    "ids": ids,
-                    "metrics": {k: v for k, v in batch.metrics.items() if k.startswith(keep)},
-                    "log_warnings": counter.count,
-                    "log_first": counter.first,
-                }
-            )
+    lag = _LoopLag()
+    async with daemon, anyio.create_task_group() as tg:
+        emit({"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "pid": os.getpid()})
+        if cfg.get("loop_lag"):
+            tg.start_soon(lag.run)
+        await _trainer(daemon, counter, lag)
+        tg.cancel_scope.cancel()
+
+
+async def _trainer(daemon: Any, counter: _LogCounter, lag: _LoopLag) -> None:
+    """The trainer side: one step per command, answered with its wall time, CPU, memory and checks."""
+    pid = os.getpid()
+    gc_watch = _GcWatch()
+    async for cmd in stdin_commands():
+        samples = [{"i": i, "text": task_text(i)} for i in range(cmd["tasks"])]
+        gc_watch.reset()
+        lag.samples.clear()
+        lag.active = True
+        cpu0 = proc_cpu_seconds(pid)
+        t0 = time.perf_counter()
+        step = await daemon.submit(samples)
+        batch = await daemon.batches.receive()
+        wall = time.perf_counter() - t0
+        cpu = proc_cpu_seconds(pid) - cpu0
+        lag.active = False
+        gc_report = gc_watch.report()
+        assert batch.step == step.number
+        keep = ("batch/", "step/n_", "step/seconds")
+        check_started = time.process_time()
+        ids = _check_rows(batch.data, step.rollout_ids)
+        emit(
+            {
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "bench_check_cpu_s": time.process_time() - check_started,
+                "gc": gc_report,
+                "loop_lag": lag.report(),
+                "peak_rss_bytes": peak_rss_bytes(pid),
+                "ids": ids,
+                "metrics": {k: v for k, v in batch.metrics.items() if k.startswith(keep)},
+                "log_warnings": counter.count,
+                "log_first": counter.first,
+            }
+        )
 
 
 async def _run_baseline(cfg: dict[str, Any]) -> None:
@@ -486,6 +573,7 @@ class Options:
     server_uvloop: bool = False
     quiet_cores: float = 0.35
     quiet_max_wait: float = 60.0
+    loop_lag: bool = False
     profile: Path | None = None
 
 
@@ -501,9 +589,8 @@ class System:
 
     @classmethod
     async def start(cls, name: str, mock_url: str, agents: int, opts: Options) -> System:
-        server = await JsonChild.start(
-            _child_args(name, {"mock_url": mock_url, "uvloop": opts.server_uvloop})
-        )
+        cfg = {"mock_url": mock_url, "uvloop": opts.server_uvloop, "loop_lag": opts.loop_lag}
+        server = await JsonChild.start(_child_args(name, cfg))
         children: list[JsonChild] = []
         procs = opts.agent_procs
         try:
@@ -586,6 +673,7 @@ async def measure_once(system: System, mock: JsonChild, work: Work, opts: Option
     }
     cpu = _Cpu(children)
     waited = await _wait_for_quiet(cpu, opts.quiet_cores, opts.quiet_max_wait) if opts.quiet_cores else 0.0
+    await system.agent_stats()  # every agent is parked in GET /task now: start its counters here
     health: list[float] = []
     probe = opts.healthz_interval > 0 and system.name == "daemon"
     async with anyio.create_task_group() as tg:
@@ -669,6 +757,9 @@ def summarize(name: str, work: Work, runs: list[dict[str, Any]]) -> dict[str, An
         }
         out["daemon_log_warnings"] = runs[-1]["log_warnings"]
         out["daemon_log_first"] = runs[-1]["log_first"]
+        out["daemon_gc_during_step"] = [r["gc"] for r in runs]
+        if runs[-1].get("loop_lag"):
+            out["daemon_loop_lag"] = [r["loop_lag"] for r in runs]
     else:
         out["bare_server_cpu_s_per_rollout"] = out.pop("server_cpu_s_per_rollout")
         out["bare_server_peak_rss_mb"] = out.pop("server_peak_rss_mb")
@@ -931,6 +1022,7 @@ def _options(args: argparse.Namespace, **overrides: Any) -> Options:
         "server_uvloop": args.server_uvloop,
         "quiet_cores": args.quiet_cores,
         "quiet_max_wait": args.quiet_max_wait,
+        "loop_lag": args.loop_lag,
     }
     return Options(**(fields | overrides))
 
@@ -1044,6 +1136,7 @@ def main() -> None:
     add("--healthz-interval", type=float, default=0.01, help="seconds between /healthz probes (0: off)")
     add("--quiet-cores", type=float, default=0.35, help="wait for other programs to use < this many CPUs")
     add("--quiet-max-wait", type=float, default=60.0, help="longest wait for quiet before a step, seconds")
+    add("--loop-lag", action="store_true", help="diagnosis: measure the daemon loop's wake-up lateness")
     add("--deadline", type=float, default=120.0, help="cap on one step, seconds")
     add("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
     add("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")

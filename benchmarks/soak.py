@@ -8,7 +8,7 @@ Processes (each figure belongs to one program):
 - ``mock``: a :class:`~aglverl.testing.MockVLLM` answering 8 tokens after ``latency + U(0, jitter)`` seconds,
   with a seeded random ``--failure-rate`` of generation calls answered 500 at once;
 - ``daemon``: an :class:`~aglverl.AgentDaemon` (short ``--lease-seconds`` so vanished agents' tasks come back
-  quickly; proxy retry policy and ``max_attempts`` left at their defaults) plus the trainer: it keeps
+  quickly; proxy retry policy and ``--max-attempts`` at their defaults) plus the trainer: it keeps
   ``--inflight-steps`` steps submitted (each ``--rollouts-per-step`` rollouts = samples x ``--n``), takes every
   batch from ``daemon.batches``, checks it (below), drops it, and samples its own RSS (``VmRSS``) after each
   step; ``VmHWM`` at the end. It stops submitting once ``--rollouts`` are queued or the time budget runs low;
@@ -36,6 +36,10 @@ What is checked:
   for that row's prompt ids (exact token ids of the winning attempt, nothing from a vanished attempt);
 - batches contain only rollouts some agent got a "received and stored" answer for, and vice versa;
 - RSS flat: see :func:`rss_verdict`.
+
+If the time budget runs out with steps still open, the daemon is asked what it still holds and the JSON carries
+it under ``overran_budget`` (the open steps' rollouts then count as lost). ``ok`` is true when nothing was lost
+or duplicated, every id check passed and RSS was judged flat.
 """
 
 from __future__ import annotations
@@ -245,6 +249,7 @@ async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
     seen: set[str] = set()
     batch_ids: list[str] = []
     turnarounds: list[float] = []
+    unexpected_batches = 0
     observe = daemon.collector._m_turnaround.observe
 
     def recording_observe(value: float) -> None:  # the collector's "last rollout terminal -> batch ready"
@@ -268,6 +273,9 @@ async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
     while open_steps:
         batch = await daemon.batches.receive()
         received = time.monotonic()
+        if batch.step not in open_steps:  # a second batch for a step, or one nobody submitted
+            unexpected_batches += 1
+            continue
         step, submitted_at, ks = open_steps.pop(batch.step)
         checks = check_batch(batch.data, step.rollout_ids, ks, seen)
         batch_ids.extend(sorted(set(batch.data.non_tensor_batch["rollout_id_list"].tolist())))
@@ -299,6 +307,7 @@ async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
             "steps_wanted": steps_wanted,
             "steps_submitted": submitted,
             "stopped_by_time": submitted < steps_wanted,
+            "unexpected_batches": unexpected_batches,
             "batch_rollout_ids": batch_ids,
             "collector_turnarounds_s": turnarounds,
             "registry": _registry_figures(daemon),
@@ -576,7 +585,8 @@ def summarize(
     internals = done["internals_after_run"] if done else None
     lost = (queued - finished_queued) + terminal_short + (internals["store_entries"] if internals else 0)
     duplicated = (
-        checks["duplicate_rows"]
+        (done["unexpected_batches"] if done else 0)
+        + checks["duplicate_rows"]
         + checks["rollouts_in_earlier_batches"]
         + checks["foreign_rows"]
         + terminal_excess
@@ -607,7 +617,7 @@ def summarize(
             )
         },
         "elapsed_s": round(elapsed, 1),
-        "hang": hang,
+        "overran_budget": hang,
         "steps": {
             "finished": len(steps),
             "submitted": submitted,
@@ -621,6 +631,7 @@ def summarize(
         "lost": lost,
         "duplicated": duplicated,
         "integrity": {
+            "unexpected_batches": done["unexpected_batches"] if done else None,
             "steps_with_completed_plus_failed_ne_queued": sum(
                 x["step/n_completed"] + x["step/n_failed"] != x["step/n_queued"] for x in m
             ),

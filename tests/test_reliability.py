@@ -47,8 +47,8 @@ STEP_TIMEOUT = 10.0
 class ChatAgent:
     """An agent holding ``turns`` chat calls through its rollout's proxy URL with the official openai SDK.
 
-    Keeps every ``openai.APIError`` it saw (then re-raises it, so run_agents posts a failed rollout), and when
-    each call started and ended. ``first_error`` is set at the first error.
+    Keeps every ``openai.APIError`` it saw (then re-raises it, so run_agents posts a failed rollout) and how
+    long each successful call took; ``first_error`` is set at the first error.
     """
 
     def __init__(self, turns: int = 1, *, stream: bool = False) -> None:
@@ -466,7 +466,7 @@ async def test_malformed_token_ids_from_a_backend_are_counted_unusable_without_s
 )
 async def test_posted_token_id_beyond_int64_is_refused_or_dropped_without_stopping_the_daemon() -> None:
     triplet = Triplet(prompt={"token_ids": [1, 2**63]}, response={"token_ids": [3]})
-    async with daemon_for([]) as daemon, AgentClient(daemon.server_url) as client:
+    async with daemon_for([], max_attempts=1) as daemon, AgentClient(daemon.server_url) as client:
         step = await daemon.submit([{"q": 0}])
         task = await client.next_task(wait=1)
         assert task is not None
