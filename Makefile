@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
+	$(BIN)/ruff check aglverl tests benchmarks
 	$(BIN)/pytest -q
 
 serve: venv

@@ -17,7 +17,9 @@ task is retried while attempts remain), never silently dropped.
 
 from __future__ import annotations
 
+import functools
 import logging
+import random
 import traceback
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -39,6 +41,9 @@ AgentFn = Callable[[Any, LLM], Awaitable[AgentResult]]
 
 #: Long-poll length per GET /task; the server answers the moment a task is queued.
 LONG_POLL_SECONDS = 30.0
+#: Backoff (seconds) while the task server cannot be reached: first wait, and the cap it doubles up to.
+RECONNECT_INITIAL = 0.05
+RECONNECT_MAX = 1.0
 
 
 class TaskServerError(Exception):
@@ -172,6 +177,26 @@ async def run_agents(
     done = 0
     polling: set[anyio.CancelScope] = set()
     stopping = False
+    rng = random.Random()
+
+    async def reach(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()``, retried with capped, jittered backoff while the task server is unreachable or 5xx.
+
+        Agents outlive a daemon restart (the journal lets it resume its step): they wait and try again.
+        """
+        delay = RECONNECT_INITIAL
+        while True:
+            try:
+                return await call()
+            except (aiohttp.ClientError, OSError) as exc:
+                problem = repr(exc)
+            except TaskServerError as exc:
+                if exc.status < 500:
+                    raise
+                problem = str(exc)
+            logger.warning("%s failed (%s); retrying in %.2fs", what, problem, delay)
+            await anyio.sleep(delay * (0.5 + rng.random()))
+            delay = min(delay * 2, RECONNECT_MAX)
 
     async def worker(client: AgentClient) -> None:
         nonlocal done, stopping
@@ -179,7 +204,7 @@ async def run_agents(
             task = None
             with anyio.CancelScope() as scope:
                 polling.add(scope)
-                task = await client.next_task()
+                task = await reach("GET /task", client.next_task)
             polling.discard(scope)
             if task is None:
                 continue
@@ -189,7 +214,9 @@ async def run_agents(
                 logger.warning("agent failed on %s: %s", task.rollout_id, exc)
                 rollout = _failure(task, exc)
             try:
-                await client.post_rollout(rollout)
+                await reach(
+                    f"POST /rollout {task.rollout_id}", functools.partial(client.post_rollout, rollout)
+                )
             except TaskServerError as exc:  # e.g. another attempt finished first; the loop goes on
                 logger.warning("result for %s not taken: %s", task.rollout_id, exc.detail)
             done += 1

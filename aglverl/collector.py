@@ -349,7 +349,7 @@ def _step_counts(records: Sequence[RolloutRecord], timed_out: int) -> dict[str, 
         "step/n_completed": float(completed),
         "step/n_failed": float(len(records) - completed),
         "step/n_timed_out": float(timed_out),
-        "step/n_requeued": float(sum(max(r.num_claims - 1, 0) for r in records)),
+        "step/n_requeued": float(sum(r.requeues for r in records)),
     }
 
 

@@ -55,6 +55,10 @@ class AgentDaemon:
       rollout gets. ``step_timeout``: default per-step deadline. ``vocab_size``: bound for posted token ids.
     - ``batch``: padding/truncation/reward fill for training batches; ``max_buffered_batches``: how many
       finished batches may wait for the trainer.
+    - ``retry``, ``request_timeout``, ``connect_timeout``, ``eject_seconds``, ``pause_timeout``,
+      ``backend_api_key``: the LLM proxy's policy (see :class:`~aglverl.proxy.LLMProxy`): retries before the
+      first byte, the bound on one upstream try, how long a failing backend stays out, how long calls wait
+      during a weight update, and the key the backends expect.
     - ``token``: bearer token required by the task server and the proxy.
     - ``journal_path``: a write-ahead journal; every accepted result is in it before the agent hears "ok", and
       a daemon started on the same file recovers the unfinished steps (only their unfinished rollouts are
@@ -80,6 +84,11 @@ class AgentDaemon:
         max_buffered_batches: int = 1,
         token: str | None = None,
         retry: RetryPolicy | None = None,
+        request_timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        eject_seconds: float = 5.0,
+        pause_timeout: float = 600.0,
+        backend_api_key: str | None = None,
         journal_path: str | os.PathLike[str] | None = None,
         journal_fsync: bool = False,
         registry: Registry | None = None,
@@ -103,7 +112,13 @@ class AgentDaemon:
             registry=self.registry,
             retry=retry or RetryPolicy(),
             token=token,
+            request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
+            eject_seconds=eject_seconds,
+            pause_timeout=pause_timeout,
+            backend_api_key=backend_api_key,
         )
+        self.store.on_forget(self.proxy.forget)
         self.collector = RolloutCollector(
             self.store, batch=batch, max_buffered_batches=max_buffered_batches, step_timeout=step_timeout
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from annotated_types import Ge
+from annotated_types import Ge, Lt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "TaskIfAny",
     "TokenIds",
     "Triplet",
+    "checked_token_ids",
     "dumps",
 ]
 
@@ -54,7 +55,24 @@ class _Outbound(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-TokenId = Annotated[int, Strict(), Ge(0)]
+#: Token ids are int64 in every tensor they end up in.
+TOKEN_ID_BOUND = 2**63
+TokenId = Annotated[int, Strict(), Ge(0), Lt(TOKEN_ID_BOUND)]
+
+
+def checked_token_ids(value: Any, vocab_size: int | None = None) -> list[int] | None:
+    """``value`` if it is a list of token ids (ints in ``[0, vocab_size)``, int64 when unknown), else ``None``.
+
+    For ids that arrive from backends: one C-level pass over the types and a min/max, no per-id Python code.
+    """
+    if type(value) is not list:
+        return None
+    if not value:
+        return value
+    if not set(map(type, value)) <= {int}:  # bool, float, str and nested lists are not token ids
+        return None
+    bound = TOKEN_ID_BOUND if vocab_size is None else min(vocab_size, TOKEN_ID_BOUND)
+    return value if min(value) >= 0 and max(value) < bound else None
 
 
 def _not_bool(value: Any) -> Any:

@@ -59,7 +59,7 @@ from yarl import URL
 
 from ._net import bind_listener, url_of
 from .metrics import Registry
-from .models import ProxyLLM
+from .models import ProxyLLM, checked_token_ids
 from .store import LLMCall, StoreError, TaskStore
 
 __all__ = ["LLMProxy", "ProxyError", "RetryPolicy"]
@@ -84,6 +84,8 @@ CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
 RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 #: Rollouts whose backend is remembered (LRU); far more than can be in flight at once.
 STICKY_ROLLOUTS = 100_000
+#: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
+EJECT_AFTER_TIMEOUTS = 3
 #: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
 #: drops an idle connection before the server does and never sends a request into one being closed.
 UPSTREAM_KEEPALIVE = 4.0
@@ -319,7 +321,17 @@ class _Capture:
 class _Backend:
     """One inference server and what routing needs to know about it."""
 
-    __slots__ = ("ejected", "ejected_until", "in_flight", "not_before", "picks", "probing", "removed", "url")
+    __slots__ = (
+        "ejected",
+        "ejected_until",
+        "in_flight",
+        "not_before",
+        "picks",
+        "probing",
+        "removed",
+        "timeouts",
+        "url",
+    )
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -330,6 +342,7 @@ class _Backend:
         self.not_before = 0.0  # a 429's Retry-After: do not send before this (monotonic seconds)
         self.probing = False
         self.removed = False
+        self.timeouts = 0  # calls in a row that outlived request_timeout
 
 
 class _Call:
@@ -587,6 +600,11 @@ class LLMProxy:
         for gone in old.values():
             if gone is not None:
                 gone.removed = True
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        """Drop the routing state of rollouts that are over (the store calls this when it forgets them)."""
+        for rollout_id in rollout_ids:
+            self._sticky.pop(rollout_id, None)
 
     def llm_resource(self, model: str, sampling_parameters: Mapping[str, Any] | None = None) -> ProxyLLM:
         """The resource agents get: ``endpoint`` templated with ``{rollout_id}`` and ``{attempt_id}``."""
@@ -846,6 +864,23 @@ class LLMProxy:
             self._finish(call)
 
     def _timed_out(self, call: _Call) -> str:
+        """Note a call that outlived ``request_timeout`` and describe it.
+
+        The rollout is moved off that backend at once (its next call or attempt goes elsewhere), and a backend
+        that times out ``EJECT_AFTER_TIMEOUTS`` calls in a row is ejected like one that refuses connections:
+        a hung server must not hold on to the rollouts pinned to it while a healthy one idles.
+        """
+        backend = next((b for b in self._backends if b.url == call.backend), None)
+        if backend is not None:
+            backend.timeouts += 1
+            if backend.timeouts >= EJECT_AFTER_TIMEOUTS:
+                self._eject(backend, TimeoutError(f"{backend.timeouts} calls in a row timed out"))
+            if call.rollout_id is not None and self._sticky.get(call.rollout_id) is backend:
+                others = [b for b in self._backends if b is not backend and not (b.ejected or b.removed)]
+                if others:
+                    self._sticky[call.rollout_id] = min(others, key=lambda b: (b.in_flight, b.picks))
+                else:
+                    del self._sticky[call.rollout_id]
         return f"backend {call.backend} did not finish within request_timeout={self.request_timeout:g}s"
 
     async def _attempts(self, request: web.Request, call: _Call) -> web.StreamResponse:
@@ -890,7 +925,9 @@ class LLMProxy:
         first = not tried and rollout_id is not None
         if first:
             sticky = self._sticky.get(rollout_id)  # type: ignore[arg-type]
-            if sticky is not None and not sticky.ejected and not sticky.removed:
+            if sticky is not None and not (
+                sticky.ejected or sticky.removed or sticky.not_before > time.monotonic()
+            ):
                 self._sticky.move_to_end(rollout_id)  # type: ignore[arg-type]
                 return sticky
         now = time.monotonic()
@@ -931,6 +968,7 @@ class LLMProxy:
             raise ProxyError(504, self._timed_out(call)) from None
         except aiohttp.ClientError as exc:  # e.g. a malformed response head: the backend is not speaking HTTP
             raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc!r}") from exc
+        backend.timeouts = 0
         if backend.ejected:
             self._restore(backend)
         return upstream
@@ -1203,15 +1241,21 @@ class LLMProxy:
             "model": (capture.model if capture is not None else None) or call.model,
             "weight_version": call.weight_version,
         }
+        vocab = self.store.vocab_size
         choices = capture.result() if capture is not None else []
         if not choices:
-            prompt = capture.prompt_ids if capture is not None else None
+            prompt = checked_token_ids(capture.prompt_ids, vocab) if capture is not None else None
             if ok:
                 self.m_no_ids.inc()
             return [LLMCall(**common, prompt_token_ids=prompt)]
         records = []
         for idx, choice, ids, logprobs in choices:
             prompt = choice.prompt_ids if choice.prompt_ids is not None else capture.prompt_ids  # type: ignore[union-attr]
+            # Whatever a backend sends as ids must be valid int64 ids below the vocabulary size, or it is
+            # recorded as "no ids": one malformed answer must not reach (and break) a training batch.
+            prompt, ids = checked_token_ids(prompt, vocab), checked_token_ids(ids, vocab)
+            if ids is None:
+                logprobs = None
             if not ok:
                 ids = logprobs = None  # a broken call's partial output is never passed off as a response
             elif ids is None or prompt is None:

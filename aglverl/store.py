@@ -24,7 +24,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -55,6 +55,8 @@ TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
 
 #: How many ids of released (handed-over) rollouts are remembered, to tell a late post from an unknown id.
 _TOMBSTONES = 100_000
+#: Stale lease-heap entries tolerated (beyond twice the live claims) before the heap is rebuilt.
+_LEASE_SLACK = 4096
 
 
 class StoreError(Exception):
@@ -148,7 +150,6 @@ class _Waiter:
 
     event: anyio.Event = field(default_factory=anyio.Event)
     task: Task | None = None
-    gone: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -163,6 +164,7 @@ class _Entry:
     state: RolloutState = "queued"
     attempts: list[str] = field(default_factory=list)
     num_claims: int = 0
+    requeues: int = 0
     last_claim_time: float | None = None
     lease_deadline: float = math.inf
     result: Rollout | None = None
@@ -200,6 +202,7 @@ class RolloutRecord:
     input: Any
     metadata: dict[str, Any]
     num_claims: int
+    requeues: int
     result: Rollout | None
     attempt_id: str | None
     calls: list[LLMCall]
@@ -240,7 +243,7 @@ class TaskStore:
         self.journal = journal
         self._entries: dict[str, _Entry] = {}
         self._queue: deque[str] = deque()
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: dict[_Waiter, None] = {}  # insertion-ordered set: oldest waiter first, O(1) removal
         self._leases: list[tuple[float, int, str, str]] = []
         self._lease_seq = 0
         self._rearm = anyio.Event()
@@ -248,6 +251,7 @@ class TaskStore:
         self._resources: dict[str, ResourcesUpdate] = {}
         self._latest_resources: str | None = None
         self._closed = False
+        self._forget_listeners: list[Callable[[Sequence[str]], None]] = []
         self._queued_count = 0
         self._claimed_count = 0
         self._register_metrics(registry or Registry())
@@ -296,8 +300,9 @@ class TaskStore:
     def close(self) -> None:
         """Refuse new claims and wake every parked long-poll with no task."""
         self._closed = True
-        while self._waiters:
-            self._waiters.popleft().event.set()
+        for waiter in self._waiters:
+            waiter.event.set()
+        self._waiters.clear()
 
     @property
     def closed(self) -> bool:
@@ -358,9 +363,8 @@ class TaskStore:
     def _dispatch(self) -> None:
         """Hand queued tasks straight to parked agents, oldest waiter first."""
         while self._waiters and self._queued_count:
-            waiter = self._waiters.popleft()
-            if waiter.gone:
-                continue
+            waiter = next(iter(self._waiters))
+            del self._waiters[waiter]
             waiter.task = self._claim_next()
             waiter.event.set()
 
@@ -405,7 +409,7 @@ class TaskStore:
         if task is not None or wait <= 0 or self._closed:
             return task
         waiter = _Waiter()
-        self._waiters.append(waiter)
+        self._waiters[waiter] = None
         delivered = False
         try:
             with anyio.move_on_after(wait):
@@ -416,7 +420,7 @@ class TaskStore:
             delivered = True
             return waiter.task
         finally:
-            waiter.gone = True
+            self._waiters.pop(waiter, None)
             if not delivered and waiter.task is not None:
                 self.release(waiter.task.rollout_id, waiter.task.attempt_id or "")
 
@@ -437,10 +441,23 @@ class TaskStore:
     def _set_lease(self, entry: _Entry, deadline: float) -> None:
         entry.lease_deadline = deadline
         self._lease_seq += 1
+        if len(self._leases) > 2 * self._claimed_count + _LEASE_SLACK:
+            self._compact_leases()
         earliest = self._leases[0][0] if self._leases else math.inf
         heapq.heappush(self._leases, (deadline, self._lease_seq, entry.rollout_id, entry.attempt_id or ""))
         if deadline < earliest:
             self._rearm.set()
+
+    def _compact_leases(self) -> None:
+        """Drop heap entries of finished or extended claims (they would otherwise wait out their deadline)."""
+        live = []
+        for item in self._leases:
+            entry = self._entries.get(item[2])
+            if entry is not None and entry.state == "claimed" and entry.attempt_id == item[3]:
+                if entry.lease_deadline == item[0]:
+                    live.append(item)
+        heapq.heapify(live)
+        self._leases = live
 
     def heartbeat(self, rollout_id: str, attempt_id: str | None = None) -> float:
         """Extend the current attempt's lease by ``lease_seconds``; returns the seconds until it expires."""
@@ -479,6 +496,7 @@ class TaskStore:
             )
             return
         self.m_requeued.inc(1, reason)
+        entry.requeues += 1
         logger.info("requeueing %s (%s, attempt %d)", entry.rollout_id, reason, entry.num_claims)
         self._push(entry, front=True)
 
@@ -520,7 +538,11 @@ class TaskStore:
         assert attempt_id is not None
         self._check_vocab(rollout)
         if entry.state in TERMINAL:
-            if entry.state == "completed" and attempt_id == entry.result_attempt and _same(rollout, entry.result):
+            if (
+                entry.state == "completed"
+                and attempt_id == entry.result_attempt
+                and _same(rollout, entry.result)
+            ):
                 self.m_duplicates.inc(1, "resent")
                 return f"rollout {rollout.rollout_id} was already received from this attempt; resend ignored"
             self.m_duplicates.inc(1, "already_finished")
@@ -630,6 +652,7 @@ class TaskStore:
             input=e.input,
             metadata=e.metadata,
             num_claims=e.num_claims,
+            requeues=e.requeues,
             result=e.result,
             attempt_id=attempt,
             calls=sorted(e.calls.get(attempt, []), key=lambda c: (c.seq, c.choice_index)) if attempt else [],
@@ -652,6 +675,12 @@ class TaskStore:
         if self.journal is not None and rollout_ids:
             self.journal.write({"kind": "forget", "rollout_ids": rollout_ids})
             self.journal.maybe_compact()
+        for listener in self._forget_listeners:
+            listener(rollout_ids)
+
+    def on_forget(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """Call ``listener(rollout_ids)`` whenever rollouts are dropped (e.g. to drop per-rollout routing state)."""
+        self._forget_listeners.append(listener)
 
     def knows(self, rollout_id: str) -> bool:
         """Whether the rollout is held (queued, claimed or finished and not yet forgotten)."""

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 
@@ -25,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from aglverl import AgentClient, Rollout, Triplet  # noqa: E402
+from aglverl import AgentClient, Rollout, Triplet
 
 
 async def agents(server_url: str, count: int, total: int, think_ms: float) -> None:
@@ -48,7 +47,9 @@ async def agents(server_url: str, count: int, total: int, think_ms: float) -> No
                     rollout_id=task.rollout_id,
                     attempt_id=task.attempt_id,
                     final_reward=1.0,
-                    triplets=[Triplet(prompt={"token_ids": list(range(1, 40))}, response={"token_ids": [7] * 20})],
+                    triplets=[
+                        Triplet(prompt={"token_ids": list(range(1, 40))}, response={"token_ids": [7] * 20})
+                    ],
                 )
                 posts.append((int(task.metadata["step"]), time.monotonic()))
                 await client.post_rollout(rollout)
@@ -66,14 +67,23 @@ async def daemon_side(steps: int, rollouts: int, count: int, warmup: int, think_
     received: dict[int, float] = {}
     async with AgentDaemon(batch=BatchConfig(max_prompt_length=64, max_response_length=32)) as daemon:
         total = (steps + warmup) * rollouts
-        cmd = [sys.executable, __file__, "--agent-process", daemon.server_url, str(count), str(total), str(think_ms)]
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE) as proc:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--agent-process",
+            daemon.server_url,
+            str(count),
+            str(total),
+            str(think_ms),
+        ]
+        async with await anyio.open_process(cmd, stderr=None) as proc:
             for _ in range(warmup + steps):
                 step = await daemon.submit([{"i": j} for j in range(rollouts)], n=1)
                 batch = await daemon.batches.receive()
                 received[step.number] = time.monotonic()
                 assert batch.step == step.number and len(batch.data) == rollouts
-            out, _ = await anyio.to_thread.run_sync(proc.communicate)
+            assert proc.stdout is not None
+            out = b"".join([chunk async for chunk in proc.stdout])
     last_post: dict[int, float] = {}
     for step_number, t in json.loads(out):
         last_post[step_number] = max(last_post.get(step_number, 0.0), t)

@@ -124,7 +124,7 @@ async def test_agents_cancelled_mid_long_poll_do_not_swallow_the_next_step() -> 
         async with anyio.create_task_group() as doomed:
             doomed.start_soon(lambda: run_agents(daemon.server_url, _chat_agent(1), concurrency=8))
             with anyio.fail_after(10):
-                while len(daemon.store._waiters) < 8:
+                while len(daemon.store._waiters) < 8:  # noqa: ASYNC110  # test side: nothing signals 'parked in the store'
                     await anyio.sleep(0.01)
             doomed.cancel_scope.cancel()  # eight agents vanish while parked in GET /task?wait=...
         step = await daemon.submit([{"q": i} for i in range(6)])
