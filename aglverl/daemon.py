@@ -33,7 +33,7 @@ from .collector import RolloutCollector, Step, TrainingBatch
 from .journal import Journal
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
-from .proxy import LLMProxy, RetryPolicy
+from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, RetryPolicy
 from .server import TaskServer
 from .store import TaskStore
 
@@ -57,9 +57,10 @@ class AgentDaemon:
     - ``batch``: padding/truncation/reward fill for training batches; ``max_buffered_batches``: how many
       finished batches may wait for the trainer.
     - ``retry``, ``request_timeout``, ``connect_timeout``, ``eject_seconds``, ``pause_timeout``,
-      ``backend_api_key``: the LLM proxy's policy (see :class:`~aglverl.proxy.LLMProxy`): retries before the
-      first byte, the bound on one upstream try, how long a failing backend stays out, how long calls wait
-      during a weight update, and the key the backends expect.
+      ``backend_api_key``, ``upstream_keepalive``: the LLM proxy's policy (see :class:`~aglverl.proxy.LLMProxy`):
+      retries before the first byte, the bound on one upstream try, how long a failing backend stays out, how
+      long calls wait during a weight update, the key the backends expect, and how long idle connections to
+      them are kept (below the backends' own keep-alive).
     - ``token``: bearer token required by the task server and the proxy.
     - ``freeze_gc``: at start, move every object that exists (the imported libraries) out of the cyclic garbage
       collector's reach (``gc.freeze()``), so full collections no longer stall the loop for ~0.4 s; it affects
@@ -93,6 +94,7 @@ class AgentDaemon:
         eject_seconds: float = 5.0,
         pause_timeout: float = 600.0,
         backend_api_key: str | None = None,
+        upstream_keepalive: float = UPSTREAM_KEEPALIVE,
         journal_path: str | os.PathLike[str] | None = None,
         journal_fsync: bool = False,
         freeze_gc: bool = True,
@@ -122,6 +124,7 @@ class AgentDaemon:
             eject_seconds=eject_seconds,
             pause_timeout=pause_timeout,
             backend_api_key=backend_api_key,
+            upstream_keepalive=upstream_keepalive,
         )
         self.store.on_forget(self.proxy.forget)
         self.collector = RolloutCollector(

@@ -489,7 +489,10 @@ class LLMProxy:
     (they never see the agents' credentials). ``max_request_bytes``/``max_response_bytes`` bound bodies;
     ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
     event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused;
-    ``shutdown_grace`` how long in-flight calls may finish on shutdown.
+    ``shutdown_grace`` how long in-flight calls may finish on shutdown. ``upstream_keepalive``: seconds an idle
+    pooled connection to a backend is kept; it must stay below the backends' own keep-alive (vLLM's
+    ``--timeout-keep-alive``, 5 s by default). Raise both together to keep connections warm across trainer
+    updates longer than that (each step otherwise starts by opening new connections).
     """
 
     def __init__(
@@ -510,6 +513,7 @@ class LLMProxy:
         pause_timeout: float = 600.0,
         shutdown_grace: float = 5.0,
         backend_api_key: str | None = None,
+        upstream_keepalive: float = UPSTREAM_KEEPALIVE,
     ) -> None:
         self.store = store
         self.host = host
@@ -522,6 +526,7 @@ class LLMProxy:
         self.eject_seconds = eject_seconds
         self.pause_timeout = pause_timeout
         self.shutdown_grace = shutdown_grace
+        self.upstream_keepalive = upstream_keepalive
         #: Model weights version recorded on every call; set or incremented by :meth:`resume`.
         self.weight_version = 0
         self._auth = f"Bearer {token}".encode() if token is not None else None
@@ -687,7 +692,7 @@ class LLMProxy:
     def _make_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is bounded by the agents, and a pool cap would queue calls invisibly
-            keepalive_timeout=UPSTREAM_KEEPALIVE,
+            keepalive_timeout=self.upstream_keepalive,
         )
         return aiohttp.ClientSession(
             connector=connector,

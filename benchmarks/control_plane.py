@@ -1,8 +1,10 @@
 """Control-plane efficiency: N tasks, M agents, 1-3 LLM calls each, through the real daemon, against the ideal.
 
-Run: ``python benchmarks/control_plane.py [--tasks 256 --agents 32 --latency-ms 50] [--baseline] [--stream]``,
-``python benchmarks/control_plane.py --sweep`` (N x M x stream grid, table and plots), or ``--profile`` (the
-daemon process sampled by py-spy during the measured steps). Prints one JSON object per run on stdout.
+Run (prints one JSON object per run on stdout; results and RESULTS.md's "Control plane" section explain them)::
+
+    python benchmarks/control_plane.py [--tasks 256 --agents 32 --latency-ms 50] [--baseline] [--stream]
+    python benchmarks/control_plane.py --sweep [--write-results]   # N x M x stream grid, table, plots
+    python benchmarks/control_plane.py --profile [--profiler pyinstrument]   # sample the daemon process
 
 Processes (each CPU / memory figure belongs to one program):
 
@@ -17,10 +19,17 @@ Processes (each CPU / memory figure belongs to one program):
   SSE), post the reward. k in {1, 2, 3} is a fixed function of the task's index (a hash), so the work, and the
   ideal, are known exactly before the run and identical for every system measured;
 - ``baseline`` (with ``--baseline``): a bare aiohttp task server written here (a queue, long-poll, a counter
-  and an event; no store, no proxy) whose agents call the mock directly. Same agents, same tasks, same k.
-- this process: starts the others, sends commands over stdin/stdout JSON lines (no sleeps anywhere), probes
-  ``GET /healthz`` every ``--healthz-interval`` seconds during measured steps, and reads every process's CPU
-  plus the machine-wide busy time, so CPU taken by unrelated programs during a step is reported too.
+  and an event; no store, no proxy) whose agents call the mock directly. Same agents, same tasks, same k;
+- this process: starts the others and drives them with JSON lines over stdin/stdout (never a sleep to wait
+  for a child), probes ``GET /healthz`` every ``--healthz-interval`` seconds during measured steps, and reads
+  every process's CPU plus the machine-wide busy time, so CPU taken by unrelated programs during a step is
+  reported too (``other_programs_on_machine``).
+
+The machine these targets were set for has 2 cores and is shared. Before each measured step this process
+waits (up to ``--quiet-max-wait`` s) for a 0.5 s window in which other programs used under ``--quiet-cores``
+CPUs; that and the /healthz pacing are its only sleeps. Diagnosis options: ``--calls-per-task 0..3`` (fixed k;
+0 = task server alone), ``--server-uvloop``, ``--idle-before-step`` (a trainer update between steps: the
+proxy's idle upstream connections expire), ``--loop-lag`` (how late the daemon's loop wakes, and why).
 
 Ideal wall time = sum over tasks of k * latency / M (perfect packing, zero overhead). It cannot be reached even
 with zero overhead: agents take tasks in queue order and the last ones leave a tail, so the JSON also gives the
@@ -77,6 +86,8 @@ PROMPT_WIDTH, RESPONSE_WIDTH = 256, 16
 #: Agents' long-poll length; the server answers the moment a task is queued.
 LONG_POLL_SECONDS = 30.0
 JSON_HEADERS = {"Content-Type": "application/json"}
+#: py-spy samples per second (each pauses the daemon for a few tens of microseconds).
+PY_SPY_RATE = 100
 #: Length of one sample of the machine's load when waiting for other programs to quiet down.
 QUIET_WINDOW = 0.5
 
@@ -100,8 +111,13 @@ SWEEP_AGENTS = (32, 128, 512)
 
 
 # ---------------------------------------------------------------------------------------------- the work
-def calls_for(index: int) -> int:
-    """How many LLM calls the agent makes for task ``index``: 1, 2 or 3, uniform, fixed by a hash."""
+def calls_for(index: int, fixed: int | None = None) -> int:
+    """How many LLM calls the agent makes for task ``index``: 1, 2 or 3, uniform, fixed by a hash.
+
+    ``fixed`` (``--calls-per-task``) overrides it; 0 measures the task server alone.
+    """
+    if fixed is not None:
+        return fixed
     digest = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()
     return 1 + int.from_bytes(digest, "little") % 3
 
@@ -124,10 +140,11 @@ class Work:
     tasks: int
     agents: int
     latency: float
+    fixed_calls: int | None = None
 
     @property
     def ks(self) -> list[int]:
-        return [calls_for(i) for i in range(self.tasks)]
+        return [calls_for(i, self.fixed_calls) for i in range(self.tasks)]
 
     def describe(self) -> dict[str, Any]:
         ks = self.ks
@@ -142,10 +159,22 @@ class Work:
             "ideal_wall_s": round(ideal, 4),
             "simulated_zero_overhead_wall_s": round(sim, 4),
             "simulated_zero_overhead_efficiency": round(ideal / sim, 4) if sim else None,
-        }
+        } | ({"calls_per_task_fixed": self.fixed_calls} if self.fixed_calls is not None else {})
 
 
 # ---------------------------------------------------------------------------------------------- children
+def aglverl_source() -> dict[str, Any]:
+    """Which aglverl code was measured (it changes under us): a hash of its sources and the newest mtime."""
+    root = HERE.parent / "aglverl"
+    digest = hashlib.sha256()
+    newest = 0.0
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+        newest = max(newest, path.stat().st_mtime)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(newest))
+    return {"sha256_12": digest.hexdigest()[:12], "newest_file_mtime": stamp}
+
+
 def _child_args(role: str, cfg: dict[str, Any]) -> list[str]:
     return [os.path.abspath(__file__), "--child", role, json.dumps(cfg)]
 
@@ -209,7 +238,7 @@ class _GcWatch:
         } | {"tracked_objects": len(gc.get_objects())}
 
 
-def _check_rows(data: Any, rollout_ids: Sequence[str]) -> dict[str, Any]:
+def _check_rows(data: Any, rollout_ids: Sequence[str], fixed_calls: int | None) -> dict[str, Any]:
     """Every batch row's ids against the mock: response ids must be what the mock generates for the prompt."""
     from aglverl.testing import completion_token_ids
 
@@ -228,7 +257,7 @@ def _check_rows(data: Any, rollout_ids: Sequence[str]) -> dict[str, Any]:
             if response == completion_token_ids(prompt, 0, COMPLETION_TOKENS):
                 matching += 1
                 good_rows[row_rollouts[row]] += 1
-    incomplete = sum(good_rows[rid] != calls_for(i) for i, rid in enumerate(rollout_ids))
+    incomplete = sum(good_rows[rid] != calls_for(i, fixed_calls) for i, rid in enumerate(rollout_ids))
     return {
         "rows": len(data),
         "rows_with_ids": with_ids,
@@ -293,31 +322,47 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
         emit({"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "pid": os.getpid()})
         if cfg.get("loop_lag"):
             tg.start_soon(lag.run)
-        await _trainer(daemon, counter, lag)
+        await _trainer(daemon, counter, lag, cfg.get("fixed_calls"))
         tg.cancel_scope.cancel()
 
 
-async def _trainer(daemon: Any, counter: _LogCounter, lag: _LoopLag) -> None:
+def _write_pyinstrument(profiler: Any, out: Path) -> None:
+    """The call tree, and a flat list of self time per function, of the steps profiled so far."""
+    out.write_text(profiler.output_text(unicode=True, show_all=False))
+    out.with_suffix(".flat.txt").write_text(profiler.output_text(flat=True, flat_time="self"))
+
+
+async def _trainer(daemon: Any, counter: _LogCounter, lag: _LoopLag, fixed_calls: int | None) -> None:
     """The trainer side: one step per command, answered with its wall time, CPU, memory and checks."""
     pid = os.getpid()
     gc_watch = _GcWatch()
+    profiler: Any = None
     async for cmd in stdin_commands():
         samples = [{"i": i, "text": task_text(i)} for i in range(cmd["tasks"])]
         gc_watch.reset()
         lag.samples.clear()
         lag.active = True
+        if cmd.get("profile"):
+            if profiler is None:
+                from pyinstrument import Profiler
+
+                profiler = Profiler(interval=0.0005, async_mode="disabled")  # samples the loop thread
+            profiler.start()
         cpu0 = proc_cpu_seconds(pid)
         t0 = time.perf_counter()
         step = await daemon.submit(samples)
         batch = await daemon.batches.receive()
         wall = time.perf_counter() - t0
         cpu = proc_cpu_seconds(pid) - cpu0
+        if cmd.get("profile"):
+            profiler.stop()  # sessions of successive steps accumulate
+            _write_pyinstrument(profiler, Path(cmd["profile"]))
         lag.active = False
         gc_report = gc_watch.report()
         assert batch.step == step.number
         keep = ("batch/", "step/n_", "step/seconds")
         check_started = time.process_time()
-        ids = _check_rows(batch.data, step.rollout_ids)
+        ids = _check_rows(batch.data, step.rollout_ids, fixed_calls)
         emit(
             {
                 "wall_s": wall,
@@ -473,7 +518,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
         base, model = await llm_of(task)
         index = task["input"]["i"]
         messages = [{"role": "user", "content": task["input"]["text"]}]
-        for _ in range(calls_for(index)):
+        for _ in range(calls_for(index, cfg.get("fixed_calls"))):
             body = {"model": model, "messages": messages, "max_tokens": COMPLETION_TOKENS, "stream": stream}
             content = await chat(f"{base}/chat/completions", body)
             messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "again"}]
@@ -574,7 +619,9 @@ class Options:
     quiet_cores: float = 0.35
     quiet_max_wait: float = 60.0
     loop_lag: bool = False
+    idle_before_step: float = 0.0
     profile: Path | None = None
+    profiler: str = "py-spy"
 
 
 @dataclass
@@ -588,15 +635,26 @@ class System:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    async def start(cls, name: str, mock_url: str, agents: int, opts: Options) -> System:
-        cfg = {"mock_url": mock_url, "uvloop": opts.server_uvloop, "loop_lag": opts.loop_lag}
+    async def start(cls, name: str, mock_url: str, work: Work, opts: Options) -> System:
+        agents, fixed_calls = work.agents, work.fixed_calls
+        cfg = {
+            "mock_url": mock_url,
+            "uvloop": opts.server_uvloop,
+            "loop_lag": opts.loop_lag,
+            "fixed_calls": fixed_calls,
+        }
         server = await JsonChild.start(_child_args(name, cfg))
         children: list[JsonChild] = []
         procs = opts.agent_procs
         try:
             for p in range(procs):
                 share = agents // procs + (p < agents % procs)
-                cfg = {"server_url": server.info["server_url"], "agents": share, "stream": opts.stream}
+                cfg = {
+                    "server_url": server.info["server_url"],
+                    "agents": share,
+                    "stream": opts.stream,
+                    "fixed_calls": fixed_calls,
+                }
                 children.append(await JsonChild.start(_child_args("agents", cfg)))
         except BaseException:
             for child in children:
@@ -605,9 +663,13 @@ class System:
             raise
         return cls(name, server, children)
 
-    async def step(self, tasks: int) -> dict[str, Any]:
+    async def step(self, tasks: int, profile: Path | None = None) -> dict[str, Any]:
+        """One step of ``tasks`` tasks; ``profile``: the daemon profiles it with pyinstrument into that file."""
         self.steps += 1
-        return await self.server.request({"cmd": "step", "tasks": tasks, "number": self.steps})
+        cmd = {"cmd": "step", "tasks": tasks, "number": self.steps}
+        if profile is not None:
+            cmd["profile"] = str(profile)
+        return await self.server.request(cmd)
 
     async def agent_stats(self) -> dict[str, Any]:
         lists = ("first_errors", "latencies", "get_task", "post_rollout")
@@ -672,6 +734,7 @@ async def measure_once(system: System, mock: JsonChild, work: Work, opts: Option
         f"agents{i}": a for i, a in enumerate(system.agents)
     }
     cpu = _Cpu(children)
+    await anyio.sleep(opts.idle_before_step)  # the trainer's update between steps, when asked for
     waited = await _wait_for_quiet(cpu, opts.quiet_cores, opts.quiet_max_wait) if opts.quiet_cores else 0.0
     await system.agent_stats()  # every agent is parked in GET /task now: start its counters here
     health: list[float] = []
@@ -684,7 +747,8 @@ async def measure_once(system: System, mock: JsonChild, work: Work, opts: Option
             tg.start_soon(_probe_healthz, url, opts.healthz_interval, health)
         before = cpu.snapshot()
         with anyio.fail_after(opts.deadline):
-            result = await system.step(work.tasks)
+            in_process = opts.profile if opts.profiler == "pyinstrument" and system.name == "daemon" else None
+            result = await system.step(work.tasks, in_process)
         after = cpu.snapshot()
         tg.cancel_scope.cancel()
     stats = await system.agent_stats()
@@ -724,6 +788,8 @@ def summarize(name: str, work: Work, runs: list[dict[str, Any]]) -> dict[str, An
         "agent_post_rollout_ms": summary_ms([x for r in runs for x in r["agents"]["post_rollout"]]),
         "waited_for_quiet_s": [round(r["waited_for_quiet_s"], 1) for r in runs],
         "server_cpu_s_per_rollout": round(statistics.median(r["cpu_s"] for r in runs) / n, 7),
+        # ~1.0 means the server's one event loop had a core to itself and used all of it: saturated.
+        "server_cores_busy": round(statistics.median(r["cpu_s"] / r["wall_s"] for r in runs), 3),
         "server_peak_rss_mb": round(max(r["peak_rss_bytes"] for r in runs) / 2**20, 1),
         "cpu_ms_per_rollout": {
             "server": per_rollout_ms("server"),
@@ -741,6 +807,7 @@ def summarize(name: str, work: Work, runs: list[dict[str, Any]]) -> dict[str, An
         made = sum(r["agents"]["calls"] for r in runs)
         out["daemon_cpu_s_per_rollout"] = out.pop("server_cpu_s_per_rollout")
         out["daemon_peak_rss_mb"] = out.pop("server_peak_rss_mb")
+        out["daemon_cores_busy"] = out.pop("server_cores_busy")
         out["token_ids"] = {
             "calls_made": made,
             "rows": sum(i["rows"] for i in ids),
@@ -763,6 +830,7 @@ def summarize(name: str, work: Work, runs: list[dict[str, Any]]) -> dict[str, An
     else:
         out["bare_server_cpu_s_per_rollout"] = out.pop("server_cpu_s_per_rollout")
         out["bare_server_peak_rss_mb"] = out.pop("server_peak_rss_mb")
+        out["bare_server_cores_busy"] = out.pop("server_cores_busy")
     return out
 
 
@@ -800,17 +868,18 @@ async def run_point(mock: JsonChild, work: Work, opts: Options) -> dict[str, Any
         "work": work.describe(),
         "repeats": opts.repeats,
         "server_event_loop": "uvloop" if opts.server_uvloop else "asyncio",
+        "aglverl_source": aglverl_source(),
         "machine": machine_info(),
     }
     spy: anyio.abc.Process | None = None
     try:
         for name in names:
-            systems.append(await System.start(name, mock.info["url"], work.agents, opts))
+            systems.append(await System.start(name, mock.info["url"], work, opts))
         for system in systems:
             with anyio.fail_after(opts.deadline):
                 await system.step(min(work.tasks, opts.warmup_tasks))
             await system.agent_stats()
-        if opts.profile is not None:
+        if opts.profile is not None and opts.profiler == "py-spy":
             spy = await _start_py_spy(systems[0].server.pid, opts.profile)
         for _ in range(opts.repeats):
             for system in systems:
@@ -843,9 +912,13 @@ async def run_point(mock: JsonChild, work: Work, opts: Options) -> dict[str, Any
 
 # ---------------------------------------------------------------------------------------------- profiling
 async def _start_py_spy(pid: int, out: Path) -> anyio.abc.Process:
-    """py-spy sampling ``pid`` (all threads, idle excluded) into collapsed stacks; returns once attached."""
+    """py-spy sampling ``pid`` (all threads, idle excluded) into collapsed stacks; returns once attached.
+
+    Blocking mode (the process is paused for each sample): with ``--nonblocking`` py-spy often caught 3.11
+    frames half set up and charged ~25% of samples to the ``def`` lines of arbitrary functions.
+    """
     exe = Path(sys.executable).with_name("py-spy")
-    cmd = [str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking"]
+    cmd = [str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate", str(PY_SPY_RATE)]
     spy = await anyio.open_process([*cmd, "-o", str(out)], stdout=subprocess.PIPE, stderr=None)
     assert spy.stdout is not None
     with anyio.fail_after(30):
@@ -871,19 +944,39 @@ def _frame_key(frame: str) -> str:
     return f"{name} ({path})"
 
 
+#: Leaf frames that are waiting, not working (py-spy's blocking mode still reports some of them as active).
+IDLE_LEAVES = ("Condition.wait (threading.py)", "EpollSelector.select (selectors.py)")
+#: Components of the daemon by a frame that appears in the stack (first match wins), for the CPU split.
+COMPONENTS = (
+    ("benchmark's own checks (after the step)", ("_check_rows", "_GcWatch", "_LoopLag")),
+    ("collector + batch build", ("RolloutCollector", "aglverl/batch.py", "aglverl/collector.py")),
+    ("LLM proxy (handlers)", ("LLMProxy.",)),
+    ("task server (uvicorn + starlette + routes)", ("uvicorn/", "starlette/", "TaskServer.")),
+    ("trainer side (submit)", ("AgentDaemon.submit",)),
+    ("store (outside handlers)", ("aglverl/store.py",)),
+)
+
+
 def summarize_profile(path: Path, top: int = 25) -> dict[str, Any]:
-    """Self and inclusive sample shares per function, and self share per library, from collapsed stacks."""
+    """From collapsed stacks: shares of working samples per function (self, inclusive), library, component.
+
+    Samples whose leaf is an idle wait (:data:`IDLE_LEAVES`) are counted apart. The rest of the loop's own
+    work (reading sockets, running callbacks, aiohttp protocol code below any handler) is "event loop and
+    protocol plumbing".
+    """
     self_counts: Counter[str] = Counter()
     incl: Counter[str] = Counter()
     libs: Counter[str] = Counter()
-    total = 0
+    parts: Counter[str] = Counter()
+    total = idle = 0
     for line in path.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
-        count = int(count_text)
         frames = [_frame_key(f) for f in stack.split(";") if "(" in f]
         if not frames:
+            continue
+        count = int(count_text)
+        if frames[-1] in IDLE_LEAVES:
+            idle += count
             continue
         total += count
         self_counts[frames[-1]] += count
@@ -891,12 +984,20 @@ def summarize_profile(path: Path, top: int = 25) -> dict[str, Any]:
             incl[key] += count
         leaf_path = frames[-1].rsplit("(", 1)[1].rstrip(")")
         libs[leaf_path.split("/", 1)[0].removesuffix(".py")] += count
+        part = "event loop and protocol plumbing"
+        for name, markers in COMPONENTS:
+            if any(m in stack for m in markers):
+                part = name
+                break
+        parts[part] += count
 
-    def share(c: Counter[str]) -> list[list[Any]]:
-        return [[k, round(v / total * 100, 1)] for k, v in c.most_common(top)]
+    def share(c: Counter[str], n: int = top) -> list[list[Any]]:
+        return [[k, round(v / total * 100, 1)] for k, v in c.most_common(n)]
 
     return {
-        "samples": total,
+        "working_samples": total,
+        "idle_samples_excluded": idle,
+        "component_percent": share(parts, len(COMPONENTS) + 1),
         "self_percent": share(self_counts),
         "inclusive_percent": share(incl),
         "self_percent_by_library": share(libs),
@@ -906,9 +1007,9 @@ def summarize_profile(path: Path, top: int = 25) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- sweep output
 TABLE_HEAD = (
     "| N | M | stream | ideal s | zero-overhead s | wall s | efficiency | eff. vs zero-overhead | rollouts/s "
-    "| LLM calls/s | LLM p50 / p99 ms | daemon CPU ms/rollout | peak RSS MB | ids | /healthz p99 ms "
-    "| other programs' CPU s |\n"
-    "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| LLM calls/s | LLM p50 / p99 ms | daemon CPU ms/rollout | daemon busy (cores) | peak RSS MB | ids "
+    "| /healthz p99 ms | other programs' CPU s |\n"
+    "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -917,14 +1018,14 @@ def table_row(rec: dict[str, Any]) -> str:
     head = f"| {w['tasks']} | {w['agents']} | {'sse' if rec['stream'] else 'json'} | {w['ideal_wall_s']:.3f} "
     head += f"| {w['simulated_zero_overhead_wall_s']:.3f} "
     if "aglverl" not in rec:
-        return head + f"| skipped: {rec.get('skipped', '?')} |" + " |" * 10
+        return head + f"| skipped: {rec.get('skipped', '?')} |" + " |" * 11
     a = rec["aglverl"]
     lat = a["agent_llm_latency_ms"]
     foreign = a["cpu_ms_per_rollout"]["other_programs_on_machine"] * w["tasks"] / 1e3
     return head + (
         f"| {a['wall_s']:.3f} | {a['efficiency']:.3f} | {a['efficiency_vs_simulated_zero_overhead']:.3f} "
         f"| {a['rollouts_per_s']:.0f} | {a['llm_calls_per_s']:.0f} | {lat['p50']:.1f} / {lat['p99']:.1f} "
-        f"| {a['daemon_cpu_s_per_rollout'] * 1e3:.2f} | {a['daemon_peak_rss_mb']:.0f} "
+        f"| {a['daemon_cpu_s_per_rollout'] * 1e3:.2f} | {a['daemon_cores_busy']:.2f} | {a['daemon_peak_rss_mb']:.0f} "
         f"| {a['token_ids']['captured_over_expected']} | {a['healthz_ms'].get('p99', float('nan')):.1f} "
         f"| {foreign:.1f} |"
     )
@@ -1023,6 +1124,7 @@ def _options(args: argparse.Namespace, **overrides: Any) -> Options:
         "quiet_cores": args.quiet_cores,
         "quiet_max_wait": args.quiet_max_wait,
         "loop_lag": args.loop_lag,
+        "idle_before_step": args.idle_before_step,
     }
     return Options(**(fields | overrides))
 
@@ -1034,13 +1136,16 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.sweep:
             await sweep(mock, args, latency)
             return
-        profile = RESULTS_DIR / "control_plane_profile.txt" if args.profile else None
-        if profile is not None:
+        profile = None
+        if args.profile:
+            profile = RESULTS_DIR / f"control_plane_profile_{args.profiler.replace('-', '')}.txt"
             RESULTS_DIR.mkdir(exist_ok=True)
         record = await run_point(
-            mock, Work(args.tasks, args.agents, latency), _options(args, profile=profile)
+            mock,
+            Work(args.tasks, args.agents, latency, args.calls_per_task),
+            _options(args, profile=profile, profiler=args.profiler),
         )
-        if profile is not None and profile.exists():
+        if profile is not None and profile.exists() and args.profiler == "py-spy":
             record["profile"] = {"file": str(profile.relative_to(HERE.parent)), **summarize_profile(profile)}
         print(json.dumps(record), flush=True)
     finally:
@@ -1124,10 +1229,12 @@ def main() -> None:
     add("--tasks", type=int, default=256, help="N: tasks per step (default 256)")
     add("--agents", type=int, default=32, help="M: concurrent agents (default 32)")
     add("--latency-ms", type=float, default=50.0, help="mock latency per LLM call (default 50)")
+    add("--calls-per-task", type=int, choices=(0, 1, 2, 3), help="fixed k instead of 1-3 by hash (0: no LLM)")
     add("--stream", action="store_true", help="agents make streaming (SSE) chat calls")
     add("--baseline", action="store_true", help="also measure a bare aiohttp server, agents -> mock")
     add("--sweep", action="store_true", help="N in {256,1024,4096} x M in {32,128,512} x stream on/off")
-    add("--profile", action="store_true", help="py-spy the daemon during the measured steps")
+    add("--profile", action="store_true", help="profile the daemon during the measured steps")
+    add("--profiler", choices=("py-spy", "pyinstrument"), default="py-spy", help="sampler for --profile")
     add("--repeats", type=int, default=5, help="measured steps per system (median reported; default 5)")
     add("--sweep-repeats", type=int, default=1, help="measured steps per sweep point (default 1)")
     add("--warmup-tasks", type=int, default=0, help="tasks in the warm-up step (default max(M, 64))")
@@ -1136,6 +1243,9 @@ def main() -> None:
     add("--healthz-interval", type=float, default=0.01, help="seconds between /healthz probes (0: off)")
     add("--quiet-cores", type=float, default=0.35, help="wait for other programs to use < this many CPUs")
     add("--quiet-max-wait", type=float, default=60.0, help="longest wait for quiet before a step, seconds")
+    add(
+        "--idle-before-step", type=float, default=0.0, help="idle seconds before each step (a trainer update)"
+    )
     add("--loop-lag", action="store_true", help="diagnosis: measure the daemon loop's wake-up lateness")
     add("--deadline", type=float, default=120.0, help="cap on one step, seconds")
     add("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
