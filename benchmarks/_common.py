@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from subprocess import PIPE
 from typing import Any
 
+import aiohttp
 import anyio
 import anyio.abc
 import orjson
@@ -207,3 +208,29 @@ async def stdin_commands() -> AsyncIterator[dict[str, Any]]:
             yield orjson.loads(line)
     finally:
         transport.close()
+
+
+async def read_sse_text(resp: aiohttp.ClientResponse, error: type[Exception] = RuntimeError) -> str:
+    """The assistant text of a streamed chat completion, parsed event by event as chunks arrive.
+
+    Raises ``error`` on an OpenAI-shaped error event (how the proxy ends a broken stream) or when the stream
+    ends without ``data: [DONE]``.
+    """
+    parts: list[str] = []
+    pending = b""
+    async for chunk in resp.content.iter_any():
+        pending += chunk
+        *events, pending = pending.split(b"\n\n")
+        for event in events:
+            if not event.startswith(b"data: "):
+                continue
+            payload = event[6:]
+            if payload == b"[DONE]":
+                return "".join(parts)
+            obj = orjson.loads(payload)
+            if obj.get("error"):
+                raise error(f"stream error event: {str(obj['error'])[:200]}")
+            choices = obj.get("choices") or []
+            if choices:
+                parts.append(choices[0].get("delta", {}).get("content") or "")
+    raise error("stream ended without [DONE]")

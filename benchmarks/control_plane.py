@@ -71,6 +71,7 @@ from _common import (
     machine_info,
     peak_rss_bytes,
     proc_cpu_seconds,
+    read_sse_text,
     stdin_commands,
     summary_ms,
     system_busy_seconds,
@@ -507,7 +508,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
             if resp.status != 200:
                 raise RuntimeError(f"chat call answered {resp.status}: {(await resp.read())[:200]!r}")
             if stream:
-                content = await _read_sse(resp)
+                content = await read_sse_text(resp)
             else:
                 content = orjson.loads(await resp.read())["choices"][0]["message"]["content"]
         latencies.append(time.perf_counter() - started)
@@ -576,25 +577,6 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
             tg.cancel_scope.cancel()
     finally:
         await session.close()
-
-
-async def _read_sse(resp: aiohttp.ClientResponse) -> str:
-    """The assistant text of a streamed chat completion, parsed event by event as chunks arrive."""
-    parts: list[str] = []
-    pending = b""
-    async for chunk in resp.content.iter_any():
-        pending += chunk
-        *events, pending = pending.split(b"\n\n")
-        for event in events:
-            if not event.startswith(b"data: "):
-                continue
-            payload = event[6:]
-            if payload == b"[DONE]":
-                return "".join(parts)
-            choices = orjson.loads(payload).get("choices") or []
-            if choices:
-                parts.append(choices[0].get("delta", {}).get("content") or "")
-    raise RuntimeError("stream ended without [DONE]")
 
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:

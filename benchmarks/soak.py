@@ -71,6 +71,7 @@ from _common import (
     machine_info,
     peak_rss_bytes,
     proc_cpu_seconds,
+    read_sse_text,
     stdin_commands,
     summary_ms,
     system_busy_seconds,
@@ -354,28 +355,6 @@ class _Vanish(Exception):
     pass
 
 
-async def _read_sse(resp: aiohttp.ClientResponse) -> str:
-    """The assistant text of a streamed chat completion; ``_CallFailed`` on an error event or a cut stream."""
-    parts: list[str] = []
-    pending = b""
-    async for chunk in resp.content.iter_any():
-        pending += chunk
-        *events, pending = pending.split(b"\n\n")
-        for event in events:
-            if not event.startswith(b"data: "):
-                continue
-            payload = event[6:]
-            if payload == b"[DONE]":
-                return "".join(parts)
-            obj = orjson.loads(payload)
-            if obj.get("error"):
-                raise _CallFailed(f"stream error event: {str(obj['error'])[:200]}")
-            choices = obj.get("choices") or []
-            if choices:
-                parts.append(choices[0].get("delta", {}).get("content") or "")
-    raise _CallFailed("stream ended without [DONE]")
-
-
 async def _run_agents(cfg: dict[str, Any]) -> None:
     """``cfg["agents"]`` agent loops; ``stats`` returns the counters (and the accepted rollout ids)."""
     from aglverl.client import AgentClient, TaskServerError
@@ -404,7 +383,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
                 if r.status != 200:
                     raise _CallFailed(f"chat answered {r.status}: {(await r.read())[:200]!r}")
                 if stream:
-                    content = await _read_sse(r)
+                    content = await read_sse_text(r, _CallFailed)
                 else:
                     content = orjson.loads(await r.read())["choices"][0]["message"]["content"]
         except (aiohttp.ClientError, TimeoutError) as exc:
