@@ -173,7 +173,7 @@ class _Entry:
     calls: dict[str, list[LLMCall]] = field(default_factory=dict)
     groups: list[_Group] = field(default_factory=list)
     done: anyio.Event | None = None
-    claimed_at: float = 0.0
+    since: float = 0.0  # monotonic: when queued, then when last claimed (for the latency histograms)
 
     @property
     def attempt_id(self) -> str | None:
@@ -331,8 +331,8 @@ class TaskStore:
             metadata=dict(metadata or {}),
             create_time=time.time(),
             owner=owner,
+            since=time.monotonic(),
         )
-        entry.claimed_at = time.monotonic()  # enqueue time until the first claim
         self._entries[rollout_id] = entry
         self._journal({"kind": "task", **self._task_record(entry)})
         self.m_queued.inc()
@@ -378,14 +378,14 @@ class TaskStore:
     def _start_attempt(self, entry: _Entry) -> Task:
         now = time.monotonic()
         if entry.num_claims == 0:
-            self.m_queue_wait.observe(now - entry.claimed_at)
+            self.m_queue_wait.observe(now - entry.since)
         self._queued_count -= 1
         self._claimed_count += 1
         entry.state = "claimed"
         entry.num_claims += 1
         entry.attempts.append(_new_id("attempt"))
         entry.last_claim_time = time.time()
-        entry.claimed_at = now
+        entry.since = now
         self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": entry.attempt_id})
         self._set_lease(entry, now + self.lease_seconds)
         self.m_claimed.inc()
@@ -557,7 +557,7 @@ class TaskStore:
             self._claimed_count -= 1
         elif entry.state == "queued":
             self._queued_count -= 1
-        self.m_rollout_latency.observe(time.monotonic() - entry.claimed_at)
+        self.m_rollout_latency.observe(time.monotonic() - entry.since)
         self._finish(entry, "completed", result=rollout, attempt_id=attempt_id)
         return f"rollout {rollout.rollout_id} received and stored"
 
@@ -788,7 +788,7 @@ class TaskStore:
                     metadata=r["metadata"],
                     create_time=r["create_time"],
                     owner=r["owner"],
-                    claimed_at=time.monotonic(),
+                    since=time.monotonic(),
                 )
             elif kind == "forget":
                 for rollout_id in r["rollout_ids"]:
