@@ -9,6 +9,8 @@ Nothing here sleeps to wait for a child: every wait is a read of its next line (
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 import os
 import platform
@@ -74,7 +76,8 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
-def _status_kib(pid: int, key: str) -> int:
+def status_kib(pid: int, key: str) -> int:
+    """A ``/proc/<pid>/status`` field in KiB (``VmRSS:``, ``VmHWM:``, ...)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(key):
@@ -84,7 +87,7 @@ def _status_kib(pid: int, key: str) -> int:
 
 def peak_rss_bytes(pid: int) -> int:
     """Peak resident set size of a process (``VmHWM``)."""
-    return _status_kib(pid, "VmHWM:") * 1024
+    return status_kib(pid, "VmHWM:") * 1024
 
 
 def system_busy_seconds() -> float:
@@ -234,3 +237,22 @@ async def read_sse_text(resp: aiohttp.ClientResponse, error: type[Exception] = R
             if choices:
                 parts.append(choices[0].get("delta", {}).get("content") or "")
     raise error("stream ended without [DONE]")
+
+
+def child_args(script: str, role: str, cfg: dict[str, Any]) -> list[str]:
+    """The command line that runs ``script`` as a benchmark child in ``role`` with ``cfg``."""
+    return [os.path.abspath(script), "--child", role, json.dumps(cfg)]
+
+
+class LogCounter(logging.Handler):
+    """Counts WARNING+ records and keeps the first few, so a run reports what the daemon complained about."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+        self.first: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        if len(self.first) < 5:
+            self.first.append(f"{record.name}: {record.getMessage()[:300]}")

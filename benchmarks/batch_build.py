@@ -119,9 +119,7 @@ def identical(a: DataProto, b: DataProto) -> bool:
         x, y = a.batch[key], b.batch[key]
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
             return False
-    return all(
-        a.non_tensor_batch[k].tolist() == b.non_tensor_batch[k].tolist() for k in a.non_tensor_batch
-    )
+    return all(a.non_tensor_batch[k].tolist() == b.non_tensor_batch[k].tolist() for k in a.non_tensor_batch)
 
 
 def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
@@ -141,7 +139,9 @@ def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[fl
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--triplets", type=int, default=1024)
     parser.add_argument("--max-prompt-length", type=int, default=2048)
     parser.add_argument("--max-response-length", type=int, default=1024)
@@ -151,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    config = BatchConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length)
+    config = BatchConfig(
+        max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length
+    )
     rollouts = make_rollouts(args.triplets, args.group_size, args.max_turns, config, args.seed)
     # The first calls double as warm-up: first-call allocator and dispatcher costs are not the steady state.
     ours, metrics = build_batch(rollouts, config)

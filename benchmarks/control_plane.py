@@ -67,6 +67,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _common import (
     JsonChild,
+    LogCounter,
+    child_args,
     emit,
     machine_info,
     peak_rss_bytes,
@@ -176,10 +178,6 @@ def aglverl_source() -> dict[str, Any]:
     return {"sha256_12": digest.hexdigest()[:12], "newest_file_mtime": stamp}
 
 
-def _child_args(role: str, cfg: dict[str, Any]) -> list[str]:
-    return [os.path.abspath(__file__), "--child", role, json.dumps(cfg)]
-
-
 async def _run_mock(cfg: dict[str, Any]) -> None:
     from aglverl.testing import MockVLLM
 
@@ -189,20 +187,6 @@ async def _run_mock(cfg: dict[str, Any]) -> None:
         emit({"url": mock.url, "pid": os.getpid()})
         async for _ in stdin_commands():
             emit({"completed": mock.completed, "cancelled": mock.cancelled})
-
-
-class _LogCounter(logging.Handler):
-    """Counts WARNING+ records (and keeps the first few) so a run reports what the daemon complained about."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-        self.first: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
-        if len(self.first) < 5:
-            self.first.append(f"{record.name}: {record.getMessage()[:300]}")
 
 
 class _GcWatch:
@@ -305,7 +289,7 @@ class _LoopLag:
 async def _run_daemon(cfg: dict[str, Any]) -> None:
     from aglverl import AgentDaemon, BatchConfig
 
-    counter = _LogCounter()
+    counter = LogCounter()
     for name in ("", "uvicorn", "uvicorn.error"):
         logging.getLogger(name).addHandler(counter)
     logging.getLogger().addHandler(logging.StreamHandler())  # keep printing what lastResort would have
@@ -333,7 +317,7 @@ def _write_pyinstrument(profiler: Any, out: Path) -> None:
     out.with_suffix(".flat.txt").write_text(profiler.output_text(flat=True, flat_time="self"))
 
 
-async def _trainer(daemon: Any, counter: _LogCounter, lag: _LoopLag, fixed_calls: int | None) -> None:
+async def _trainer(daemon: Any, counter: LogCounter, lag: _LoopLag, fixed_calls: int | None) -> None:
     """The trainer side: one step per command, answered with its wall time, CPU, memory and checks."""
     pid = os.getpid()
     gc_watch = _GcWatch()
@@ -625,7 +609,7 @@ class System:
             "loop_lag": opts.loop_lag,
             "fixed_calls": fixed_calls,
         }
-        server = await JsonChild.start(_child_args(name, cfg))
+        server = await JsonChild.start(child_args(__file__, name, cfg))
         children: list[JsonChild] = []
         procs = opts.agent_procs
         try:
@@ -637,7 +621,7 @@ class System:
                     "stream": opts.stream,
                     "fixed_calls": fixed_calls,
                 }
-                children.append(await JsonChild.start(_child_args("agents", cfg)))
+                children.append(await JsonChild.start(child_args(__file__, "agents", cfg)))
         except BaseException:
             for child in children:
                 await child.kill()
@@ -1113,7 +1097,7 @@ def _options(args: argparse.Namespace, **overrides: Any) -> Options:
 
 async def main_async(args: argparse.Namespace) -> None:
     latency = args.latency_ms / 1e3
-    mock = await JsonChild.start(_child_args("mock", {"latency": latency}))
+    mock = await JsonChild.start(child_args(__file__, "mock", {"latency": latency}))
     try:
         if args.sweep:
             await sweep(mock, args, latency)

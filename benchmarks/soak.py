@@ -67,11 +67,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _common import (
     JsonChild,
+    LogCounter,
+    child_args,
     emit,
     machine_info,
     peak_rss_bytes,
     proc_cpu_seconds,
     read_sse_text,
+    status_kib,
     stdin_commands,
     summary_ms,
     system_busy_seconds,
@@ -104,40 +107,13 @@ def sample(index: int) -> dict[str, Any]:
     return {"i": index, "k": calls_for(index), "text": f"Soak task {index}: answer yes or no."}
 
 
-def _child_args(role: str, cfg: dict[str, Any]) -> list[str]:
-    return [os.path.abspath(__file__), "--child", role, json.dumps(cfg)]
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-# ---------------------------------------------------------------------------------------------- logs
-class _LogCounter(logging.Handler):
-    """Counts WARNING+ records and keeps the first few, so the run reports what the daemon complained about."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-        self.first: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
-        if len(self.first) < 5:
-            self.first.append(f"{record.name}: {record.getMessage()[:300]}")
-
-
 # ---------------------------------------------------------------------------------------------- mock
 async def _run_mock(cfg: dict[str, Any]) -> None:
     from aglverl.testing import MockVLLM
 
     # A stream whose client left (an agent vanished mid-call, so the proxy dropped the upstream request) may
     # fail its next write before aiohttp cancels the handler; aiohttp logs that with a traceback. Count it.
-    server_log = _LogCounter()
+    server_log = LogCounter()
     logging.getLogger("aiohttp.server").addHandler(server_log)
     logging.getLogger("aiohttp.server").propagate = False
     async with MockVLLM(
@@ -237,7 +213,7 @@ def _registry_figures(daemon: Any) -> dict[str, Any]:
     }
 
 
-async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
+async def _trainer(daemon: Any, cfg: dict[str, Any], log: LogCounter) -> None:
     """Keep ``inflight`` steps submitted, check and drop each batch, sample RSS; one line per step, then done."""
     n = cfg["n"]
     samples_per_step = cfg["rollouts_per_step"] // n
@@ -296,7 +272,7 @@ async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
                 "collector_turnaround_s": turnarounds[-1] if turnarounds else None,
                 "metrics": metrics,
                 "checks": checks,
-                "rss_kib": _status_kib("VmRSS:"),
+                "rss_kib": status_kib(os.getpid(), "VmRSS:"),
                 "py_blocks": sys.getallocatedblocks(),
                 "t": received - started,
             }
@@ -313,7 +289,7 @@ async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
             "collector_turnarounds_s": turnarounds,
             "registry": _registry_figures(daemon),
             "internals_after_run": _internals(daemon),
-            "rss_kib_after_gc": _status_kib("VmRSS:"),
+            "rss_kib_after_gc": status_kib(os.getpid(), "VmRSS:"),
             "peak_rss_bytes": peak_rss_bytes(os.getpid()),
             "cpu_s": proc_cpu_seconds(os.getpid()),
             "log_warnings": log.count,
@@ -325,7 +301,7 @@ async def _trainer(daemon: Any, cfg: dict[str, Any], log: _LogCounter) -> None:
 async def _run_daemon(cfg: dict[str, Any]) -> None:
     from aglverl import AgentDaemon, BatchConfig
 
-    log = _LogCounter()
+    log = LogCounter()
     for name in ("", "uvicorn", "uvicorn.error"):
         logging.getLogger(name).addHandler(log)
     logging.getLogger().setLevel(logging.WARNING)
@@ -684,7 +660,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     hang: dict[str, Any] | None = None
     try:
         mock = await JsonChild.start(
-            _child_args(
+            child_args(
+                __file__,
                 "mock",
                 {
                     "latency": args.latency_ms / 1e3,
@@ -697,7 +674,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         children.append(mock)
         submit_seconds = budget * (1 - DRAIN_RESERVE) - (time.monotonic() - started)
         daemon = await JsonChild.start(
-            _child_args(
+            child_args(
+                __file__,
                 "daemon",
                 {
                     "mock_url": mock.info["url"],
@@ -725,7 +703,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 "straggle_rate": args.straggle_rate,
                 "lease_seconds": args.lease_seconds,
             }
-            agents.append(await JsonChild.start(_child_args("agents", cfg)))
+            agents.append(await JsonChild.start(child_args(__file__, "agents", cfg)))
             children.append(agents[-1])
         _progress(f"children up after {time.monotonic() - started:.1f}s; running")
         pids = {"daemon": daemon.pid, "mock": mock.pid} | {f"agents{i}": a.pid for i, a in enumerate(agents)}
