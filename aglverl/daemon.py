@@ -22,7 +22,7 @@ import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -33,7 +33,7 @@ from .collector import RolloutCollector, Step, TrainingBatch
 from .journal import Journal
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
-from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, RetryPolicy
+from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, Outcome, RetryPolicy
 from .server import TaskServer
 from .store import TaskStore
 
@@ -245,6 +245,16 @@ class AgentDaemon:
             yield
         finally:
             self.proxy.resume(weight_version)
+
+    def proxy_counters(self) -> dict[str, float]:
+        """The LLM proxy's cumulative counters since start, under ``proxy/*`` names for a trainer's logs."""
+        proxy = self.proxy
+        counters = {f"proxy/calls_{outcome}": proxy.m_calls.value(outcome) for outcome in get_args(Outcome)}
+        counters["proxy/retries"] = proxy.m_retries.value()
+        counters["proxy/backend_ejections"] = proxy.m_ejections.value()
+        counters["proxy/calls_without_token_ids"] = proxy.m_no_ids.value()
+        counters["proxy/calls_unrecorded"] = proxy.m_unrecorded.value()
+        return counters
 
     # ------------------------------------------------------------------ trainer API
     async def submit(

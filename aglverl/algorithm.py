@@ -1,0 +1,546 @@
+"""``AsyncVERL``: the whole training run — verl's config, Ray, verl's workers, the daemon and (optionally) agents.
+
+::
+
+    algo = AsyncVERL({"actor_rollout_ref": {"model": {"path": "tiny"}, "rollout": {"n": 8}},
+                      "data": {"train_batch_size": 16}, "trainer": {"total_training_steps": 20},
+                      "aglverl": {"agents": 32}}, agent=my_agent)
+    metrics = await algo.run(train_dataset=[{"question": ...}, ...], val_dataset=[...])
+
+The config is verl's own: the user's overrides (nested mappings, or dotted keys as on verl's command line)
+are merged onto verl's packaged ``ppo_trainer.yaml``, composed by Hydra exactly as
+``python -m verl.trainer.main_ppo`` composes it, plus an ``aglverl:`` section for the daemon
+(:class:`DaemonOptions`). A key verl's YAML does not have is an error naming it (free-form mappings such as
+``model.override_config`` accept any key). On a machine without a GPU the CPU platform and the embedded rollout
+are selected (:data:`CPU_DEFAULTS`, each of which the user may override); with GPUs, verl's vLLM rollout.
+
+``run`` starts or joins Ray (``RAY_ADDRESS``; a Ray started here listens on loopback only), builds the resource
+pools and roles the way verl's task runner does, starts verl's workers, hosts an :class:`AgentDaemon` (and the
+agents, if ``agent=`` was given) in its own task group on the caller's loop, and trains with
+:class:`~aglverl.trainer.AgentPPOTrainer`. Blocking Ray and torch calls run in worker threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+
+from .client import AgentFn, run_agents
+
+__all__ = [
+    "CPU_DEFAULTS",
+    "AsyncVERL",
+    "ConfigError",
+    "DaemonOptions",
+    "compose_config",
+    "load_samples",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What the CPU platform needs on top of verl's defaults (see shared VERL_CPU.md); the user may override each.
+CPU_DEFAULTS: dict[str, Any] = {
+    "actor_rollout_ref": {
+        "model": {
+            "path": "tiny",
+            "override_config": {"attn_implementation": "sdpa"},
+            "enable_gradient_checkpointing": False,
+        },
+        "actor": {
+            "strategy": "fsdp2",
+            "use_torch_compile": False,
+            # Agents make a varying number of calls, so a step's row count varies: micro-batches by token
+            # budget need no divisibility (fixed-size micro-batches must divide every share exactly).
+            "use_dynamic_bsz": True,
+            "ppo_max_token_len_per_gpu": 16384,
+            "fsdp_config": {"dtype": "float32", "use_torch_compile": False},
+        },
+        "ref": {
+            "fsdp_config": {"dtype": "float32", "use_torch_compile": False},
+        },
+        "rollout": {
+            "name": "aglverl",
+            "mode": "async",
+            "tensor_model_parallel_size": 1,
+            "dtype": "float32",
+            "checkpoint_engine": {"backend": "naive"},
+            "agent": {"num_workers": 1},
+        },
+    },
+    "critic": {
+        "strategy": "fsdp2",
+        "fsdp": {"dtype": "float32", "use_torch_compile": False},
+        "model": {"override_config": {"attn_implementation": "sdpa"}, "enable_gradient_checkpointing": False},
+    },
+    "reward": {"num_workers": 1},
+    "data": {"dataloader_num_workers": 0},
+    "trainer": {"device": "cpu", "n_gpus_per_node": 1, "nnodes": 1, "logger": ["console"], "use_v1": False},
+}
+
+#: What aglverl changes on GPUs: verl's vLLM rollout, and the legacy trainer our subclass extends.
+GPU_DEFAULTS: dict[str, Any] = {
+    "actor_rollout_ref": {"rollout": {"name": "vllm", "mode": "async"}},
+    "trainer": {"use_v1": False},
+}
+
+
+class ConfigError(ValueError):
+    """The training config is invalid; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonOptions:
+    """The ``aglverl:`` section: how the daemon (task server + LLM proxy) is run.
+
+    - ``host``/``port``/``proxy_port``: where agents connect (loopback and ephemeral ports by default; the
+      URLs are logged). ``token``: bearer token agents must send.
+    - ``lease_seconds``/``max_attempts``/``step_timeout``: claim lease, claims per rollout, and the bound on
+      one training step's rollouts (``None``: leases and attempts alone bound it).
+    - ``journal``: the daemon's write-ahead journal: a path, ``"auto"`` (``<trainer.default_local_dir>/
+      aglverl.journal`` when checkpoints are saved, so a resumed run recovers the step in flight) or ``None``.
+    - ``llm_resource``: ``"proxy"`` (per-rollout URLs, token ids recorded) or ``"plain"`` (Agent Lightning 0.1
+      clients, which post their own triplets).
+    - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run (default: every rollout of a step
+      at once, ``train_batch_size * rollout.n``).
+    - ``platform``: ``"auto"`` (CPU when no GPU is visible), ``"cpu"`` or ``"gpu"``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    proxy_port: int = 0
+    token: str | None = None
+    lease_seconds: float = 600.0
+    max_attempts: int = 3
+    step_timeout: float | None = None
+    journal: str | None = "auto"
+    llm_resource: Literal["proxy", "plain"] = "proxy"
+    agents: int | None = None
+    platform: Literal["auto", "cpu", "gpu"] = "auto"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
+        """Build from the ``aglverl:`` mapping; an unknown key or a bad value raises :class:`ConfigError`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ConfigError(_unknown_key_message(f"aglverl.{key}", key, names))
+        options = cls(**dict(values))
+        if options.llm_resource not in ("proxy", "plain"):
+            raise ConfigError(f"aglverl.llm_resource must be 'proxy' or 'plain', got {options.llm_resource!r}")
+        if options.platform not in ("auto", "cpu", "gpu"):
+            raise ConfigError(f"aglverl.platform must be 'auto', 'cpu' or 'gpu', got {options.platform!r}")
+        if options.agents is not None and options.agents < 1:
+            raise ConfigError(f"aglverl.agents must be >= 1, got {options.agents}")
+        if options.max_attempts < 1:
+            raise ConfigError(f"aglverl.max_attempts must be >= 1, got {options.max_attempts}")
+        return options
+
+
+def _unknown_key_message(full_key: str, key: str, known: Sequence[str] | set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=3)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"unknown config key {full_key!r}{hint}"
+
+
+def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted keys (``"a.b.c": v``, as on verl's command line) expanded into nested mappings."""
+    nested: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config keys must be strings, got {key!r}")
+        value = _nest(value) if isinstance(value, Mapping) else value
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {key!r} conflicts with a value set for {part!r}")
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            node[leaf] = _deep_merge(node[leaf], value)
+        else:
+            node[leaf] = value
+    return nested
+
+
+def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+#: Mappings whose keys are passed through to another API (``ray.init``), not fields of verl's config.
+FREE_FORM = frozenset({"ray_kwargs.ray_init"})
+
+
+def _check_keys(base: Any, overrides: Mapping[str, Any], path: str = "") -> None:
+    """Raise :class:`ConfigError` for a key of ``overrides`` that verl's composed config does not have.
+
+    Mappings that are empty or ``null`` in verl's YAML are free-form (``override_config``, ``engine_kwargs``):
+    any key goes there, as into :data:`FREE_FORM` ones.
+    """
+    from omegaconf import DictConfig
+
+    if path in FREE_FORM:
+        return
+    known = list(base.keys())  # ``key in config`` is False for keys whose value is missing (``???``)
+    for key, value in overrides.items():
+        full = f"{path}.{key}" if path else key
+        if key not in known:
+            raise ConfigError(_unknown_key_message(full, key, known))
+        child = base._get_node(key) if isinstance(base, DictConfig) else None
+        if isinstance(value, Mapping) and isinstance(child, DictConfig) and len(child) > 0:
+            _check_keys(child, value, full)
+
+
+def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, DaemonOptions]:
+    """verl's ``ppo_trainer.yaml`` composed by Hydra with ``overrides`` merged on; plus the ``aglverl:`` section.
+
+    Returns ``(config, options)``: a resolved OmegaConf ``DictConfig`` ready for verl, validated by verl's
+    ``validate_config``, and the :class:`DaemonOptions`. Raises :class:`ConfigError` naming the key for an
+    unknown key or an unsupported setting.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    user = _nest(dict(overrides or {}))
+    options = DaemonOptions.from_mapping(user.pop("aglverl", None) or {})
+    platform = _pick_platform(options.platform)
+    base = _compose_verl_defaults(user.pop("model_engine", None))
+    defaults = CPU_DEFAULTS if platform == "cpu" else GPU_DEFAULTS
+    _check_keys(base, defaults)  # our own defaults must name real keys of this verl release
+    _check_keys(base, user)
+    with open_dict(base):
+        config = OmegaConf.merge(base, defaults, user)
+    _resolve_model_paths(config, user)
+    _refuse_unsupported(config)
+    OmegaConf.set_struct(config, True)
+    _validate_with_verl(config)
+    return config, options
+
+
+def _pick_platform(choice: str) -> Literal["cpu", "gpu"]:
+    if choice in ("cpu", "gpu"):
+        return choice  # type: ignore[return-value]
+    import torch
+
+    if torch.cuda.is_available():
+        return "gpu"
+    logger.info("aglverl: no GPU visible; training on the CPU platform with the embedded rollout engine")
+    return "cpu"
+
+
+def _compose_verl_defaults(model_engine: str | None) -> Any:
+    """verl's packaged ``ppo_trainer.yaml``, composed by Hydra as ``verl.trainer.main_ppo`` does."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    hydra_overrides = [f"model_engine={model_engine}"] if model_engine else []
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=hydra_overrides)
+
+
+def _resolve_model_paths(config: Any, user: Mapping[str, Any]) -> None:
+    """``"tiny"`` becomes the locally built default model; the critic defaults to the actor's model.
+
+    Other values go to verl as they are (a local directory, or a hub name verl downloads where that is
+    possible); a path that looks local but does not exist is an error naming it.
+    """
+    model = config.actor_rollout_ref.model
+    model.path = _model_path(str(model.path), "actor_rollout_ref.model.path")
+    critic_path = user.get("critic", {}).get("model", {}).get("path")
+    config.critic.model.path = _model_path(str(critic_path), "critic.model.path") if critic_path else model.path
+
+
+def _model_path(value: str, key: str) -> str:
+    from .tiny import TINY_NAME, tiny_model_path
+
+    if value == TINY_NAME:
+        return str(tiny_model_path())
+    local = os.path.expanduser(value)
+    if value.startswith(("/", ".", "~")) and not os.path.isdir(local):
+        raise ConfigError(f"{key}: {value!r} is not a directory")
+    return local
+
+
+def _refuse_unsupported(config: Any) -> None:
+    """Settings that need verl to generate by itself, which an agent trainer does not do."""
+    estimator = str(config.algorithm.adv_estimator)
+    if estimator == "remax":
+        raise ConfigError(
+            "algorithm.adv_estimator=remax needs the trainer to generate a greedy baseline for every prompt; "
+            "aglverl's rollouts come from agents, so use grpo, rloo, reinforce_plus_plus or gae"
+        )
+    if not config.actor_rollout_ref.hybrid_engine:
+        raise ConfigError("actor_rollout_ref.hybrid_engine=false needs verl's v1 trainer; aglverl uses the hybrid one")
+    if config.actor_rollout_ref.rollout.name in (None, "???"):
+        raise ConfigError("actor_rollout_ref.rollout.name must be set (vllm, sglang or aglverl)")
+
+
+def _validate_with_verl(config: Any) -> None:
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    OmegaConf.resolve(config)
+    try:
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    except Exception as exc:  # verl asserts, raises ValueError, or Hydra wraps a dataclass's error
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        raise ConfigError(f"verl rejected the config: {cause}") from exc
+
+
+# ---------------------------------------------------------------------------------------------- datasets
+Samples = Sequence[Mapping[str, Any]] | str | os.PathLike[str] | None
+
+
+def load_samples(source: Samples, files: Any = None) -> list[dict[str, Any]] | None:
+    """Task inputs for agents: a list of dicts as given, or read from parquet / JSON-lines files.
+
+    ``source=None`` falls back to ``files`` (verl's ``data.train_files`` / ``data.val_files``: a path or a list
+    of paths); no source at all gives ``None``. Raises ``ConfigError`` naming a missing file or unknown format.
+    """
+    if source is None:
+        if files is None:
+            return None
+        paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+        return [row for path in paths for row in _read_file(Path(os.path.expanduser(str(path))))]
+    if isinstance(source, (str, os.PathLike)):
+        return _read_file(Path(source))
+    rows = list(source)
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ConfigError(f"dataset row {i} must be a mapping (the task input), got {type(row).__name__}")
+    return [dict(row) for row in rows]
+
+
+def _read_file(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise ConfigError(f"dataset file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_table(path).to_pylist())
+    if suffix in (".jsonl", ".json"):
+        import orjson
+
+        with path.open("rb") as f:
+            return [orjson.loads(line) for line in f if line.strip()]
+    raise ConfigError(f"dataset file {str(path)!r}: expected .parquet, .jsonl or .json")
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+PLATFORM_ENV = {
+    # verl/__init__.py:49 imports these in every process that imports verl: our platform and rollout.
+    "VERL_USE_EXTERNAL_MODULES": "aglverl.verl_plugin",
+    "VERL_PLATFORM": "cpu",
+    # verl's fsdp engines are registered under cuda/npu only (workers/engine/fsdp/transformer_impl.py:1143);
+    # this changes only the registry lookup key (workers/engine/base.py:405), not where tensors live.
+    "VERL_ENGINE_DEVICE": "cuda",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VerlRuntime:
+    """What :func:`verl_runtime` set up: the plugin environment verl's processes need, and (when Ray runs on
+    this machine alone) the directory for torch's ``file://`` rendezvous."""
+
+    env: Mapping[str, str]
+    rendezvous_dir: Path | None
+
+
+@contextmanager
+def verl_runtime(config: Any) -> Iterator[VerlRuntime]:
+    """What verl's processes need for one run, set up for the duration of the ``with`` block (blocking).
+
+    - the environment (``VERL_USE_EXTERNAL_MODULES``; on the CPU platform also ``VERL_PLATFORM`` and
+      ``VERL_ENGINE_DEVICE``), restored afterwards, and the same variables in Ray's runtime environment;
+    - this (driver) process: our verl plugin registered, the CPU platform current and patched when selected;
+    - Ray: joined if already initialised or ``RAY_ADDRESS`` is set, else started on loopback only and shut
+      down at the end;
+    - when Ray runs on this machine alone, a scratch directory for torch's ``file://`` rendezvous, removed at
+      the end.
+    """
+    platform: Literal["cpu", "gpu"] = "cpu" if config.trainer.device == "cpu" else "gpu"
+    env = dict(PLATFORM_ENV) if platform == "cpu" else {"VERL_USE_EXTERNAL_MODULES": PLATFORM_ENV["VERL_USE_EXTERNAL_MODULES"]}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    scratch = Path(tempfile.mkdtemp(prefix="aglverl-"))
+    try:
+        _select_platform_in_driver(platform)
+        started = _start_ray(config, env, platform)
+        local = _single_node_here()
+        try:
+            yield VerlRuntime(env=dict(env), rendezvous_dir=scratch if local else None)
+        finally:
+            if started:
+                _shutdown_ray()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _select_platform_in_driver(platform: Literal["cpu", "gpu"]) -> None:
+    """Register our plugin in this (driver) process and make the CPU platform current when asked."""
+    from . import verl_plugin
+
+    if platform == "cpu":
+        from verl.plugin.platform import get_platform, set_platform
+
+        from .verl_plugin.platform import CPUPlatform
+
+        if get_platform().device_name != "cpu":
+            set_platform(CPUPlatform())
+        verl_plugin.apply_cpu_patches()
+
+
+def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gpu"]) -> bool:
+    """Start a local Ray (loopback only) or join ``RAY_ADDRESS``; returns True if this call started it."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    if ray.is_initialized():
+        return False
+    runtime_env = get_ppo_ray_runtime_env(config)
+    runtime_env.setdefault("env_vars", {}).update(env)
+    init_kwargs = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
+    user_env = init_kwargs.pop("runtime_env", None) or {}
+    for key, value in user_env.items():
+        if value is not None:
+            runtime_env[key] = value
+    init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env, **init_kwargs)
+        return True
+    from .verl_plugin.patches import loopback_only_ray
+
+    loopback_only_ray()
+    n_accelerators = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    if platform == "cpu":
+        # Every verl resource-pool bundle asks for {"CPU": 3, "GPU": 1} (single_controller/ray/base.py:146),
+        # and the CPU platform names "GPU" as its Ray resource: declare one fake GPU per worker.
+        init_kwargs.setdefault("num_gpus", n_accelerators)
+        init_kwargs.setdefault("num_cpus", max(8, 4 * n_accelerators, os.cpu_count() or 1))
+    ray.init(include_dashboard=False, runtime_env=runtime_env, **init_kwargs)
+    return True
+
+
+def _single_node_here() -> bool:
+    """Whether the Ray cluster is this one machine (so workers can meet through a local file)."""
+    import ray
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- AsyncVERL
+class AsyncVERL:
+    """Train agents with verl's PPO trainer fed by an :class:`~aglverl.daemon.AgentDaemon`.
+
+    ``config``: verl overrides plus an ``aglverl:`` section (see the module docstring). ``agent``: an agent
+    function as for :func:`~aglverl.client.run_agents` (``async fn(task_input, llm) -> reward | Rollout``);
+    without it, agents connect from elsewhere to the task server URL that is logged (and in
+    :attr:`server_url` once running). Construction validates the config (and raises :class:`ConfigError`);
+    :meth:`run` does the work.
+    """
+
+    def __init__(self, config: Mapping[str, Any] | None = None, agent: AgentFn | None = None) -> None:
+        self.config, self.options = compose_config(config)
+        self.agent = agent
+        self.daemon: Any = None
+        self.trainer: Any = None
+        #: Called with the daemon once it serves (its URLs are known), before the first step.
+        self.on_serving: list[Callable[[Any], None]] = []
+        #: Called with ``(step, metrics)`` after each training step's metrics are logged.
+        self.on_step: list[Callable[[int, Mapping[str, float]], None]] = []
+
+    @property
+    def server_url(self) -> str | None:
+        """The task server agents connect to (once :meth:`run` has started the daemon)."""
+        return self.daemon.server_url if self.daemon is not None else None
+
+    async def run(self, train_dataset: Samples = None, val_dataset: Samples = None) -> dict[str, float]:
+        """Run the whole training; returns the last step's metrics (with the final validation, if any).
+
+        Datasets are lists of task-input dicts or parquet / JSON-lines paths (default: ``data.train_files`` /
+        ``data.val_files``). Cancellation stops training after the Ray call in progress returns, then shuts
+        the daemon, the agents and (if started here) Ray down.
+        """
+        train = load_samples(train_dataset, None if train_dataset else self.config.data.train_files)
+        val = load_samples(val_dataset) if val_dataset is not None else None
+        if not train:
+            raise ConfigError("the training dataset is empty")
+        stack = ExitStack()
+        try:
+            runtime = await anyio.to_thread.run_sync(stack.enter_context, verl_runtime(self.config))
+            return await self._train(train, val, runtime)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(stack.close)
+
+    async def _train(
+        self, train: list[dict[str, Any]], val: list[dict[str, Any]] | None, runtime: VerlRuntime
+    ) -> dict[str, float]:
+        from .daemon import AgentDaemon
+        from .trainer import AgentPPOTrainer, build_trainer
+
+        self.trainer = await anyio.to_thread.run_sync(build_trainer, self.config, train, val, runtime)
+        trainer: AgentPPOTrainer = self.trainer
+        try:
+            await anyio.to_thread.run_sync(trainer.init_workers)
+            daemon_kwargs = await anyio.to_thread.run_sync(trainer.daemon_kwargs, self.options)
+        except BaseException:
+            await anyio.to_thread.run_sync(trainer.close)
+            raise
+        self.daemon = AgentDaemon(**daemon_kwargs)
+        try:
+            async with self.daemon:
+                logger.info("aglverl: agents connect to %s", self.daemon.server_url)
+                for callback in self.on_serving:
+                    callback(self.daemon)
+                async with anyio.create_task_group() as tg:
+                    if self.agent is not None:
+                        tg.start_soon(self._run_agents, self.options.agents or trainer.rollouts_per_step)
+                    try:
+                        return await trainer.fit_async(self.daemon, on_step=self.on_step)
+                    finally:
+                        tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(trainer.close)
+
+    async def _run_agents(self, concurrency: int) -> None:
+        assert self.agent is not None and self.daemon is not None
+        await run_agents(self.daemon.server_url, self.agent, concurrency=concurrency, token=self.options.token)
+
+
+def fresh_init_method(directory: Path) -> str:
+    """A ``file://`` rendezvous for torch.distributed that only this run uses (loopback, no TCP listener)."""
+    return f"file://{directory / ('pg-' + uuid.uuid4().hex)}"

@@ -1,0 +1,175 @@
+"""``aglverl demo``: the embedded end-to-end run — verl's trainer on CPU teaches the tiny model to answer "yes".
+
+The task is the toy example's (``examples/one_word.py``): every prompt asks for one word, and the reward is the
+share of the answer's words that are that word. Agents are ordinary ``openai`` SDK code on each rollout's
+proxy URL; the trainer is verl's ``RayPPOTrainer`` (GRPO) through :class:`~aglverl.algorithm.AsyncVERL`; the
+inference server is the embedded one inside verl's actor worker. Output, in ``--out DIR``:
+
+- a progress bar on stderr (step, reward, generated tokens/s);
+- ``DIR/metrics.jsonl``: one JSON object per step (reward, response length, seconds per phase, all of verl's
+  and aglverl's step metrics);
+- ``DIR/reward.png``: the mean training reward per step;
+- as the last line of stdout, a JSON summary ``{"first_reward", "final_reward", "steps", "wall_s", ...}``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .models import LLM
+
+__all__ = ["TARGET_WORD", "demo_config", "demo_samples", "one_word_agent", "run_demo", "word_reward"]
+
+#: The word the model is taught to answer with.
+TARGET_WORD = "yes"
+_WORD = re.compile(r"[a-z0-9']+")
+_PROMPTS = (
+    "Answer with one word: {w}.",
+    "Say {w}.",
+    "Reply with the single word {w}.",
+    "Just say {w}, nothing else.",
+    "One word, please: {w}.",
+    "What do you say? Answer {w}.",
+    "Respond with {w}.",
+    "Please answer {w}.",
+)
+
+
+def word_reward(answer: str, word: str = TARGET_WORD) -> float:
+    """The share of the answer's words that are ``word`` (case and punctuation ignored); 0.0 for no words."""
+    words = _WORD.findall(answer.lower())
+    return sum(w == word for w in words) / len(words) if words else 0.0
+
+
+def demo_samples(count: int, word: str = TARGET_WORD) -> list[dict[str, Any]]:
+    """``count`` task inputs: a prompt asking for ``word`` (several phrasings) and the word itself."""
+    return [{"prompt": _PROMPTS[i % len(_PROMPTS)].format(w=word), "word": word, "id": i} for i in range(count)]
+
+
+async def one_word_agent(task: Mapping[str, Any], llm: LLM) -> float:
+    """Ask the model through this rollout's proxy URL; the reward is :func:`word_reward` of its answer."""
+    import openai
+
+    params = dict(llm.sampling_parameters)
+    client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="unused", max_retries=0)
+    try:
+        reply = await client.chat.completions.create(
+            model=llm.model,
+            messages=[{"role": "user", "content": task["prompt"]}],
+            max_tokens=params.get("max_tokens", 8),
+            temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0),
+        )
+    finally:
+        await client.close()
+    return word_reward(reply.choices[0].message.content or "", task["word"])
+
+
+def demo_config(steps: int, model: str = "tiny", agents: int | None = None) -> dict[str, Any]:
+    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, 16 prompts x 8 samples per step."""
+    return {
+        "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
+        "actor_rollout_ref": {
+            "model": {"path": model},
+            "rollout": {"n": 8, "temperature": 1.0},
+            "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 2e-3}, "use_kl_loss": False},
+        },
+        "algorithm": {"adv_estimator": "grpo"},
+        "trainer": {
+            "total_training_steps": steps,
+            "val_before_train": False,
+            "test_freq": -1,
+            "save_freq": -1,
+            "logger": [],
+            "project_name": "aglverl",
+            "experiment_name": "demo",
+        },
+        "ray_kwargs": {"ray_init": {"log_to_driver": False}},
+        "aglverl": {"journal": None, "agents": agents},
+    }
+
+
+async def run_demo(
+    *, steps: int = 40, agents: int | None = None, out: Path = Path("demo-out"), model: str = "tiny", json_lines: bool = False
+) -> dict[str, Any]:
+    """Run the demo; returns the summary (also written as the last stdout line by the CLI)."""
+    from tqdm import tqdm
+
+    from .algorithm import AsyncVERL
+
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    rewards: list[float] = []
+    algo = AsyncVERL(demo_config(steps, model, agents), agent=one_word_agent)
+    progress = tqdm(total=steps, desc="aglverl demo", unit="step", file=sys.stderr, disable=json_lines)
+    first_step_at: list[float] = []
+
+    with (out / "metrics.jsonl").open("wb") as log:
+
+        def on_step(step: int, metrics: Mapping[str, float]) -> None:
+            if not first_step_at:
+                first_step_at.append(time.monotonic() - metrics.get("timing_s/step", 0.0))
+            reward = float(metrics.get("training/reward", 0.0))
+            rewards.append(reward)
+            row = {
+                "step": step,
+                "reward": reward,
+                "response_length": metrics.get("response_length/mean", 0.0),
+                "wall_s": time.monotonic() - started,
+                **metrics,
+            }
+            line = orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY)
+            log.write(line + b"\n")
+            log.flush()
+            if json_lines:
+                print(line.decode(), flush=True)
+            progress.set_postfix(reward=f"{reward:.3f}", tok_s=f"{metrics.get('step/generated_tokens_per_s', 0):.0f}")
+            progress.update(1)
+
+        algo.on_step.append(on_step)
+        try:
+            await algo.run(train_dataset=demo_samples(64))
+        finally:
+            progress.close()
+            if rewards:
+                plot_rewards(rewards, out / "reward.png")
+    wall = time.monotonic() - started
+    startup = (first_step_at[0] - started) if first_step_at else wall
+    return {
+        "first_reward": rewards[0] if rewards else math.nan,
+        "final_reward": rewards[-1] if rewards else math.nan,
+        "max_reward": max(rewards) if rewards else math.nan,
+        "steps": len(rewards),
+        "wall_s": round(wall, 2),
+        "startup_s": round(startup, 2),
+        "seconds_per_step": round((wall - startup) / len(rewards), 3) if rewards else math.nan,
+        "first_step_reaching_0.9": next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None),
+        "out": str(out),
+    }
+
+
+def plot_rewards(rewards: list[float], path: Path) -> None:
+    """Mean training reward per step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"mean reward (share of words = {TARGET_WORD!r})")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title("aglverl demo: GRPO on the tiny model, verl on CPU")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,134 @@
+"""Every run-time patch aglverl applies to verl (and torch), in one place, each checked against verl's version.
+
+They are needed only to run verl's trainer on the CPU platform; on GPUs nothing here is applied. Each patch
+names the verl file and line it works around (line numbers of verl 0.9.1) and why. :func:`check_versions`
+refuses a verl or Ray release these were not checked against, with an error saying which versions are
+supported, rather than letting a patch silently miss its target.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED_RAY",
+    "SUPPORTED_VERL",
+    "UnsupportedVersionError",
+    "apply_cpu_patches",
+    "check_versions",
+    "loopback_only_ray",
+]
+
+logger = logging.getLogger(__name__)
+
+#: verl releases whose source these patches and the trainer's calls were checked against.
+SUPPORTED_VERL = ("0.9.1",)
+#: Ray minor releases the plugin was run on.
+SUPPORTED_RAY = ("2.60",)
+
+_applied = False
+
+
+class UnsupportedVersionError(ImportError):
+    """verl or Ray is a release aglverl's verl integration was not checked against."""
+
+
+def check_versions() -> None:
+    """Raise :class:`UnsupportedVersionError` unless verl and Ray are releases this plugin was checked on."""
+    import ray
+    import verl
+
+    if verl.__version__ not in SUPPORTED_VERL:
+        raise UnsupportedVersionError(
+            f"aglverl's verl integration supports verl {', '.join(SUPPORTED_VERL)}, found verl {verl.__version__}; "
+            f'install a supported one (pip install "verl[verl-core]=={SUPPORTED_VERL[-1]}")'
+        )
+    if not ray.__version__.startswith(tuple(v + "." for v in SUPPORTED_RAY)):
+        raise UnsupportedVersionError(
+            f"aglverl's verl integration supports Ray {', '.join(v + '.x' for v in SUPPORTED_RAY)}, "
+            f"found Ray {ray.__version__}"
+        )
+
+
+def apply_cpu_patches() -> None:
+    """Apply the patches the CPU platform needs (idempotent). Call before verl's workers are built."""
+    global _applied
+    if _applied:
+        return
+    check_versions()
+    _gloo_process_group()
+    _pin_memory_without_accelerator()
+    _applied = True
+    logger.debug("aglverl: verl CPU patches applied")
+
+
+def _gloo_process_group() -> None:
+    """Initialise verl's process group with plain ``gloo`` on the CPU platform.
+
+    ``verl/utils/distributed.py:89`` builds the backend string ``f"cpu:gloo,{device}:{backend}"``, which on the
+    CPU platform is ``"cpu:gloo,cpu:gloo"``; torch refuses it ("Duplicate device type cpu in backend string").
+    ``TrainingWorker.__init__`` (``verl/workers/engine_workers.py:89``) calls it without a backend, and
+    imported the name at module import (``engine_workers.py:38``), so the module attribute is replaced and,
+    if ``engine_workers`` is already imported, its copy of the name too.
+    """
+    import verl.utils.distributed as distributed
+
+    original = distributed.initialize_global_process_group_ray
+    if getattr(original, "__aglverl_patch__", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_global_process_group_ray(timeout_second: Any = None, backend: Any = None) -> Any:
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    initialize_global_process_group_ray.__aglverl_patch__ = True  # type: ignore[attr-defined]
+    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+    engine_workers = sys.modules.get("verl.workers.engine_workers")
+    if engine_workers is not None:
+        engine_workers.initialize_global_process_group_ray = initialize_global_process_group_ray  # type: ignore[attr-defined]
+
+
+def _pin_memory_without_accelerator() -> None:
+    """Make ``Tensor.pin_memory()`` a no-op in a process that has no accelerator.
+
+    verl wraps the (forward-only) reference model with ``CPUOffloadPolicy(pin_memory=True)``
+    (``verl/workers/engine/fsdp/transformer_impl.py:462``), and FSDP2 then pins its CPU copies, which raises
+    "Cannot access accelerator device when none is available". Pinned memory only speeds up host-to-device
+    copies; with no device there is nothing to speed up, so returning the tensor itself is exact. The patch
+    is skipped when an accelerator is present.
+    """
+    if torch.accelerator.is_available():
+        return
+    original: Callable[..., torch.Tensor] = torch.Tensor.pin_memory
+    if getattr(original, "__aglverl_patch__", False):
+        return
+
+    @functools.wraps(original)
+    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    pin_memory.__aglverl_patch__ = True  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+
+
+def loopback_only_ray() -> None:
+    """Make the next ``ray.init()`` in this process start a Ray that listens on loopback only.
+
+    Ray picks the node's address through ``ray._private.services.get_node_ip_address``, which returns the
+    loopback address only when ``ray_constants.ENABLE_RAY_CLUSTER`` is false; otherwise the GCS, raylet,
+    workers and agents listen on every interface (measured: 12 listeners on ``::``/``0.0.0.0``). That constant
+    is read from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, when ``ray`` is imported, which has long happened
+    (verl imports Ray), so the constant is set here and the variable for the processes Ray starts.
+    """
+    import os
+
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False

@@ -1,0 +1,118 @@
+"""AsyncVERL's config: user overrides merged onto verl's real ppo_trainer.yaml (Hydra), errors naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from aglverl.algorithm import CPU_DEFAULTS, AsyncVERL, ConfigError, DaemonOptions, compose_config, load_samples
+from aglverl.tiny import tiny_model_path
+
+SMALL = {
+    "data": {"train_batch_size": 4, "max_prompt_length": 64, "max_response_length": 16},
+    "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 2}},
+    "algorithm": {"adv_estimator": "grpo"},
+}
+
+
+def test_overrides_are_merged_onto_verls_yaml_with_cpu_defaults() -> None:
+    config, options = compose_config(
+        {**SMALL, "actor_rollout_ref.actor.optim.lr": 1e-3, "trainer": {"total_training_steps": 7}}
+    )
+    assert config.data.train_batch_size == 4
+    assert config.actor_rollout_ref.rollout.n == 4
+    assert config.actor_rollout_ref.actor.optim.lr == 1e-3  # a dotted key, as on verl's command line
+    assert config.trainer.total_training_steps == 7
+    # untouched keys keep verl's packaged defaults
+    assert config.actor_rollout_ref.actor.clip_ratio == 0.2
+    assert config.algorithm.gamma == 1.0
+    # the CPU platform's needs, applied because this machine has no GPU
+    assert config.trainer.device == "cpu"
+    assert config.actor_rollout_ref.rollout.name == "aglverl"
+    assert config.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert config.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"
+    # "tiny" is the locally built model; the critic defaults to the actor's model
+    assert Path(config.actor_rollout_ref.model.path) == tiny_model_path()
+    assert config.critic.model.path == config.actor_rollout_ref.model.path
+    # interpolations are resolved (the rollout reads the data lengths)
+    assert config.actor_rollout_ref.rollout.response_length == 16
+    assert options == DaemonOptions()
+
+
+def test_user_overrides_beat_the_cpu_defaults() -> None:
+    config, _ = compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16"})
+    assert CPU_DEFAULTS["actor_rollout_ref"]["actor"]["fsdp_config"]["dtype"] == "float32"
+    assert config.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
+
+
+def test_aglverl_section_configures_the_daemon() -> None:
+    _, options = compose_config(
+        {**SMALL, "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None}}
+    )
+    assert options.max_attempts == 5
+    assert options.llm_resource == "plain"
+    assert options.agents == 3
+    assert options.journal is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"algorithm": {"adv_estimatr": "grpo"}}, "'algorithm.adv_estimatr'; did you mean 'adv_estimator'"),
+        ({"trainer.totl_epochs": 1}, "'trainer.totl_epochs'"),
+        ({"nonsense": {"a": 1}}, "'nonsense'"),
+        ({"aglverl": {"prot": 1}}, "'aglverl.prot'; did you mean 'port'"),
+        ({"aglverl": {"llm_resource": "fancy"}}, "aglverl.llm_resource"),
+        ({"aglverl": {"agents": 0}}, "aglverl.agents"),
+    ],
+)
+def test_unknown_keys_and_bad_values_are_errors_naming_the_key(overrides: dict, named: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config({**SMALL, **overrides})
+    assert named in str(info.value)
+
+
+def test_free_form_mappings_accept_any_key() -> None:
+    config, _ = compose_config({**SMALL, "actor_rollout_ref.model.override_config.rope_theta": 5000.0})
+    assert config.actor_rollout_ref.model.override_config.rope_theta == 5000.0
+
+
+def test_algorithms_that_need_the_trainer_to_generate_are_refused() -> None:
+    with pytest.raises(ConfigError, match="remax"):
+        compose_config({**SMALL, "algorithm": {"adv_estimator": "remax"}})
+
+
+def test_verls_own_validation_runs() -> None:
+    with pytest.raises(ConfigError, match="verl rejected the config: Invalid loss_agg_mode"):
+        compose_config({**SMALL, "actor_rollout_ref.actor.loss_agg_mode": "bogus"})
+
+
+def test_model_paths_tiny_is_built_locally_and_a_missing_directory_is_named(tmp_path: Path) -> None:
+    config, _ = compose_config({**SMALL, "actor_rollout_ref.model.path": str(tiny_model_path())})
+    assert config.actor_rollout_ref.model.path == str(tiny_model_path())
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path: .*no-model.* is not a directory"):
+        AsyncVERL({**SMALL, "actor_rollout_ref.model.path": missing})
+
+
+def test_samples_load_from_lists_jsonl_and_parquet(tmp_path: Path) -> None:
+    rows = [{"q": "a", "n": 1}, {"q": "b", "n": 2}]
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parquet = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    assert load_samples(rows) == rows
+    assert load_samples(str(jsonl)) == rows
+    assert load_samples(parquet) == rows
+    assert load_samples(None, [str(jsonl), str(parquet)]) == rows + rows
+    assert load_samples(None, None) is None
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_samples(str(tmp_path / "missing.parquet"))
+    with pytest.raises(ConfigError, match="expected .parquet"):
+        load_samples(str(tmp_path))
+    with pytest.raises(ConfigError, match="row 1 must be a mapping"):
+        load_samples([{"q": 1}, "text"])  # type: ignore[list-item]

@@ -1,0 +1,164 @@
+"""AsyncVERL end to end on CPU: verl's workers (fsdp2 actor on gloo, reference, critic) fed by agents over HTTP.
+
+One Ray session for the module; two runs: the first trains two steps and checkpoints, the second resumes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import pytest
+import ray
+
+from aglverl import LLM
+from aglverl.algorithm import AsyncVERL, compose_config, verl_runtime
+from aglverl.demo import one_word_agent
+
+pytestmark = pytest.mark.anyio
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+TRAIN = [{"prompt": "Say yes.", "word": "yes", "id": i} for i in range(6)]
+VAL = [{"prompt": "Say yes.", "word": "yes", "id": 100 + i, "data_source": "toy"} for i in range(2)]
+
+
+def _config(steps: int, checkpoints: Path) -> dict[str, Any]:
+    return {
+        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 8, "shuffle": False},
+        "actor_rollout_ref": {
+            "rollout": {"n": 2},
+            # many epochs make the update slow enough (seconds) to watch the task server during it
+            "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "ppo_epochs": 30, "optim": {"lr": 1e-2}},
+        },
+        "critic": {"ppo_epochs": 2},
+        "algorithm": {"adv_estimator": "gae"},
+        "trainer": {
+            "total_training_steps": steps,
+            "save_freq": 1,
+            "test_freq": 2,
+            "val_before_train": True,
+            "default_local_dir": str(checkpoints),
+            "logger": ["console"],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def shared_ray() -> Iterator[None]:
+    """One Ray session for both runs (each run joins it instead of starting its own)."""
+    config, _ = compose_config(_config(1, Path("/tmp")))
+    with ExitStack() as stack:
+        stack.enter_context(verl_runtime(config))
+        yield
+
+
+class Recorder:
+    """Runs the toy agent and remembers which task inputs it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    async def agent(self, task: Mapping[str, Any], llm: LLM) -> float:
+        self.seen.append(int(task["id"]))
+        return await one_word_agent(task, llm)
+
+
+def _served_checksum(_worker: Any) -> tuple[int, float]:
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    server = local_rollout().server
+    return server.weight_version, sum(float(p.detach().double().sum()) for p in server.model.parameters())
+
+
+async def _healthz_latencies(url: str, out: list[float]) -> None:
+    """Probe the task server continuously (a measurement, not a wait for work)."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            start = time.perf_counter()
+            async with session.get(f"{url}/healthz") as response:
+                assert response.status == 200
+            out.append(time.perf_counter() - start)
+            await anyio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+async def first_run(shared_ray: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    recorder = Recorder()
+    algo = AsyncVERL(_config(2, checkpoints), agent=recorder.agent)
+    steps: dict[int, dict[str, Any]] = {}
+    latencies: list[float] = []
+
+    def on_step(step: int, metrics: Mapping[str, float]) -> None:
+        worker = algo.trainer.actor_rollout_wg.workers[0]
+        steps[step] = {"metrics": dict(metrics), "served": ray.get(worker.__ray_call__.remote(_served_checksum))}
+
+    algo.on_step.append(on_step)
+    async with anyio.create_task_group() as tg:
+        algo.on_serving.append(lambda daemon: tg.start_soon(_healthz_latencies, daemon.server_url, latencies))
+        final = await algo.run(TRAIN, VAL)
+        tg.cancel_scope.cancel()
+    return {"final": final, "steps": steps, "seen": recorder.seen, "latencies": latencies, "dir": checkpoints}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def test_two_full_steps_run_through_verls_actor_reference_and_critic(first_run: dict[str, Any]) -> None:
+    steps = first_run["steps"]
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        metrics = record["metrics"]
+        assert metrics["step/n_completed"] == 4 and metrics["step/skipped"] == 0
+        assert "actor/pg_loss" in metrics and "actor/kl_loss" in metrics  # actor + reference
+        assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics  # critic (GAE)
+        assert metrics["actor/grad_norm"] > 0
+    assert "val/reward" in first_run["final"] and "val/reward/toy" in first_run["final"]
+    assert set(first_run["seen"]) >= {0, 1, 2, 3, 100, 101}
+
+
+async def test_served_weights_change_after_each_update_and_calls_carry_the_new_version(
+    first_run: dict[str, Any],
+) -> None:
+    steps = first_run["steps"]
+    (v1, sum1), (v2, sum2) = steps[1]["served"], steps[2]["served"]
+    assert (v1, v2) == (1, 2)
+    assert sum1 != sum2
+    # step k's rollouts were generated by the weights synced at the end of step k-1
+    assert steps[1]["metrics"]["step/call_weight_version_min"] == 0
+    assert steps[2]["metrics"]["step/call_weight_version_min"] == 1
+    assert steps[2]["metrics"]["step/call_weight_version_max"] == 1
+
+
+async def test_the_task_server_answers_in_milliseconds_while_an_update_runs(first_run: dict[str, Any]) -> None:
+    update = max(r["metrics"]["timing_s/update_actor"] for r in first_run["steps"].values())
+    assert update > 1.0  # slow enough that a blocked event loop would show
+    latencies = first_run["latencies"]
+    assert len(latencies) > 50
+    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+
+
+async def test_a_second_run_resumes_from_the_checkpoint_without_retraining_a_step(
+    first_run: dict[str, Any],
+) -> None:
+    checkpoints: Path = first_run["dir"]
+    assert (checkpoints / "global_step_2" / "actor").is_dir()
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text() == "2"
+    recorder = Recorder()
+    algo = AsyncVERL({**_config(3, checkpoints), "trainer.val_before_train": False}, agent=recorder.agent)
+    trained: list[int] = []
+    algo.on_step.append(lambda step, metrics: trained.append(step))
+    final = await algo.run(TRAIN, VAL)
+    assert trained == [3]
+    assert final["training/global_step"] == 3
+    # the data loader resumed too: step 3 takes the third pair of samples (no shuffling), then validation
+    assert sorted(set(recorder.seen) - {100, 101}) == [4, 5]

@@ -1,0 +1,179 @@
+"""verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake.
+
+One Ray session and one trainer (``init_workers`` takes ~20 s here) for the whole module.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import aiohttp
+import numpy as np
+import psutil
+import pytest
+import ray
+import torch
+
+from aglverl.algorithm import compose_config, verl_runtime
+from aglverl.batch import BatchConfig, FinishedRollout, build_batch
+from aglverl.trainer import AgentPPOTrainer, build_trainer
+
+pytestmark = pytest.mark.anyio
+
+# The functions below run inside verl's worker process (``__ray_call__``), which cannot import this module.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CONFIG = {
+    "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 8},
+    "actor_rollout_ref": {
+        "rollout": {"n": 4},
+        # a high learning rate so one update visibly moves every weight
+        "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 1e-2}, "use_kl_loss": True},
+    },
+    "algorithm": {"adv_estimator": "grpo"},
+    "trainer": {"total_training_steps": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Iterator[AgentPPOTrainer]:
+    config, _ = compose_config(CONFIG)
+    with ExitStack() as stack:
+        runtime = stack.enter_context(verl_runtime(config))
+        trainer = build_trainer(config, [{"q": i} for i in range(4)], None, runtime)
+        stack.callback(trainer.close)
+        trainer.init_workers()
+        yield trainer
+
+
+def _actor_worker(worker_dict: Any) -> Any:
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    return next(w for w in worker_dict.worker_dict.values() if isinstance(w, ActorRolloutRefWorker))
+
+
+def _weight_gap(worker_dict: Any) -> tuple[float, dict[str, float]]:
+    """Inside the worker: max |actor - served| over all weights, and a checksum of the served weights."""
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    actor = _actor_worker(worker_dict)
+    params, _ = actor.actor.engine.get_per_tensor_param()
+    served = dict(local_rollout().server.model.named_parameters())
+    gap = 0.0
+    for name, tensor in params:
+        if name in served:
+            gap = max(gap, float((tensor.detach().cpu() - served[name].detach()).abs().max()))
+    return gap, {name: float(p.detach().double().sum()) for name, p in served.items()}
+
+
+def _server_state(worker_dict: Any) -> dict[str, Any]:
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    return local_rollout().server.state()
+
+
+def _in_worker(trainer: AgentPPOTrainer, fn: Any) -> Any:
+    return ray.get(trainer.actor_rollout_wg.workers[0].__ray_call__.remote(fn))
+
+
+async def test_server_addresses_answer_openai_chat_with_token_ids(trainer: AgentPPOTrainer) -> None:
+    addresses = trainer.llm_server_manager.get_addresses()
+    assert len(addresses) == 1
+    model = trainer.served_model_name()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"http://{addresses[0]}/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": "Say yes."}],
+                "max_tokens": 4,
+                "return_token_ids": True,
+            },
+        ) as response:
+            assert response.status == 200, await response.text()
+            body = await response.json()
+    assert body["prompt_token_ids"] == trainer.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say yes."}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert 1 <= len(body["choices"][0]["token_ids"]) <= 4
+
+
+def _batch(trainer: AgentPPOTrainer) -> Any:
+    """A GRPO step's batch as the daemon builds it: 2 samples x 4 rollouts, rewards differing within groups."""
+    rng = np.random.default_rng(0)
+    rollouts = [
+        FinishedRollout(
+            f"r{i}", f"group{i // 4}", float(i % 2), [(rng.integers(3, 500, 12).tolist(), rng.integers(3, 500, 6).tolist())]
+        )
+        for i in range(8)
+    ]
+    data, _ = build_batch(rollouts, BatchConfig(max_prompt_length=32, max_response_length=8))
+    return data
+
+
+def test_after_an_actor_update_the_weight_sync_serves_the_actors_weights(trainer: AgentPPOTrainer) -> None:
+    trainer.global_steps = 1
+    trainer.checkpoint_manager.update_weights(0)
+    gap, before = _in_worker(trainer, _weight_gap)
+    assert gap == 0.0
+
+    metrics: dict[str, float] = {}
+    trainer.checkpoint_manager.sleep_replicas()
+    assert trainer._update(_batch(trainer), metrics, {}) is not None
+    # On-policy GRPO's first loss is ~0 (advantages are centred per group); its gradient is not.
+    assert metrics["actor/grad_norm"] > 0.0 and "actor/kl_loss" in metrics  # the reference model ran too
+    gap, still_served = _in_worker(trainer, _weight_gap)
+    assert gap > 0.0 and still_served == before  # trained, not yet synced
+
+    trainer.checkpoint_manager.update_weights(1)
+    gap, after = _in_worker(trainer, _weight_gap)
+    assert gap == 0.0
+    assert after != before
+    assert _in_worker(trainer, _server_state)["weight_version"] == 1
+
+
+def test_sleep_and_wake_up_reach_the_embedded_server(trainer: AgentPPOTrainer) -> None:
+    start = _in_worker(trainer, _server_state)
+    trainer.checkpoint_manager.sleep_replicas()
+    slept = _in_worker(trainer, _server_state)
+    assert slept["sleeping"] and slept["sleeps"] == start["sleeps"] + 1
+    trainer.checkpoint_manager.wake_up_replicas()
+    woken = _in_worker(trainer, _server_state)
+    assert not woken["sleeping"] and woken["wake_ups"] == start["wake_ups"] + 1
+
+
+def _descendants() -> list[psutil.Process]:
+    me = psutil.Process(os.getpid())
+    return [me, *me.children(recursive=True)]
+
+
+def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: AgentPPOTrainer) -> None:
+    pids = {p.pid for p in _descendants()}
+    assert len(pids) > 3  # Ray's GCS, raylet and verl's workers are running
+    listeners = [
+        c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]
+    assert listeners
+    exposed = [(c.pid, c.laddr) for c in listeners if not _is_loopback(c.laddr.ip)]
+    assert exposed == []
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # "::ffff:127.0.0.1" is loopback too
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def test_worker_processes_run_on_the_cpu_platform(trainer: AgentPPOTrainer) -> None:
+    def platform(_worker: Any) -> tuple[str, str, bool]:
+        from verl.plugin.platform import get_platform
+
+        pinned = torch.ones(2).pin_memory()  # a no-op without an accelerator, instead of an error
+        return get_platform().device_name, torch.distributed.get_backend(), bool(pinned.sum() == 2)
+
+    assert _in_worker(trainer, platform) == ("cpu", "gloo", True)
