@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .daemon import AgentDaemon
     from .proxy import LLMProxy, RetryPolicy
     from .server import TaskServer
+    from .signals import SignalConfig, compute_advantage, logprob_mismatch
     from .store import LLMCall, TaskStore
 
 _LAZY = {
@@ -45,6 +46,9 @@ _LAZY = {
     "LLMProxy": "proxy",
     "RetryPolicy": "proxy",
     "TaskServer": "server",
+    "SignalConfig": "signals",
+    "compute_advantage": "signals",
+    "logprob_mismatch": "signals",
     "LLMCall": "store",
     "TaskStore": "store",
 }
@@ -66,6 +70,7 @@ __all__ = [
     "RetryPolicy",
     "Rollout",
     "RolloutCollector",
+    "SignalConfig",
     "Step",
     "StepReport",
     "Task",
@@ -76,6 +81,8 @@ __all__ = [
     "TrainingBatch",
     "Triplet",
     "build_batch",
+    "compute_advantage",
+    "logprob_mismatch",
     "run_agents",
 ]
 

@@ -3,9 +3,12 @@
 A step goes: :meth:`RolloutCollector.submit` queues every sample ``n`` times under one GRPO data id and returns a
 :class:`Step` at once; a task in the collector's task group awaits the step's completion event (no polling),
 fails whatever is still unfinished at the step's deadline, assembles triplets (client-posted triplets win;
-otherwise the proxy's recorded calls of the winning attempt, in call order), builds the batch in a worker
-thread and sends it into the bounded batch stream. Validation steps produce metrics instead of a batch. Once a
-step's result is handed over its rollouts are dropped from the store, so memory stays flat over a long run.
+otherwise the proxy's recorded calls of the winning attempt, in call order), gathers why each rollout ended
+(the store's, the agent's and the proxy's recorded reasons), builds the batch with the step's training-signal
+controls (:class:`~aglverl.signals.SignalConfig`) in a worker thread and sends it into the bounded batch
+stream. The batch may be empty (every group filtered out): it is sent all the same, with its metrics.
+Validation steps produce metrics instead of a batch. Once a step's result is handed over its rollouts are
+dropped from the store, so memory stays flat over a long run.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -24,10 +27,20 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .batch import BatchConfig, FinishedRollout, build_batch
-from .models import Mode
+from .models import Mode, TerminationReason, Triplet
+from .signals import SignalConfig
 from .store import LLMCall, RolloutRecord, TaskStore
 
-__all__ = ["RolloutCollector", "Step", "StepReport", "TrainingBatch", "turns_of"]
+__all__ = [
+    "RolloutCollector",
+    "Step",
+    "StepReport",
+    "TrainingBatch",
+    "Trajectory",
+    "termination_of",
+    "trajectory_of",
+    "turns_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +103,64 @@ class Step:
         return self._done.is_set()
 
 
-def turns_of(record: RolloutRecord) -> tuple[list[Turn], str, int]:
-    """The (prompt ids, response ids) turns of a finished rollout, where they came from, and calls skipped.
+class Trajectory(NamedTuple):
+    """A finished rollout's turns and what goes with each: the agent's reward (``rewards``, ``None`` when the
+    turns came from the proxy), the engine's logprobs (one list per turn, ``None`` where missing), where the
+    turns came from (``"client"``, ``"proxy"``, ``"none"``) and how many recorded calls were unusable."""
 
-    Client-posted triplets win; otherwise the proxy's recorded calls of the winning attempt, in call order.
-    Calls that failed or came back without token ids cannot be trained on: they are skipped and counted.
+    turns: list[Turn]
+    rewards: list[float | None] | None
+    logprobs: list[list[float] | None]
+    source: str
+    n_skipped: int
+
+
+def trajectory_of(record: RolloutRecord) -> Trajectory:
+    """The turns of a finished rollout (see :class:`Trajectory`).
+
+    Client-posted triplets win (their ``response.logprobs``, if the agent sent a list of finite numbers, one
+    per response id, are the engine's logprobs); otherwise the proxy's recorded calls of the winning attempt
+    (a failed rollout: its last attempt), in call order. Calls that failed or came back without token ids
+    cannot be trained on: they are skipped and counted.
     """
     result = record.result
     if result is not None and result.triplets:
-        return [(t.prompt.token_ids, t.response.token_ids) for t in result.triplets], "client", 0
+        turns: list[Turn] = [(t.prompt.token_ids, t.response.token_ids) for t in result.triplets]
+        rewards = [t.reward for t in result.triplets]
+        return Trajectory(turns, rewards, [_posted_logprobs(t) for t in result.triplets], "client", 0)
     usable: list[LLMCall] = [c for c in record.calls if c.status == "ok" and c.has_token_ids]
-    turns: list[Turn] = [(c.prompt_token_ids or [], c.response_token_ids or []) for c in usable]
-    return turns, ("proxy" if usable else "none"), len(record.calls) - len(usable)
+    proxied: list[Turn] = [(c.prompt_token_ids or [], c.response_token_ids or []) for c in usable]
+    source = "proxy" if usable else "none"
+    return Trajectory(proxied, None, [c.logprobs for c in usable], source, len(record.calls) - len(usable))
+
+
+def turns_of(record: RolloutRecord) -> tuple[list[Turn], str, int]:
+    """The (prompt ids, response ids) turns of a finished rollout, where they came from, and calls skipped."""
+    trajectory = trajectory_of(record)
+    return trajectory.turns, trajectory.source, trajectory.n_skipped
+
+
+def _posted_logprobs(triplet: Triplet) -> list[float] | None:
+    values = (triplet.response.model_extra or {}).get("logprobs")
+    if type(values) is not list or len(values) != len(triplet.response.token_ids):
+        return None
+    # One C-level pass over the types and one over the values: no per-token Python code.
+    if not set(map(type, values)) <= {float, int} or not np.isfinite(np.asarray(values, np.float64)).all():
+        return None
+    return values
+
+
+def termination_of(record: RolloutRecord) -> frozenset[TerminationReason]:
+    """Why a finished rollout ended, from what was recorded where it was decided: the store's reason for a
+    failure or the agent's declared one (``record.termination``), and the limits the proxy saw on the calls of
+    its attempt (a ``context`` limit: ``context_exceeded``; a ``max_tokens`` stop: ``truncated``)."""
+    reasons: set[TerminationReason] = {record.termination} if record.termination else set()
+    limits = {call.limit for call in record.calls}
+    if "context" in limits:
+        reasons.add("context_exceeded")
+    if "max_tokens" in limits:
+        reasons.add("truncated")
+    return frozenset(reasons)
 
 
 def final_reward(record: RolloutRecord) -> float | None:
@@ -127,7 +186,8 @@ class RolloutCollector:
     ``max_buffered_batches`` bounds the stream: it is how many finished batches may wait for the trainer (the
     staleness the trainer accepts); a step whose batch does not fit waits for the trainer to take one.
     ``step_timeout`` (seconds, ``None`` for none) is the default deadline after which a step's unfinished
-    rollouts are failed, excluded and counted; without it leases and ``max_attempts`` still bound every step.
+    rollouts are failed, counted and (by default) masked; without it leases and ``max_attempts`` still bound
+    every step. ``signal`` holds the training-signal controls applied to every training batch.
     """
 
     def __init__(
@@ -135,11 +195,13 @@ class RolloutCollector:
         store: TaskStore,
         *,
         batch: BatchConfig | None = None,
+        signal: SignalConfig | None = None,
         max_buffered_batches: int = 1,
         step_timeout: float | None = None,
     ) -> None:
         self.store = store
         self.batch_config = batch or BatchConfig()
+        self.signal = signal or SignalConfig()
         self.step_timeout = step_timeout
         self._send, self._receive = anyio.create_memory_object_stream[TrainingBatch](max_buffered_batches)
         self._tg: TaskGroup | None = None
@@ -307,18 +369,27 @@ class RolloutCollector:
         skipped = 0
         rewards = []
         for record in records:
-            if record.state != "completed":
-                continue
-            turns, source, n_skipped = turns_of(record)
-            sources[source] += 1
-            skipped += n_skipped
+            trajectory = trajectory_of(record)
+            completed = record.state == "completed"
             reward = final_reward(record)
-            if reward is not None:
-                rewards.append(reward)
+            if completed:
+                sources[trajectory.source] += 1
+                skipped += trajectory.n_skipped
+                if reward is not None:
+                    rewards.append(reward)
             finished.append(
-                FinishedRollout(record.rollout_id, str(record.metadata["data_id"]), reward, turns)
+                FinishedRollout(
+                    record.rollout_id,
+                    str(record.metadata["data_id"]),
+                    reward,
+                    trajectory.turns,
+                    completed=completed,
+                    termination=termination_of(record),
+                    turn_rewards=trajectory.rewards,
+                    logprobs=trajectory.logprobs,
+                )
             )
-        data, metrics = build_batch(finished, self.batch_config)
+        data, metrics = build_batch(finished, self.batch_config, self.signal)
         metrics.update(
             {
                 "training/reward": _mean(rewards),

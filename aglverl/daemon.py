@@ -35,6 +35,7 @@ from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, Outcome, RetryPolicy
 from .server import TaskServer
+from .signals import SignalConfig
 from .store import TaskStore
 
 __all__ = ["AgentDaemon"]
@@ -56,6 +57,9 @@ class AgentDaemon:
       rollout gets. ``step_timeout``: default per-step deadline. ``vocab_size``: bound for posted token ids.
     - ``batch``: padding/truncation/reward fill for training batches; ``max_buffered_batches``: how many
       finished batches may wait for the trainer.
+    - ``signal``: the training-signal controls (:class:`~aglverl.signals.SignalConfig`: compact filtering by
+      termination reason, rejection sampling, step-wise advantage, turn weighting, and whether the proxy
+      asks the backends for behaviour logprobs); ``SignalConfig.from_dict`` reads an ``aglverl:`` section.
     - ``retry``, ``request_timeout``, ``connect_timeout``, ``eject_seconds``, ``pause_timeout``,
       ``backend_api_key``, ``upstream_keepalive``: the LLM proxy's policy (see :class:`~aglverl.proxy.LLMProxy`):
       retries before the first byte, the bound on one upstream try, how long a failing backend stays out, how
@@ -86,6 +90,7 @@ class AgentDaemon:
         step_timeout: float | None = None,
         vocab_size: int | None = None,
         batch: BatchConfig | None = None,
+        signal: SignalConfig | None = None,
         max_buffered_batches: int = 1,
         token: str | None = None,
         retry: RetryPolicy | None = None,
@@ -104,6 +109,7 @@ class AgentDaemon:
         self.model = model
         self.sampling_parameters = dict(sampling_parameters or {})
         self.llm_resource_kind = llm_resource
+        signal = signal or SignalConfig()
         self.store = TaskStore(
             lease_seconds=lease_seconds,
             max_attempts=max_attempts,
@@ -125,10 +131,15 @@ class AgentDaemon:
             pause_timeout=pause_timeout,
             backend_api_key=backend_api_key,
             upstream_keepalive=upstream_keepalive,
+            request_logprobs=signal.request_logprobs,
         )
         self.store.on_forget(self.proxy.forget)
         self.collector = RolloutCollector(
-            self.store, batch=batch, max_buffered_batches=max_buffered_batches, step_timeout=step_timeout
+            self.store,
+            batch=batch,
+            signal=signal,
+            max_buffered_batches=max_buffered_batches,
+            step_timeout=step_timeout,
         )
         self.journal = Journal(journal_path, fsync=journal_fsync) if journal_path is not None else None
         self.freeze_gc = freeze_gc

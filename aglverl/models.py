@@ -14,10 +14,13 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from annotated_types import Ge, Lt
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 __all__ = [
+    "DECLARABLE_TERMINATIONS",
     "LLM",
+    "TERMINATION_KEY",
+    "TERMINATION_REASONS",
     "GenericResponse",
     "NamedResources",
     "PromptTemplate",
@@ -27,6 +30,7 @@ __all__ = [
     "Rollout",
     "Task",
     "TaskIfAny",
+    "TerminationReason",
     "TokenIds",
     "Triplet",
     "checked_token_ids",
@@ -34,6 +38,32 @@ __all__ = [
 ]
 
 Mode = Literal["train", "val", "test"]
+
+#: Why a rollout ended, when it did not simply finish. Each is decided where it happens: the store decides
+#: ``agent_error`` (the agent reported failure on its last attempt), ``lease_expired`` (its last attempt's lease
+#: ran out) and ``step_timeout`` (the step's deadline passed first); the proxy decides ``context_exceeded`` (the
+#: backend refused the prompt as too long, or stopped at its context limit) and, with the batch builder,
+#: ``truncated`` (a response was cut: at the request's ``max_tokens``, or at ``max_response_length``); the agent
+#: declares ``max_turns`` (and may declare any reason it knows of) under :data:`TERMINATION_KEY`.
+TerminationReason = Literal[
+    "agent_error", "step_timeout", "lease_expired", "truncated", "max_turns", "context_exceeded"
+]
+TERMINATION_REASONS: tuple[TerminationReason, ...] = (
+    "agent_error",
+    "step_timeout",
+    "lease_expired",
+    "truncated",
+    "max_turns",
+    "context_exceeded",
+)
+#: The ``Rollout.metadata`` key under which an agent says why its rollout ended (Agent Lightning 0.1 clients
+#: can set it: ``metadata`` is a free dict there too).
+TERMINATION_KEY = "termination_reason"
+#: What an agent may declare there: ``"finished"`` (a normal end, the same as saying nothing) or a reason the
+#: agent itself knows of. ``step_timeout`` and ``lease_expired`` are the store's to decide, never an agent's.
+DECLARABLE_TERMINATIONS: frozenset[str] = frozenset(
+    {"finished", "agent_error", "truncated", "max_turns", "context_exceeded"}
+)
 
 
 def dumps(obj: Any) -> bytes:
@@ -127,7 +157,9 @@ class Rollout(_Inbound):
     ``attempt_id`` (optional) names the attempt the result belongs to; without it the result is attributed to
     ``task.attempt_id`` if the task is echoed, else to the rollout's current attempt. ``status="failed"``
     reports that the agent could not finish (the error goes in ``metadata["error"]``): the task is retried
-    with a new attempt while attempts remain.
+    with a new attempt while attempts remain. ``metadata["termination_reason"]`` (optional) says why a
+    delivered result ended, e.g. ``"max_turns"`` (see :data:`DECLARABLE_TERMINATIONS`); any other value is
+    refused (422) naming the key.
     """
 
     rollout_id: str
@@ -139,6 +171,21 @@ class Rollout(_Inbound):
     metadata: dict[str, Any] = Field(default_factory=dict)
     attempt_id: str | None = None
     status: Literal["succeeded", "failed"] = "succeeded"
+
+    @field_validator("metadata")
+    @classmethod
+    def _known_termination(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        declared = metadata.get(TERMINATION_KEY)
+        if declared is not None and declared not in DECLARABLE_TERMINATIONS:
+            allowed = ", ".join(sorted(DECLARABLE_TERMINATIONS))
+            raise ValueError(f"metadata[{TERMINATION_KEY!r}] must be one of {allowed}; got {declared!r}")
+        return metadata
+
+    @property
+    def declared_termination(self) -> TerminationReason | None:
+        """The reason the agent gave in ``metadata["termination_reason"]``; ``None`` for none or ``"finished"``."""
+        declared = self.metadata.get(TERMINATION_KEY)
+        return None if declared in (None, "finished") else declared
 
     @property
     def effective_attempt_id(self) -> str | None:

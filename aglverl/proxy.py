@@ -5,9 +5,12 @@ every HTTP method:
 
 - ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` — attributed calls. The attempt is checked against
   the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
-  ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and are recorded
-  in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact prompt/response ids, logprobs,
-  finish reason, weight version, backend, latency.
+  ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and, with
+  ``request_logprobs``, ``"logprobs"`` too (``true`` for chat, ``0`` for completions: the sampled tokens' own
+  logprobs), and are recorded in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact
+  prompt/response ids, logprobs, finish reason, the limit that ended the response (``max_tokens`` or the
+  backend's context window, told apart by the request's ``max_tokens``; a prompt refused as too long is a
+  ``context`` limit too), weight version, backend, latency.
 - ``/v1/{path}`` — unattributed calls: forwarded verbatim and counted, never recorded.
 
 The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
@@ -43,6 +46,7 @@ import itertools
 import logging
 import math
 import random
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -82,6 +86,13 @@ CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
 }
 #: Upstream statuses retried on another backend while no byte has reached the agent.
 RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
+#: What a backend's 4xx refusal says when the prompt (with the tokens asked for) does not fit its context
+#: window: vLLM ("This model's maximum context length is ...", "... cannot be greater than max_model_len=...",
+#: "The decoder prompt ... is longer than the maximum model length ..."), OpenAI (code
+#: "context_length_exceeded"), SGLang ("... longer than the model's context length ...").
+CONTEXT_REFUSAL = re.compile(
+    r"context[ _]length|max_model_len|maximum model length|prompt is too long|too long and exceeds", re.I
+)
 #: Rollouts whose backend is remembered (LRU); far more than can be in flight at once.
 STICKY_ROLLOUTS = 100_000
 #: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
@@ -358,6 +369,8 @@ class _Call:
         "first_byte",
         "headers",
         "kind",
+        "limit",
+        "max_tokens",
         "method",
         "model",
         "outcome",
@@ -390,6 +403,10 @@ class _Call:
         self.kind: Literal["chat", "completion"] | None = None
         self.model: str | None = None
         self.capture: _Capture | None = None
+        # The request's max_tokens tells a stop at max_tokens from a full context window; ``limit`` is set
+        # when the backend refuses the prompt as too long.
+        self.max_tokens: int | None = None
+        self.limit: Literal["context"] | None = None
         self.weight_version = 0
         self.backend = ""
         self.response: web.StreamResponse | None = None
@@ -438,6 +455,22 @@ def _forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CI
 def _may_end_stream(tail: bytes, chunk: bytes) -> bool:
     """Whether ``chunk`` (after ``tail``, the previous chunk) may complete an SSE ``data: [DONE]`` line."""
     return b"[DONE]" in chunk or (bool(tail) and b"[DONE]" in tail[-6:] + chunk[:6])
+
+
+def _stop_limit(
+    finish_reason: str | None, ids: Sequence[int] | None, max_tokens: int | None
+) -> Literal["max_tokens", "context"] | None:
+    """Which limit ended a response that the backend says stopped on ``"length"``, if it did.
+
+    An engine stops on length at the request's ``max_tokens`` or at its context window; a request without
+    ``max_tokens`` gets the rest of the window (vLLM's default), so stopping short of ``max_tokens`` (or with
+    none asked for) means the window was full.
+    """
+    if finish_reason != "length":
+        return None
+    if max_tokens is not None and (ids is None or len(ids) >= max_tokens):
+        return "max_tokens"
+    return "context"
 
 
 def _retry_after(value: str | None) -> float:
@@ -492,7 +525,9 @@ class LLMProxy:
     ``shutdown_grace`` how long in-flight calls may finish on shutdown. ``upstream_keepalive``: seconds an idle
     pooled connection to a backend is kept; it must stay below the backends' own keep-alive (vLLM's
     ``--timeout-keep-alive``, 5 s by default). Raise both together to keep connections warm across trainer
-    updates longer than that (each step otherwise starts by opening new connections).
+    updates longer than that (each step otherwise starts by opening new connections). ``request_logprobs``:
+    ask the backend for the sampled tokens' logprobs on every recorded call whose agent did not set
+    ``logprobs`` itself (a trainer's behaviour log-probs); the agent then receives them in its answers too.
     """
 
     def __init__(
@@ -514,6 +549,7 @@ class LLMProxy:
         shutdown_grace: float = 5.0,
         backend_api_key: str | None = None,
         upstream_keepalive: float = UPSTREAM_KEEPALIVE,
+        request_logprobs: bool = False,
     ) -> None:
         self.store = store
         self.host = host
@@ -527,6 +563,7 @@ class LLMProxy:
         self.pause_timeout = pause_timeout
         self.shutdown_grace = shutdown_grace
         self.upstream_keepalive = upstream_keepalive
+        self.request_logprobs = request_logprobs
         #: Model weights version recorded on every call; set or incremented by :meth:`resume`.
         self.weight_version = 0
         self._auth = f"Bearer {token}".encode() if token is not None else None
@@ -822,14 +859,19 @@ class LLMProxy:
         call.kind = kind
         call.capture = _Capture(kind)
         call.headers["Accept-Encoding"] = "identity"
+        max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
+        call.max_tokens = max_tokens if type(max_tokens) is int else None
+        added = []
         if "return_token_ids" not in obj:
+            added.append(b'"return_token_ids":true')
+        if self.request_logprobs and "logprobs" not in obj:
+            # Completions take a count of alternatives: 0 asks for the sampled tokens' logprobs alone.
+            added.append(b'"logprobs":true' if kind == "chat" else b'"logprobs":0')
+        if added:
             # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
             i = call.body.index(b"{") + 1
-            call.body = (
-                call.body[:i]
-                + (b'"return_token_ids":true,' if obj else b'"return_token_ids":true')
-                + call.body[i:]
-            )
+            fields = b",".join(added) + (b"," if obj else b"")
+            call.body = call.body[:i] + fields + call.body[i:]
 
     async def _wait_resumed(self) -> None:
         with anyio.move_on_after(self.pause_timeout):
@@ -1058,7 +1100,7 @@ class LLMProxy:
 
     def _capture_body(self, call: _Call, status: int, body: bytes) -> None:
         if status >= 400:
-            call.fail(f"backend answered {status}: {_error_message(body)}", "upstream_error")
+            self._upstream_refused(call, status, body)
             return
         if call.capture is None:
             return
@@ -1081,6 +1123,7 @@ class LLMProxy:
         call.first_byte = time.monotonic()
         capture = call.capture if status < 400 else None
         whole = bytearray() if capture is not None and not call.sse else None
+        refusal = bytearray()  # the start of an error body, to say what was refused
         limit, size = self.max_response_bytes, 0
         content = upstream.content
         while True:
@@ -1099,6 +1142,8 @@ class LLMProxy:
                 await self._end_broken(call, 502, f"backend response exceeds max_response_bytes={limit}")
                 return response
             parse_after = capture is not None
+            if status >= 400 and len(refusal) < ERROR_BODY_LIMIT:
+                refusal += chunk[: ERROR_BODY_LIMIT - len(refusal)]
             if whole is not None:
                 whole += chunk
                 parse_after = False
@@ -1121,7 +1166,7 @@ class LLMProxy:
         if not call.delivered:
             call.upstream_end = time.monotonic()
         if status >= 400:
-            call.fail(f"backend answered {status}", "upstream_error")
+            self._upstream_refused(call, status, bytes(refusal))
         elif whole is not None:
             self._capture_body(call, status, bytes(whole))
         self._commit(call)
@@ -1132,6 +1177,14 @@ class LLMProxy:
         else:
             call.delivered = True
         return response
+
+    @staticmethod
+    def _upstream_refused(call: _Call, status: int, body: bytes) -> None:
+        """Fail a call the backend answered with an error; note a prompt refused for the context window."""
+        message = _error_message(body)
+        if 400 <= status < 500 and status != 429 and CONTEXT_REFUSAL.search(message):
+            call.limit = "context"
+        call.fail(f"backend answered {status}: {message}", "upstream_error")
 
     async def _end_broken(self, call: _Call, status: int, message: str) -> None:
         """End a response whose head already went out: a final SSE error event (for streams), then EOF.
@@ -1228,7 +1281,7 @@ class LLMProxy:
             for record in call.records:  # recorded as answered, then the agent never got the answer
                 if record.status == "ok":
                     record.status, record.error = "failed", call.error
-                    record.response_token_ids = record.logprobs = record.finish_reason = None
+                    record.response_token_ids = record.logprobs = record.finish_reason = record.limit = None
 
     def _records(self, call: _Call, latency: float) -> list[LLMCall]:
         capture = call.capture
@@ -1252,7 +1305,7 @@ class LLMProxy:
             prompt = checked_token_ids(capture.prompt_ids, vocab) if capture is not None else None
             if ok:
                 self.m_no_ids.inc()
-            return [LLMCall(**common, prompt_token_ids=prompt)]
+            return [LLMCall(**common, prompt_token_ids=prompt, limit=call.limit)]
         records = []
         for idx, choice, ids, logprobs in choices:
             prompt = choice.prompt_ids if choice.prompt_ids is not None else capture.prompt_ids  # type: ignore[union-attr]
@@ -1273,6 +1326,7 @@ class LLMProxy:
                     response_token_ids=ids,
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason if ok else None,
+                    limit=_stop_limit(choice.finish_reason, ids, call.max_tokens) if ok else call.limit,
                 )
             )
         return records

@@ -13,7 +13,9 @@ Life of a rollout::
 
 A result from any attempt the rollout has had is accepted while the rollout is unfinished (first finished
 attempt wins); later results are acknowledged and ignored. The LLM calls the proxy recorded for the winning
-attempt are kept, the others discarded.
+attempt are kept, the others discarded; a failed rollout keeps its last attempt's calls (a trainer may still
+learn from them, see ``SignalConfig``). Why a rollout failed (``agent_error``, ``lease_expired``,
+``step_timeout``) is decided and recorded here, as is the reason an agent declares for a result.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import anyio.lowlevel
 from anyio.abc import TaskStatus
 
 from .metrics import Registry
-from .models import Mode, NamedResources, ResourcesUpdate, Rollout, Task
+from .models import Mode, NamedResources, ResourcesUpdate, Rollout, Task, TerminationReason
 
 __all__ = [
     "AlreadyFinished",
@@ -57,6 +59,11 @@ TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
 _TOMBSTONES = 100_000
 #: Stale lease-heap entries tolerated (beyond twice the live claims) before the heap is rebuilt.
 _LEASE_SLACK = 4096
+#: The termination reason of a rollout whose last attempt failed this way (keys: requeue metric labels).
+_TERMINATION_OF: Mapping[str, TerminationReason] = {
+    "agent_failed": "agent_error",
+    "lease_expired": "lease_expired",
+}
 
 
 class StoreError(Exception):
@@ -98,7 +105,11 @@ class LLMCall:
     """One LLM call (one choice of it) recorded by the proxy under a rollout attempt.
 
     ``prompt_token_ids``/``response_token_ids`` are exactly what the backend returned; ``None`` when the
-    backend sent none (the call is kept and counted, never given invented ids).
+    backend sent none (the call is kept and counted, never given invented ids). ``logprobs`` are the engine's,
+    one per response id, or ``None``. ``limit`` is the limit that ended the response, as the proxy decided
+    it: ``"max_tokens"`` (the engine stopped at the request's ``max_tokens``), ``"context"`` (the backend
+    refused the prompt as too long, or stopped at its context window); ``None`` when the model ended the
+    response itself or the call failed for another reason.
     """
 
     rollout_id: str | None
@@ -117,6 +128,7 @@ class LLMCall:
     response_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     finish_reason: str | None = None
+    limit: Literal["max_tokens", "context"] | None = None
 
     @property
     def has_token_ids(self) -> bool:
@@ -170,6 +182,7 @@ class _Entry:
     result: Rollout | None = None
     result_attempt: str | None = None
     error: str | None = None
+    termination: TerminationReason | None = None
     calls: dict[str, list[LLMCall]] = field(default_factory=dict)
     groups: list[_Group] = field(default_factory=list)
     done: anyio.Event | None = None
@@ -195,7 +208,12 @@ class _Entry:
 
 @dataclass(slots=True, frozen=True)
 class RolloutRecord:
-    """A terminal rollout as the collector sees it: the result (if any) and the winning attempt's calls."""
+    """A terminal rollout as the collector sees it: the result (if any) and the winning attempt's calls.
+
+    ``calls`` of a failed rollout are its last attempt's. ``termination`` is why the rollout ended as the store
+    decided it (``agent_error``, ``lease_expired``, ``step_timeout`` for a failed rollout) or the agent
+    declared it with its result; ``None`` for a result that simply finished.
+    """
 
     rollout_id: str
     state: RolloutState
@@ -207,6 +225,7 @@ class RolloutRecord:
     attempt_id: str | None
     calls: list[LLMCall]
     error: str | None
+    termination: TerminationReason | None = None
 
 
 def _same(a: Rollout, b: Rollout | None) -> bool:
@@ -487,13 +506,15 @@ class TaskStore:
                 continue  # finished, superseded by a newer attempt, or extended by a heartbeat
             self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
 
-    def _retry_or_fail(self, entry: _Entry, reason: str, message: str) -> None:
+    def _retry_or_fail(
+        self, entry: _Entry, reason: Literal["agent_failed", "lease_expired"], message: str
+    ) -> None:
+        """Requeue after a failed attempt; after the last allowed one, fail the rollout for ``reason``."""
         self._claimed_count -= 1
         entry.lease_deadline = math.inf
         if entry.num_claims >= self.max_attempts:
-            self._finish(
-                entry, "failed", error=f"{message} (attempt {entry.num_claims} of {self.max_attempts})"
-            )
+            error = f"{message} (attempt {entry.num_claims} of {self.max_attempts})"
+            self._finish(entry, "failed", error=error, termination=_TERMINATION_OF[reason])
             return
         self.m_requeued.inc(1, reason)
         entry.requeues += 1
@@ -587,15 +608,19 @@ class TaskStore:
         result: Rollout | None = None,
         attempt_id: str | None = None,
         error: str | None = None,
+        termination: TerminationReason | None = None,
     ) -> None:
+        """End a rollout. A completed one keeps the winning attempt's calls, a failed one its last attempt's."""
+        kept = attempt_id if state == "completed" else entry.attempt_id
+        entry.calls = {kept: entry.calls.get(kept, [])} if kept else {}
+        entry.error = error
+        entry.termination = result.declared_termination if result is not None else termination
         if state == "failed":
-            self._journal({"kind": "failed", "rollout_id": entry.rollout_id, "error": error})
+            self._journal(self._failed_record(entry))
         entry.state = state
         entry.result = result
         entry.result_attempt = attempt_id
-        entry.error = error
         entry.lease_deadline = math.inf
-        entry.calls = {attempt_id: entry.calls.get(attempt_id, [])} if attempt_id else {}
         (self.m_completed if state == "completed" else self.m_failed).inc()
         for group in entry.groups:
             group.one_done()
@@ -603,8 +628,15 @@ class TaskStore:
         if entry.done is not None:
             entry.done.set()
 
-    def fail(self, rollout_ids: Iterable[str], reason: str) -> int:
-        """Fail every unfinished rollout among ``rollout_ids`` (a step's deadline passed); returns how many."""
+    def fail(
+        self,
+        rollout_ids: Iterable[str],
+        reason: str,
+        *,
+        termination: TerminationReason = "step_timeout",
+    ) -> int:
+        """Fail every unfinished rollout among ``rollout_ids``, for ``termination`` (by default: the step's
+        deadline passed), with ``reason`` as the error message; returns how many."""
         n = 0
         for rollout_id in rollout_ids:
             entry = self._entries.get(rollout_id)
@@ -614,7 +646,7 @@ class TaskStore:
                 self._claimed_count -= 1
             else:
                 self._queued_count -= 1
-            self._finish(entry, "failed", error=reason)
+            self._finish(entry, "failed", error=reason, termination=termination)
             n += 1
         return n
 
@@ -646,6 +678,8 @@ class TaskStore:
         """A snapshot of a rollout (terminal or not)."""
         e = self._require(rollout_id)
         attempt = e.result_attempt
+        # A finished rollout holds the calls of one attempt only: the winner's, or a failed rollout's last.
+        calls = next(iter(e.calls.values()), []) if e.state in TERMINAL else []
         return RolloutRecord(
             rollout_id=e.rollout_id,
             state=e.state,
@@ -655,8 +689,9 @@ class TaskStore:
             requeues=e.requeues,
             result=e.result,
             attempt_id=attempt,
-            calls=sorted(e.calls.get(attempt, []), key=lambda c: (c.seq, c.choice_index)) if attempt else [],
+            calls=sorted(calls, key=lambda c: (c.seq, c.choice_index)),
             error=e.error,
+            termination=e.termination,
         )
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
@@ -762,7 +797,19 @@ class TaskStore:
             if e.state == "completed" and e.result is not None:
                 yield self._result_record(e, e.result_attempt or "", e.result)
             elif e.state == "failed":
-                yield {"kind": "failed", "rollout_id": e.rollout_id, "error": e.error}
+                yield self._failed_record(e)
+
+    @staticmethod
+    def _failed_record(e: _Entry) -> dict[str, Any]:
+        attempt_id = next(iter(e.calls), None)
+        return {
+            "kind": "failed",
+            "rollout_id": e.rollout_id,
+            "error": e.error,
+            "termination": e.termination,
+            "attempt_id": attempt_id,
+            "calls": e.calls.get(attempt_id, []) if attempt_id else [],
+        }
 
     def _result_record(self, e: _Entry, attempt_id: str, result: Rollout) -> dict[str, Any]:
         return {
@@ -806,8 +853,16 @@ class TaskStore:
                     entry.calls = {r["attempt_id"]: [LLMCall(**c) for c in r["calls"]]}
                     entry.state, entry.result_attempt = "completed", r["attempt_id"]
                     entry.result = Rollout.model_validate(r["result"])
+                    entry.termination = entry.result.declared_termination
                 elif kind == "failed":
                     entry.state, entry.error = "failed", r["error"]
+                    # Journals written before reasons were recorded only ever failed for these two causes;
+                    # which one is lost, and an agent error is the one a trainer masks by default too.
+                    entry.termination = r.get("termination") or "agent_error"
+                    attempt_id = r.get("attempt_id")
+                    entry.calls = (
+                        {attempt_id: [LLMCall(**c) for c in r.get("calls", ())]} if attempt_id else {}
+                    )
         for entry in self._entries.values():
             if entry.state not in TERMINAL:
                 entry.state = "queued"

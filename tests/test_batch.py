@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from verl import DataProto
 
 from aglverl.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
+from aglverl.signals import SignalConfig
 
 TENSOR_DTYPES = {
     "prompts": torch.int64,
@@ -492,3 +493,29 @@ def test_build_batch_matches_per_row_reference(case: tuple[list[FinishedRollout]
     for key, expected_list in expected_lists.items():
         assert column(batch, key) == expected_list
     assert metrics == pytest.approx(expected_metrics)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rollout_batches())
+def test_default_signal_config_builds_the_plain_batch(
+    case: tuple[list[FinishedRollout], BatchConfig],
+) -> None:
+    """The collector always passes a SignalConfig; its defaults must not change a plain batch."""
+    rollouts, config = case
+    try:
+        plain, plain_metrics = build_batch(rollouts, config)
+    except MissingRewardError as exc:
+        with pytest.raises(MissingRewardError, match=exc.rollout_id):
+            build_batch(rollouts, config, SignalConfig())
+        return
+
+    batch, metrics = build_batch(rollouts, config, SignalConfig())
+
+    assert set(batch.batch.keys()) == set(TENSOR_DTYPES) | {"advantage_weights", "group_weights"}
+    for key in TENSOR_DTYPES:
+        assert_tensor(tensor(batch, key), tensor(plain, key))
+    for key in NON_TENSOR_KEYS:
+        assert column(batch, key) == column(plain, key)
+    assert tensor(batch, "advantage_weights").tolist() == [1.0] * len(batch)
+    assert tensor(batch, "group_weights").tolist() == [1.0] * len(batch)
+    assert {k: v for k, v in metrics.items() if k.startswith("batch/")} == plain_metrics

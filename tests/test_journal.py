@@ -14,6 +14,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from aglverl import AgentDaemon, BatchConfig, Rollout, Triplet
 from aglverl.client import AgentClient
 from aglverl.journal import Journal, read_records
+from aglverl.store import LLMCall
 
 pytestmark = pytest.mark.anyio
 
@@ -181,3 +182,23 @@ async def test_fsync_commit_is_shared_by_concurrent_posts(tmp_path: Path) -> Non
             tg.start_soon(journal.commit)
     assert journal._synced == journal._written == 10
     journal.close()
+
+
+async def test_failed_rollout_keeps_its_reason_and_last_calls_across_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "run.journal"
+    async with (
+        AgentDaemon(journal_path=path, batch=BATCH, max_attempts=1) as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        await daemon.submit([{"i": 0}, {"i": 1}])
+        task = await client.next_task(wait=1)
+        assert task is not None and task.attempt_id
+        call = LLMCall(task.rollout_id, task.attempt_id, 3, "/v1/chat/completions", "b", 0.0, limit="context")
+        daemon.store.record_calls(task.rollout_id, task.attempt_id, [call])
+        await client.post_rollout(
+            Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, status="failed")
+        )
+    async with AgentDaemon(journal_path=path, batch=BATCH, max_attempts=1) as daemon:
+        record = daemon.store.record(task.rollout_id)
+    assert (record.state, record.termination) == ("failed", "agent_error")
+    assert [(c.seq, c.limit) for c in record.calls] == [(3, "context")]

@@ -24,7 +24,7 @@ from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy, _Capture
 from aglverl.store import LLMCall, TaskStore
-from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases
+from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
 
 pytestmark = pytest.mark.anyio
 
@@ -172,6 +172,8 @@ async def test_replayed_vllm_bytes_reach_agent_unchanged_and_ids_captured_exactl
         [call] = calls
         assert call.status == "failed" and call.response_token_ids is None
         assert call.error is not None and str(case.status) in call.error
+        # vLLM's refusal of max_tokens beyond max_model_len is a context-window limit; an unknown model is not.
+        assert call.limit == ("context" if name == "error_too_long" else None)
         return
     assert [c.choice_index for c in calls] == sorted(expected)
     for call in calls:
@@ -840,3 +842,68 @@ async def test_shutdown_cancels_leftover_calls_and_leaves_no_task_socket_or_conn
                 await anyio.sleep(0.01)
         calls = finish(store, rid, aid)
     assert [c.status for c in calls] == ["ok", "failed"] and calls[1].error == "proxy shutting down"
+
+
+# ---------------------------------------------------------------------------------------- limits and logprobs
+def without_max_tokens(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != "max_tokens"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_the_limit_that_ended_each_response_is_recorded(
+    stream: bool, http: aiohttp.ClientSession
+) -> None:
+    store = TaskStore()
+    longer = "hi" + "x" * 15
+    window = len(prompt_token_ids(chat_body("hi"))[0]) + 20  # the mock model says 8 tokens, then ends
+    bodies = [
+        chat_body("hi", max_tokens=4),  # cut at the agent's max_tokens
+        without_max_tokens(chat_body("hi")),  # the rest of the window is 20 tokens: the model ends first
+        without_max_tokens(chat_body(longer)),  # 5 tokens left in the window: it fills up
+        chat_body(longer, max_tokens=8),  # prompt + max_tokens over the window: refused with a 400
+    ]
+    async with MockVLLM(completion_tokens=8, max_model_len=window) as mock:
+        proxy = make_proxy(store, [mock.url])
+        async with serving(proxy):
+            rid, aid = claim(store)
+            statuses = []
+            for body in bodies:
+                async with http.post(
+                    base_url(proxy, rid, aid) + "/chat/completions", json={**body, "stream": stream}
+                ) as r:
+                    await r.read()
+                    statuses.append(r.status)
+            calls = finish(store, rid, aid)
+    assert statuses == [200, 200, 200, 400]
+    assert [(c.status, c.finish_reason, c.limit) for c in calls] == [
+        ("ok", "length", "max_tokens"),
+        ("ok", "stop", None),
+        ("ok", "length", "context"),
+        ("failed", None, "context"),
+    ]
+    assert [len(c.response_token_ids or ()) for c in calls] == [4, 8, 5, 0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+async def test_request_logprobs_asks_the_backend_unless_the_agent_decided(
+    path: str, stream: bool, http: aiohttp.ClientSession
+) -> None:
+    store = TaskStore()
+    ask = (
+        chat_body("hi") if path == "chat/completions" else {"model": "mock", "prompt": "hi", "max_tokens": 4}
+    )
+    async with MockVLLM() as mock:
+        proxy = make_proxy(store, [mock.url], request_logprobs=True)
+        async with serving(proxy):
+            rid, aid = claim(store)
+            for body in ({**ask, "stream": stream}, {**ask, "stream": stream, "logprobs": False}):
+                async with http.post(f"{base_url(proxy, rid, aid)}/{path}", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+            calls = finish(store, rid, aid)
+    asked, declined = (seen.json for seen in mock.generation_requests())
+    assert asked["logprobs"] == (True if path == "chat/completions" else 0) and declined["logprobs"] is False
+    assert calls[0].response_token_ids is not None
+    assert calls[0].logprobs == [token_logprob(t) for t in calls[0].response_token_ids]
+    assert calls[1].logprobs is None and calls[1].response_token_ids is not None

@@ -148,6 +148,11 @@ BAD_POSTS = [
     (b'{"rollout_id": "nope", "final_reward": 1.0}', 404, "unknown rollout id 'nope'"),
     (b'{"rollout_id": "R", "attempt_id": "wrong", "final_reward": 1.0}', 404, "unknown attempt id 'wrong'"),
     (b"[1, 2, 3]", 422, "rollout"),
+    (
+        b'{"rollout_id": "R", "final_reward": 1.0, "metadata": {"termination_reason": "tired"}}',
+        422,
+        "field 'metadata': Value error, metadata['termination_reason'] must be one of",
+    ),
     (b'{"rollout_id": "R", "pad": "' + b"x" * (70 << 10) + b'"}', 413, "exceeds the limit"),
 ]
 

@@ -7,7 +7,7 @@ import time
 import anyio
 import pytest
 
-from aglverl.models import Rollout, Triplet
+from aglverl.models import Rollout, Task, Triplet
 from aglverl.store import (
     AlreadyFinished,
     InvalidResult,
@@ -290,3 +290,64 @@ async def test_old_server_verbs_wait_for_and_retrieve_owner_less_rollouts() -> N
     assert rollout is not None and rollout.final_reward == 0.25
     assert store.pop_all_finished() == []  # the step-owned rollout is the collector's, not the caller's
     assert store.state(owned) == "completed"
+
+
+def _called(store: TaskStore, task: Task | None, seq: int, prompt: list[int], response: list[int]) -> Task:
+    """Record one proxy call under ``task``'s attempt, as the proxy would; returns the task."""
+    assert task is not None and task.attempt_id
+    store.record_calls(
+        task.rollout_id, task.attempt_id, [_call(task.rollout_id, task.attempt_id, seq, prompt, response)]
+    )
+    return task
+
+
+async def test_agent_failure_on_the_last_attempt_is_an_agent_error_with_that_attempts_calls() -> None:
+    store = TaskStore(lease_seconds=0.03, max_attempts=2)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        rid = store.enqueue("x")
+        _called(store, store.try_claim(), 1, [1], [2])
+        with anyio.fail_after(2):
+            second = _called(store, await store.claim(wait=5), 2, [3], [4])  # the first lease expired
+        store.submit_result(Rollout(rollout_id=rid, attempt_id=second.attempt_id, status="failed"))
+        tg.cancel_scope.cancel()
+    record = store.record(rid)
+    assert (record.state, record.termination) == ("failed", "agent_error")
+    assert [c.prompt_token_ids for c in record.calls] == [[3]]  # the last attempt's, for a trainer to use
+
+
+async def test_lease_expiry_on_the_last_attempt_is_recorded_as_such() -> None:
+    store = TaskStore(lease_seconds=0.03, max_attempts=1)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        rid = store.enqueue("x")
+        _called(store, store.try_claim(), 1, [1], [2])
+        with anyio.fail_after(2):
+            await store.wait_terminal([rid])
+        tg.cancel_scope.cancel()
+    record = store.record(rid)
+    assert (record.state, record.termination) == ("failed", "lease_expired")
+    assert [c.response_token_ids for c in record.calls] == [[2]]
+
+
+async def test_step_deadline_failure_is_a_step_timeout() -> None:
+    store = TaskStore()
+    claimed, queued = store.enqueue("a"), store.enqueue("b")
+    _called(store, store.try_claim(), 1, [1], [2])
+    assert store.fail([claimed, queued], "step deadline passed") == 2
+    assert [store.record(r).termination for r in (claimed, queued)] == ["step_timeout", "step_timeout"]
+    assert len(store.record(claimed).calls) == 1 and store.record(queued).calls == []
+
+
+@pytest.mark.parametrize(
+    ("declared", "recorded"), [("max_turns", "max_turns"), ("finished", None), (None, None)]
+)
+async def test_reason_an_agent_declares_is_recorded_with_its_result(
+    declared: str | None, recorded: str | None
+) -> None:
+    store = TaskStore()
+    rid = store.enqueue("x")
+    store.try_claim()
+    metadata = {"termination_reason": declared} if declared else {}
+    store.submit_result(Rollout(rollout_id=rid, final_reward=0.0, metadata=metadata))
+    assert store.record(rid).termination == recorded

@@ -24,6 +24,7 @@ because the proxy benchmark uses this mock as its backend.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import time
@@ -195,12 +196,19 @@ class _Choice:
     index: int
     prompt: list[int]
     ids: list[int]
+    finish: str
+
+
+#: How many tokens a choice gets for its prompt, and why it stopped ("stop" or "length").
+Budget = Callable[[Sequence[int]], tuple[int, str]]
 
 
 class _Generation:
     """What one generation request asks for and the deterministic answer to it."""
 
-    def __init__(self, kind: str, body: Mapping[str, Any], count: int, with_ids: bool, model: str) -> None:
+    def __init__(
+        self, kind: str, body: Mapping[str, Any], budget: Budget, with_ids: bool, model: str
+    ) -> None:
         self.kind = kind
         self.body = body
         self.with_ids = with_ids
@@ -209,11 +217,13 @@ class _Generation:
         n = int(body.get("n") or 1)
         prompts = prompt_token_ids(body)
         self.prompts = prompts
-        self.choices = [
-            _Choice(p * n + j, prompt, completion_token_ids(prompt, p * n + j, count))
-            for p, prompt in enumerate(prompts)
-            for j in range(n)
-        ]
+        self.choices = []
+        for p, prompt in enumerate(prompts):
+            count, finish = budget(prompt)
+            self.choices += [
+                _Choice(p * n + j, prompt, completion_token_ids(prompt, p * n + j, count), finish)
+                for j in range(n)
+            ]
         raw_lp = body.get("logprobs")
         self.logprobs = bool(raw_lp) if kind == "chat" else raw_lp is not None and raw_lp is not False
         stream_options = body.get("stream_options") or {}
@@ -270,7 +280,7 @@ class _Generation:
             "index": c.index,
             "message": {"role": "assistant", "content": "".join(map(_text, c.ids))},
             "logprobs": self._chat_logprobs(c.ids),
-            "finish_reason": "length",
+            "finish_reason": c.finish,
             "stop_reason": None,
             "token_ids": c.ids if self.with_ids else None,
         }
@@ -280,7 +290,7 @@ class _Generation:
             "index": c.index,
             "text": "".join(map(_text, c.ids)),
             "logprobs": self._completion_logprobs(c.ids, 0),
-            "finish_reason": "length",
+            "finish_reason": c.finish,
             "stop_reason": None,
             "token_ids": c.ids if self.with_ids else None,
             "prompt_token_ids": c.prompt if self.with_ids else None,
@@ -327,7 +337,7 @@ class _Generation:
         else:
             choice["text"] = _text(t)
             choice["logprobs"] = self._completion_logprobs([t], offset)
-        choice["finish_reason"] = "length" if last else None
+        choice["finish_reason"] = c.finish if last else None
         choice["stop_reason"] = None
         if self.with_ids:
             if self.kind == "completion":
@@ -341,10 +351,13 @@ class MockVLLM:
     """A loopback vLLM look-alike; see the module docstring.
 
     ``latency`` is slept before each generation answer, ``chunk_latency`` between stream events (and between
-    replayed pieces); ``completion_tokens`` is how many tokens each choice gets (capped by the request's
-    ``max_tokens``). ``record_requests=False`` keeps memory flat in long benchmarks. ``response_headers`` are
-    added to every generation answer (e.g. hop-by-hop headers a proxy must not pass on). ``eof_delay`` is slept
-    between a stream's last event and the end of its body, as a server that flushes ``[DONE]`` first may do.
+    replayed pieces); ``completion_tokens`` is how many tokens each choice gets before it ends on its own
+    (finish reason ``"stop"``), unless the request's ``max_tokens`` or ``max_model_len`` cuts it short
+    (``"length"``). With ``max_model_len``, a prompt that with its ``max_tokens`` does not fit is refused with
+    vLLM's 400, and a request without ``max_tokens`` may fill the rest of the window.
+    ``record_requests=False`` keeps memory flat in long benchmarks. ``response_headers`` are added to every
+    generation answer (e.g. hop-by-hop headers a proxy must not pass on). ``eof_delay`` is slept between a
+    stream's last event and the end of its body, as a server that flushes ``[DONE]`` first may do.
 
     Random faults (all off by default): ``failure_rate`` is the probability that a generation call with no
     injected fault pending is answered at once with ``failure_status`` (an OpenAI-shaped error body);
@@ -373,6 +386,7 @@ class MockVLLM:
         failure_status: int = 500,
         latency_jitter: float = 0.0,
         seed: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if not 0.0 <= failure_rate <= 1.0:
             raise ValueError(f"failure_rate is a probability in [0, 1], got {failure_rate}")
@@ -384,6 +398,7 @@ class MockVLLM:
         self.latency = latency
         self.chunk_latency = chunk_latency
         self.completion_tokens = completion_tokens
+        self.max_model_len = max_model_len
         self.record_requests = record_requests
         self.response_headers = dict(response_headers or {})
         self.eof_delay = eof_delay
@@ -449,7 +464,7 @@ class MockVLLM:
     def expected(self, body: Mapping[str, Any]) -> list[tuple[list[int], list[int]]]:
         """``(prompt_ids, response_ids)`` per choice, in index order, that this mock answers ``body`` with."""
         kind = "chat" if "messages" in body else "completion"
-        gen = _Generation(kind, body, self._count(body), True, self.model)
+        gen = _Generation(kind, body, functools.partial(self._budget, body), True, self.model)
         return [(c.prompt, c.ids) for c in gen.choices]
 
     async def wait_until(self, predicate: Callable[[MockVLLM], bool]) -> None:
@@ -553,9 +568,37 @@ class MockVLLM:
             )
         self._notify()
 
-    def _count(self, body: Mapping[str, Any]) -> int:
+    @staticmethod
+    def _max_tokens(body: Mapping[str, Any]) -> int | None:
         limit = body.get("max_tokens") or body.get("max_completion_tokens")
-        return min(self.completion_tokens, limit) if isinstance(limit, int) else self.completion_tokens
+        return limit if isinstance(limit, int) else None
+
+    def _budget(self, body: Mapping[str, Any], prompt: Sequence[int]) -> tuple[int, str]:
+        """Tokens generated for ``prompt`` and the finish reason: "length" when ``max_tokens`` or the context
+        window (``max_model_len``, which a request without ``max_tokens`` may fill) cut the answer short."""
+        limit = self._max_tokens(body)
+        if limit is None and self.max_model_len is not None:
+            limit = self.max_model_len - len(prompt)  # vLLM's default: the rest of the window
+        if limit is not None and limit <= self.completion_tokens:
+            # The mock's model would say completion_tokens tokens and then end: a limit at or below that
+            # stops it before its end-of-sequence token, as an engine reports it.
+            return max(limit, 0), "length"
+        return self.completion_tokens, "stop"
+
+    def _too_long(self, body: Mapping[str, Any]) -> web.Response | None:
+        """vLLM's 400 for a prompt that, with the tokens asked for, does not fit in ``max_model_len``."""
+        if self.max_model_len is None:
+            return None
+        asked = self._max_tokens(body) or 0
+        for prompt in prompt_token_ids(body):
+            if len(prompt) + asked > self.max_model_len or len(prompt) >= self.max_model_len:
+                message = (
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {len(prompt) + asked} tokens ({len(prompt)} in the messages, {asked} in the "
+                    "completion). Please reduce the length of the messages or completion."
+                )
+                return _json_error(400, message, "BadRequestError")
+        return None
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -611,8 +654,11 @@ class MockVLLM:
             return _json_error(400, "request body must be a JSON object", "BadRequestError")
         if body.get("model") != self.model:
             return _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        refusal = self._too_long(body)
+        if refusal is not None:
+            return refusal
         with_ids = body.get("return_token_ids") is True and fault is None
-        gen = _Generation(kind, body, self._count(body), with_ids, self.model)
+        gen = _Generation(kind, body, functools.partial(self._budget, body), with_ids, self.model)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-mock{next(self._ids)}"
         if body.get("stream") is True:
@@ -648,7 +694,11 @@ class MockVLLM:
         # "break": a stream loses its connection after some events, anything else before any answer.
         if isinstance(body, dict) and body.get("stream") is True:
             gen = _Generation(
-                "chat" if "messages" in body else "completion", body, self._count(body), True, self.model
+                "chat" if "messages" in body else "completion",
+                body,
+                functools.partial(self._budget, body),
+                True,
+                self.model,
             )
             return await self._stream(request, gen.events("broken"), break_after=fault.after_events)
         await self._break(request)

@@ -1,0 +1,496 @@
+"""Training-signal controls for multi-turn agents: which rows train, with what score, in which group, how much.
+
+Pure, vectorised numpy/torch beside :mod:`aglverl.batch`, which calls :func:`plan_rows` while it builds a batch
+(the collector hands it the step's :class:`SignalConfig`). Four controls, each off or today's behaviour by
+default:
+
+- **Compact filtering** — every rollout carries the reasons it ended the way it did (recorded where they were
+  decided: the store, the proxy, the agent; the batch builder adds ``truncated`` for a response longer than
+  ``max_response_length``). A rollout with a reason whose ``mask_*`` switch is on contributes no row: it
+  neither trains nor sits in its group's mean/std, but it is counted (``filter/*``). Failed rollouts (agent
+  error, lease expired after the last attempt, step timeout) are masked by default, which is exactly how they
+  were always excluded; switching a failure's mask off trains on the last attempt's recorded calls with
+  ``failure_reward`` as the rollout's reward (e.g. to penalise timeouts).
+- **Rejection sampling** — drops every GRPO group (rows sharing a ``uid``) whose scores are all equal: its
+  advantages are all zero, so it only costs compute. A group with one member counts as uniform (it has no
+  baseline). ``min_group_size`` also drops samples with fewer usable rollouts than that. The batch may end up
+  empty; metrics (``rejection/*``) say what went and the solve-all / solve-none rates.
+- **Step-wise advantage** — ``broadcast`` (default) puts the rollout's final reward on every turn's last token
+  and groups by sample; ``per_step`` scores each turn with its discounted return ``G_t = r_t + gamma G_{t+1}``
+  (``r_t`` the turn's own reward, the final reward on the last turn) and groups by (sample, turn index).
+- **Turn weighting** — ``per_turn`` (default): every turn row is one member of its group and one row of the
+  loss; ``per_rollout``: a rollout with ``k`` rows (before rejection sampling) counts once, each row weighted
+  ``1/k`` in its group's mean/std (broadcast) and in the loss (``advantage_weights``). verl's stock GRPO
+  cannot weight group members, so a trainer calls :func:`compute_advantage` here instead of verl's (it is
+  verl's own for every other case).
+
+Behaviour log-probs are packed by :mod:`aglverl.batch`; :func:`logprob_mismatch` compares them with the
+trainer's recomputed old log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from .models import TERMINATION_REASONS, TerminationReason
+
+if TYPE_CHECKING:
+    from verl import DataProto
+
+__all__ = [
+    "FAILURE_REASONS",
+    "REASON_BITS",
+    "RowPlan",
+    "SignalConfig",
+    "compute_advantage",
+    "grpo_advantages",
+    "logprob_mismatch",
+    "plan_rows",
+    "reason_flags",
+    "turn_layout",
+]
+
+#: One bit per termination reason, so a batch's reasons are one int64 array and masking is one ``&``.
+REASON_BITS: Mapping[str, int] = {reason: 1 << i for i, reason in enumerate(TERMINATION_REASONS)}
+#: The reasons a rollout fails for (the store decides them); the others describe a delivered result.
+FAILURE_REASONS: tuple[TerminationReason, ...] = ("agent_error", "step_timeout", "lease_expired")
+#: verl's GRPO epsilon (``compute_grpo_outcome_advantage``), so the default mode reproduces its numbers.
+GRPO_EPSILON = 1e-6
+
+_CHOICES: Mapping[str, tuple[str, ...]] = {
+    "advantage": ("broadcast", "per_step"),
+    "turn_weighting": ("per_turn", "per_rollout"),
+}
+_FLOATS = ("gamma", "solve_threshold", "failure_reward")
+
+
+@dataclass(frozen=True, slots=True)
+class SignalConfig:
+    """The training-signal controls (see the module docstring); the defaults reproduce plain batches.
+
+    - ``advantage``: ``"broadcast"`` or ``"per_step"``; ``gamma``: per_step's discount across turns, in [0, 1].
+    - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"``.
+    - ``rejection_sampling``: drop GRPO groups whose scores are all equal. ``min_group_size``: drop samples
+      with fewer usable rollouts (1: keep every sample). ``solve_threshold``: a rollout whose final reward is
+      at least this counts as solved in the ``rejection/solve_*_rate`` metrics (reporting only).
+    - ``mask_<reason>``: keep rollouts that ended for this reason out of the batch (see
+      :data:`aglverl.models.TERMINATION_REASONS`); ``failure_reward``: the reward of a failed rollout whose
+      reason is not masked.
+    - ``request_logprobs``: have the proxy ask the backend for the sampled tokens' logprobs on every call
+      whose agent did not set ``logprobs`` (so batches carry ``rollout_log_probs``).
+
+    Bad values raise at construction, naming the field: ``TypeError`` for a wrong type (an int is taken for a
+    float; a bool is never a number), ``ValueError`` for an unknown choice, a non-finite float, ``gamma``
+    outside [0, 1] or ``min_group_size < 1``. :meth:`from_dict` builds one from an ``aglverl:`` config section.
+    """
+
+    advantage: Literal["broadcast", "per_step"] = "broadcast"
+    gamma: float = 1.0
+    turn_weighting: Literal["per_turn", "per_rollout"] = "per_turn"
+    rejection_sampling: bool = False
+    min_group_size: int = 1
+    solve_threshold: float = 1.0
+    mask_agent_error: bool = True
+    mask_step_timeout: bool = True
+    mask_lease_expired: bool = True
+    mask_truncated: bool = False
+    mask_max_turns: bool = False
+    mask_context_exceeded: bool = False
+    failure_reward: float = 0.0
+    request_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _CHOICES:
+                if value not in _CHOICES[f.name]:
+                    raise ValueError(
+                        f"SignalConfig.{f.name} must be one of {_CHOICES[f.name]}, got {value!r}"
+                    )
+            elif f.name in _FLOATS:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"SignalConfig.{f.name} must be a float, got {type(value).__name__}")
+                if not math.isfinite(value):
+                    raise ValueError(f"SignalConfig.{f.name} must be finite, got {value}")
+                object.__setattr__(self, f.name, float(value))
+            elif f.name == "min_group_size":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"SignalConfig.min_group_size must be an int, got {type(value).__name__}")
+                if value < 1:
+                    raise ValueError(f"SignalConfig.min_group_size must be >= 1, got {value}")
+            elif not isinstance(value, bool):
+                raise TypeError(f"SignalConfig.{f.name} must be a bool, got {type(value).__name__}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"SignalConfig.gamma must be in [0, 1], got {self.gamma}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> SignalConfig:
+        """A config from plain data (an ``aglverl:`` YAML section); ``None`` or ``{}`` gives the defaults.
+
+        Raises ``ValueError`` naming every unknown key (a typo must not silently leave a control off), and
+        whatever the constructor raises for a bad value.
+        """
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown SignalConfig option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that :meth:`from_dict` turns back into an equal config (for logging a run's setup)."""
+        return asdict(self)
+
+    @property
+    def mask_bits(self) -> int:
+        """The :data:`REASON_BITS` of the reasons this config masks, or-ed together."""
+        return sum(bit for reason, bit in REASON_BITS.items() if getattr(self, f"mask_{reason}"))
+
+
+def reason_flags(reasons: Iterable[str]) -> int:
+    """The :data:`REASON_BITS` of ``reasons`` or-ed together; raises ``ValueError`` naming an unknown reason."""
+    flags = 0
+    for reason in reasons:
+        bit = REASON_BITS.get(reason)
+        if bit is None:
+            raise ValueError(f"unknown termination reason {reason!r}; known: {TERMINATION_REASONS}")
+        flags |= bit
+    return flags
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """Which turns become rows, and what each row carries (all arrays have one entry per row, in batch order).
+
+    ``rows`` index the flat list of turns; ``scores`` (float64) go on each row's last response token; ``uid``
+    (object) is the row's GRPO group; ``advantage_weights`` / ``group_weights`` (float32) are the row's weight
+    in the loss and in its group's mean/std. ``masked`` has one entry per rollout: kept out for its reasons.
+    """
+
+    rows: np.ndarray
+    scores: np.ndarray
+    uid: np.ndarray
+    advantage_weights: np.ndarray
+    group_weights: np.ndarray
+    masked: np.ndarray
+    metrics: dict[str, float]
+
+
+def plan_rows(
+    *,
+    data_ids: np.ndarray,
+    rewards: np.ndarray,
+    flags: np.ndarray,
+    n_turns: np.ndarray,
+    response_len: np.ndarray,
+    turn_rewards: np.ndarray,
+    max_response_length: int,
+    config: SignalConfig,
+) -> RowPlan:
+    """Apply compact filtering, the advantage mode, rejection sampling and turn weighting to a batch's turns.
+
+    Per rollout (``N``): ``data_ids`` (its sample, object), ``rewards`` (final reward, float64, already
+    filled), ``flags`` (int64 :data:`REASON_BITS` recorded for it), ``n_turns``. Per turn (``T = sum(n_turns)``,
+    rollout-major): ``response_len`` (before truncation) and ``turn_rewards`` (float64, NaN where the agent
+    gave none). Returns the :class:`RowPlan` and its ``filter/*`` and ``rejection/*`` metrics. Turns with an
+    empty response never become rows (the batch builder counts them). Nothing here loops per token; the only
+    Python loop runs once per turn depth, for the discounted returns.
+    """
+    n_rollouts = len(n_turns)
+    turn_rollout, turn_index = turn_layout(n_turns)
+    cut = np.bincount(turn_rollout[response_len > max_response_length], minlength=n_rollouts) > 0
+    flags = flags | np.where(cut, REASON_BITS["truncated"], 0)
+    masked = (flags & config.mask_bits) != 0
+    candidate = np.flatnonzero((response_len > 0) & ~masked[turn_rollout])
+    rows_per_rollout = np.bincount(turn_rollout[candidate], minlength=n_rollouts)
+
+    if config.advantage == "broadcast":
+        scores = rewards[turn_rollout[candidate]]
+        uid = data_ids[turn_rollout[candidate]]
+    else:
+        scores = _discounted_returns(rewards, turn_rewards, turn_rollout, turn_index, n_turns, config.gamma)
+        scores = scores[candidate]
+        uid = _turn_uids(data_ids[turn_rollout[candidate]], turn_index[candidate])
+
+    sample = np.unique(data_ids, return_inverse=True)[1].reshape(-1) if n_rollouts else np.zeros(0, np.int64)
+    usable = rows_per_rollout > 0
+    small = _small_samples(sample, usable, config.min_group_size)
+    group = np.unique(uid, return_inverse=True)[1].reshape(-1) if len(uid) else np.zeros(0, np.int64)
+    uniform = _uniform_groups(group, scores)
+    drop = small[sample[turn_rollout[candidate]]]
+    if config.rejection_sampling:
+        drop |= uniform[group]
+    keep = ~drop
+    rows = candidate[keep]
+    row_rollout = turn_rollout[rows]
+
+    weight = (1.0 / np.maximum(rows_per_rollout, 1))[row_rollout].astype(np.float32)
+    ones = np.ones(len(rows), np.float32)
+    per_rollout = config.turn_weighting == "per_rollout"
+    metrics = _filter_metrics(flags, masked, response_len, turn_rollout)
+    metrics |= _rejection_metrics(
+        sample, usable, small, group, uniform, drop, candidate, turn_rollout, rewards, config
+    )
+    return RowPlan(
+        rows=rows,
+        scores=scores[keep],
+        uid=uid[keep],
+        advantage_weights=weight if per_rollout else ones,
+        # In per_step groups each rollout has one row per group already; only broadcast groups hold k rows.
+        group_weights=weight if per_rollout and config.advantage == "broadcast" else ones.copy(),
+        masked=masked,
+        metrics=metrics,
+    )
+
+
+def turn_layout(n_turns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For turns laid out rollout-major, each turn's rollout and its index within the rollout."""
+    turn_rollout = np.repeat(np.arange(len(n_turns)), n_turns)
+    turn_index = np.arange(len(turn_rollout)) - np.repeat(np.cumsum(n_turns) - n_turns, n_turns)
+    return turn_rollout, turn_index
+
+
+def _discounted_returns(
+    rewards: np.ndarray,
+    turn_rewards: np.ndarray,
+    turn_rollout: np.ndarray,
+    turn_index: np.ndarray,
+    n_turns: np.ndarray,
+    gamma: float,
+) -> np.ndarray:
+    """``G_t = r_t + gamma * G_{t+1}`` per turn: ``r_t`` the turn's own reward (0 when none), the rollout's
+    final reward on its last turn. One vectorised pass per turn depth, deepest first."""
+    last = turn_index == n_turns[turn_rollout] - 1
+    returns = np.where(np.isnan(turn_rewards), 0.0, turn_rewards)
+    returns[last] = rewards[turn_rollout[last]]
+    if gamma == 0.0 or not len(returns):
+        return returns
+    by_depth = np.argsort(turn_index, kind="stable")
+    bounds = np.searchsorted(turn_index[by_depth], np.arange(int(turn_index.max()) + 2))
+    for depth in range(int(turn_index.max()) - 1, -1, -1):
+        at = by_depth[bounds[depth] : bounds[depth + 1]]
+        at = at[~last[at]]  # the turn after ``at`` is the same rollout's next turn (turns are rollout-major)
+        returns[at] += gamma * returns[at + 1]
+    return returns
+
+
+def _turn_uids(data_ids: np.ndarray, turn_index: np.ndarray) -> np.ndarray:
+    """``"<data_id>/<turn index>"`` per row: per_step's GRPO groups (as strings, like every uid verl sees)."""
+    if not len(data_ids):
+        return np.zeros(0, object)
+    joined = np.char.add(np.char.add(data_ids.astype(str), "/"), turn_index.astype(str))
+    return joined.astype(object)
+
+
+def _small_samples(sample: np.ndarray, usable: np.ndarray, min_size: int) -> np.ndarray:
+    """Per sample: whether it has usable rollouts, but fewer than ``min_size``."""
+    count = np.bincount(sample[usable], minlength=int(sample.max()) + 1 if len(sample) else 0)
+    return (count > 0) & (count < min_size)
+
+
+def _uniform_groups(group: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Per group: whether all its scores are equal (one member included)."""
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    low, high = np.full(n_groups, np.inf), np.full(n_groups, -np.inf)
+    np.minimum.at(low, group, scores)
+    np.maximum.at(high, group, scores)
+    return low == high
+
+
+def _filter_metrics(
+    flags: np.ndarray, masked: np.ndarray, response_len: np.ndarray, turn_rollout: np.ndarray
+) -> dict[str, float]:
+    failed = (flags & sum(REASON_BITS[r] for r in FAILURE_REASONS)) != 0
+    metrics = {
+        "filter/n_rollouts": float(len(flags)),
+        "filter/n_masked": float(np.count_nonzero(masked)),
+        "filter/n_rows_masked": float(np.count_nonzero(masked[turn_rollout] & (response_len > 0))),
+        "filter/n_failed_trained": float(np.count_nonzero(failed & ~masked)),
+    }
+    for reason, bit in REASON_BITS.items():
+        metrics[f"filter/n_{reason}"] = float(np.count_nonzero(flags & bit))
+    return metrics
+
+
+def _rejection_metrics(
+    sample: np.ndarray,
+    usable: np.ndarray,
+    small: np.ndarray,
+    group: np.ndarray,
+    uniform: np.ndarray,
+    drop: np.ndarray,
+    candidate: np.ndarray,
+    turn_rollout: np.ndarray,
+    rewards: np.ndarray,
+    config: SignalConfig,
+) -> dict[str, float]:
+    n_samples = int(sample.max()) + 1 if len(sample) else 0
+    with_rows = np.bincount(sample[usable], minlength=n_samples)
+    solved = np.bincount(sample[usable & (rewards >= config.solve_threshold)], minlength=n_samples)
+    present = with_rows > 0
+    n_present = int(np.count_nonzero(present))
+    dropped_groups = np.zeros(len(uniform), bool)
+    dropped_groups[group[drop]] = True
+    kept_rollouts = np.bincount(turn_rollout[candidate[~drop]], minlength=len(usable)) > 0
+    return {
+        "rejection/n_samples": float(n_present),
+        "rejection/n_samples_too_small": float(np.count_nonzero(small)),
+        "rejection/solve_all_rate": _rate(np.count_nonzero(present & (solved == with_rows)), n_present),
+        "rejection/solve_none_rate": _rate(np.count_nonzero(present & (solved == 0)), n_present),
+        "rejection/n_groups": float(len(uniform)),
+        "rejection/n_groups_uniform": float(np.count_nonzero(uniform)),
+        "rejection/n_groups_dropped": float(np.count_nonzero(dropped_groups)),
+        "rejection/n_rows_dropped": float(np.count_nonzero(drop)),
+        "rejection/n_rollouts_dropped": float(np.count_nonzero(usable & ~kept_rollouts)),
+    }
+
+
+def _rate(count: int | np.integer, total: int) -> float:
+    return float(count) / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+def grpo_advantages(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    group_weights: torch.Tensor | None = None,
+    advantage_weights: torch.Tensor | None = None,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = GRPO_EPSILON,
+) -> torch.Tensor:
+    """GRPO outcome advantages with weighted group members; verl's ``compute_grpo_outcome_advantage`` when
+    both weight tensors are all ones (or ``None``).
+
+    Each row's score is the sum of its ``token_level_rewards``; rows are grouped by ``index`` (the ``uid``
+    column). A group's mean and (unbiased, frequency-weighted) std use ``group_weights``; a group whose weights
+    sum to at most 1 has no baseline, so, as in verl, its mean is 0 and its std 1. The normalised score is
+    multiplied by ``advantage_weights`` and spread over ``response_mask``. Returns float32 ``[B, R]``. Raises
+    ``ValueError`` naming the argument whose length is not ``B``.
+    """
+    n_rows = token_level_rewards.shape[0]
+    for name, value in (("response_mask", response_mask), ("index", index)):
+        if len(value) != n_rows:
+            raise ValueError(f"{name} has {len(value)} rows, token_level_rewards has {n_rows}")
+    scores = token_level_rewards.sum(dim=-1).double()
+    weights = _row_weights(group_weights, n_rows, "group_weights")
+    group = torch.from_numpy(np.unique(index, return_inverse=True)[1].reshape(-1)) if n_rows else None
+    if group is None:
+        return torch.zeros_like(token_level_rewards, dtype=torch.float32)
+    n_groups = int(group.max()) + 1
+    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, weights)
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, weights * scores) / total
+    spread = torch.zeros(n_groups, dtype=torch.float64).index_add_(
+        0, group, weights * (scores - mean[group]) ** 2
+    )
+    alone = total <= 1.0 + 1e-9  # a single member (one row, or one rollout's 1/k-weighted rows)
+    std = torch.where(alone, 1.0, torch.sqrt(spread / torch.where(alone, 1.0, total - 1.0)))
+    mean = torch.where(alone, 0.0, mean)
+    advantages = scores - mean[group]
+    if norm_adv_by_std_in_grpo:
+        advantages = advantages / (std[group] + epsilon)
+    advantages = advantages * _row_weights(advantage_weights, n_rows, "advantage_weights")
+    return (advantages.unsqueeze(-1) * response_mask).to(torch.float32)
+
+
+def _row_weights(weights: torch.Tensor | None, n_rows: int, name: str) -> torch.Tensor:
+    if weights is None:
+        return torch.ones(n_rows, dtype=torch.float64)
+    if weights.shape != (n_rows,):
+        raise ValueError(f"{name} must have shape ({n_rows},), got {tuple(weights.shape)}")
+    return weights.double()
+
+
+def compute_advantage(
+    data: DataProto,
+    adv_estimator: Any,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    num_repeat: int = 1,
+    norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
+) -> DataProto:
+    """Drop-in for verl's ``ray_trainer.compute_advantage`` on aglverl batches: sets ``advantages``/``returns``.
+
+    For GRPO (``grpo``, ``grpo_vectorized``) it runs :func:`grpo_advantages` with the batch's ``uid``,
+    ``group_weights`` and ``advantage_weights`` (identical to verl's GRPO when both are ones, the default).
+    Any other estimator is verl's own, whose advantages are then multiplied by ``advantage_weights``; such
+    estimators cannot weight group members, so a batch whose ``group_weights`` are not all ones (broadcast
+    with ``turn_weighting="per_rollout"``) raises ``ValueError`` naming the estimator. A batch without the
+    weight tensors (not built by aglverl) gets verl's result unchanged.
+    """
+    estimator = str(getattr(adv_estimator, "value", adv_estimator))
+    batch = data.batch
+    group_weights = batch["group_weights"] if "group_weights" in batch.keys() else None
+    advantage_weights = batch["advantage_weights"] if "advantage_weights" in batch.keys() else None
+    if estimator in ("grpo", "grpo_vectorized"):
+        advantages = grpo_advantages(
+            batch["token_level_rewards"],
+            batch["response_mask"],
+            data.non_tensor_batch["uid"],
+            group_weights,
+            advantage_weights,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        )
+        batch["advantages"] = advantages
+        batch["returns"] = advantages.clone()
+        return data
+    if group_weights is not None and not bool((group_weights == 1).all()):
+        raise ValueError(
+            f"adv_estimator {estimator!r} cannot weight group members: turn_weighting='per_rollout' with "
+            "advantage='broadcast' needs adv_estimator='grpo'"
+        )
+    from verl.trainer.ppo.ray_trainer import compute_advantage as verl_compute_advantage
+
+    data = verl_compute_advantage(
+        data,
+        adv_estimator=adv_estimator,
+        gamma=gamma,
+        lam=lam,
+        num_repeat=num_repeat,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        config=config,
+    )
+    if advantage_weights is not None:
+        data.batch["advantages"] = data.batch["advantages"] * advantage_weights.unsqueeze(-1)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- log-probs
+def logprob_mismatch(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the trainer's recomputed log-probs are from the engine's, over the response tokens.
+
+    ``logprobs/abs_diff_mean`` and ``logprobs/abs_diff_max`` of ``old - rollout``; ``logprobs/k3_kl``, the k3
+    estimator of KL(rollout || trainer), mean of ``exp(d) - d - 1`` with ``d = old - rollout`` (0 when they
+    agree, always >= 0); ``logprobs/n_tokens`` counted. With no response token every value is 0.0. Raises
+    ``ValueError`` naming the tensor whose shape differs from ``old_log_probs``'.
+    """
+    for name, value in (("rollout_log_probs", rollout_log_probs), ("response_mask", response_mask)):
+        if value.shape != old_log_probs.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}, old_log_probs {tuple(old_log_probs.shape)}"
+            )
+    mask = response_mask.bool()
+    diff = (old_log_probs.double() - rollout_log_probs.double())[mask]
+    if not diff.numel():
+        return {
+            "logprobs/abs_diff_mean": 0.0,
+            "logprobs/abs_diff_max": 0.0,
+            "logprobs/k3_kl": 0.0,
+            "logprobs/n_tokens": 0.0,
+        }
+    return {
+        "logprobs/abs_diff_mean": float(diff.abs().mean()),
+        "logprobs/abs_diff_max": float(diff.abs().max()),
+        "logprobs/k3_kl": float((torch.expm1(diff) - diff).mean()),
+        "logprobs/n_tokens": float(diff.numel()),
+    }

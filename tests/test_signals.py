@@ -1,0 +1,497 @@
+"""Tests for aglverl.signals through build_batch: hand-computed rows, scores, groups, weights and metrics for
+every filter and advantage mode, and the pure functions a trainer calls (advantages, log-prob mismatch)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from verl import DataProto
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, compute_rloo_outcome_advantage
+
+from aglverl.batch import BatchConfig, FinishedRollout, build_batch
+from aglverl.signals import SignalConfig, compute_advantage, grpo_advantages, logprob_mismatch
+
+SMALL = BatchConfig(max_prompt_length=4, max_response_length=3, pad_token_id=0)
+PLAIN_KEYS = {
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "position_ids",
+    "is_drop_mask",
+    "token_level_scores",
+}
+ROOT_HALF = 1 / math.sqrt(2)
+
+
+def rollout(
+    rollout_id: str,
+    *turns: tuple[Sequence[int], Sequence[int]],
+    reward: float | None = 1.0,
+    data_id: str = "g0",
+    completed: bool = True,
+    reasons: tuple[str, ...] = (),
+    turn_rewards: Sequence[float | None] | None = None,
+    logprobs: Sequence[Sequence[float] | None] | None = None,
+) -> FinishedRollout:
+    return FinishedRollout(
+        rollout_id,
+        data_id,
+        reward,
+        turns,
+        completed=completed,
+        termination=frozenset(reasons),
+        turn_rewards=turn_rewards,
+        logprobs=logprobs,
+    )
+
+
+def rows(batch: DataProto, key: str = "rollout_id_list") -> list[object]:
+    return batch.non_tensor_batch[key].tolist()
+
+
+def assert_close(actual: torch.Tensor, expected: list) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=1e-5, rtol=1e-5)
+
+
+def with_rewards(batch: DataProto) -> DataProto:
+    """What the trainer does before computing advantages (no KL in the reward)."""
+    batch.batch["token_level_rewards"] = batch.batch["token_level_scores"].clone()
+    return batch
+
+
+# --- the config ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("advantage", "per_turn", ValueError),
+        ("turn_weighting", "once", ValueError),
+        ("gamma", 1.5, ValueError),
+        ("gamma", -0.1, ValueError),
+        ("gamma", float("nan"), ValueError),
+        ("gamma", True, TypeError),
+        ("gamma", "0.9", TypeError),
+        ("failure_reward", float("inf"), ValueError),
+        ("min_group_size", 0, ValueError),
+        ("min_group_size", 2.0, TypeError),
+        ("rejection_sampling", 1, TypeError),
+        ("mask_truncated", "yes", TypeError),
+        ("request_logprobs", None, TypeError),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_field(field: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=f"SignalConfig.{field}"):
+        SignalConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_config_from_dict_names_unknown_keys_and_takes_yaml_ints_for_floats() -> None:
+    with pytest.raises(ValueError, match=r"\['mask_timeout', 'rejection'\]"):
+        SignalConfig.from_dict({"rejection": True, "mask_timeout": False, "gamma": 0.5})
+    config = SignalConfig.from_dict({"gamma": 1, "failure_reward": -1, "advantage": "per_step"})
+    assert config.gamma == 1.0 and type(config.gamma) is float and config.failure_reward == -1.0
+    assert SignalConfig.from_dict(config.to_dict()) == config
+    assert SignalConfig.from_dict(None) == SignalConfig() == SignalConfig.from_dict({})
+
+
+# --- compact filtering ---------------------------------------------------------------------------------
+
+
+def test_mixed_termination_reasons_mask_by_switch_and_stay_counted() -> None:
+    config = SignalConfig(
+        mask_truncated=True, mask_context_exceeded=True, mask_lease_expired=False, failure_reward=-1.0
+    )
+    batch, metrics = build_batch(
+        [
+            rollout("ok", ([1], [7]), reward=1.0),
+            rollout("long", ([1], [7, 8, 9, 10]), reward=0.0),  # cut at R=3 by the batch builder
+            rollout("turns", ([1], [7, 8]), reward=0.5, reasons=("max_turns",)),
+            rollout("ctx", ([2], [7]), reward=0.0, data_id="g1", reasons=("context_exceeded",)),
+            rollout("err", ([2], [8]), reward=None, data_id="g1", completed=False, reasons=("agent_error",)),
+            rollout(
+                "lease", ([2], [9, 9]), reward=None, data_id="g1", completed=False, reasons=("lease_expired",)
+            ),
+            rollout("late", reward=None, data_id="g1", completed=False, reasons=("step_timeout",)),
+        ],
+        SMALL,
+        config,
+    )
+
+    assert rows(batch) == ["ok", "turns", "lease"]
+    assert batch.batch["responses"].tolist() == [[7, 0, 0], [7, 8, 0], [9, 9, 0]]
+    assert batch.batch["token_level_scores"].tolist() == [[1.0, 0, 0], [0, 0.5, 0], [0, -1.0, 0]]
+    assert rows(batch, "uid") == ["g0", "g0", "g1"]
+    assert {k: v for k, v in metrics.items() if k.startswith("filter/")} == {
+        "filter/n_rollouts": 7.0,
+        "filter/n_masked": 4.0,  # long, ctx, err, late
+        "filter/n_rows_masked": 3.0,  # late had no turn
+        "filter/n_failed_trained": 1.0,  # lease, with failure_reward
+        "filter/n_agent_error": 1.0,
+        "filter/n_step_timeout": 1.0,
+        "filter/n_lease_expired": 1.0,
+        "filter/n_truncated": 1.0,
+        "filter/n_max_turns": 1.0,
+        "filter/n_context_exceeded": 1.0,
+    }
+    # batch/* describe completed rollouts (ok, long, turns, ctx) and the rows actually in the batch.
+    assert metrics["batch/n_rollouts"] == 4.0 and metrics["batch/reward_mean"] == 0.375
+    assert metrics["batch/n_triplets"] == 3.0 == len(batch)
+    assert metrics["batch/n_responses_truncated"] == 0.0
+
+
+def test_masked_rollouts_leave_the_group_statistics() -> None:
+    batch, _ = build_batch(
+        [
+            rollout("a", ([1], [7]), reward=1.0),
+            rollout("b", ([1], [7]), reward=0.0),
+            rollout("c", ([1], [7, 8, 9, 10]), reward=0.0),
+        ],
+        SMALL,
+        SignalConfig(mask_truncated=True),
+    )
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+
+    # Group g0 is (1, 0) without the masked c: mean 0.5, std 1/sqrt(2).
+    assert rows(batch) == ["a", "b"]
+    assert_close(advantages, [[ROOT_HALF, 0, 0], [-ROOT_HALF, 0, 0]])
+
+
+def test_failed_rollout_without_a_named_reason_counts_as_agent_error() -> None:
+    batch, metrics = build_batch(
+        [rollout("x", ([1], [7]), reward=None, completed=False)], SMALL, SignalConfig()
+    )
+
+    assert len(batch) == 0
+    assert metrics["filter/n_agent_error"] == 1.0 and metrics["filter/n_masked"] == 1.0
+
+
+def test_default_config_trains_on_truncated_responses_as_before() -> None:
+    batch, metrics = build_batch([rollout("x", ([1], [7, 8, 9, 10]), reward=2.0)], SMALL, SignalConfig())
+
+    assert batch.batch["token_level_scores"].tolist() == [[0, 0, 2.0]]
+    assert metrics["filter/n_truncated"] == 1.0 and metrics["filter/n_masked"] == 0.0
+    assert metrics["batch/n_responses_truncated"] == 1.0
+
+
+# --- rejection sampling --------------------------------------------------------------------------------
+
+GROUPS = [
+    rollout("a1", ([1], [5]), reward=1.0, data_id="all"),
+    rollout("a2", ([1], [6]), reward=1.0, data_id="all"),
+    rollout("b1", ([1], [5]), reward=0.0, data_id="none"),
+    rollout("b2", ([1], [6]), reward=0.0, data_id="none"),
+    rollout("c1", ([1], [5]), ([1, 5, 2], [6]), reward=1.0, data_id="mixed"),
+    rollout("c2", ([1], [7]), reward=0.0, data_id="mixed"),
+    rollout("d1", ([1], [5]), reward=1.0, data_id="single"),
+]
+
+
+def test_rejection_sampling_drops_uniform_and_single_member_groups() -> None:
+    batch, metrics = build_batch(GROUPS, SMALL, SignalConfig(rejection_sampling=True))
+
+    assert rows(batch) == ["c1", "c1", "c2"]
+    assert batch.batch["token_level_scores"].sum(-1).tolist() == [1.0, 1.0, 0.0]
+    assert {k: v for k, v in metrics.items() if k.startswith("rejection/")} == {
+        "rejection/n_samples": 4.0,
+        "rejection/n_samples_too_small": 0.0,
+        "rejection/solve_all_rate": 0.5,  # all, single
+        "rejection/solve_none_rate": 0.25,  # none
+        "rejection/n_groups": 4.0,
+        "rejection/n_groups_uniform": 3.0,
+        "rejection/n_groups_dropped": 3.0,
+        "rejection/n_rows_dropped": 5.0,
+        "rejection/n_rollouts_dropped": 5.0,
+    }
+    assert metrics["batch/n_triplets"] == 3.0 and metrics["batch/n_rollouts"] == 7.0
+
+
+def test_without_rejection_sampling_uniform_groups_are_counted_and_kept() -> None:
+    batch, metrics = build_batch(GROUPS, SMALL, SignalConfig())
+
+    assert len(batch) == 8
+    assert metrics["rejection/n_groups_uniform"] == 3.0 and metrics["rejection/n_groups_dropped"] == 0.0
+    assert metrics["rejection/solve_all_rate"] == 0.5
+
+
+def test_min_group_size_counts_usable_rollouts_only() -> None:
+    batch, metrics = build_batch(
+        [
+            rollout("x1", ([1], [5]), reward=1.0, data_id="g0"),
+            rollout("x2", ([1], [5]), reward=None, data_id="g0", completed=False, reasons=("agent_error",)),
+            rollout("y1", ([1], [5]), reward=1.0, data_id="g1"),
+            rollout("y2", ([1], [6]), reward=0.0, data_id="g1"),
+        ],
+        SMALL,
+        SignalConfig(min_group_size=2),
+    )
+
+    assert rows(batch) == ["y1", "y2"]
+    assert metrics["rejection/n_samples_too_small"] == 1.0
+    assert metrics["rejection/n_groups_dropped"] == 1.0 and metrics["rejection/n_rows_dropped"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "rollouts",
+    [[], [rollout("a", ([1], [5])), rollout("b", ([1], [6]))], [rollout("a", ([1], []), reward=0.0)]],
+    ids=["empty-step", "all-uniform", "only-empty-responses"],
+)
+def test_nothing_left_gives_an_empty_batch_with_every_key(rollouts: list[FinishedRollout]) -> None:
+    batch, metrics = build_batch(rollouts, SMALL, SignalConfig(rejection_sampling=True))
+
+    assert len(batch) == 0
+    assert set(batch.batch.keys()) == PLAIN_KEYS | {"advantage_weights", "group_weights"}
+    assert batch.batch["input_ids"].shape == (0, 7) and batch.batch["token_level_scores"].shape == (0, 3)
+    assert (
+        batch.batch["advantage_weights"].shape == (0,)
+        and batch.batch["advantage_weights"].dtype == torch.float32
+    )
+    assert all(batch.non_tensor_batch[k].shape == (0,) for k in ("uid", "data_id_list", "rollout_id_list"))
+    assert metrics["batch/n_triplets"] == 0.0 and metrics["logprobs/present"] == 0.0
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+# --- advantage modes and turn weighting ----------------------------------------------------------------
+
+TWO_AND_ONE = [
+    rollout("a", ([1], [7]), ([1, 7, 2], [8, 9]), reward=1.0),
+    rollout("b", ([1], [7]), reward=0.0),
+]
+
+
+def test_broadcast_per_turn_is_verls_stock_grpo_over_rows() -> None:
+    batch, _ = build_batch(TWO_AND_ONE, SMALL, SignalConfig())
+    batch = with_rewards(batch)
+    expected, _ = compute_grpo_outcome_advantage(
+        batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"]
+    )
+
+    assert batch.batch["advantage_weights"].tolist() == [1.0, 1.0, 1.0]
+    assert batch.batch["group_weights"].tolist() == [1.0, 1.0, 1.0]
+    advantages = compute_advantage(batch, "grpo").batch["advantages"]
+    torch.testing.assert_close(advantages, expected)
+    # Rows (1, 1, 0): mean 2/3, std 1/sqrt(3): a's rows +1/sqrt(3), b's -2/sqrt(3).
+    high, low = 1 / math.sqrt(3), -2 / math.sqrt(3)
+    assert_close(advantages, [[high, 0, 0], [high, high, 0], [low, 0, 0]])
+
+
+def test_broadcast_per_rollout_counts_each_rollout_once() -> None:
+    batch, _ = build_batch(TWO_AND_ONE, SMALL, SignalConfig(turn_weighting="per_rollout"))
+
+    assert batch.batch["advantage_weights"].tolist() == [0.5, 0.5, 1.0]
+    assert batch.batch["group_weights"].tolist() == [0.5, 0.5, 1.0]
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+    # Rollouts (1, 0): mean 1/2, std 1/sqrt(2): a +1/sqrt(2) spread over its 2 rows at 1/2 each; b -1/sqrt(2).
+    half = ROOT_HALF / 2
+    assert_close(advantages, [[half, 0, 0], [half, half, 0], [-ROOT_HALF, 0, 0]])
+
+
+def test_per_step_discounts_turn_rewards_and_groups_by_turn_index() -> None:
+    config = SignalConfig(advantage="per_step", gamma=0.5)
+    batch, metrics = build_batch(
+        [
+            # G2 = 1.0 (final reward); G1 = 0.4 + 0.5 * 1.0 = 0.9 (empty response: no row); G0 = 0.2 + 0.5 * 0.9.
+            rollout(
+                "a", ([1], [5]), ([1, 5], []), ([1, 5, 6], [7]), reward=1.0, turn_rewards=[0.2, 0.4, None]
+            ),
+            # No turn rewards: G1 = 0.0 (final), G0 = 0.5 * 0.0.
+            rollout("b", ([1], [6]), ([2], [8]), reward=0.0),
+        ],
+        SMALL,
+        config,
+    )
+
+    assert rows(batch) == ["a", "a", "b", "b"]
+    assert rows(batch, "turn_index_list") == [0, 2, 0, 1]
+    assert rows(batch, "uid") == ["g0/0", "g0/2", "g0/0", "g0/1"]
+    assert_close(batch.batch["token_level_scores"].sum(-1), [0.65, 1.0, 0.0, 0.0])
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+    # g0/0 is (0.65, 0): +-1/sqrt(2); g0/2 and g0/1 have one member: verl's rule, mean 0 and std 1.
+    assert_close(advantages, [[ROOT_HALF, 0, 0], [1.0, 0, 0], [-ROOT_HALF, 0, 0], [0.0, 0, 0]])
+    assert metrics["rejection/n_groups"] == 3.0 and metrics["rejection/n_groups_uniform"] == 2.0
+
+
+def test_per_step_rejection_drops_single_member_turn_groups() -> None:
+    config = SignalConfig(advantage="per_step", gamma=0.5, rejection_sampling=True)
+    batch, metrics = build_batch(
+        [
+            rollout("a", ([1], [5]), ([1, 5, 6], [7]), reward=1.0, turn_rewards=[0.2, None]),
+            rollout("b", ([1], [6]), reward=0.0),
+        ],
+        SMALL,
+        config,
+    )
+
+    assert rows(batch, "uid") == ["g0/0", "g0/0"]
+    assert_close(batch.batch["token_level_scores"].sum(-1), [0.7, 0.0])
+    assert metrics["rejection/n_rows_dropped"] == 1.0 and metrics["rejection/n_rollouts_dropped"] == 0.0
+
+
+def test_per_step_gamma_zero_scores_each_turn_with_its_own_reward() -> None:
+    batch, _ = build_batch(
+        [rollout("a", ([1], [5]), ([1], [6]), ([1], [7]), reward=1.0, turn_rewards=[0.25, None, 0.75])],
+        SMALL,
+        SignalConfig(advantage="per_step", gamma=0.0),
+    )
+
+    # The last turn's score is the final reward, whatever its own triplet reward said.
+    assert batch.batch["token_level_scores"].sum(-1).tolist() == [0.25, 0.0, 1.0]
+
+
+def test_per_step_per_rollout_weights_the_loss_but_not_the_turn_groups() -> None:
+    batch, _ = build_batch(
+        TWO_AND_ONE, SMALL, SignalConfig(advantage="per_step", turn_weighting="per_rollout")
+    )
+
+    assert batch.batch["advantage_weights"].tolist() == [0.5, 0.5, 1.0]
+    assert batch.batch["group_weights"].tolist() == [1.0, 1.0, 1.0]
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+    # g0/0 is (1, 0): +-1/sqrt(2), a's half-weighted; g0/1 holds a alone: 1.0, half-weighted.
+    assert_close(advantages, [[ROOT_HALF / 2, 0, 0], [0.5, 0.5, 0], [-ROOT_HALF, 0, 0]])
+
+
+@pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")  # verl's trainer import, on CPU
+def test_other_estimators_are_verls_times_the_loss_weights() -> None:
+    batch, _ = build_batch(
+        TWO_AND_ONE, SMALL, SignalConfig(advantage="per_step", turn_weighting="per_rollout")
+    )
+    batch = with_rewards(batch)
+    stock, _ = compute_rloo_outcome_advantage(
+        batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"]
+    )
+
+    advantages = compute_advantage(batch, "rloo").batch["advantages"]
+    torch.testing.assert_close(advantages, stock * torch.tensor([[0.5], [0.5], [1.0]]))
+
+
+def test_other_estimators_refuse_weighted_group_members() -> None:
+    batch, _ = build_batch(TWO_AND_ONE, SMALL, SignalConfig(turn_weighting="per_rollout"))
+
+    with pytest.raises(ValueError, match="'rloo' cannot weight group members"):
+        compute_advantage(with_rewards(batch), "rloo")
+
+
+def test_grpo_without_std_normalisation_only_centres() -> None:
+    batch, _ = build_batch(TWO_AND_ONE, SMALL, SignalConfig(turn_weighting="per_rollout"))
+    advantages = compute_advantage(with_rewards(batch), "grpo", norm_adv_by_std_in_grpo=False)
+
+    assert_close(advantages.batch["advantages"], [[0.25, 0, 0], [0.25, 0.25, 0], [-0.5, 0, 0]])
+    assert torch.equal(advantages.batch["returns"], advantages.batch["advantages"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    scores=st.lists(st.sampled_from([0.0, 0.5, 1.0, -2.0]), min_size=1, max_size=12),
+    groups=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+    lengths=st.lists(st.integers(1, 3), min_size=12, max_size=12),
+)
+def test_unweighted_grpo_matches_verl(scores: list[float], groups: list[int], lengths: list[int]) -> None:
+    n = len(scores)
+    mask = (torch.arange(3)[None, :] < torch.tensor(lengths[:n])[:, None]).long()
+    rewards = torch.zeros(n, 3)
+    rewards[torch.arange(n), torch.tensor(lengths[:n]) - 1] = torch.tensor(scores)
+    index = np.array([f"g{g}" for g in groups[:n]], dtype=object)
+
+    expected, _ = compute_grpo_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(grpo_advantages(rewards, mask, index), expected, atol=1e-5, rtol=1e-5)
+
+
+# --- behaviour log-probs -------------------------------------------------------------------------------
+
+
+def test_rollout_log_probs_are_aligned_with_responses_truncated_and_zero_padded() -> None:
+    batch, metrics = build_batch(
+        [
+            rollout("a", ([1], [7, 8]), ([1], [7, 8, 9, 10]), logprobs=[[-0.5, -1.5], [-1, -2, -3, -4]]),
+            rollout("b", ([1], [7]), ([1], []), reward=0.0, logprobs=[[-0.25], None]),  # empty turn: no row
+        ],
+        SMALL,
+        SignalConfig(),
+    )
+
+    logprobs = batch.batch["rollout_log_probs"]
+    assert logprobs.dtype == torch.float32 and logprobs.shape == batch.batch["responses"].shape
+    assert logprobs.tolist() == [[-0.5, -1.5, 0.0], [-1.0, -2.0, -3.0], [-0.25, 0.0, 0.0]]
+    assert metrics["logprobs/present"] == 1.0 and metrics["logprobs/n_rows_missing"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "logprobs", [[[-0.5], None], [[-0.5], [-1.0, -2.0]], None], ids=["missing", "misaligned", "none-given"]
+)
+def test_one_row_without_aligned_logprobs_leaves_the_key_out(logprobs: list | None) -> None:
+    batch, metrics = build_batch(
+        [rollout("a", ([1], [7]), ([1], [8]), logprobs=logprobs)], SMALL, SignalConfig()
+    )
+
+    assert "rollout_log_probs" not in batch.batch.keys()
+    assert metrics["logprobs/present"] == 0.0
+    assert metrics["logprobs/n_rows_missing"] == (2.0 if logprobs is None else 1.0)
+
+
+def test_only_rows_in_the_batch_need_logprobs() -> None:
+    batch, metrics = build_batch(
+        [
+            rollout("a", ([1], [7]), logprobs=[[-0.5]]),
+            rollout("b", ([1], [8, 9, 10, 11]), reward=0.0, logprobs=[None]),  # masked: truncated
+        ],
+        SMALL,
+        SignalConfig(mask_truncated=True),
+    )
+
+    assert batch.batch["rollout_log_probs"].tolist() == [[-0.5, 0.0, 0.0]]
+    assert metrics["logprobs/present"] == 1.0
+
+
+def test_per_turn_lists_of_the_wrong_length_raise_naming_the_rollout() -> None:
+    with pytest.raises(ValueError, match="rollout 'a' has 2 turns but 1 turn_rewards"):
+        build_batch([rollout("a", ([1], [7]), ([1], [8]), turn_rewards=[1.0])], SMALL, SignalConfig())
+
+
+def test_logprob_mismatch_over_response_tokens() -> None:
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    engine = torch.tensor([[-1.5, -2.0, 9.0], [-0.25, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+    metrics = logprob_mismatch(old, engine, mask)
+    # d = old - engine on the three response tokens: 0.5, 0.0, -0.25.
+    k3 = (math.expm1(0.5) - 0.5 + 0.0 + math.expm1(-0.25) + 0.25) / 3
+    assert metrics == pytest.approx(
+        {
+            "logprobs/abs_diff_mean": 0.25,
+            "logprobs/abs_diff_max": 0.5,
+            "logprobs/k3_kl": k3,
+            "logprobs/n_tokens": 3.0,
+        }
+    )
+    assert logprob_mismatch(old, old, mask)["logprobs/k3_kl"] == 0.0
+    assert logprob_mismatch(old, engine, torch.zeros_like(mask))["logprobs/n_tokens"] == 0.0
+    with pytest.raises(ValueError, match="rollout_log_probs has shape"):
+        logprob_mismatch(old, engine[:, :2], mask)
+
+
+def test_verls_rollout_correction_reads_the_batchs_rollout_log_probs() -> None:
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    batch, _ = build_batch(
+        [rollout("a", ([1], [7, 8]), logprobs=[[-0.5, -1.0]]), rollout("b", ([1], [9]), logprobs=[[-2.0]])],
+        SMALL,
+        SignalConfig(),
+    )
+    mask = batch.batch["response_mask"]
+    batch.batch["old_log_probs"] = (batch.batch["rollout_log_probs"] + 0.1) * mask
+
+    batch, verl_metrics = compute_rollout_correction_and_add_to_batch(
+        batch, {"rollout_is": "token", "rollout_is_threshold": 2.0}
+    )
+    ours = logprob_mismatch(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], mask)
+    assert batch.batch["rollout_is_weights"].shape == mask.shape
+    assert verl_metrics["rollout_corr/kl"] == pytest.approx(-0.1, abs=1e-6)
+    assert verl_metrics["rollout_corr/k3_kl"] == pytest.approx(ours["logprobs/k3_kl"], abs=1e-6)
+    assert ours["logprobs/abs_diff_mean"] == pytest.approx(0.1, abs=1e-6)
