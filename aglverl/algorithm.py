@@ -38,6 +38,7 @@ import anyio
 import anyio.to_thread
 
 from .client import AgentFn, run_agents
+from .signals import SignalConfig
 
 __all__ = [
     "CPU_DEFAULTS",
@@ -115,6 +116,8 @@ class DaemonOptions:
     - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run (default: every rollout of a step
       at once, ``train_batch_size * rollout.n``).
     - ``platform``: ``"auto"`` (CPU when no GPU is visible), ``"cpu"`` or ``"gpu"``.
+    - ``signal``: the training-signal controls (:class:`~aglverl.signals.SignalConfig`: rejection sampling,
+      compact filtering, step-wise advantage, behaviour log-probs), as a mapping of its fields.
     """
 
     host: str = "127.0.0.1"
@@ -128,6 +131,7 @@ class DaemonOptions:
     llm_resource: Literal["proxy", "plain"] = "proxy"
     agents: int | None = None
     platform: Literal["auto", "cpu", "gpu"] = "auto"
+    signal: SignalConfig = dataclasses.field(default_factory=SignalConfig)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -136,7 +140,12 @@ class DaemonOptions:
         for key in values:
             if key not in names:
                 raise ConfigError(_unknown_key_message(f"aglverl.{key}", key, names))
-        options = cls(**dict(values))
+        values = dict(values)
+        try:
+            values["signal"] = SignalConfig.from_dict(values.get("signal"))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"aglverl.signal: {exc}") from exc
+        options = cls(**values)
         if options.llm_resource not in ("proxy", "plain"):
             raise ConfigError(f"aglverl.llm_resource must be 'proxy' or 'plain', got {options.llm_resource!r}")
         if options.platform not in ("auto", "cpu", "gpu"):
@@ -227,7 +236,7 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     with open_dict(base):
         config = OmegaConf.merge(base, defaults, user)
     _resolve_model_paths(config, user)
-    _refuse_unsupported(config)
+    _refuse_unsupported(config, options.signal)
     OmegaConf.set_struct(config, True)
     _validate_with_verl(config)
     return config, options
@@ -278,9 +287,15 @@ def _model_path(value: str, key: str) -> str:
     return local
 
 
-def _refuse_unsupported(config: Any) -> None:
-    """Settings that need verl to generate by itself, which an agent trainer does not do."""
+def _refuse_unsupported(config: Any, signal: SignalConfig) -> None:
+    """Settings that need verl to generate by itself, which an agent trainer does not do, or that conflict."""
     estimator = str(config.algorithm.adv_estimator)
+    weights_group_members = signal.advantage == "broadcast" and signal.turn_weighting == "per_rollout"
+    if weights_group_members and estimator not in ("grpo", "grpo_vectorized"):
+        raise ConfigError(
+            f"aglverl.signal.turn_weighting=per_rollout with advantage=broadcast weights GRPO group members; "
+            f"algorithm.adv_estimator={estimator} cannot: use grpo"
+        )
     if estimator == "remax":
         raise ConfigError(
             "algorithm.adv_estimator=remax needs the trainer to generate a greedy baseline for every prompt; "

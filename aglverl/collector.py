@@ -390,6 +390,7 @@ class RolloutCollector:
                 )
             )
         data, metrics = build_batch(finished, self.batch_config, self.signal)
+        metrics.update(_weight_versions(records))
         metrics.update(
             {
                 "training/reward": _mean(rewards),
@@ -400,6 +401,18 @@ class RolloutCollector:
             }
         )
         return data, metrics
+
+
+def _weight_versions(records: Sequence[RolloutRecord]) -> dict[str, float]:
+    """The oldest and newest weight version that generated the step's recorded calls (-1: no calls).
+
+    A trainer compares them with the version it trains (staleness); on-policy steps have min = max.
+    """
+    versions = [c.weight_version for r in records for c in r.calls if c.status == "ok"]
+    return {
+        "step/call_weight_version_min": float(min(versions, default=-1)),
+        "step/call_weight_version_max": float(max(versions, default=-1)),
+    }
 
 
 def _tokens(records: Sequence[RolloutRecord]) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import orjson
 
 from .models import LLM
@@ -106,13 +107,13 @@ async def run_demo(
     from .algorithm import AsyncVERL
 
     started = time.monotonic()
-    out.mkdir(parents=True, exist_ok=True)
+    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     rewards: list[float] = []
     algo = AsyncVERL(demo_config(steps, model, agents), agent=one_word_agent)
     progress = tqdm(total=steps, desc="aglverl demo", unit="step", file=sys.stderr, disable=json_lines)
     first_step_at: list[float] = []
 
-    with (out / "metrics.jsonl").open("wb") as log:
+    with _open_log(out / "metrics.jsonl") as log:
 
         def on_step(step: int, metrics: Mapping[str, float]) -> None:
             if not first_step_at:
@@ -154,6 +155,10 @@ async def run_demo(
         "first_step_reaching_0.9": next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None),
         "out": str(out),
     }
+
+
+def _open_log(path: Path) -> Any:
+    return path.open("wb")
 
 
 def plot_rewards(rewards: list[float], path: Path) -> None:

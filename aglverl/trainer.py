@@ -43,8 +43,12 @@ from verl import DataProto
 from verl.single_controller.ray import RayWorkerGroup
 from verl.trainer.main_ppo_v0 import BaseTaskRunner
 from verl.trainer.ppo import ray_trainer as verl_ray_trainer
-from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics, compute_timing_metrics
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty, compute_advantage
+from verl.trainer.ppo.metric_utils import (
+    compute_data_metrics,
+    compute_throughout_metrics,
+    compute_timing_metrics,
+)
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer, apply_kl_penalty
 from verl.trainer.ppo.utils import create_rl_sampler
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -53,6 +57,8 @@ from verl.utils.metric import reduce_metrics
 from verl.utils.py_functional import rename_dict
 from verl.utils.tracking import Tracking
 from verl.workers.utils.padding import left_right_2_no_padding
+
+from .signals import compute_advantage, logprob_mismatch
 
 __all__ = ["AgentPPOTrainer", "SampleDataset", "build_trainer", "collate_samples"]
 
@@ -221,6 +227,7 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
             "step_timeout": options.step_timeout,
             "vocab_size": len(self.tokenizer),
             "journal_path": journal,
+            "signal": options.signal,
             "batch": BatchConfig(
                 max_prompt_length=int(data.max_prompt_length),
                 max_response_length=int(data.max_response_length),
@@ -362,18 +369,17 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
             for source, group in by_source.items()
         }
         metrics: dict[str, float] = {}
-        totals = {"reward": 0.0, "rollouts": 0.0}
+        reward_sum = rollouts = 0.0
         for source, step in steps.items():
             report = (await step.wait()).metrics
-            count = report["val/n_rollouts"]
-            totals["reward"] += report["val/reward"] * count
-            totals["rollouts"] += count
+            reward_sum += report["val/reward"] * report["val/n_rollouts"]
+            rollouts += report["val/n_rollouts"]
             if source:
                 metrics[f"val/reward/{source}"] = report["val/reward"]
-            for key, value in report.items():
-                if key != "val/reward" and len(steps) == 1:
-                    metrics[key] = value
-        metrics["val/reward"] = totals["reward"] / totals["rollouts"] if totals["rollouts"] else 0.0
+            if len(steps) == 1:  # one group: its response lengths and turn counts are the whole set's
+                metrics.update({k: v for k, v in report.items() if k.startswith("val/")})
+        metrics["val/reward"] = reward_sum / rollouts if rollouts else 0.0
+        metrics["val/n_rollouts"] = rollouts
         return metrics
 
     # ------------------------------------------------------------------------------------ the update
@@ -481,9 +487,11 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
         old_log_prob.batch.pop("entropys")
         batch = batch.union(old_log_prob)
         if "rollout_log_probs" in batch.batch:
-            from verl.utils.debug.metrics import calculate_debug_metrics
-
-            metrics.update(calculate_debug_metrics(batch))
+            metrics.update(
+                logprob_mismatch(
+                    batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"]
+                )
+            )
         return batch
 
     def _with_advantages(self, batch: DataProto, metrics: dict[str, float]) -> DataProto:
@@ -499,6 +507,8 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
 
             batch, correction_metrics = compute_rollout_correction_and_add_to_batch(batch, correction)
             metrics.update(correction_metrics)
+        # aglverl's drop-in for verl's compute_advantage: the same estimators, plus the signal controls' row and
+        # group weights (identical to verl's when those are ones)
         return compute_advantage(
             batch,
             adv_estimator=algorithm.adv_estimator,

@@ -22,9 +22,9 @@ from typing import Any
 import anyio
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from calculator import agent  # noqa: E402  (the example next to this one)
+from calculator import agent
 
-from aglverl.algorithm import AsyncVERL  # noqa: E402
+from aglverl.algorithm import AsyncVERL
 
 
 def recipe(model: str, n_gpus: int) -> dict[str, Any]:

@@ -9,7 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from aglverl.algorithm import CPU_DEFAULTS, AsyncVERL, ConfigError, DaemonOptions, compose_config, load_samples
+from aglverl.algorithm import (
+    CPU_DEFAULTS,
+    AsyncVERL,
+    ConfigError,
+    DaemonOptions,
+    compose_config,
+    load_samples,
+)
 from aglverl.tiny import tiny_model_path
 
 SMALL = {
@@ -95,7 +102,7 @@ def test_model_paths_tiny_is_built_locally_and_a_missing_directory_is_named(tmp_
     config, _ = compose_config({**SMALL, "actor_rollout_ref.model.path": str(tiny_model_path())})
     assert config.actor_rollout_ref.model.path == str(tiny_model_path())
     missing = str(tmp_path / "no-model")
-    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path: .*no-model.* is not a directory"):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path: .*no-model.* is not a directory"):
         AsyncVERL({**SMALL, "actor_rollout_ref.model.path": missing})
 
 
@@ -112,7 +119,7 @@ def test_samples_load_from_lists_jsonl_and_parquet(tmp_path: Path) -> None:
     assert load_samples(None, None) is None
     with pytest.raises(ConfigError, match="does not exist"):
         load_samples(str(tmp_path / "missing.parquet"))
-    with pytest.raises(ConfigError, match="expected .parquet"):
+    with pytest.raises(ConfigError, match=r"expected \.parquet"):
         load_samples(str(tmp_path))
     with pytest.raises(ConfigError, match="row 1 must be a mapping"):
         load_samples([{"q": 1}, "text"])  # type: ignore[list-item]

@@ -78,12 +78,15 @@ def _served_checksum(_worker: Any) -> tuple[int, float]:
 
 
 async def _healthz_latencies(url: str, out: list[float]) -> None:
-    """Probe the task server continuously (a measurement, not a wait for work)."""
+    """Probe the task server continuously (a measurement, not a wait for work) until it stops serving."""
     async with aiohttp.ClientSession() as session:
         while True:
             start = time.perf_counter()
-            async with session.get(f"{url}/healthz") as response:
-                assert response.status == 200
+            try:
+                async with session.get(f"{url}/healthz") as response:
+                    assert response.status == 200
+            except aiohttp.ClientConnectionError:
+                return  # the run ended
             out.append(time.perf_counter() - start)
             await anyio.sleep(0.02)
 

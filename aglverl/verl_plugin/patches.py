@@ -8,10 +8,11 @@ supported, rather than letting a patch silently miss its target.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ def apply_cpu_patches() -> None:
     check_versions()
     _gloo_process_group()
     _pin_memory_without_accelerator()
+    _value_model_attention()
     _applied = True
     logger.debug("aglverl: verl CPU patches applied")
 
@@ -115,6 +117,56 @@ def _pin_memory_without_accelerator() -> None:
 
     pin_memory.__aglverl_patch__ = True  # type: ignore[attr-defined]
     torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+
+
+def _value_model_attention() -> None:
+    """Load the critic's value model with the attention the config asks for, not flash-attention 2.
+
+    ``verl/utils/model.py:649`` (``load_valuehead_model``) passes ``attn_implementation="flash_attention_2"``
+    to ``from_pretrained`` regardless of ``critic.model.override_config``; without the flash-attn package (there
+    is none for CPUs) loading fails. While that function runs, the request is replaced by the attention the
+    model's config names (``sdpa`` in the CPU defaults). ``transformer_impl.py:291`` imports the function when
+    it builds the critic, so replacing the module attribute reaches it.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        return
+    import verl.utils.model as model_utils
+
+    original = model_utils.load_valuehead_model
+    if getattr(original, "__aglverl_patch__", False):
+        return
+
+    @functools.wraps(original)
+    def load_valuehead_model(local_path: Any, torch_dtype: Any, model_config: Any, trust_remote_code: Any) -> Any:
+        attention = getattr(model_config, "_attn_implementation", None) or "sdpa"
+        if attention == "flash_attention_2":
+            attention = "sdpa"
+        with _attention_replaced(attention):
+            return original(local_path, torch_dtype, model_config, trust_remote_code)
+
+    load_valuehead_model.__aglverl_patch__ = True  # type: ignore[attr-defined]
+    model_utils.load_valuehead_model = load_valuehead_model
+
+
+@contextlib.contextmanager
+def _attention_replaced(attention: str) -> Iterator[None]:
+    """Within the block, ``from_pretrained(attn_implementation="flash_attention_2")`` asks for ``attention``."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attn_implementation") == "flash_attention_2":
+            kwargs["attn_implementation"] = attention
+        return original(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = classmethod(original)  # type: ignore[method-assign,assignment]
 
 
 def loopback_only_ray() -> None:
