@@ -222,6 +222,7 @@ def tiny_model_path(path: str | os.PathLike[str] | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    scratch.chmod(0o755)  # mkdtemp makes it private; the model is no secret and may be shared
     try:
         build_tiny_model(scratch)
         try:
