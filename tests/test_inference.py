@@ -157,6 +157,30 @@ async def test_stream_n2_interleaves_choices_by_index(
     assert ids[0] != ids[1]  # seeded choices draw from their own streams
 
 
+async def test_top_logprobs_list_the_most_likely_alternatives(
+    server: InferenceServer, http: aiohttp.ClientSession
+) -> None:
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say yes."}],
+        "max_completion_tokens": 3,
+    }
+    chat |= {"logprobs": True, "top_logprobs": 3, "temperature": 0, "ignore_eos": True}
+    _, answer = await _post(http, server.url + "/v1/chat/completions", chat)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        values = [alt["logprob"] for alt in entry["top_logprobs"]]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert entry["logprob"] == values[0]  # greedy took the most likely token
+        assert entry["bytes"] == list(entry["token"].encode())
+    completion = _greedy(max_tokens=3, logprobs=2, stream=True, stream_options={"include_usage": True})
+    _, events = await _post(http, server.url + "/v1/completions", completion)
+    assert events[-2]["usage"]["completion_tokens"] == 3 and events[-2]["choices"] == []
+    tops = [e["choices"][0]["logprobs"]["top_logprobs"][0] for e in events[:-2]]
+    assert all(1 <= len(t) <= 3 for t in tops)  # the sampled token plus the top 2 (it is one of them here)
+
+
 @pytest.mark.parametrize("name", ["error_too_long", "error_unknown_model"])
 async def test_errors_have_vllms_shape(
     server: InferenceServer, http: aiohttp.ClientSession, name: str
