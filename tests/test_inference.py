@@ -277,6 +277,12 @@ async def test_bad_requests_get_400_naming_the_field(
     assert server.stats().sequences == 0  # nothing reached the engine
 
 
+async def test_a_body_over_the_limit_is_413(tiny_model: Path, http: aiohttp.ClientSession) -> None:
+    async with InferenceServer(tiny_model, served_model_name="tiny", max_body_bytes=1000) as server:
+        status, answer = await _post(http, server.url + "/v1/completions", {"prompt": "x" * 2000})
+    assert status == 413 and answer["error"]["type"] == "RequestTooLargeError"
+
+
 async def test_unknown_model_is_404_and_an_omitted_model_is_the_served_one(
     server: InferenceServer, http: aiohttp.ClientSession
 ) -> None:
