@@ -1,7 +1,7 @@
 """aglverl: reinforcement-learning training for LLM agents, on one asyncio event loop.
 
-The public API is re-exported here. Names whose modules import verl or torch (the daemon, collector and batch
-builder; importing verl takes seconds) are loaded on first use, so agent processes that only need the client
+The public API is re-exported here. Names whose modules import verl or torch (the daemon, collector, batch
+builder and inference server; importing verl takes seconds) are loaded on first use, so agent processes that only need the client
 and the wire models start instantly.
 """
 
@@ -28,10 +28,12 @@ if TYPE_CHECKING:
     from .batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
     from .collector import RolloutCollector, Step, StepReport, TrainingBatch
     from .daemon import AgentDaemon
+    from .inference import InferenceServer, InferenceServerThread, InferenceStats
     from .proxy import LLMProxy, RetryPolicy
     from .server import TaskServer
     from .signals import SignalConfig, compute_advantage, logprob_mismatch
     from .store import LLMCall, TaskStore
+    from .tiny import resolve_model, tiny_model_path
 
 _LAZY = {
     "AgentDaemon": "daemon",
@@ -51,6 +53,11 @@ _LAZY = {
     "logprob_mismatch": "signals",
     "LLMCall": "store",
     "TaskStore": "store",
+    "InferenceServer": "inference",
+    "InferenceServerThread": "inference",
+    "InferenceStats": "inference",
+    "resolve_model": "tiny",
+    "tiny_model_path": "tiny",
 }
 
 __all__ = [
@@ -60,6 +67,9 @@ __all__ = [
     "BatchConfig",
     "FinishedRollout",
     "GenericResponse",
+    "InferenceServer",
+    "InferenceServerThread",
+    "InferenceStats",
     "LLMCall",
     "LLMProxy",
     "MissingRewardError",
@@ -83,7 +93,9 @@ __all__ = [
     "build_batch",
     "compute_advantage",
     "logprob_mismatch",
+    "resolve_model",
     "run_agents",
+    "tiny_model_path",
 ]
 
 __version__ = "0.1.0"

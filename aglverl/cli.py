@@ -1,4 +1,12 @@
-"""``aglverl`` command line: ``aglverl serve`` runs the daemon standalone for external agents and backends."""
+"""``aglverl`` command line.
+
+- ``aglverl serve`` runs the daemon (task server + LLM proxy) for external agents and inference servers;
+  ``--local-model tiny|PATH`` also starts the embedded inference server and puts it behind the proxy.
+- ``aglverl serve-model --model tiny|PATH`` runs the embedded inference server alone (what ``vllm serve`` is
+  on a GPU).
+
+Both print one JSON line with their URLs once serving, and stop cleanly on Ctrl-C or SIGTERM.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,9 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any
 
 import anyio
 import orjson
@@ -26,7 +36,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="URL",
         help="OpenAI-compatible inference server, e.g. http://127.0.0.1:8100 (repeatable)",
     )
-    p.add_argument("--model", default="default", help="model name published in the main_llm resource")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name published in the main_llm resource (default: the local model's name, else 'default')",
+    )
+    p.add_argument(
+        "--local-model",
+        default=None,
+        metavar="tiny|PATH",
+        help="also run the embedded inference server on this model and add it as a backend",
+    )
+    p.add_argument("--local-model-port", type=int, default=0, help="port of the embedded inference server")
     p.add_argument(
         "--llm-resource",
         choices=["proxy", "plain"],
@@ -39,20 +60,24 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--log-level", default="INFO")
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    from .daemon import AgentDaemon  # imports verl (~4 s); keep `aglverl --help` instant
-
-    daemon = AgentDaemon(
-        host=args.host,
-        port=args.port,
-        proxy_port=args.proxy_port,
-        backends=args.backend,
-        model=args.model,
-        llm_resource=args.llm_resource,
-        token=args.token,
-        lease_seconds=args.lease_seconds,
-        max_attempts=args.max_attempts,
+def _serve_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve-model", help="run the embedded OpenAI-compatible inference server alone")
+    p.add_argument(
+        "--model", default="tiny", metavar="tiny|PATH", help="the built-in tiny model or a local HF dir"
     )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8100, help="port (0: any free port)")
+    p.add_argument("--model-name", default=None, help="name requests use (default: --model as given)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="sequences generated together")
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=2.0, help="how long an idle server gathers requests"
+    )
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--log-level", default="INFO")
+
+
+async def _until_signalled(run: Callable[[AsyncExitStack], Awaitable[dict[str, Any]]]) -> None:
+    """Start what ``run`` enters into the stack, print its JSON line, serve until SIGTERM (or Ctrl-C)."""
     async with anyio.create_task_group() as tg:
 
         async def stop_on_sigterm() -> None:
@@ -62,22 +87,78 @@ async def _serve(args: argparse.Namespace) -> None:
                     return
 
         tg.start_soon(stop_on_sigterm)
-        async with daemon:
-            info = {"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "backends": args.backend}
+        async with AsyncExitStack() as stack:
+            info = await run(stack)
             print(orjson.dumps(info).decode(), flush=True)
             await anyio.sleep_forever()
+
+
+def _local_server(model: str, *, host: str, port: int, **options: Any) -> Any:
+    """The embedded inference server (loads the model: a blocking call of a few seconds, before serving)."""
+    from .inference import InferenceServer  # imports torch and transformers (~3 s)
+
+    return InferenceServer(model, host=host, port=port, **options)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from .daemon import AgentDaemon  # imports verl (~4 s); keep `aglverl --help` instant
+
+    async def run(stack: AsyncExitStack) -> dict[str, Any]:
+        backends = list(args.backend)
+        info: dict[str, Any] = {}
+        model, vocab_size = args.model or "default", None
+        if args.local_model is not None:
+            server = _local_server(args.local_model, host=args.host, port=args.local_model_port)
+            await stack.enter_async_context(server)
+            backends.append(server.url)
+            model, vocab_size = args.model or server.served_model_name, server.vocab_size
+            info["model_url"] = server.url
+        daemon = AgentDaemon(
+            host=args.host,
+            port=args.port,
+            proxy_port=args.proxy_port,
+            backends=backends,
+            model=model,
+            vocab_size=vocab_size,
+            llm_resource=args.llm_resource,
+            token=args.token,
+            lease_seconds=args.lease_seconds,
+            max_attempts=args.max_attempts,
+        )
+        await stack.enter_async_context(daemon)
+        return {"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "backends": backends} | info
+
+    await _until_signalled(run)
+
+
+async def _serve_model(args: argparse.Namespace) -> None:
+    async def run(stack: AsyncExitStack) -> dict[str, Any]:
+        server = _local_server(
+            args.model,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.model_name,
+            max_batch_size=args.max_batch_size,
+            batch_wait=args.batch_wait_ms / 1000,
+            torch_threads=args.torch_threads,
+        )
+        await stack.enter_async_context(server)
+        return {"url": server.url, "model": server.served_model_name, "model_path": str(server.model_path)}
+
+    await _until_signalled(run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aglverl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _serve_model_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        anyio.run(_serve, args)
+        anyio.run(_serve_model if args.command == "serve-model" else _serve, args)
     except KeyboardInterrupt:
         logging.getLogger("aglverl").info("interrupted; shut down cleanly")
         return 130

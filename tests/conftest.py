@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The built-in tiny model, built once per session under a private ``AGLVERL_HOME`` (set for the session,
+    so ``"tiny"`` resolves there in this process and in the CLI processes tests start)."""
+    from aglverl.tiny import HOME_ENV, tiny_model_path
+
+    home = tmp_path_factory.mktemp("aglverl-home")
+    old = os.environ.get(HOME_ENV)
+    os.environ[HOME_ENV] = str(home)
+    try:
+        yield tiny_model_path()
+    finally:
+        if old is None:
+            os.environ.pop(HOME_ENV, None)
+        else:
+            os.environ[HOME_ENV] = old

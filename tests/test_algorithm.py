@@ -19,6 +19,8 @@ from aglverl.algorithm import (
 )
 from aglverl.tiny import tiny_model_path
 
+pytestmark = pytest.mark.usefixtures("tiny_model")
+
 SMALL = {
     "data": {"train_batch_size": 4, "max_prompt_length": 64, "max_response_length": 16},
     "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 2}},

@@ -1,12 +1,14 @@
-"""`aglverl serve` as a real process: serves on loopback, needs its token, and stops cleanly on Ctrl-C/SIGTERM."""
+"""`aglverl serve` and `aglverl serve-model` as real processes: serve on loopback, stop cleanly on Ctrl-C/SIGTERM."""
 
 from __future__ import annotations
 
 import signal
 import sys
+from pathlib import Path
 
 import aiohttp
 import anyio
+import anyio.abc
 import orjson
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
@@ -57,6 +59,93 @@ async def test_serve_runs_the_daemon_and_shuts_down_on_signal(sig: signal.Signal
         assert b"Traceback" not in stderr, stderr.decode(errors="replace")
         with pytest.raises(OSError):
             await anyio.connect_tcp("127.0.0.1", int(server_url.rsplit(":", 1)[1]))
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def _start(cmd: list[str]) -> tuple[anyio.abc.Process, dict]:
+    process = await anyio.open_process(cmd)
+    assert process.stdout is not None
+    with anyio.fail_after(90):
+        info = orjson.loads(await BufferedByteReceiveStream(process.stdout).receive_until(b"\n", 1 << 16))
+    return process, info
+
+
+async def _stop(process: anyio.abc.Process, sig: signal.Signals) -> bytes:
+    process.send_signal(sig)
+    with anyio.fail_after(30):
+        await process.wait()
+    assert process.stderr is not None
+    stderr = b""
+    with anyio.fail_after(5):
+        async for chunk in process.stderr:
+            stderr += chunk
+    return stderr
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def test_serve_model_runs_the_inference_server_alone(tiny_model: Path) -> None:
+    cmd = [sys.executable, "-m", "aglverl.cli", "serve-model", "--model", "tiny", "--port", "0"]
+    process, info = await _start(cmd)
+    try:
+        url = info["url"]
+        assert url.startswith("http://127.0.0.1:") and info["model"] == "tiny"
+        assert info["model_path"] == str(tiny_model)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["tiny"]
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 4}
+            async with http.post(
+                f"{url}/v1/chat/completions", json=body | {"return_token_ids": True}
+            ) as resp:
+                answer = await resp.json()
+            assert resp.status == 200 and 1 <= len(answer["choices"][0]["token_ids"]) <= 4
+        stderr = await _stop(process, signal.SIGTERM)
+        assert process.returncode == 0
+        assert b"Traceback" not in stderr, stderr.decode(errors="replace")
+        with pytest.raises(OSError):
+            await anyio.connect_tcp("127.0.0.1", _port(url))
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_serve_with_a_local_model_puts_it_behind_the_proxy(tiny_model: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "aglverl.cli",
+        "serve",
+        "--port",
+        "0",
+        "--proxy-port",
+        "0",
+        "--local-model",
+        "tiny",
+    ]
+    process, info = await _start(cmd)
+    try:
+        assert info["backends"] == [info["model_url"]]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{info['server_url']}/resources/latest") as resp:
+                main_llm = (await resp.json())["resources"]["main_llm"]
+            assert main_llm["model"] == "tiny"
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 4}
+            async with http.post(f"{info['proxy_url']}/v1/chat/completions", json=body) as resp:
+                answer = await resp.json()
+            assert resp.status == 200 and answer["model"] == "tiny"
+        stderr = await _stop(process, signal.SIGINT)
+        assert process.returncode == 130
+        assert b"Traceback" not in stderr, stderr.decode(errors="replace")
+        for url in (info["server_url"], info["proxy_url"], info["model_url"]):
+            with pytest.raises(OSError):
+                await anyio.connect_tcp("127.0.0.1", _port(url))
     finally:
         if process.returncode is None:
             process.kill()

@@ -51,7 +51,7 @@ def _config(steps: int, checkpoints: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def shared_ray() -> Iterator[None]:
+def shared_ray(tiny_model: Path) -> Iterator[None]:
     """One Ray session for both runs (each run joins it instead of starting its own)."""
     config, _ = compose_config(_config(1, Path("/tmp")))
     with ExitStack() as stack:

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -41,7 +42,7 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def trainer() -> Iterator[AgentPPOTrainer]:
+def trainer(tiny_model: Path) -> Iterator[AgentPPOTrainer]:
     config, _ = compose_config(CONFIG)
     with ExitStack() as stack:
         runtime = stack.enter_context(verl_runtime(config))
@@ -72,9 +73,11 @@ def _weight_gap(worker_dict: Any) -> tuple[float, dict[str, float]]:
 
 
 def _server_state(worker_dict: Any) -> dict[str, Any]:
+    import dataclasses
+
     from aglverl.verl_plugin.rollout import local_rollout
 
-    return local_rollout().server.state()
+    return dataclasses.asdict(local_rollout().server.stats())
 
 
 def _in_worker(trainer: AgentPPOTrainer, fn: Any) -> Any:
@@ -141,10 +144,10 @@ def test_sleep_and_wake_up_reach_the_embedded_server(trainer: AgentPPOTrainer) -
     start = _in_worker(trainer, _server_state)
     trainer.checkpoint_manager.sleep_replicas()
     slept = _in_worker(trainer, _server_state)
-    assert slept["sleeping"] and slept["sleeps"] == start["sleeps"] + 1
+    assert slept["sleeping"] and slept["sleep_calls"] == start["sleep_calls"] + 1
     trainer.checkpoint_manager.wake_up_replicas()
     woken = _in_worker(trainer, _server_state)
-    assert not woken["sleeping"] and woken["wake_ups"] == start["wake_ups"] + 1
+    assert not woken["sleeping"] and woken["wake_up_calls"] == start["wake_up_calls"] + 1
 
 
 def _descendants() -> list[psutil.Process]:

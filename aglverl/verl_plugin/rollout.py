@@ -18,6 +18,7 @@ Only ``tensor_model_parallel_size == 1`` is supported: every actor rank is one r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Iterable
@@ -29,7 +30,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from ..inference import InferenceServer, ServerThread
+from ..inference import InferenceServer, InferenceServerThread
 
 __all__ = ["ROLLOUT_NAME", "EmbeddedReplica", "EmbeddedRollout", "EmbeddedServerHandle", "local_rollout"]
 
@@ -67,27 +68,23 @@ class EmbeddedRollout(BaseRollout):
         max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.server = InferenceServer(
             self.model_config.local_path,
-            model_name=served_model_name(self.model_config.path),
+            served_model_name=served_model_name(self.model_config.path),
             max_model_len=int(max_model_len),
             max_batch_size=int(self.config.max_num_seqs),
         )
-        self._thread = ServerThread(self.server, name=f"aglverl-rollout-{ray.get_runtime_context().get_actor_id()}")
-        self._thread.start()
-        self.address = self.server.url.removeprefix("http://")
-        self.sleeping = False
+        self._thread = InferenceServerThread(self.server)
+        self.address = self._thread.start().removeprefix("http://")
         _LOCAL.append(self)
-        logger.info("aglverl rollout serving %s at %s", self.server.model_name, self.server.url)
+        logger.info("aglverl rollout serving %s at %s", self.server.served_model_name, self.server.url)
 
     async def resume(self, tags: list[str]) -> None:
         """verl resumes ``weights`` before a sync and ``kv_cache`` after it; the latter wakes the server."""
         if "kv_cache" in tags:
             self.server.wake_up()
-            self.sleeping = False
 
     async def release(self) -> None:
         """verl's sleep: new generations wait until the next wake-up (there is no GPU memory to free)."""
         self.server.sleep()
-        self.sleeping = True
 
     async def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs: Any
@@ -103,12 +100,6 @@ class EmbeddedRollout(BaseRollout):
         version = int(kwargs.get("global_steps") or 0)
         await asyncio.to_thread(self.server.load_weights, named, version)
 
-    def shutdown(self) -> None:
-        """Stop the server thread (the worker process is going away)."""
-        self._thread.stop()
-        if self in _LOCAL:
-            _LOCAL.remove(self)
-
 
 def served_model_name(path: str) -> str:
     """The model name the embedded server answers to: the configured model path, as vLLM does by default."""
@@ -117,7 +108,7 @@ def served_model_name(path: str) -> str:
 
 def _describe(_worker: Any) -> tuple[str, str]:
     rollout = local_rollout()
-    return rollout.address, rollout.server.model_name
+    return rollout.address, rollout.server.served_model_name
 
 
 def _sleep(_worker: Any) -> None:
@@ -129,7 +120,7 @@ def _wake_up(_worker: Any) -> None:
 
 
 def _state(_worker: Any) -> dict[str, Any]:
-    return local_rollout().server.state()
+    return dataclasses.asdict(local_rollout().server.stats())
 
 
 @ray.remote(num_cpus=0)

@@ -1,0 +1,1239 @@
+"""An OpenAI-compatible, vLLM-shaped inference server over a Hugging Face causal LM, for CPUs and tests.
+
+:class:`InferenceServer` answers the routes agents and the proxy use, shaped exactly like vLLM's answers with
+``"return_token_ids": true`` (recorded examples: ``tests/fixtures/vllm/``):
+
+- ``POST /v1/chat/completions`` — top-level ``prompt_token_ids``, ``choices[i].token_ids``; streamed, a first
+  chunk per choice with an empty ``role`` delta and ``prompt_token_ids``, then one chunk per token with that
+  token's ``token_ids`` (``n > 1`` interleaves by ``index``), ``stream_options.include_usage``, ``[DONE]``.
+- ``POST /v1/completions`` — a text prompt, a token-id prompt, or a list of either; ``prompt_token_ids`` inside
+  each choice (streamed: in each choice's first chunk).
+- ``GET /v1/models``, ``GET /health`` (JSON: weight version, sleep state, counters), ``GET /metrics``.
+
+Token ids are sent only when the request says ``return_token_ids: true`` (the fields are ``null``
+otherwise), as vLLM does. A sequence that ends on EOS keeps the EOS id in ``token_ids`` (and its log-prob) but
+not in the text; a stop string truncates the text, the ids keep the token that completed it. Log-probs are
+``log_softmax(logits / temperature)`` of the sampled token, what verl's actor recomputes (see
+:mod:`aglverl._engine`). Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+JSON, wrong types or values (``param`` names the field) and requests longer than the context, 404 for an
+unknown model (vLLM's message).
+
+Generation: a continuous-batching engine on its own thread (:class:`aglverl._engine.Engine`); concurrent
+requests and the ``n`` choices of one request share forward passes. Weights are swapped between generations
+by :meth:`InferenceServer.load_weights` (from any thread); :meth:`~InferenceServer.sleep` /
+:meth:`~InferenceServer.wake_up` park the engine (requests wait rather than fail).
+
+Use ``async with InferenceServer("tiny") as server:`` or ``await tg.start(server.serve)`` on an asyncio loop,
+or :class:`InferenceServerThread` to host it on a thread of its own (inside a process whose loop is not ours).
+Constructing the server loads the model: a blocking call of a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import orjson
+import torch
+from aiohttp import web
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from . import __version__
+from ._engine import THREAD_NAME as ENGINE_THREAD_NAME
+from ._engine import Engine, GenSequence, SamplingParams
+from ._net import bind_listener, url_of
+from .tiny import TINY_NAME, quiet_progress_bars, resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "ENGINE_THREAD_NAME",
+    "LOOP_THREAD_NAME",
+    "InferenceServer",
+    "InferenceServerThread",
+    "InferenceStats",
+    "SamplingParams",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Name of :class:`InferenceServerThread`'s event-loop thread.
+LOOP_THREAD_NAME = "aglverl-inference-loop"
+#: Largest ``n`` accepted (each choice is a row of the running batch).
+MAX_N = 128
+#: Largest ``top_logprobs`` / completions ``logprobs`` accepted (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+#: vLLM runs on uvicorn, whose idle keep-alive is 5 s; the proxy's pool is tuned to close before that.
+KEEPALIVE_SECONDS = 5.0
+#: How long stopping lets in-flight requests finish before cancelling them.
+SHUTDOWN_GRACE = 1.0
+#: Keys of ``generate_ids`` sampling dicts (verl's) that are accepted only at their neutral value.
+_NEUTRAL_SAMPLING = {"top_k": (-1, 0, None), "repetition_penalty": (1.0, None), "min_p": (0.0, None)}
+_SSE_TYPE = "text/event-stream; charset=utf-8"
+_DONE = b"data: [DONE]\n\n"
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class _ApiError(Exception):
+    """An OpenAI-shaped error answer: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "Error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=orjson.dumps(self.body()), content_type="application/json"
+        )
+
+
+#: Messages for fields whose type is a union (pydantic reports one error per alternative).
+_FIELD_HINTS = {
+    "prompt": "must be a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "must be a string or a list of strings",
+}
+
+
+def _validation_error(exc: ValidationError) -> _ApiError:
+    """400 naming every offending field (``param``: the first), one message per field."""
+    fields: dict[str, str] = {}
+    for err in exc.errors(include_url=False):
+        loc = err["loc"]
+        name = str(loc[0]) if loc else "body"
+        if name in fields:
+            continue
+        if name in _FIELD_HINTS and len(loc) > 1 and not isinstance(loc[1], int):
+            fields[name] = _FIELD_HINTS[name]
+        else:
+            where = ".".join(str(x) for x in loc) or "body"
+            fields[name] = err["msg"] if where == name else f"{err['msg']} (at '{where}')"
+    message = "; ".join(f"field '{name}': {msg}" for name, msg in fields.items())
+    return _ApiError(400, message, next(iter(fields)))
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = False
+
+
+class _Request(BaseModel):
+    """Fields both generation routes take; unknown fields are ignored (as OpenAI SDK extras are by vLLM)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    return_token_ids: bool | None = None
+    ignore_eos: bool | None = False
+
+
+class _ChatRequest(_Request):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class _CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A validated generation request: what to generate and how to shape the answer."""
+
+    kind: Literal["chat", "completion"]
+    prompts: list[list[int]]
+    n: int
+    params: SamplingParams
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    with_ids: bool
+    logprobs: bool
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass(slots=True)
+class _Delta:
+    """What one choice gained since its last delta."""
+
+    ids: list[int]
+    logprobs: list[float]
+    tops: list[list[tuple[int, float]]]
+    text: str
+    finish_reason: str | None
+    #: The choice's first delta (completions streams send ``prompt_token_ids`` in it).
+    first: bool
+    #: Where ``text`` starts in the choice's text (completions logprobs' ``text_offset``).
+    offset: int
+
+
+class _Choice:
+    """One choice of a request on the owner's loop: turns the engine's tokens into text and deltas.
+
+    Incremental choices (streams, stop strings) detokenize token by token, look for stop strings in the
+    new text (a match truncates the text, finishes the choice and aborts the engine sequence) and, while
+    stop strings are possible, hold back the last ``longest stop - 1`` characters of a stream so a stop
+    string is never half sent.
+    """
+
+    def __init__(self, job: _Job, index: int, prompt: list[int], seq: GenSequence) -> None:
+        self.job, self.index, self.prompt, self.seq = job, index, prompt, seq
+        self.consumed = 0
+        self.text = ""
+        self.sent = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.counted = False  # the job has counted this choice as finished
+        self._prefix = 0  # incremental detokenization window: ids[_prefix:_read] is already text
+        self._read = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.seq.error is not None
+
+    def take(self, count: int) -> _Delta | None:
+        """Process tokens up to ``count`` (the engine's notified length); ``None`` if nothing is new."""
+        if self.done:
+            return None  # finished by a stop string already; later tokens are not ours
+        seq = self.seq
+        start = self.consumed
+        final = seq.finished and count == len(seq.token_ids)
+        # An EOS or stop token ends the sequence and stays in its ids, but is no text (as in vLLM).
+        text_end = count - 1 if final and seq.finish_reason == "stop" else count
+        end = self._scan(start, text_end) if seq.incremental else text_end
+        if self.finish_reason is None:  # no stop string matched
+            end = count
+            if final:
+                self.finish_reason, self.stop_reason = seq.finish_reason, seq.stop_reason
+                self._final_text(text_end)
+        self.consumed = end
+        hold = 0 if self.finish_reason is not None else self.job.holdback
+        offset = self.sent
+        text = self.text[offset : max(offset, len(self.text) - hold)]
+        self.sent += len(text)
+        return _Delta(
+            seq.token_ids[start:end],
+            seq.logprobs[start:end],
+            seq.top_logprobs[start:end] if seq.params.top_logprobs else [],
+            text,
+            self.finish_reason,
+            start == 0,
+            offset,
+        )
+
+    def _scan(self, start: int, count: int) -> int:
+        """Detokenize ``[start, count)`` one token at a time; stops at a stop string. Returns the new end."""
+        stops = self.job.plan.stops
+        for i in range(start, count):
+            before = len(self.text)
+            self.text += self._piece(i + 1)
+            if stops and (hit := self._find_stop(before)) is not None:
+                cut, stop = hit
+                self.text = self.text[:cut]
+                self.finish_reason, self.stop_reason = "stop", stop
+                self.seq.aborted = True
+                return i + 1
+        return count
+
+    def _piece(self, upto: int) -> str:
+        """New text once token ``upto - 1`` is added (empty while it ends inside a UTF-8 character)."""
+        decode = self.job.server._decode
+        ids = self.seq.token_ids
+        prefix = decode(ids[self._prefix : self._read])
+        full = decode(ids[self._prefix : upto])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix, self._read = self._read, upto
+            return full[len(prefix) :]
+        return ""
+
+    def _find_stop(self, before: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends in the text added after ``before``."""
+        best: tuple[int, str] | None = None
+        for stop in self.job.plan.stops:
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        return best
+
+    def _final_text(self, text_end: int) -> None:
+        full = self.job.server._decode(self.seq.token_ids[:text_end])
+        if not self.seq.incremental or full.startswith(self.text):
+            self.text = full  # flushes characters an incremental decode was still holding back
+
+
+class _Job:
+    """One request in flight: its choices, and how their news reaches whoever awaits it.
+
+    Streams get every delta through an unbounded memory stream (one item per choice per step); others wait
+    for :attr:`done`. :meth:`abort` tells the engine to drop the request's sequences (client gone).
+    """
+
+    def __init__(self, server: InferenceServer, plan: _Plan) -> None:
+        self.server = server
+        self.plan = plan
+        self.created = int(time.time())
+        self.done = anyio.Event()
+        self.choices: list[_Choice] = []
+        self.holdback = max((len(s) for s in plan.stops), default=1) - 1 if plan.stream else 0
+        self._left = 0
+        self.aborted = False
+        self._send: MemoryObjectSendStream[tuple[_Choice, _Delta]] | None = None
+        self.updates: MemoryObjectReceiveStream[tuple[_Choice, _Delta]] | None = None
+        if plan.stream:
+            self._send, self.updates = anyio.create_memory_object_stream[tuple[_Choice, _Delta]](float("inf"))
+        loop = asyncio.get_running_loop()
+        for p, prompt in enumerate(plan.prompts):
+            for j in range(plan.n):
+                seq = GenSequence(
+                    prompt,
+                    plan.params,
+                    loop=loop,
+                    notify=self._notify,
+                    incremental=plan.stream or bool(plan.stops),
+                    choice=j,
+                )
+                self.choices.append(_Choice(self, p * plan.n + j, prompt, seq))
+        self._by_seq = {id(c.seq): c for c in self.choices}
+        self._left = len(self.choices)
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((c.seq.error for c in self.choices if c.seq.error is not None), None)
+
+    def _notify(self, seq: GenSequence, count: int) -> None:
+        if self.aborted:
+            return  # news the engine sent before it saw the abort
+        choice = self._by_seq[id(seq)]
+        delta = choice.take(count)
+        if delta is not None and self._send is not None:
+            self._send.send_nowait((choice, delta))
+        if choice.done and not choice.counted:
+            choice.counted = True
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
+                if self._send is not None:
+                    self._send.close()
+
+    def abort(self) -> None:
+        """Drop the request's sequences from the engine (at its next step); no more news is taken."""
+        self.aborted = True
+        for choice in self.choices:
+            choice.seq.aborted = True
+        if self._send is not None:
+            self._send.close()
+
+    def usage(self, details: bool) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.plan.prompts)
+        completion = sum(len(c.seq.token_ids[: c.consumed]) for c in self.choices)
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion}
+        usage["completion_tokens"] = completion
+        if details:
+            usage |= {"prompt_tokens_details": None, "completion_tokens_details": None}
+        return usage
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+@dataclass(frozen=True, slots=True)
+class InferenceStats:
+    """A snapshot of the server's counters (see :class:`aglverl._engine.EngineStats` for the engine's)."""
+
+    weight_version: int
+    weight_loads: int
+    sleeping: bool
+    sleep_calls: int
+    wake_up_calls: int
+    requests: int
+    rejected_requests: int
+    pending_sequences: int
+    generation_runs: int
+    prefill_batches: int
+    decode_steps: int
+    sequences: int
+    prompt_tokens: int
+    generated_tokens: int
+    largest_batch: int
+    busy_seconds: float
+    failures: int
+
+
+# ---------------------------------------------------------------------------------------------- server
+class InferenceServer:
+    """OpenAI-compatible server over one causal LM; see the module docstring. Keyword-only after ``model``.
+
+    - ``model``: ``"tiny"`` (the built-in model, :mod:`aglverl.tiny`), a local Hugging Face directory, or an
+      already loaded ``PreTrainedModel`` (then ``tokenizer`` is required). Nothing is ever downloaded.
+    - ``tokenizer``: a directory or a loaded tokenizer; default: the model's directory.
+    - ``served_model_name``: the name requests must use (default: ``model`` as given, like ``vllm serve``).
+    - ``host``/``port``: where to listen (``127.0.0.1``; port 0 picks a free one, see :attr:`url`).
+    - ``max_batch_size``: rows (choices) generated together; ``batch_wait``: how long an idle engine waits
+      for concurrent requests to join the first forward pass.
+    - ``max_model_len``: context length (default: the config's ``max_position_embeddings``).
+    - ``weight_version``: the version of the weights loaded now. ``seed``: seeds unseeded sampling.
+    - ``torch_threads``: if set, ``torch.set_num_threads`` (process-wide) at construction.
+    - ``dtype``: the dtype to load the weights in (``"auto"``: the checkpoint's).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | PreTrainedModel = TINY_NAME,
+        *,
+        tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase | None = None,
+        served_model_name: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_batch_size: int = 64,
+        batch_wait: float = 0.002,
+        max_model_len: int | None = None,
+        weight_version: int = 0,
+        seed: int | None = None,
+        torch_threads: int | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_body_bytes: int = 32 << 20,
+    ) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self.model, self.tokenizer, self.model_path = _load(model, tokenizer, dtype)
+        self.served_model_name = served_model_name or (
+            str(model)
+            if isinstance(model, (str, os.PathLike))
+            else str(self.model.config.name_or_path or "model")
+        )
+        config = self.model.config
+        self.vocab_size: int = int(config.vocab_size)
+        self.max_model_len: int = max_model_len or int(
+            getattr(config, "max_position_embeddings", None) or 2048
+        )
+        self.host, self.port, self.max_body_bytes = host, port, max_body_bytes
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        eos = _eos_ids(self.model, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.engine = Engine(
+            self.model,
+            eos_token_ids=eos,
+            pad_token_id=pad if pad is not None else 0,
+            max_batch_size=max_batch_size,
+            batch_wait=batch_wait,
+            seed=seed,
+        )
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._weight_version = weight_version
+        self._weights_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._sleeping = False
+        self._counts = {"sleep": 0, "wake_up": 0, "weight_loads": 0, "requests": 0, "rejected": 0}
+        self._token_texts: dict[int, str] = {}
+        self._url: str | None = None
+        self._serving = False
+        self._stack: AsyncExitStack | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()  # generation requests being answered
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT`` (no ``/v1``) once serving."""
+        if self._url is None:
+            raise RuntimeError("the inference server is not serving")
+        return self._url
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    def stats(self) -> InferenceStats:
+        """The counters now (readable from any thread)."""
+        e = self.engine.stats
+        c = self._counts
+        return InferenceStats(
+            weight_version=self._weight_version,
+            weight_loads=c["weight_loads"],
+            sleeping=self._sleeping,
+            sleep_calls=c["sleep"],
+            wake_up_calls=c["wake_up"],
+            requests=c["requests"],
+            rejected_requests=c["rejected"],
+            pending_sequences=self.engine.pending,
+            generation_runs=e.generation_runs,
+            prefill_batches=e.prefill_batches,
+            decode_steps=e.decode_steps,
+            sequences=e.sequences,
+            prompt_tokens=e.prompt_tokens,
+            generated_tokens=e.generated_tokens,
+            largest_batch=e.largest_batch,
+            busy_seconds=e.busy_seconds,
+            failures=e.failures,
+        )
+
+    # ------------------------------------------------------------------ weights and sleep (any thread)
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Copy full tensors (Hugging Face parameter names) into the model; returns how many were copied.
+
+        Blocking and thread-safe: waits for the running generation to finish (new requests wait meanwhile),
+        copies between generations, never mid-batch, then serves ``version``. Tied weights may come under
+        both names (``model.embed_tokens.weight`` and ``lm_head.weight``). Concurrent calls run one at a time.
+        Raises ``KeyError`` for an unknown name and ``ValueError`` for a shape mismatch; tensors before the bad
+        one are already copied then, and the version is not changed. Calling it on the server's own event
+        loop blocks that loop: use :meth:`update_weights` there.
+        """
+        with self._weights_lock, self.engine.idle():
+            count = 0
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    self._copy_param(name, tensor)
+                    count += 1
+            self._weight_version = version
+            self._counts["weight_loads"] += 1
+        logger.info("loaded %d tensors, serving weight version %d", count, version)
+        return count
+
+    def _copy_param(self, name: str, tensor: torch.Tensor) -> None:
+        target = self._params.get(name)
+        if target is None and name.startswith("module."):
+            target = self._params.get(name.removeprefix("module."))
+        if target is None:
+            raise KeyError(
+                f"unknown parameter {name!r} (expected Hugging Face names such as {next(iter(self._params))!r})"
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+        target.data.copy_(tensor)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """:meth:`load_weights` in a worker thread; the loop keeps serving (new requests wait for the swap).
+
+        Cancelling the await does not interrupt the copy: it is deferred until the load is complete.
+        """
+        return await anyio.to_thread.run_sync(self.load_weights, named_tensors, version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Park the engine (vLLM's ``sleep``): blocks until the running generation finishes; thread-safe.
+
+        On CPU there is no KV cache pool to free, so this records the state; requests that arrive meanwhile
+        wait for :meth:`wake_up` instead of failing, and :meth:`load_weights` still works. ``level`` is
+        accepted for vLLM compatibility. Repeated calls are counted and otherwise no-ops.
+        """
+        with self._state_lock:
+            self._counts["sleep"] += 1
+            if self._sleeping:
+                return
+            self.engine.hold()
+            self._sleeping = True
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Resume generation after :meth:`sleep` (waiting requests start); thread-safe, counted, idempotent."""
+        with self._state_lock:
+            self._counts["wake_up"] += 1
+            if not self._sleeping:
+                return
+            self._sleeping = False
+            self.engine.release()
+
+    # ------------------------------------------------------------------ in-process generation
+    async def generate_ids(
+        self, prompt_ids: Sequence[int], sampling: Mapping[str, Any] | None = None
+    ) -> tuple[list[int], list[float] | None, str]:
+        """Generate from token ids through the same batcher: ``(token_ids, logprobs or None, finish_reason)``.
+
+        ``sampling`` takes ``temperature``, ``top_p``, ``max_tokens`` (default: the rest of the context),
+        ``seed``, ``stop_token_ids``, ``ignore_eos`` and ``logprobs`` (truthy: return the log-probs); verl's
+        ``top_k``/``repetition_penalty``/``min_p`` are accepted at their neutral values. Callable from any
+        asyncio loop in any thread while the server is serving (results are delivered to the caller's loop).
+        Raises ``ValueError`` for bad input, ``RuntimeError`` if the server stops or generation fails; if
+        the caller is cancelled the sequence is dropped from the batch.
+        """
+        plan = self._ids_plan(list(prompt_ids), dict(sampling or {}))
+        job = _Job(self, plan)
+        self._counts["requests"] += 1
+        try:
+            self.engine.submit([c.seq for c in job.choices])
+            await job.done.wait()
+        finally:
+            if not job.done.is_set():
+                job.abort()
+        choice = job.choices[0]
+        if choice.seq.error is not None:
+            raise RuntimeError(f"generation failed: {choice.seq.error}") from choice.seq.error
+        ids = choice.seq.token_ids[: choice.consumed]
+        logprobs = choice.seq.logprobs[: choice.consumed] if plan.logprobs else None
+        return ids, logprobs, choice.finish_reason or "length"
+
+    def _ids_plan(self, prompt: list[int], sampling: dict[str, Any]) -> _Plan:
+        for key, neutral in _NEUTRAL_SAMPLING.items():
+            if sampling.pop(key, None) not in neutral:
+                raise ValueError(f"sampling parameter {key!r} is not supported (only its neutral value)")
+        want_logprobs = bool(sampling.pop("logprobs", False))
+        known = {"temperature", "top_p", "max_tokens", "seed", "stop_token_ids", "ignore_eos"}
+        if unknown := sorted(set(sampling) - known):
+            raise ValueError(f"unknown sampling parameters {unknown}")
+        try:
+            req = _Request.model_validate(sampling)
+            self._check_prompt_ids(prompt, "prompt_ids")
+            params = self._sampling(req, [prompt], req.max_tokens, 0)
+        except ValidationError as exc:
+            raise ValueError(_validation_error(exc).message) from None
+        except _ApiError as exc:
+            raise ValueError(exc.message) from None
+        return _Plan("completion", [prompt], 1, params, (), False, False, True, want_logprobs)
+
+    # ------------------------------------------------------------------ life cycle
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; ``task_status.started()`` once connections are accepted.
+
+        Stopping (cancellation; shielded): stop accepting, give in-flight requests ``SHUTDOWN_GRACE``
+        seconds, cancel the rest (their sequences leave the batch), close every socket, then stop the engine
+        thread (in-process :meth:`generate_ids` callers get ``RuntimeError``) and join it: no thread is left.
+        """
+        if self._serving:
+            raise RuntimeError("this InferenceServer is already serving")
+        self._serving = True
+        loop = asyncio.get_running_loop()
+        engine_gone = anyio.Event()
+        self.engine.start(on_exit=lambda: _call_soon(loop, engine_gone.set))
+        try:
+            runner = await self._start_http()
+            try:
+                task_status.started()
+                await anyio.sleep_forever()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._stop_http(runner)
+        finally:
+            with anyio.CancelScope(shield=True):
+                self.engine.request_stop()
+                await engine_gone.wait()
+                self.engine.join()
+                self._serving = False
+
+    async def _start_http(self) -> web.AppRunner:
+        sock = bind_listener(self.host, self.port)
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=KEEPALIVE_SECONDS,
+            shutdown_timeout=SHUTDOWN_GRACE,
+        )
+        try:
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            sock.close()
+            with anyio.CancelScope(shield=True):
+                await runner.cleanup()
+            raise
+        self._url = url_of(sock)
+        logger.info("inference server for %r listening on %s", self.served_model_name, self._url)
+        return runner
+
+    async def _stop_http(self, runner: web.AppRunner) -> None:
+        """Stop accepting, let handlers finish for ``SHUTDOWN_GRACE`` s, cancel the rest, close connections.
+
+        (aiohttp's own graceful shutdown never cancels a streaming handler; it only stops waiting for it.)
+        """
+        for site in list(runner.sites):
+            await site.stop()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=SHUTDOWN_GRACE)
+        for task in self._handlers:
+            task.cancel()  # their jobs abort: the sequences leave the batch
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=SHUTDOWN_GRACE)
+        await runner.cleanup()
+        self._url = None
+
+    async def __aenter__(self) -> InferenceServer:
+        stack = AsyncExitStack()
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        try:
+            await tg.start(self.serve)
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        stack, self._stack = self._stack, None
+        assert stack is not None, "__aexit__ without __aenter__"
+        return await stack.__aexit__(*exc_info)
+
+    # ------------------------------------------------------------------ tokens and text
+    def _decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of ``ids``; the Rust tokenizer directly when there is one (a few µs, no Python wrapper)."""
+        if self._backend is not None:
+            return str(self._backend.decode(list(ids), skip_special_tokens=skip_special))
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
+
+    def _token_text(self, token: int) -> str:
+        """A token's own text (special tokens spelled out), as vLLM reports it in logprobs."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self._decode([token], skip_special=False)
+        return text
+
+    def _encode(self, text: str, *, special: bool) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=special).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        flat = []
+        for i, message in enumerate(messages):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str):
+                raise _ApiError(400, f"field 'messages.{i}.role': must be a string", "messages")
+            if isinstance(content, list):  # OpenAI content parts: only text parts mean anything here
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            elif content is not None and not isinstance(content, str):
+                raise _ApiError(
+                    400, f"field 'messages.{i}.content': must be a string or a list of parts", "messages"
+                )
+            flat.append({**message, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template is user data: any error in it is a bad request
+            raise _ApiError(400, f"the chat template failed on these messages: {exc}", "messages") from None
+        return self._encode(str(text), special=False)
+
+    def _check_prompt_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise _ApiError(400, f"field '{param}': the prompt is empty", param)
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise _ApiError(400, f"field '{param}': token ids must be in [0, {self.vocab_size})", param)
+
+    # ------------------------------------------------------------------ request validation
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise _ApiError(
+                404, f"The model `{model}` does not exist. Valid aliases: {self.served_model_name}.", "model"
+            )
+
+    def _sampling(
+        self, req: _Request, prompts: list[list[int]], max_tokens: int | None, top: int
+    ) -> SamplingParams:
+        """Sampling parameters, after vLLM's context checks (400 naming ``max_tokens`` / ``input_tokens``)."""
+        limit = self.max_model_len
+        if max_tokens is not None and max_tokens > limit:
+            raise _ApiError(
+                400,
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please request fewer "
+                f"output tokens. (parameter=max_tokens, value={max_tokens})",
+                "max_tokens",
+            )
+        longest = max(len(p) for p in prompts)
+        if longest >= limit:
+            raise _ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your request has {longest} "
+                f"input tokens. Please reduce the length of the input messages. "
+                f"(parameter=input_tokens, value={longest})",
+                "input_tokens",
+            )
+        if max_tokens is not None and longest + max_tokens > limit:
+            raise _ApiError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {limit} tokens and your request has {longest} input tokens "
+                f"({max_tokens} > {limit} - {longest}). (parameter=max_tokens, value={max_tokens})",
+                "max_tokens",
+            )
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else limit - longest,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            top_logprobs=top,
+        )
+
+    def _plan_chat(self, body: Any) -> _Plan:
+        req = _ChatRequest.model_validate(body)
+        self._check_model(req.model)
+        if req.top_logprobs and not req.logprobs:
+            raise _ApiError(400, "field 'top_logprobs': requires 'logprobs' to be true", "top_logprobs")
+        prompt = self._chat_prompt(req.messages)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._sampling(req, [prompt], max_tokens, (req.top_logprobs or 0) if req.logprobs else 0)
+        return self._plan("chat", req, [prompt], params, bool(req.logprobs))
+
+    def _plan_completion(self, body: Any) -> _Plan:
+        req = _CompletionRequest.model_validate(body)
+        self._check_model(req.model)
+        if req.echo:
+            raise _ApiError(400, "field 'echo': echoing the prompt is not supported", "echo")
+        prompts = self._completion_prompts(req.prompt)
+        params = self._sampling(req, prompts, req.max_tokens, req.logprobs or 0)
+        return self._plan("completion", req, prompts, params, req.logprobs is not None)
+
+    def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            items: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        if not items:
+            raise _ApiError(400, "field 'prompt': the prompt is empty", "prompt")
+        out = []
+        for item in items:
+            ids = self._encode(item, special=True) if isinstance(item, str) else list(item)
+            self._check_prompt_ids(ids, "prompt")
+            out.append(ids)
+        return out
+
+    def _plan(
+        self,
+        kind: Literal["chat", "completion"],
+        req: _Request,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        logprobs: bool,
+    ) -> _Plan:
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        return _Plan(
+            kind=kind,
+            prompts=prompts,
+            n=req.n or 1,
+            params=params,
+            stops=tuple(s for s in stops if s),
+            stream=bool(req.stream),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            with_ids=req.return_token_ids is True,
+            logprobs=logprobs,
+        )
+
+    # ------------------------------------------------------------------ HTTP handlers
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self._plan_chat)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self._plan_completion)
+
+    async def _generate(self, request: web.Request, planner: Any) -> web.StreamResponse:
+        try:
+            plan = planner(await self._read_json(request))
+        except ValidationError as exc:
+            self._counts["rejected"] += 1
+            return _validation_error(exc).response()
+        except _ApiError as exc:
+            self._counts["rejected"] += 1
+            return exc.response()
+        self._counts["requests"] += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)  # so that stopping can wait for it, then cancel it
+        try:
+            return await self._answer(request, plan)
+        finally:
+            self._handlers.discard(task)
+
+    async def _answer(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
+        """Generate for ``plan``; a client that goes away (cancellation, reset) frees its batch rows."""
+        job = _Job(self, plan)
+        try:
+            try:
+                self.engine.submit([c.seq for c in job.choices])
+            except RuntimeError as exc:  # stopping
+                return _ApiError(503, str(exc)).response()
+            if plan.stream:
+                return await self._stream(request, job)
+            await job.done.wait()
+        finally:
+            if not job.done.is_set():
+                job.abort()  # the client went away or we are stopping: free the batch rows
+        if job.error is not None:
+            return _ApiError(500, f"generation failed: {job.error}").response()
+        shape = _chat_body if plan.kind == "chat" else _completion_body
+        return web.Response(body=orjson.dumps(shape(self, job)), content_type="application/json")
+
+    async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": _SSE_TYPE, "Cache-Control": "no-cache"})
+        try:
+            await self._stream_events(request, response, job)
+        except ConnectionResetError:
+            pass  # the client is gone; the caller aborts the job
+        return response
+
+    async def _stream_events(self, request: web.Request, response: web.StreamResponse, job: _Job) -> None:
+        """The SSE body: role chunks (chat), a chunk per token and choice, usage if asked, ``[DONE]``."""
+        updates = job.updates
+        assert updates is not None
+        with updates:
+            await response.prepare(request)
+            rid = _request_id(job.plan.kind)
+            if job.plan.kind == "chat":
+                await response.write(b"".join(_sse(_chat_role_chunk(self, job, rid, c)) for c in job.choices))
+            chunk = _chat_chunk if job.plan.kind == "chat" else _completion_chunk
+            async for choice, delta in updates:
+                events = [_sse(chunk(self, job, rid, choice, delta))]
+                while True:  # everything already delivered goes out in one write
+                    try:
+                        choice, delta = updates.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                    events.append(_sse(chunk(self, job, rid, choice, delta)))
+                await response.write(b"".join(events))
+        tail = []
+        if job.error is not None:
+            tail.append(_sse(_ApiError(500, f"generation failed: {job.error}").body()))
+        elif job.plan.include_usage:
+            head = _head(
+                self, job, rid, "chat.completion.chunk" if job.plan.kind == "chat" else "text_completion"
+            )
+            tail.append(
+                _sse({**head, "choices": [], "usage": job.usage(False), "system_fingerprint": _fingerprint()})
+            )
+        tail.append(_DONE)
+        await response.write(b"".join(tail))
+        await response.write_eof()
+
+    async def _read_json(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes") from None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _ApiError(400, f"request body is not valid JSON: {exc}", "body") from None
+        if not isinstance(body, dict):
+            raise _ApiError(400, "request body must be a JSON object", "body")
+        return body
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "aglverl",
+            "root": str(self.model_path) if self.model_path else self.served_model_name,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": [card]}), content_type="application/json"
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        stats = asdict(self.stats())
+        body = {"status": "ok", "model": self.served_model_name, **stats}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = []
+        for key, value in asdict(self.stats()).items():
+            lines.append(f"aglverl_inference_{key} {float(value):g}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _load(
+    model: str | os.PathLike[str] | PreTrainedModel,
+    tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase | None,
+    dtype: str | torch.dtype,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Path | None]:
+    """The model (eval mode, no grad) and tokenizer, from local files only (``local_files_only``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path: Path | None = None
+    with quiet_progress_bars():
+        if isinstance(model, (str, os.PathLike)):
+            path = resolve_model(model)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+            )
+        elif tokenizer is None:
+            raise ValueError("a loaded model needs its tokenizer: pass tokenizer=")
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, local_files_only=True)
+    model.eval().requires_grad_(False)
+    return model, tokenizer, path
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the generation config and the tokenizer (Qwen lists several)."""
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass  # the loop is closed: nobody waits
+
+
+# ---------------------------------------------------------------------------------------------- response shapes
+def _request_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(8)}"
+
+
+def _fingerprint() -> str:
+    return f"aglverl-{__version__}"
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _head(server: InferenceServer, job: _Job, rid: str, obj: str) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": job.created, "model": server.served_model_name}
+
+
+def _chat_logprobs(
+    server: InferenceServer, ids: list[int], lps: list[float], tops: list[Any]
+) -> dict[str, Any]:
+    content = []
+    for k, (token, lp) in enumerate(zip(ids, lps, strict=True)):
+        text = server._token_text(token)
+        alternatives = (
+            [
+                {"token": (t := server._token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                for i, v in tops[k]
+            ]
+            if tops
+            else []
+        )
+        content.append(
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": alternatives}
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(
+    server: InferenceServer, ids: list[int], lps: list[float], tops: list[Any], offset: int
+) -> dict[str, Any]:
+    tokens = [server._token_text(t) for t in ids]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+    top = []
+    for k, (token, lp) in enumerate(zip(tokens, lps, strict=True)):
+        entry = {token: lp}
+        for i, v in tops[k] if tops else ():
+            entry.setdefault(server._token_text(i), v)
+        top.append(entry)
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": top}
+
+
+def _usage_of(job: _Job) -> dict[str, Any]:
+    return job.usage(True)
+
+
+def _chat_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
+    with_ids = job.plan.with_ids
+    choices = []
+    for c in job.choices:
+        ids, lps = c.seq.token_ids[: c.consumed], c.seq.logprobs[: c.consumed]
+        tops = c.seq.top_logprobs[: c.consumed] if c.seq.params.top_logprobs else []
+        message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None}
+        message |= {"audio": None, "function_call": None, "reasoning": None}
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": _chat_logprobs(server, ids, lps, tops) if job.plan.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "token_ids": ids if with_ids else None,
+                "routed_experts": None,
+            }
+        )
+    body = _head(server, job, _request_id("chat"), "chat.completion")
+    body |= {"choices": choices, "service_tier": None, "system_fingerprint": _fingerprint()}
+    body |= {"usage": _usage_of(job), "prompt_logprobs": None}
+    body |= {"prompt_token_ids": job.plan.prompts[0] if with_ids else None, "prompt_text": None}
+    body |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+    return body
+
+
+def _completion_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
+    with_ids = job.plan.with_ids
+    choices = []
+    for c in job.choices:
+        ids, lps = c.seq.token_ids[: c.consumed], c.seq.logprobs[: c.consumed]
+        tops = c.seq.top_logprobs[: c.consumed] if c.seq.params.top_logprobs else []
+        choices.append(
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": _completion_logprobs(server, ids, lps, tops, 0) if job.plan.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "token_ids": ids if with_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": c.prompt if with_ids else None,
+                "routed_experts": None,
+            }
+        )
+    body = _head(server, job, _request_id("completion"), "text_completion")
+    body |= {"choices": choices, "service_tier": None, "system_fingerprint": _fingerprint()}
+    body |= {"usage": _usage_of(job), "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+    return body
+
+
+def _chat_role_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice) -> dict[str, Any]:
+    choice = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+    choice["finish_reason"] = None
+    chunk = {**_head(server, job, rid, "chat.completion.chunk"), "choices": [choice]}
+    if job.plan.with_ids:
+        chunk |= {"prompt_token_ids": c.prompt, "prompt_text": None}
+    return chunk
+
+
+def _chat_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}}
+    choice["logprobs"] = _chat_logprobs(server, d.ids, d.logprobs, d.tops) if job.plan.logprobs else None
+    choice["finish_reason"] = d.finish_reason
+    if d.finish_reason is not None:
+        choice["stop_reason"] = c.stop_reason
+    if job.plan.with_ids:
+        choice["token_ids"] = d.ids
+    chunk = {**_head(server, job, rid, "chat.completion.chunk"), "choices": [choice]}
+    if d.finish_reason is not None and not job.plan.include_usage:  # else the usage chunk carries it
+        chunk["system_fingerprint"] = _fingerprint()
+    return chunk
+
+
+def _completion_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": c.index, "text": d.text}
+    choice["logprobs"] = (
+        _completion_logprobs(server, d.ids, d.logprobs, d.tops, d.offset) if job.plan.logprobs else None
+    )
+    choice |= {"finish_reason": d.finish_reason, "stop_reason": c.stop_reason if d.finish_reason else None}
+    with_ids = job.plan.with_ids
+    choice["prompt_token_ids"] = c.prompt if with_ids and d.first else None
+    choice["token_ids"] = d.ids if with_ids else None
+    chunk = {**_head(server, job, rid, "text_completion"), "choices": [choice]}
+    if d.finish_reason is not None and not job.plan.include_usage:  # else the usage chunk carries it
+        chunk["system_fingerprint"] = _fingerprint()
+    return chunk
+
+
+# ---------------------------------------------------------------------------------------------- thread runner
+class InferenceServerThread:
+    """Hosts an :class:`InferenceServer` on a dedicated thread with its own asyncio loop.
+
+    For processes whose event loop is not ours (verl's Ray worker): :meth:`start` returns once the server
+    accepts connections (re-raising whatever stopped it from starting), :meth:`stop` shuts it down and joins
+    the thread. The server's thread-safe methods (``load_weights``, ``sleep``, ``wake_up``, ``stats``) and
+    ``generate_ids`` (from any asyncio loop) are used directly on :attr:`server`. Also a context manager.
+    """
+
+    def __init__(self, server: InferenceServer, *, name: str = LOOP_THREAD_NAME) -> None:
+        self.server = server
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start serving on the thread; returns the URL. Raises ``RuntimeError`` if it fails to start."""
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._ready.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"the inference server did not start within {timeout} s")
+        if self._error is not None:
+            self._thread.join()
+            self._thread = None
+            raise RuntimeError(f"the inference server failed to start: {self._error}") from self._error
+        return self.server.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the server (in-flight requests get ``SHUTDOWN_GRACE`` seconds) and join the thread."""
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        if loop is not None and stop is not None:
+            _call_soon(loop, stop.set)
+        thread.join(timeout)
+        if thread.is_alive():
+            raise RuntimeError(f"the inference server thread did not stop within {timeout} s")
+        self._thread = self._loop = self._stop = None
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported to start(); a thread has nowhere else to raise
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with self.server:
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> InferenceServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
