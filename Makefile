@@ -1,9 +1,10 @@
-# Build everything from nothing: `make test` (the test suite) and `make serve` (the daemon) need only python3.
+# Build everything from nothing: `make demo` (the end-to-end CPU training), `make test` (the test suite) and
+# `make serve` (the daemon) need only python3.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv test serve bench lint clean
+.PHONY: venv demo test serve bench lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
@@ -16,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(BIN)/ruff check aglverl tests benchmarks
+	$(BIN)/ruff check aglverl tests benchmarks examples
 	$(BIN)/pytest -q
+
+demo: venv
+	$(BIN)/aglverl demo --out demo-out
 
 serve: venv
 	$(BIN)/aglverl serve
@@ -29,7 +33,7 @@ bench: venv
 	$(BIN)/python benchmarks/control_plane.py
 
 lint: venv
-	$(BIN)/ruff check aglverl tests benchmarks
+	$(BIN)/ruff check aglverl tests benchmarks examples
 	$(BIN)/mypy aglverl
 
 clean:

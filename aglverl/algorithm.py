@@ -51,6 +51,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: FSDP in float32 without torch.compile: verl's default mixed precision computes in bfloat16, which CPUs
+#: emulate slowly, and whose rounding (~1e-2 in log-probs) would hide the trainer/engine log-prob agreement.
+FP32_FSDP: dict[str, Any] = {
+    "dtype": "float32",
+    "use_torch_compile": False,
+    "mixed_precision": {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+}
+
 #: What the CPU platform needs on top of verl's defaults (see shared VERL_CPU.md); the user may override each.
 CPU_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {
@@ -58,6 +66,9 @@ CPU_DEFAULTS: dict[str, Any] = {
             "path": "tiny",
             "override_config": {"attn_implementation": "sdpa"},
             "enable_gradient_checkpointing": False,
+            # Packed (unpadded) sequences need flash-attention's varlen kernels; with sdpa they become one
+            # long sequence with a quadratic block mask (measured: 3x slower updates than padded rows).
+            "use_remove_padding": False,
         },
         "actor": {
             "strategy": "fsdp2",
@@ -66,11 +77,9 @@ CPU_DEFAULTS: dict[str, Any] = {
             # budget need no divisibility (fixed-size micro-batches must divide every share exactly).
             "use_dynamic_bsz": True,
             "ppo_max_token_len_per_gpu": 16384,
-            "fsdp_config": {"dtype": "float32", "use_torch_compile": False},
+            "fsdp_config": FP32_FSDP,
         },
-        "ref": {
-            "fsdp_config": {"dtype": "float32", "use_torch_compile": False},
-        },
+        "ref": {"fsdp_config": FP32_FSDP},
         "rollout": {
             "name": "aglverl",
             "mode": "async",
@@ -82,8 +91,12 @@ CPU_DEFAULTS: dict[str, Any] = {
     },
     "critic": {
         "strategy": "fsdp2",
-        "fsdp": {"dtype": "float32", "use_torch_compile": False},
-        "model": {"override_config": {"attn_implementation": "sdpa"}, "enable_gradient_checkpointing": False},
+        "fsdp": FP32_FSDP,
+        "model": {
+            "override_config": {"attn_implementation": "sdpa"},
+            "enable_gradient_checkpointing": False,
+            "use_remove_padding": False,
+        },
     },
     "reward": {"num_workers": 1},
     "data": {"dataloader_num_workers": 0},
@@ -201,20 +214,35 @@ def _check_keys(base: Any, overrides: Mapping[str, Any], path: str = "") -> None
     """Raise :class:`ConfigError` for a key of ``overrides`` that verl's composed config does not have.
 
     Mappings that are empty or ``null`` in verl's YAML are free-form (``override_config``, ``engine_kwargs``):
-    any key goes there, as into :data:`FREE_FORM` ones.
+    any key goes there, as into :data:`FREE_FORM` ones. A section that names its dataclass (``_target_``) also
+    takes that dataclass's fields the YAML leaves out (what verl's command line adds with ``+key=...``).
     """
     from omegaconf import DictConfig
 
     if path in FREE_FORM:
         return
-    known = list(base.keys())  # ``key in config`` is False for keys whose value is missing (``???``)
+    in_yaml = list(base.keys())  # ``key in config`` is False for keys whose value is missing (``???``)
+    known = in_yaml + _dataclass_fields(base.get("_target_") if isinstance(base, DictConfig) else None)
     for key, value in overrides.items():
         full = f"{path}.{key}" if path else key
         if key not in known:
             raise ConfigError(_unknown_key_message(full, key, known))
-        child = base._get_node(key) if isinstance(base, DictConfig) else None
+        child = base._get_node(key) if isinstance(base, DictConfig) and key in in_yaml else None
         if isinstance(value, Mapping) and isinstance(child, DictConfig) and len(child) > 0:
             _check_keys(child, value, full)
+
+
+def _dataclass_fields(target: Any) -> list[str]:
+    if not isinstance(target, str):
+        return []
+    import importlib
+
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return []
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
 
 
 def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, DaemonOptions]:
@@ -224,7 +252,7 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     ``validate_config``, and the :class:`DaemonOptions`. Raises :class:`ConfigError` naming the key for an
     unknown key or an unsupported setting.
     """
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
     user = _nest(dict(overrides or {}))
     options = DaemonOptions.from_mapping(user.pop("aglverl", None) or {})
@@ -233,8 +261,8 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     defaults = CPU_DEFAULTS if platform == "cpu" else GPU_DEFAULTS
     _check_keys(base, defaults)  # our own defaults must name real keys of this verl release
     _check_keys(base, user)
-    with open_dict(base):
-        config = OmegaConf.merge(base, defaults, user)
+    OmegaConf.set_struct(base, False)  # keys were checked above; the dataclass fields the YAML omits merge in
+    config = OmegaConf.merge(base, defaults, user)
     _resolve_model_paths(config, user)
     _refuse_unsupported(config, options.signal)
     OmegaConf.set_struct(config, True)
@@ -482,13 +510,16 @@ class AsyncVERL:
     ``config``: verl overrides plus an ``aglverl:`` section (see the module docstring). ``agent``: an agent
     function as for :func:`~aglverl.client.run_agents` (``async fn(task_input, llm) -> reward | Rollout``);
     without it, agents connect from elsewhere to the task server URL that is logged (and in
-    :attr:`server_url` once running). Construction validates the config (and raises :class:`ConfigError`);
-    :meth:`run` does the work.
+    :attr:`server_url` once running). ``progress``: a progress bar on stderr. Construction validates the config
+    (and raises :class:`ConfigError`); :meth:`run` does the work.
     """
 
-    def __init__(self, config: Mapping[str, Any] | None = None, agent: AgentFn | None = None) -> None:
+    def __init__(
+        self, config: Mapping[str, Any] | None = None, agent: AgentFn | None = None, *, progress: bool = True
+    ) -> None:
         self.config, self.options = compose_config(config)
         self.agent = agent
+        self.progress = progress
         self.daemon: Any = None
         self.trainer: Any = None
         #: Called with the daemon once it serves (its URLs are known), before the first step.
@@ -544,7 +575,7 @@ class AsyncVERL:
                     if self.agent is not None:
                         tg.start_soon(self._run_agents, self.options.agents or trainer.rollouts_per_step)
                     try:
-                        return await trainer.fit_async(self.daemon, on_step=self.on_step)
+                        return await trainer.fit_async(self.daemon, on_step=self.on_step, progress=self.progress)
                     finally:
                         tg.cancel_scope.cancel()
         finally:

@@ -6,6 +6,9 @@
   on a GPU).
 
 Both print one JSON line with their URLs once serving, and stop cleanly on Ctrl-C or SIGTERM.
+
+- ``aglverl demo`` runs the embedded end-to-end training (verl's trainer on CPU, the tiny model, agents on the
+  toy task); its last stdout line is a JSON summary (see :mod:`aglverl.demo`).
 """
 
 from __future__ import annotations
@@ -148,17 +151,52 @@ async def _serve_model(args: argparse.Namespace) -> None:
     await _until_signalled(run)
 
 
+def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo", help="train the tiny model end to end on CPU (verl's trainer, embedded inference, toy agents)"
+    )
+    p.add_argument("--steps", type=int, default=25, help="training steps (default 25)")
+    p.add_argument("--agents", type=int, default=None, help="agent loops (default: every rollout of a step)")
+    p.add_argument("--out", default="demo-out", help="directory for metrics.jsonl and reward.png")
+    p.add_argument("--model", default="tiny", metavar="tiny|PATH", help="the model to train (default: tiny)")
+    p.add_argument("--json", action="store_true", help="one JSON line per step on stdout instead of a progress bar")
+    p.add_argument(
+        "--rejection-sampling",
+        action="store_true",
+        help="drop GRPO groups whose rewards are all equal (aglverl.signal.rejection_sampling)",
+    )
+    p.add_argument("--log-level", default="WARNING")
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from .demo import run_demo
+
+    summary = await run_demo(
+        steps=args.steps,
+        agents=args.agents,
+        out=Path(args.out),
+        model=args.model,
+        json_lines=args.json,
+        rejection_sampling=args.rejection_sampling,
+    )
+    print(orjson.dumps(summary).decode(), flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aglverl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _serve_model_parser(sub)
+    _demo_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    commands = {"serve": _serve, "serve-model": _serve_model, "demo": _demo}
     try:
-        anyio.run(_serve_model if args.command == "serve-model" else _serve, args)
+        anyio.run(commands[args.command], args)
     except KeyboardInterrupt:
         logging.getLogger("aglverl").info("interrupted; shut down cleanly")
         return 130

@@ -79,6 +79,7 @@ class TrainingBatch:
 class Step:
     """Handle of a submitted step. ``await step.wait()`` returns its :class:`StepReport`.
 
+    ``metadata`` is what the submitter attached (journaled with the step, so a recovered step has it too).
     Cancelling ``wait()`` only stops waiting; the step itself goes on.
     """
 
@@ -87,6 +88,7 @@ class Step:
     rollout_ids: list[str]
     submitted_at: float
     deadline: float
+    metadata: dict[str, Any] = field(default_factory=dict)
     _done: anyio.Event = field(default_factory=anyio.Event, repr=False)
     _report: StepReport | None = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
@@ -267,7 +269,9 @@ class RolloutCollector:
                     )
                 )
         now = time.monotonic()
-        step = Step(number, mode, rollout_ids, now, now + deadline if deadline is not None else math.inf)
+        step = Step(
+            number, mode, rollout_ids, now, now + deadline if deadline is not None else math.inf, dict(metadata or {})
+        )
         self.steps[number] = step
         self.store.journal_write(self._step_record(step))
         self._tg.start_soon(self._run_step, step, name=f"aglverl {owner}")
@@ -323,6 +327,7 @@ class RolloutCollector:
             "mode": step.mode,
             "rollout_ids": step.rollout_ids,
             "deadline_wall": time.time() + remaining if math.isfinite(remaining) else None,
+            "metadata": step.metadata,
         }
 
     def live_records(self) -> list[dict[str, Any]]:
@@ -359,7 +364,7 @@ class RolloutCollector:
                     number,
                     len(r["rollout_ids"]) - len(rollout_ids),
                 )
-            step = Step(number, r["mode"], rollout_ids, now, deadline)
+            step = Step(number, r["mode"], rollout_ids, now, deadline, dict(r.get("metadata") or {}))
             self.steps[number] = step
             self.recovered_steps.append(step)
 

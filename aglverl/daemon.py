@@ -292,6 +292,14 @@ class AgentDaemon:
         step = await self.submit(samples, n=n, mode="val")
         return (await step.wait()).metrics
 
+    def abandon(self, step: Step, reason: str) -> int:
+        """End a step early: its unfinished rollouts fail (``step_timeout``) with ``reason``; returns how many.
+
+        The step then completes as usual, with what had finished. For a step nobody will train on, such as
+        one recovered from the journal that a resumed trainer no longer needs.
+        """
+        return self.store.fail(step.rollout_ids, reason)
+
     @property
     def recovered_steps(self) -> list[Step]:
         """Steps a previous run left unfinished, re-opened from the journal; their batches come as usual."""

@@ -53,30 +53,28 @@ def calculate(expression: str) -> float:
         raise ValueError(str(exc)) from exc
 
 
+CLIENT = openai.AsyncOpenAI(api_key="unused", max_retries=0)  # shared; each rollout sets its base URL
+
+
 async def agent(task: dict, llm: LLM) -> float:
     """Up to MAX_TURNS calls; tool results go back as user turns; reward 1.0 for the right answer."""
-    client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="unused", max_retries=0)
+    client = CLIENT.with_options(base_url=llm.endpoint)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
-    try:
-        for _ in range(MAX_TURNS):
-            reply = await client.chat.completions.create(
-                model=llm.model, messages=messages, **llm.sampling_parameters
-            )
-            text = reply.choices[0].message.content or ""
-            messages.append({"role": "assistant", "content": text})
-            if answer := re.search(r"ANSWER:\s*(-?[\d.]+)", text):
-                return float(abs(float(answer.group(1)) - task["answer"]) < 1e-6)
-            if call := re.search(r"CALC:\s*([^\n]+)", text):
-                try:
-                    result = f"RESULT: {calculate(call.group(1)):g}"
-                except ValueError as exc:
-                    result = f"RESULT: error ({exc})"
-                messages.append({"role": "user", "content": result})
-            else:
-                messages.append({"role": "user", "content": "Use 'CALC: <expression>' or 'ANSWER: <number>'."})
-        return 0.0
-    finally:
-        await client.close()
+    for _ in range(MAX_TURNS):
+        reply = await client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+        text = reply.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})
+        if answer := re.search(r"ANSWER:\s*(-?[\d.]+)", text):
+            return float(abs(float(answer.group(1)) - task["answer"]) < 1e-6)
+        if call := re.search(r"CALC:\s*([^\n]+)", text):
+            try:
+                result = f"RESULT: {calculate(call.group(1)):g}"
+            except ValueError as exc:
+                result = f"RESULT: error ({exc})"
+            messages.append({"role": "user", "content": result})
+        else:
+            messages.append({"role": "user", "content": "Use 'CALC: <expression>' or 'ANSWER: <number>'."})
+    return 0.0
 
 
 def questions(count: int, seed: int = 0) -> list[dict]:

@@ -22,15 +22,13 @@ import openai
 
 from aglverl import LLM, run_agents
 
+CLIENT = openai.AsyncOpenAI(api_key="unused", max_retries=0)  # shared; each rollout sets its base URL
+
 
 async def agent(task: dict, llm: LLM) -> float:
-    client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="unused", max_retries=0)
-    try:
-        reply = await client.chat.completions.create(
-            model=llm.model, messages=[{"role": "user", "content": task["prompt"]}], **llm.sampling_parameters
-        )
-    finally:
-        await client.close()
+    reply = await CLIENT.with_options(base_url=llm.endpoint).chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["prompt"]}], **llm.sampling_parameters
+    )
     words = (reply.choices[0].message.content or "").lower().split()
     return sum(w.strip(".,!?") == task["word"] for w in words) / len(words) if words else 0.0
 
@@ -54,7 +52,7 @@ def train(steps: int, concurrency: int) -> None:
     from aglverl.algorithm import AsyncVERL
 
     config = {
-        "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 8, "optim": {"lr": 2e-3}}},
+        "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 8, "optim": {"lr": 5e-3}}},
         "data": {"train_batch_size": 8, "max_prompt_length": 64, "max_response_length": 8},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"total_training_steps": steps, "val_before_train": False, "logger": ["console"]},

@@ -202,3 +202,20 @@ async def test_failed_rollout_keeps_its_reason_and_last_calls_across_a_restart(t
         record = daemon.store.record(task.rollout_id)
     assert (record.state, record.termination) == ("failed", "agent_error")
     assert [(c.seq, c.limit) for c in record.calls] == [(3, "context")]
+
+
+async def test_recovered_step_keeps_its_metadata_and_can_be_abandoned(tmp_path: Path) -> None:
+    path = tmp_path / "meta.journal"
+    async with AgentDaemon(journal_path=path, batch=BATCH) as daemon:
+        step = await daemon.submit([{"i": 0}, {"i": 1}], metadata={"global_step": 7})
+        assert step.metadata == {"global_step": 7}
+    async with AgentDaemon(journal_path=path, batch=BATCH) as daemon:
+        (recovered,) = daemon.recovered_steps
+        assert recovered.metadata == {"global_step": 7}
+        # a resumed trainer that no longer needs the step ends it: nothing is handed out, the step completes
+        assert daemon.abandon(recovered, "not resumed") == 2
+        with anyio.fail_after(10):
+            batch = await daemon.batches.receive()
+            report = await recovered.wait()
+        assert batch.step == recovered.number and len(batch.data) == 0
+        assert report.metrics["step/n_failed"] == 2

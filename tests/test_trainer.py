@@ -38,7 +38,9 @@ def _config(steps: int, checkpoints: Path) -> dict[str, Any]:
             "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True, "ppo_epochs": 30, "optim": {"lr": 1e-2}},
         },
         "critic": {"ppo_epochs": 2},
-        "algorithm": {"adv_estimator": "gae"},
+        # the engine's log-probs ride along in the batch and verl's rollout correction consumes them
+        "algorithm": {"adv_estimator": "gae", "rollout_correction": {"rollout_is": "token"}},
+        "aglverl": {"signal": {"request_logprobs": True}},
         "trainer": {
             "total_training_steps": steps,
             "save_freq": 1,
@@ -127,6 +129,18 @@ async def test_two_full_steps_run_through_verls_actor_reference_and_critic(first
         assert metrics["actor/grad_norm"] > 0
     assert "val/reward" in first_run["final"] and "val/reward/toy" in first_run["final"]
     assert set(first_run["seen"]) >= {0, 1, 2, 3, 100, 101}
+
+
+async def test_verl_consumes_the_engines_log_probs_and_on_policy_they_match(first_run: dict[str, Any]) -> None:
+    metrics = first_run["steps"][1]["metrics"]
+    assert metrics["logprobs/present"] == 1.0
+    assert metrics["logprobs/n_tokens"] > 0
+    # the embedded server samples with the weights the actor has: its log-probs are the actor's recomputation
+    assert metrics["logprobs/abs_diff_mean"] < 1e-3, metrics["logprobs/abs_diff_mean"]
+    assert abs(metrics["logprobs/k3_kl"]) < 1e-4
+    # verl's rollout correction read rollout_log_probs: token-level IS weights, all ~1 on-policy
+    assert "rollout_corr/rollout_is_mean" in metrics, sorted(k for k in metrics if k.startswith("rollout_corr"))
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-2)
 
 
 async def test_served_weights_change_after_each_update_and_calls_carry_the_new_version(

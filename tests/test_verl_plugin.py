@@ -48,7 +48,8 @@ def trainer(tiny_model: Path) -> Iterator[AgentPPOTrainer]:
         runtime = stack.enter_context(verl_runtime(config))
         trainer = build_trainer(config, [{"q": i} for i in range(4)], None, runtime)
         stack.callback(trainer.close)
-        trainer.init_workers()
+        trainer.init_workers()  # ends with the replicas asleep, as verl's fit() expects
+        trainer.checkpoint_manager.update_weights(0)  # what a run does first: sync weights, wake the servers
         yield trainer
 
 
@@ -88,7 +89,7 @@ async def test_server_addresses_answer_openai_chat_with_token_ids(trainer: Agent
     addresses = trainer.llm_server_manager.get_addresses()
     assert len(addresses) == 1
     model = trainer.served_model_name()
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         async with session.post(
             f"http://{addresses[0]}/v1/chat/completions",
             json={
