@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import anyio.to_thread
@@ -467,8 +467,10 @@ def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gp
         return False
     runtime_env = get_ppo_ray_runtime_env(config)
     runtime_env.setdefault("env_vars", {}).update(env)
-    init_kwargs = OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {}
-    user_env = init_kwargs.pop("runtime_env", None) or {}
+    init_kwargs: dict[str, Any] = dict(
+        cast(Mapping[str, Any], OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {})
+    )
+    user_env: Mapping[str, Any] = init_kwargs.pop("runtime_env", None) or {}
     for key, value in user_env.items():
         if value is not None:
             runtime_env[key] = value
@@ -575,12 +577,13 @@ class AsyncVERL:
                     if self.agent is not None:
                         tg.start_soon(self._run_agents, self.options.agents or trainer.rollouts_per_step)
                     try:
-                        return await trainer.fit_async(self.daemon, on_step=self.on_step, progress=self.progress)
+                        metrics = await trainer.fit_async(self.daemon, on_step=self.on_step, progress=self.progress)
                     finally:
                         tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(trainer.close)
+        return metrics
 
     async def _run_agents(self, concurrency: int) -> None:
         assert self.agent is not None and self.daemon is not None

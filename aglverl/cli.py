@@ -169,9 +169,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 async def _demo(args: argparse.Namespace) -> None:
+    import warnings
     from pathlib import Path
 
     from .demo import run_demo
+
+    warnings.simplefilter("ignore")  # verl's deprecation and optional-engine notices are noise for a demo
 
     summary = await run_demo(
         steps=args.steps,
@@ -198,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         anyio.run(commands[args.command], args)
     except KeyboardInterrupt:
-        logging.getLogger("aglverl").info("interrupted; shut down cleanly")
+        print("aglverl: interrupted; shut down cleanly", file=sys.stderr)
         return 130
     return 0
 

@@ -101,6 +101,7 @@ def demo_config(
             "val_before_train": False,
             "test_freq": -1,
             "save_freq": -1,
+            "resume_mode": "disable",  # every demo starts from the untrained model
             "logger": [],
             "project_name": "aglverl",
             "experiment_name": "demo",

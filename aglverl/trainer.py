@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 StepCallback = Callable[[int, Mapping[str, float]], None]
 
 
-class SampleDataset(Dataset):  # type: ignore[type-arg]
+class SampleDataset(Dataset):
     """Task inputs (dicts) as a torch ``Dataset``, so verl's stateful data loader samples and checkpoints them."""
 
     def __init__(self, samples: Sequence[Mapping[str, Any]]) -> None:
@@ -153,7 +153,7 @@ def _timed(name: str, timing: dict[str, float]) -> Iterator[None]:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
-class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
+class AgentPPOTrainer(RayPPOTrainer):
     """verl's ``RayPPOTrainer`` whose steps take batches from an :class:`~aglverl.daemon.AgentDaemon`.
 
     ``validation``: validation task inputs (``None``: no validation). Use :meth:`fit_async` (not verl's
@@ -171,6 +171,13 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
         self._rng = np.random.default_rng(int(self.config.actor_rollout_ref.actor.data_loader_seed))
 
     # ------------------------------------------------------------------------------------ set-up
+    @property
+    def _checkpoints(self) -> Any:
+        """verl's checkpoint-engine manager (weight sync, replica sleep/wake), set by ``init_workers``."""
+        if self.checkpoint_manager is None:
+            raise RuntimeError("init_workers() has not run")
+        return self.checkpoint_manager
+
     @property
     def rollouts_per_step(self) -> int:
         return int(self.config.data.train_batch_size) * int(self.rollout_config.n)
@@ -340,7 +347,7 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
                     )
                 training_batch = await self._batch_of(step.number)
             metrics.update(training_batch.metrics)
-            await anyio.to_thread.run_sync(self.checkpoint_manager.sleep_replicas)
+            await anyio.to_thread.run_sync(self._checkpoints.sleep_replicas)
             batch = await anyio.to_thread.run_sync(self._update, training_batch.data, metrics, timing)
             if int(self.config.trainer.save_freq) > 0 and (is_last or self._due(self.config.trainer.save_freq)):
                 with _timed("save_checkpoint", timing):
@@ -387,7 +394,7 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
         """
         with _timed("update_weights", timing):
             async with self.daemon.updating_weights(self.global_steps):
-                await anyio.to_thread.run_sync(self.checkpoint_manager.update_weights, self.global_steps)
+                await anyio.to_thread.run_sync(self._checkpoints.update_weights, self.global_steps)
 
     # ------------------------------------------------------------------------------------ validation
     async def validate_async(self) -> dict[str, float]:
@@ -419,11 +426,12 @@ class AgentPPOTrainer(RayPPOTrainer):  # type: ignore[misc]
         return metrics
 
     # ------------------------------------------------------------------------------------ the update
-    def _update(self, batch: DataProto, metrics: dict[str, float], timing: dict[str, float]) -> DataProto | None:
+    def _update(self, data: DataProto, metrics: dict[str, float], timing: dict[str, float]) -> DataProto | None:
         """Everything after generation up to the actor update (blocking; runs in a worker thread)."""
-        batch = self._prepare(batch, metrics)
-        if batch is None:
+        prepared = self._prepare(data, metrics)
+        if prepared is None:
             return None
+        batch = prepared
         with marked_timer("old_log_prob", timing):
             batch = self._with_old_log_probs(batch, metrics)
         if self.use_reference_policy:

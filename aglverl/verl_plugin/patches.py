@@ -116,7 +116,7 @@ def _pin_memory_without_accelerator() -> None:
         return self
 
     pin_memory.__aglverl_patch__ = True  # type: ignore[attr-defined]
-    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign,assignment]
 
 
 def _value_model_attention() -> None:

@@ -67,7 +67,7 @@ class EmbeddedRollout(BaseRollout):
             )
         max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.server = InferenceServer(
-            self.model_config.local_path,
+            str(self.model_config.local_path),
             served_model_name=served_model_name(self.model_config.path),
             max_model_len=int(max_model_len),
             max_batch_size=int(self.config.max_num_seqs),
