@@ -421,7 +421,8 @@ def verl_runtime(config: Any) -> Iterator[VerlRuntime]:
       the end.
     """
     platform: Literal["cpu", "gpu"] = "cpu" if config.trainer.device == "cpu" else "gpu"
-    env = dict(PLATFORM_ENV) if platform == "cpu" else {"VERL_USE_EXTERNAL_MODULES": PLATFORM_ENV["VERL_USE_EXTERNAL_MODULES"]}
+    plugin_only = {"VERL_USE_EXTERNAL_MODULES": PLATFORM_ENV["VERL_USE_EXTERNAL_MODULES"]}
+    env = dict(PLATFORM_ENV) if platform == "cpu" else plugin_only
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     scratch = Path(tempfile.mkdtemp(prefix="aglverl-"))

@@ -205,7 +205,8 @@ class AgentPPOTrainer(RayPPOTrainer):
         import json
         import urllib.request
 
-        with urllib.request.urlopen(f"{self.backend_urls()[0]}/v1/models", timeout=30) as response:
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP(S)_PROXY
+        with direct.open(f"{self.backend_urls()[0]}/v1/models", timeout=30) as response:
             return str(json.load(response)["data"][0]["id"])
 
     def daemon_kwargs(self, options: Any) -> dict[str, Any]:
@@ -296,13 +297,19 @@ class AgentPPOTrainer(RayPPOTrainer):
         self.global_steps = 0
         await anyio.to_thread.run_sync(self._load_checkpoint)
         await self._sync_weights({})
+        try:
+            return await self._fit(tracker, on_step, progress)
+        finally:
+            tracker.finish()  # flushes wandb / tensorboard
+
+    async def _fit(self, tracker: Tracking, on_step: Sequence[StepCallback], progress: bool) -> dict[str, float]:
         last: dict[str, float] = {}
         if self.validation_samples and self.config.trainer.get("val_before_train", True):
             last = await self.validate_async()
             tracker.log(data=last, step=self.global_steps)
         epoch0 = self.global_steps // len(self.train_dataloader)
         self.global_steps += 1
-        recovered = self._resumable(daemon.recovered_steps)
+        recovered = self._resumable(self.daemon.recovered_steps)
         bar = tqdm(
             total=self.total_training_steps,
             initial=self.global_steps - 1,
@@ -347,6 +354,9 @@ class AgentPPOTrainer(RayPPOTrainer):
                     )
                 training_batch = await self._batch_of(step.number)
             metrics.update(training_batch.metrics)
+            oldest = metrics.get("step/call_weight_version_min", -1.0)
+            if oldest >= 0:  # how many weight updates behind the oldest call of the batch was (0: on-policy)
+                metrics["step/staleness"] = float(self.global_steps - 1 - oldest)
             await anyio.to_thread.run_sync(self._checkpoints.sleep_replicas)
             batch = await anyio.to_thread.run_sync(self._update, training_batch.data, metrics, timing)
             if int(self.config.trainer.save_freq) > 0 and (is_last or self._due(self.config.trainer.save_freq)):
@@ -357,7 +367,7 @@ class AgentPPOTrainer(RayPPOTrainer):
             with _timed("testing", timing):
                 metrics.update(await self.validate_async())
         metrics.update({"training/global_step": self.global_steps, "training/epoch": epoch})
-        metrics.update(self._step_metrics(batch, timing, step))
+        metrics.update(self._step_metrics(batch, timing))
         return metrics
 
     def _resumable(self, recovered: Sequence[Any]) -> list[Any]:
@@ -607,7 +617,7 @@ class AgentPPOTrainer(RayPPOTrainer):
         return DataProto.from_single_dict(data={}, meta_info={"metrics": output})
 
     # ------------------------------------------------------------------------------------ metrics
-    def _step_metrics(self, batch: DataProto | None, timing: dict[str, float], step: Any) -> dict[str, float]:
+    def _step_metrics(self, batch: DataProto | None, timing: dict[str, float]) -> dict[str, float]:
         """verl's data / timing / throughput metrics plus aglverl's step, staleness and proxy counters."""
         metrics: dict[str, float] = {f"timing_s/{name}": seconds for name, seconds in timing.items()}
         if batch is not None:

@@ -162,6 +162,7 @@ async def test_the_task_server_answers_in_milliseconds_while_an_update_runs(firs
     latencies = first_run["latencies"]
     assert len(latencies) > 50
     assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    print(f"healthz during training: n={len(latencies)} max={max(latencies) * 1000:.1f} ms")
 
 
 async def test_a_second_run_resumes_from_the_checkpoint_without_retraining_a_step(
