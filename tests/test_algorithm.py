@@ -90,6 +90,15 @@ def test_free_form_mappings_accept_any_key() -> None:
     assert config.actor_rollout_ref.model.override_config.rope_theta == 5000.0
 
 
+def test_dataclass_fields_the_yaml_leaves_out_are_accepted() -> None:
+    # FSDPEngineConfig.mixed_precision is not in ppo_trainer.yaml (verl's CLI adds it with "+")
+    config, _ = compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "bf16"})
+    assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "bf16"
+    assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype == "fp32"  # CPU default kept
+    with pytest.raises(ConfigError, match=r"fsdp_config\.mixed_precison.*did you mean .mixed_precision."):
+        compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precison": {}})
+
+
 def test_algorithms_that_need_the_trainer_to_generate_are_refused() -> None:
     with pytest.raises(ConfigError, match="remax"):
         compose_config({**SMALL, "algorithm": {"adv_estimator": "remax"}})

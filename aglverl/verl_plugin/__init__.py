@@ -24,7 +24,7 @@ __all__ = ["CPU_PLATFORM", "PLUGIN_MODULE", "ROLLOUT_NAME", "CPUPlatform", "appl
 
 #: The module verl is told to import (``VERL_USE_EXTERNAL_MODULES``).
 PLUGIN_MODULE = __name__
-#: ``actor_rollout_ref.rollout.name`` of the embedded engine (also defined in ``.rollout``, which imports it).
+#: ``actor_rollout_ref.rollout.name`` of the embedded engine (``.rollout``).
 ROLLOUT_NAME = "aglverl"
 
 

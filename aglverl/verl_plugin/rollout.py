@@ -31,13 +31,11 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
 from ..inference import InferenceServer, InferenceServerThread
+from . import ROLLOUT_NAME
 
 __all__ = ["ROLLOUT_NAME", "EmbeddedReplica", "EmbeddedRollout", "EmbeddedServerHandle", "local_rollout"]
 
 logger = logging.getLogger(__name__)
-
-#: ``actor_rollout_ref.rollout.name`` of this engine.
-ROLLOUT_NAME = "aglverl"
 
 #: The rollouts of this process (one per hybrid worker in practice); ``__ray_call__`` reaches them here.
 _LOCAL: list[EmbeddedRollout] = []
@@ -62,13 +60,14 @@ class EmbeddedRollout(BaseRollout):
         super().__init__(config, model_config, device_mesh)
         if self.config.tensor_model_parallel_size != 1:
             raise ValueError(
-                "rollout.name=aglverl serves one model copy per worker: set "
+                f"rollout.name={ROLLOUT_NAME} serves one model copy per worker: set "
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size=1 (got {self.config.tensor_model_parallel_size})"
             )
         max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
         self.server = InferenceServer(
             str(self.model_config.local_path),
-            served_model_name=served_model_name(self.model_config.path),
+            # the configured model path, as vLLM names its model by default
+            served_model_name=str(self.model_config.path),
             max_model_len=int(max_model_len),
             max_batch_size=int(self.config.max_num_seqs),
         )
@@ -99,11 +98,6 @@ class EmbeddedRollout(BaseRollout):
         named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
         version = int(kwargs.get("global_steps") or 0)
         await asyncio.to_thread(self.server.load_weights, named, version)
-
-
-def served_model_name(path: str) -> str:
-    """The model name the embedded server answers to: the configured model path, as vLLM does by default."""
-    return str(path)
 
 
 def _describe(_worker: Any) -> tuple[str, str]:
