@@ -50,15 +50,7 @@ async def test_serve_runs_the_daemon_and_shuts_down_on_signal(sig: signal.Signal
                 process.send_signal(sig)
                 with anyio.fail_after(15):
                     await process.wait()
-        assert process.returncode == code
-        assert process.stderr is not None
-        stderr = b""
-        with anyio.fail_after(5):
-            async for chunk in process.stderr:
-                stderr += chunk
-        assert b"Traceback" not in stderr, stderr.decode(errors="replace")
-        with pytest.raises(OSError):
-            await anyio.connect_tcp("127.0.0.1", int(server_url.rsplit(":", 1)[1]))
+        await _assert_stopped_cleanly(process, code, [server_url])
     finally:
         if process.returncode is None:
             process.kill()
@@ -73,16 +65,26 @@ async def _start(cmd: list[str]) -> tuple[anyio.abc.Process, dict]:
     return process, info
 
 
-async def _stop(process: anyio.abc.Process, sig: signal.Signals) -> bytes:
+async def _stop(process: anyio.abc.Process, sig: signal.Signals, code: int, urls: list[str]) -> None:
+    """Send ``sig``, wait for the exit, and check it was clean (see :func:`_assert_stopped_cleanly`)."""
     process.send_signal(sig)
     with anyio.fail_after(30):
         await process.wait()
+    await _assert_stopped_cleanly(process, code, urls)
+
+
+async def _assert_stopped_cleanly(process: anyio.abc.Process, code: int, urls: list[str]) -> None:
+    """The exited process returned ``code``, printed no traceback, and no longer listens at ``urls``."""
+    assert process.returncode == code
     assert process.stderr is not None
     stderr = b""
     with anyio.fail_after(5):
         async for chunk in process.stderr:
             stderr += chunk
-    return stderr
+    assert b"Traceback" not in stderr, stderr.decode(errors="replace")
+    for url in urls:
+        with pytest.raises(OSError):
+            await anyio.connect_tcp("127.0.0.1", _port(url))
 
 
 def _port(url: str) -> int:
@@ -105,11 +107,7 @@ async def test_serve_model_runs_the_inference_server_alone(tiny_model: Path) -> 
             ) as resp:
                 answer = await resp.json()
             assert resp.status == 200 and 1 <= len(answer["choices"][0]["token_ids"]) <= 4
-        stderr = await _stop(process, signal.SIGTERM)
-        assert process.returncode == 0
-        assert b"Traceback" not in stderr, stderr.decode(errors="replace")
-        with pytest.raises(OSError):
-            await anyio.connect_tcp("127.0.0.1", _port(url))
+        await _stop(process, signal.SIGTERM, 0, [url])
     finally:
         if process.returncode is None:
             process.kill()
@@ -140,12 +138,7 @@ async def test_serve_with_a_local_model_puts_it_behind_the_proxy(tiny_model: Pat
             async with http.post(f"{info['proxy_url']}/v1/chat/completions", json=body) as resp:
                 answer = await resp.json()
             assert resp.status == 200 and answer["model"] == "tiny"
-        stderr = await _stop(process, signal.SIGINT)
-        assert process.returncode == 130
-        assert b"Traceback" not in stderr, stderr.decode(errors="replace")
-        for url in (info["server_url"], info["proxy_url"], info["model_url"]):
-            with pytest.raises(OSError):
-                await anyio.connect_tcp("127.0.0.1", _port(url))
+        await _stop(process, signal.SIGINT, 130, [info["server_url"], info["proxy_url"], info["model_url"]])
     finally:
         if process.returncode is None:
             process.kill()
