@@ -25,6 +25,7 @@ from .models import (
 )
 
 if TYPE_CHECKING:
+    from .algorithm import AsyncVERL
     from .batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
     from .collector import RolloutCollector, Step, StepReport, TrainingBatch
     from .daemon import AgentDaemon
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from .tiny import resolve_model, tiny_model_path
 
 _LAZY = {
+    "AsyncVERL": "algorithm",
     "AgentDaemon": "daemon",
     "BatchConfig": "batch",
     "FinishedRollout": "batch",
@@ -64,6 +66,7 @@ __all__ = [
     "LLM",
     "AgentClient",
     "AgentDaemon",
+    "AsyncVERL",
     "BatchConfig",
     "FinishedRollout",
     "GenericResponse",

@@ -14,10 +14,10 @@ are merged onto verl's packaged ``ppo_trainer.yaml``, composed by Hydra exactly 
 ``model.override_config`` accept any key). On a machine without a GPU the CPU platform and the embedded rollout
 are selected (:data:`CPU_DEFAULTS`, each of which the user may override); with GPUs, verl's vLLM rollout.
 
-``run`` starts or joins Ray (``RAY_ADDRESS``; a Ray started here listens on loopback only), builds the resource
-pools and roles the way verl's task runner does, starts verl's workers, hosts an :class:`AgentDaemon` (and the
-agents, if ``agent=`` was given) in its own task group on the caller's loop, and trains with
-:class:`~aglverl.trainer.AgentPPOTrainer`. Blocking Ray and torch calls run in worker threads.
+``run`` starts or joins Ray (``RAY_ADDRESS``; a Ray started here listens on loopback only), starts verl's V1
+trainer (``trainer.v1.trainer_mode``: its workers, inference replicas and TransferQueue), hosts an
+:class:`AgentDaemon` (and the agents, if ``agent=`` was given) on the caller's loop as the trainer's trajectory
+producer, and runs verl's ``fit`` (:mod:`aglverl.verl_v1`). Blocking Ray and torch calls run in worker threads.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -89,6 +89,9 @@ CPU_DEFAULTS: dict[str, Any] = {
             "agent": {"num_workers": 1},
         },
     },
+    # TransferQueue's default 8 storage units (one CPU each) do not fit a 2-core machine's Ray next to verl's
+    # worker bundles (tq.init waits forever, VERL_V1.md); the step's rows fit one unit many times over.
+    "transfer_queue": {"backend": {"SimpleStorage": {"num_data_storage_units": 1}}},
     "critic": {
         "strategy": "fsdp2",
         "fsdp": FP32_FSDP,
@@ -100,13 +103,12 @@ CPU_DEFAULTS: dict[str, Any] = {
     },
     "reward": {"num_workers": 1},
     "data": {"dataloader_num_workers": 0},
-    "trainer": {"device": "cpu", "n_gpus_per_node": 1, "nnodes": 1, "logger": ["console"], "use_v1": False},
+    "trainer": {"device": "cpu", "n_gpus_per_node": 1, "nnodes": 1, "logger": ["console"]},
 }
 
-#: What aglverl changes on GPUs: verl's vLLM rollout, and the legacy trainer our subclass extends.
+#: What aglverl changes on GPUs: verl's vLLM rollout.
 GPU_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {"rollout": {"name": "vllm", "mode": "async"}},
-    "trainer": {"use_v1": False},
 }
 
 
@@ -131,6 +133,9 @@ class DaemonOptions:
     - ``platform``: ``"auto"`` (CPU when no GPU is visible), ``"cpu"`` or ``"gpu"``.
     - ``signal``: the training-signal controls (:class:`~aglverl.signals.SignalConfig`: rejection sampling,
       compact filtering, step-wise advantage, behaviour log-probs), as a mapping of its fields.
+    - ``sampling_mismatch``: a call that sets other sampling parameters than the trainer's (temperature,
+      top_p, top_k; others at non-neutral values) is refused with a 400 naming them (``"refuse"``) or kept
+      out of the loss (``"mask"``); parameters a call omits are filled in with the trainer's either way.
     """
 
     host: str = "127.0.0.1"
@@ -145,6 +150,7 @@ class DaemonOptions:
     agents: int | None = None
     platform: Literal["auto", "cpu", "gpu"] = "auto"
     signal: SignalConfig = dataclasses.field(default_factory=SignalConfig)
+    sampling_mismatch: Literal["refuse", "mask"] = "refuse"
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -167,6 +173,10 @@ class DaemonOptions:
             raise ConfigError(f"aglverl.agents must be >= 1, got {options.agents}")
         if options.max_attempts < 1:
             raise ConfigError(f"aglverl.max_attempts must be >= 1, got {options.max_attempts}")
+        if options.sampling_mismatch not in ("refuse", "mask"):
+            raise ConfigError(
+                f"aglverl.sampling_mismatch must be 'refuse' or 'mask', got {options.sampling_mismatch!r}"
+            )
         return options
 
 
@@ -265,9 +275,48 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     config = OmegaConf.merge(base, defaults, user)
     _resolve_model_paths(config, user)
     _refuse_unsupported(config, options.signal)
+    options = _connect_to_verl(config, options, user)
     OmegaConf.set_struct(config, True)
     _validate_with_verl(config)
     return config, options
+
+
+def _connect_to_verl(config: Any, options: DaemonOptions, user: Mapping[str, Any]) -> DaemonOptions:
+    """The settings that make verl's V1 trainer take its trajectories from aglverl (see aglverl.verl_v1).
+
+    - the replay buffer that waits for the daemon's events (unless the user names a sampler of their own);
+    - verl's dataset paths are cleared unless the user set them (verl's packaged gsm8k paths mean nothing
+      here; ``run``'s datasets or these files are the task inputs);
+    - behaviour log-probs: ``rollout.calculate_log_probs`` and ``aglverl.signal.request_logprobs`` mean the
+      same thing (the engine's log-probs ride along in every row), so either turns both on;
+    - rejection sampling is verl's DAPO group filter (``algorithm.filter_groups``) on aglverl's scores: a
+      uniform group is evicted and a fresh prompt takes its place, at most ``max_num_gen_batches`` batches'
+      worth per step (aglverl's default: 4; after that the step trains on what it has).
+    """
+    from .verl_v1 import MODULE_PATH, sampler_name
+
+    sampler = config.trainer.v1.sampler.custom_sampler
+    if not sampler.get("path"):
+        sampler.path = MODULE_PATH
+        sampler.name = sampler_name(str(config.trainer.v1.trainer_mode))
+    elif sampler.path == MODULE_PATH:
+        sampler.name = sampler_name(str(config.trainer.v1.trainer_mode))
+    data = user.get("data", {}) if isinstance(user.get("data"), Mapping) else {}
+    for key in ("train_files", "val_files"):
+        if key not in data:
+            config.data[key] = None
+    rollout = config.actor_rollout_ref.rollout
+    signal = options.signal
+    if rollout.calculate_log_probs and not signal.request_logprobs:
+        signal = dataclasses.replace(signal, request_logprobs=True)
+    rollout.calculate_log_probs = signal.request_logprobs
+    if signal.rejection_sampling:
+        groups = config.algorithm.filter_groups
+        groups.enable = True
+        groups.metric = "reward"
+        if int(groups.max_num_gen_batches or 0) <= 0:
+            groups.max_num_gen_batches = 4
+    return dataclasses.replace(options, signal=signal)
 
 
 def _pick_platform(choice: str) -> Literal["cpu", "gpu"]:
@@ -329,8 +378,16 @@ def _refuse_unsupported(config: Any, signal: SignalConfig) -> None:
             "algorithm.adv_estimator=remax needs the trainer to generate a greedy baseline for every prompt; "
             "aglverl's rollouts come from agents, so use grpo, rloo, reinforce_plus_plus or gae"
         )
+    if not config.trainer.get("use_v1", True):
+        raise ConfigError(
+            "trainer.use_v1=false selects verl's deprecated legacy trainer; aglverl feeds verl's V1 trainer "
+            "(trainer.v1.trainer_mode: sync, colocate_async or separate_async)"
+        )
     if not config.actor_rollout_ref.hybrid_engine:
-        raise ConfigError("actor_rollout_ref.hybrid_engine=false needs verl's v1 trainer; aglverl uses the hybrid one")
+        raise ConfigError(
+            "actor_rollout_ref.hybrid_engine=false (rollout without trainer replicas) is not supported by "
+            "aglverl yet; keep the hybrid engine"
+        )
     if config.actor_rollout_ref.rollout.name in (None, "???"):
         raise ConfigError("actor_rollout_ref.rollout.name must be set (vllm, sglang or aglverl)")
 
@@ -399,6 +456,16 @@ PLATFORM_ENV = {
 }
 
 
+def _transfer_queue_threads() -> dict[str, str]:
+    """TransferQueue caps torch's threads at ``TQ_NUM_THREADS`` (8) while it packs tensors and warns on every
+    put and get when the machine has fewer physical cores; cap it at what the machine has."""
+    import psutil
+
+    if "TQ_NUM_THREADS" in os.environ:
+        return {"TQ_NUM_THREADS": os.environ["TQ_NUM_THREADS"]}
+    return {"TQ_NUM_THREADS": str(min(8, psutil.cpu_count(logical=False) or 1))}
+
+
 @dataclasses.dataclass(frozen=True)
 class VerlRuntime:
     """What :func:`verl_runtime` set up: the plugin environment verl's processes need, and (when Ray runs on
@@ -423,8 +490,12 @@ def verl_runtime(config: Any) -> Iterator[VerlRuntime]:
     platform: Literal["cpu", "gpu"] = "cpu" if config.trainer.device == "cpu" else "gpu"
     plugin_only = {"VERL_USE_EXTERNAL_MODULES": PLATFORM_ENV["VERL_USE_EXTERNAL_MODULES"]}
     env = dict(PLATFORM_ENV) if platform == "cpu" else plugin_only
+    env.update(_transfer_queue_threads())
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
+    from .verl_plugin.patches import transfer_queue_threads
+
+    transfer_queue_threads(int(env["TQ_NUM_THREADS"]))
     scratch = Path(tempfile.mkdtemp(prefix="aglverl-"))
     try:
         _select_platform_in_driver(platform)
@@ -487,7 +558,8 @@ def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gp
         # Every verl resource-pool bundle asks for {"CPU": 3, "GPU": 1} (single_controller/ray/base.py:146),
         # and the CPU platform names "GPU" as its Ray resource: declare one fake GPU per worker.
         init_kwargs.setdefault("num_gpus", n_accelerators)
-        init_kwargs.setdefault("num_cpus", max(8, 4 * n_accelerators, os.cpu_count() or 1))
+        # Logical CPUs: verl's bundles ask for 3 each, TransferQueue's controller and storage units one each.
+        init_kwargs.setdefault("num_cpus", max(16, 4 * n_accelerators + 8, os.cpu_count() or 1))
     ray.init(include_dashboard=False, runtime_env=runtime_env, **init_kwargs)
     return True
 
@@ -508,7 +580,7 @@ def _shutdown_ray() -> None:
 
 # ---------------------------------------------------------------------------------------------- AsyncVERL
 class AsyncVERL:
-    """Train agents with verl's PPO trainer fed by an :class:`~aglverl.daemon.AgentDaemon`.
+    """Train agents with verl's V1 PPO trainer, an :class:`~aglverl.daemon.AgentDaemon` as its trajectory producer.
 
     ``config``: verl overrides plus an ``aglverl:`` section (see the module docstring). ``agent``: an agent
     function as for :func:`~aglverl.client.run_agents` (``async fn(task_input, llm) -> reward | Rollout``);
@@ -539,56 +611,145 @@ class AsyncVERL:
         """Run the whole training; returns the last step's metrics (with the final validation, if any).
 
         Datasets are lists of task-input dicts or parquet / JSON-lines paths (default: ``data.train_files`` /
-        ``data.val_files``). Cancellation stops training after the Ray call in progress returns, then shuts
-        the daemon, the agents and (if started here) Ray down.
+        ``data.val_files``); without a validation set there is no validation. Cancellation stops training
+        after the blocking verl call in progress returns, then shuts the daemon, the agents, verl's workers
+        and (if started here) Ray down.
         """
-        train = load_samples(train_dataset, None if train_dataset else self.config.data.train_files)
-        val = load_samples(val_dataset) if val_dataset is not None else None
+        train = load_samples(train_dataset, self.config.data.train_files)
+        val = load_samples(val_dataset, self.config.data.val_files)
         if not train:
-            raise ConfigError("the training dataset is empty")
+            raise ConfigError("the training dataset is empty (pass train_dataset or set data.train_files)")
+        config = _run_config(self.config, has_validation=bool(val))
         stack = ExitStack()
         try:
-            runtime = await anyio.to_thread.run_sync(stack.enter_context, verl_runtime(self.config))
-            return await self._train(train, val, runtime)
+            runtime = await anyio.to_thread.run_sync(stack.enter_context, verl_runtime(config))
+            return await self._train(config, train, val, runtime)
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(stack.close)
 
     async def _train(
-        self, train: list[dict[str, Any]], val: list[dict[str, Any]] | None, runtime: VerlRuntime
+        self, config: Any, train: list[dict[str, Any]], val: list[dict[str, Any]] | None, runtime: VerlRuntime
     ) -> dict[str, float]:
-        from .daemon import AgentDaemon
-        from .trainer import AgentPPOTrainer, build_trainer
+        from . import verl_v1
+        from .verl_plugin.patches import use_worker_group
 
-        self.trainer = await anyio.to_thread.run_sync(build_trainer, self.config, train, val, runtime)
-        trainer: AgentPPOTrainer = self.trainer
-        try:
-            await anyio.to_thread.run_sync(trainer.init_workers)
-            daemon_kwargs = await anyio.to_thread.run_sync(trainer.daemon_kwargs, self.options)
-        except BaseException:
-            await anyio.to_thread.run_sync(trainer.close)
-            raise
-        self.daemon = AgentDaemon(**daemon_kwargs)
-        try:
-            async with self.daemon:
-                logger.info("aglverl: agents connect to %s", self.daemon.server_url)
-                for callback in self.on_serving:
-                    callback(self.daemon)
-                async with anyio.create_task_group() as tg:
-                    if self.agent is not None:
-                        tg.start_soon(self._run_agents, self.options.agents or trainer.rollouts_per_step)
-                    try:
-                        metrics = await trainer.fit_async(self.daemon, on_step=self.on_step, progress=self.progress)
-                    finally:
-                        tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(trainer.close)
-        return metrics
+        use_worker_group(_worker_group_class(runtime.env, runtime.rendezvous_dir))
+        last: dict[str, float] = {}
+
+        def remember(step: int, metrics: Mapping[str, float]) -> None:
+            last.clear()
+            last.update(metrics)
+
+        @asynccontextmanager
+        async def serve(daemon: Any) -> AsyncIterator[None]:
+            self.daemon = daemon
+            logger.info("aglverl: agents connect to %s", daemon.server_url)
+            for callback in self.on_serving:
+                callback(daemon)
+            async with anyio.create_task_group() as tg:
+                if self.agent is not None:
+                    tg.start_soon(self._run_agents, self.options.agents or _rollouts_per_step(config))
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+
+        def daemon_kwargs(trainer: Any) -> dict[str, Any]:
+            self.trainer = trainer
+            return _daemon_kwargs(config, self.options, trainer)
+
+        await verl_v1.train(
+            config,
+            self.options,
+            train,
+            val,
+            daemon_kwargs=daemon_kwargs,
+            serve=serve,
+            on_step=[*self.on_step, remember],
+            progress=self.progress,
+        )
+        return last
 
     async def _run_agents(self, concurrency: int) -> None:
         assert self.agent is not None and self.daemon is not None
         await run_agents(self.daemon.server_url, self.agent, concurrency=concurrency, token=self.options.token)
+
+
+def _rollouts_per_step(config: Any) -> int:
+    return int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
+
+
+def _run_config(config: Any, *, has_validation: bool) -> Any:
+    """This run's copy of the config: verl's data loader reads the run's task inputs (``SampleDataset``), and
+    without a validation set there is no validation."""
+    from omegaconf import OmegaConf, open_dict
+
+    from .verl_v1 import MODULE_PATH, TRAIN_FILES, VAL_FILES
+
+    config = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+    with open_dict(config):
+        config.data.train_files = TRAIN_FILES
+        config.data.val_files = VAL_FILES
+        config.data.custom_cls = {"path": MODULE_PATH, "name": "SampleDataset"}
+        if not has_validation:
+            config.trainer.val_before_train = False
+            config.trainer.test_freq = -1
+    OmegaConf.set_struct(config, True)
+    return config
+
+
+def _daemon_kwargs(config: Any, options: DaemonOptions, trainer: Any) -> dict[str, Any]:
+    """Keyword arguments for the :class:`~aglverl.daemon.AgentDaemon` that feeds ``trainer`` (blocking)."""
+    from .batch import BatchConfig
+    from .verl_v1 import backend_urls, journal_path, served_model_name
+
+    data = config.data
+    pad = trainer.tokenizer.pad_token_id
+    backends = backend_urls(trainer)
+    return {
+        "host": options.host,
+        "port": options.port,
+        "proxy_port": options.proxy_port,
+        "token": options.token,
+        "backends": backends,
+        "model": served_model_name(backends[0]),
+        "llm_resource": options.llm_resource,
+        "lease_seconds": options.lease_seconds,
+        "max_attempts": options.max_attempts,
+        "step_timeout": options.step_timeout,
+        "vocab_size": len(trainer.tokenizer),
+        "journal_path": journal_path(config, options.journal),
+        "signal": options.signal,
+        "sampling_mismatch": options.sampling_mismatch,
+        "batch": BatchConfig(
+            max_prompt_length=int(data.max_prompt_length),
+            max_response_length=int(data.max_response_length),
+            pad_token_id=int(pad if pad is not None else 0),
+        ),
+    }
+
+
+def _worker_group_class(env: Mapping[str, str], rendezvous_dir: Path | None) -> type:
+    """verl's ``RayWorkerGroup`` whose workers get our plugin's environment and a rendezvous of their own.
+
+    ``env`` (the plugin variables) reaches the workers even on a Ray started without them. With
+    ``rendezvous_dir`` (a Ray this run started on one machine), workers meet through a fresh ``file://``
+    rendezvous: verl's default is a torch ``TCPStore``, which listens on every interface
+    (``verl/utils/distributed.py:98`` takes ``DIST_INIT_METHOD`` instead).
+    """
+    from verl.single_controller.ray import RayWorkerGroup
+
+    class AglverlWorkerGroup(RayWorkerGroup):
+        def __init__(self, resource_pool: Any = None, ray_cls_with_init: Any = None, **kwargs: Any) -> None:
+            if resource_pool is not None and "worker_env" not in kwargs:
+                worker_env = dict(env)
+                if rendezvous_dir is not None:
+                    worker_env["DIST_INIT_METHOD"] = fresh_init_method(rendezvous_dir)
+                kwargs["worker_env"] = worker_env
+            super().__init__(resource_pool=resource_pool, ray_cls_with_init=ray_cls_with_init, **kwargs)
+
+    return AglverlWorkerGroup
 
 
 def fresh_init_method(directory: Path) -> str:

@@ -7,7 +7,7 @@ Each triplet (one LLM call) of a rollout becomes one row::
     input_ids       [B, P+R]  cat(prompts, responses)
     attention_mask  [B, P+R]  1 on real tokens, 0 on pads            response_mask [B, R]: its response part
     position_ids    [B, P+R]  clamp(cumsum(attention_mask) - 1, min=0)
-    is_drop_mask    [B]       bool
+    is_drop_mask    [B]       bool: the row must not train (its prompt was cut, or its call was off-policy)
     token_level_scores [B, R] float32: the rollout's final reward on the last real response token
 
 and the non-tensor batch carries ``data_id_list`` / ``uid`` (the GRPO group), ``rollout_id_list`` and
@@ -128,6 +128,7 @@ class FinishedRollout:
     termination: frozenset[str] = frozenset()
     turn_rewards: Sequence[float | None] | None = None
     logprobs: Sequence[Sequence[float] | None] | None = None
+    off_policy: Sequence[bool] | None = None
 
 
 def build_batch(
@@ -144,8 +145,8 @@ def build_batch(
     tensor, with a leading dimension of 0. The inputs are never modified; every tensor has its own storage.
 
     Metrics (floats): counts of completed rollouts, those without triplets, rows (``n_triplets``, always the
-    batch's length), dropped empty responses, truncated prompts (= rows with ``is_drop_mask``) and responses,
-    filled rewards; the mean final reward over completed rollouts after filling; mean prompt / response
+    batch's length), dropped empty responses, truncated prompts and responses, off-policy rows (those two
+    are the rows marked ``is_drop_mask``), filled rewards; the mean final reward over completed rollouts after filling; mean prompt / response
     length of the rows after truncation (each 0.0 when there is nothing to average).
 
     Without ``signal``, failed rollouts (``completed=False``) are left out and every other turn with a
@@ -192,6 +193,7 @@ def build_batch(
     row_rollout, row_turn = turn_rollout[kept], turn_index[kept]
     prompt_len, full_response_len = prompt_len[kept], response_len[kept]
     prompt_cut, response_cut = prompt_len > P, full_response_len > R
+    off_policy = _off_policy(rollouts, len(turns))[kept]
     prompt_len, response_len = np.minimum(prompt_len, P), np.minimum(full_response_len, R)
 
     def where(turn: int) -> str:
@@ -211,7 +213,7 @@ def build_batch(
         "attention_mask": np.concatenate([prompt_mask, response_mask], axis=1, dtype=np.int64),
         "response_mask": response_mask.astype(np.int64),
         "position_ids": position_ids,
-        "is_drop_mask": prompt_cut,
+        "is_drop_mask": prompt_cut | off_policy,
         "token_level_scores": scores,
     }
     metrics = dict(plan.metrics)
@@ -238,6 +240,7 @@ def build_batch(
         "batch/n_triplets": float(len(kept)),
         "batch/n_empty_responses_dropped": float(n_empty),
         "batch/n_prompts_truncated": float(np.count_nonzero(prompt_cut)),
+        "batch/n_rows_off_policy": float(np.count_nonzero(off_policy)),
         "batch/n_responses_truncated": float(np.count_nonzero(response_cut)),
         "batch/n_rewards_filled": float(n_filled),
         "batch/reward_mean": _mean(rewards[completed]),
@@ -274,7 +277,7 @@ def _final_rewards(
 def _check_per_turn(rollouts: Sequence[FinishedRollout]) -> None:
     """Raise ``ValueError`` naming the first rollout whose per-turn rewards or logprobs are not one per turn."""
     for r in rollouts:
-        for name, values in (("turn_rewards", r.turn_rewards), ("logprobs", r.logprobs)):
+        for name, values in (("turn_rewards", r.turn_rewards), ("logprobs", r.logprobs), ("off_policy", r.off_policy)):
             if values is not None and len(values) != len(r.turns):
                 raise ValueError(
                     f"rollout {r.rollout_id!r} has {len(r.turns)} turns but {len(values)} {name}"
@@ -301,6 +304,12 @@ def _turn_rewards(rollouts: Sequence[FinishedRollout], n_turns: int) -> np.ndarr
         for r in rollouts
     )
     return np.fromiter(itertools.chain.from_iterable(per_turn), np.float64, count=n_turns)
+
+
+def _off_policy(rollouts: Sequence[FinishedRollout], n_turns: int) -> np.ndarray:
+    """Every turn's off-policy flag (False where none was given)."""
+    flags = (r.off_policy if r.off_policy is not None else (False,) * len(r.turns) for r in rollouts)
+    return np.fromiter(itertools.chain.from_iterable(flags), bool, count=n_turns)
 
 
 def _logprobs_of(rollout: FinishedRollout) -> Sequence[Sequence[float] | None]:

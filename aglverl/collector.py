@@ -37,7 +37,9 @@ __all__ = [
     "StepReport",
     "TrainingBatch",
     "Trajectory",
+    "finished_rollout",
     "termination_of",
+    "tokens_in",
     "trajectory_of",
     "turns_of",
 ]
@@ -108,13 +110,17 @@ class Step:
 class Trajectory(NamedTuple):
     """A finished rollout's turns and what goes with each: the agent's reward (``rewards``, ``None`` when the
     turns came from the proxy), the engine's logprobs (one list per turn, ``None`` where missing), where the
-    turns came from (``"client"``, ``"proxy"``, ``"none"``) and how many recorded calls were unusable."""
+    turns came from (``"client"``, ``"proxy"``, ``"none"``), how many recorded calls were unusable, and per
+    turn the weight version that generated it and whether its call was off-policy (proxy turns; a posted
+    triplet's version is unknown: ``None``)."""
 
     turns: list[Turn]
     rewards: list[float | None] | None
     logprobs: list[list[float] | None]
     source: str
     n_skipped: int
+    versions: list[int | None]
+    off_policy: list[bool]
 
 
 def trajectory_of(record: RolloutRecord) -> Trajectory:
@@ -129,11 +135,35 @@ def trajectory_of(record: RolloutRecord) -> Trajectory:
     if result is not None and result.triplets:
         turns: list[Turn] = [(t.prompt.token_ids, t.response.token_ids) for t in result.triplets]
         rewards = [t.reward for t in result.triplets]
-        return Trajectory(turns, rewards, [_posted_logprobs(t) for t in result.triplets], "client", 0)
+        logprobs = [_posted_logprobs(t) for t in result.triplets]
+        n = len(turns)
+        return Trajectory(turns, rewards, logprobs, "client", 0, [None] * n, [False] * n)
     usable: list[LLMCall] = [c for c in record.calls if c.status == "ok" and c.has_token_ids]
     proxied: list[Turn] = [(c.prompt_token_ids or [], c.response_token_ids or []) for c in usable]
-    source = "proxy" if usable else "none"
-    return Trajectory(proxied, None, [c.logprobs for c in usable], source, len(record.calls) - len(usable))
+    return Trajectory(
+        proxied,
+        None,
+        [c.logprobs for c in usable],
+        "proxy" if usable else "none",
+        len(record.calls) - len(usable),
+        [c.weight_version for c in usable],
+        [c.off_policy for c in usable],
+    )
+
+
+def finished_rollout(record: RolloutRecord, trajectory: Trajectory, data_id: str) -> FinishedRollout:
+    """What :func:`aglverl.batch.build_batch` takes for a terminal rollout (its turns from ``trajectory``)."""
+    return FinishedRollout(
+        record.rollout_id,
+        data_id,
+        final_reward(record),
+        trajectory.turns,
+        completed=record.state == "completed",
+        termination=termination_of(record),
+        turn_rewards=trajectory.rewards,
+        logprobs=trajectory.logprobs,
+        off_policy=trajectory.off_policy,
+    )
 
 
 def turns_of(record: RolloutRecord) -> tuple[list[Turn], str, int]:
@@ -314,7 +344,7 @@ class RolloutCollector:
         Handing work to a thread costs up to the interpreter's switch interval (5 ms) while the loop is busy,
         more than building a small batch takes (~45 ns per token), so small batches are built right here.
         """
-        if _tokens(records) <= INLINE_BUILD_TOKENS:
+        if tokens_in(records) <= INLINE_BUILD_TOKENS:
             return self._build(records)
         return await anyio.to_thread.run_sync(self._build, records)
 
@@ -375,25 +405,13 @@ class RolloutCollector:
         rewards = []
         for record in records:
             trajectory = trajectory_of(record)
-            completed = record.state == "completed"
-            reward = final_reward(record)
-            if completed:
+            rollout = finished_rollout(record, trajectory, str(record.metadata["data_id"]))
+            if rollout.completed:
                 sources[trajectory.source] += 1
                 skipped += trajectory.n_skipped
-                if reward is not None:
-                    rewards.append(reward)
-            finished.append(
-                FinishedRollout(
-                    record.rollout_id,
-                    str(record.metadata["data_id"]),
-                    reward,
-                    trajectory.turns,
-                    completed=completed,
-                    termination=termination_of(record),
-                    turn_rewards=trajectory.rewards,
-                    logprobs=trajectory.logprobs,
-                )
-            )
+                if rollout.reward is not None:
+                    rewards.append(rollout.reward)
+            finished.append(rollout)
         data, metrics = build_batch(finished, self.batch_config, self.signal)
         metrics.update(_weight_versions(records))
         metrics.update(
@@ -420,7 +438,7 @@ def _weight_versions(records: Sequence[RolloutRecord]) -> dict[str, float]:
     }
 
 
-def _tokens(records: Sequence[RolloutRecord]) -> int:
+def tokens_in(records: Sequence[RolloutRecord]) -> int:
     """Token ids a batch built from ``records`` has to move (an upper bound on its building time)."""
     total = 0
     for record in records:

@@ -1,4 +1,4 @@
-"""``AgentDaemon``: the store, task server, LLM proxy and collector in one task group on the caller's loop.
+"""``AgentDaemon``: the store, task server, LLM proxy, collector (and producer) in one task group on the caller's loop.
 
 ::
 
@@ -8,7 +8,8 @@
             ...                                      # train; daemon.update_resources(...) / set_backends(...)
 
 A trainer needs nothing else: :meth:`AgentDaemon.submit`, :attr:`AgentDaemon.batches`, and the resource/
-backend/weight-update calls. The daemon never owns the event loop; leaving the ``async with`` block (or
+backend/weight-update calls. A trainer that samples finished groups from a store of its own (verl's V1
+trainer) passes a ``trajectory_sink`` instead and dispatches prompts with :attr:`AgentDaemon.producer`. The daemon never owns the event loop; leaving the ``async with`` block (or
 cancelling the task that runs :meth:`AgentDaemon.serve`) shuts every component down: listening ports released,
 parked long-polls answered, upstream connections closed, no task or thread left.
 """
@@ -33,7 +34,8 @@ from .collector import RolloutCollector, Step, TrainingBatch
 from .journal import Journal
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
-from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, Outcome, RetryPolicy
+from .producer import OWNER_PREFIX, GroupSink, TrajectoryProducer
+from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, Outcome, RetryPolicy, SamplingMismatch
 from .server import TaskServer
 from .signals import SignalConfig
 from .store import TaskStore
@@ -71,8 +73,15 @@ class AgentDaemon:
       the whole process, so an embedding application that manages the collector itself can turn it off.
     - ``journal_path``: a write-ahead journal; every accepted result is in it before the agent hears "ok", and
       a daemon started on the same file recovers the unfinished steps (only their unfinished rollouts are
-      handed out again). ``journal_fsync``: also ``fsync`` before answering (survives power loss, not just
-      a killed process).
+      handed out again, with this daemon's resources: a recovered ``main_llm`` points at the live proxy) and
+      the producer's groups in flight. ``journal_fsync``: also ``fsync`` before answering (survives power
+      loss, not just a killed process).
+    - ``sampling_mismatch``: what the proxy does with a call that sets other sampling parameters than its
+      rollout's ``main_llm`` names: ``"refuse"`` (400 naming the parameter) or ``"mask"`` (kept, recorded
+      ``off_policy``, its rows kept out of the loss). Parameters a call omits are filled in either way.
+    - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.producer.GroupSink`); with it the
+      daemon runs a :class:`~aglverl.producer.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
+      bounds each group.
     """
 
     def __init__(
@@ -103,6 +112,8 @@ class AgentDaemon:
         journal_path: str | os.PathLike[str] | None = None,
         journal_fsync: bool = False,
         freeze_gc: bool = True,
+        sampling_mismatch: SamplingMismatch = "refuse",
+        trajectory_sink: GroupSink | None = None,
         registry: Registry | None = None,
     ) -> None:
         self.registry = registry or Registry()
@@ -132,8 +143,12 @@ class AgentDaemon:
             backend_api_key=backend_api_key,
             upstream_keepalive=upstream_keepalive,
             request_logprobs=signal.request_logprobs,
+            sampling_of=self._sampling_of,
+            sampling_mismatch=sampling_mismatch,
         )
         self.store.on_forget(self.proxy.forget)
+        self._sampling_cache: dict[str, Mapping[str, Any] | None] = {}
+        self._previous_proxy: str | None = None  # the proxy URL of the run whose journal this daemon replayed
         self.collector = RolloutCollector(
             self.store,
             batch=batch,
@@ -142,6 +157,19 @@ class AgentDaemon:
             step_timeout=step_timeout,
         )
         self.journal = Journal(journal_path, fsync=journal_fsync) if journal_path is not None else None
+        #: The trajectory producer (with a ``trajectory_sink``): prompts in, finished groups to the sink.
+        self.producer: TrajectoryProducer | None = None
+        if trajectory_sink is not None:
+            self.producer = TrajectoryProducer(
+                self.store,
+                trajectory_sink,
+                batch=batch or BatchConfig(),
+                signal=signal,
+                group_timeout=step_timeout,
+                weight_version=lambda: self.proxy.weight_version,
+                journal=self.journal is not None,
+                registry=self.registry,
+            )
         self.freeze_gc = freeze_gc
         self._stack: AsyncExitStack | None = None
 
@@ -162,10 +190,20 @@ class AgentDaemon:
         if journal is None:
             return
         records = journal.replay()
-        self.store.restore(records)
-        self.collector.restore(records)
+        self._previous_proxy = next((r["url"] for r in reversed(records) if r.get("kind") == "proxy"), None)
+        if self.producer is not None:
+            held = self.producer.restore(records)
+        else:  # no producer to adopt them: a previous run's producer tasks are not handed out either
+            held = {r["rollout_id"] for r in records if str(r.get("owner") or "").startswith(OWNER_PREFIX)}
+        others = [r for r in records if r.get("rollout_id") not in held] if held else records
+        self.store.restore(others)
+        self.collector.restore(others)
+        producer = self.producer
         journal.live_records = lambda: itertools.chain(
-            self.store.live_records(), self.collector.live_records()
+            [{"kind": "proxy", "url": url}] if (url := self._proxy_url_for_journal()) else [],
+            self.store.live_records(),
+            self.collector.live_records(),
+            producer.live_records() if producer is not None else (),
         )
         journal.open(journal.live_records())
         self.store.journal = journal
@@ -187,6 +225,9 @@ class AgentDaemon:
         await tg.start(self.server.serve)
         await tg.start(self.proxy.serve)
         await tg.start(self.collector.serve)
+        if self.producer is not None:
+            await tg.start(self.producer.serve)
+        self._rebind_recovered_resources()
         self.update_resources({"main_llm": self.main_llm()})
         if self.freeze_gc:
             # verl, torch and transformers leave ~1.6 M objects on the heap; every full collection scans them
@@ -236,6 +277,43 @@ class AgentDaemon:
         if self.llm_resource_kind == "plain":
             return LLM(endpoint=f"{self.proxy_url}/v1", model=self.model, sampling_parameters=params)
         return self.proxy.llm_resource(self.model, params)
+
+    def _rebind_recovered_resources(self) -> None:
+        """Point resources recovered from the journal at this daemon's proxy (the old one is gone).
+
+        A requeued rollout of a previous run keeps its ``resources_id``; its ``main_llm`` named the dead
+        proxy's address, so the agent's calls would fail and the rollout be lost.
+        """
+        live, old = self.proxy.url, self._previous_proxy
+        self.store.journal_write({"kind": "proxy", "url": live})
+        if old is None or old == live:
+            return
+        for update in self.store.all_resources():
+            changed = {
+                name: resource.model_copy(update={"endpoint": live + resource.endpoint[len(old) :]})
+                for name, resource in update.resources.items()
+                if isinstance(resource, LLM) and resource.endpoint.startswith(old + "/")
+            }
+            if changed:
+                self.store.replace_resources(update.resources_id, {**update.resources, **changed})
+                logger.info("resources %s recovered from the journal now use the proxy at %s", update.resources_id, live)
+
+    def _proxy_url_for_journal(self) -> str | None:
+        """The proxy URL resources recorded in the journal name: this one's once serving, else the last run's."""
+        return self.proxy.url if self.proxy.serving else self._previous_proxy
+
+    def _sampling_of(self, rollout_id: str) -> Mapping[str, Any] | None:
+        """The sampling parameters the rollout's ``main_llm`` names (what the proxy fills in and checks)."""
+        resources_id = self.store.resources_id_of(rollout_id)
+        if resources_id is None:
+            return None
+        if resources_id not in self._sampling_cache:
+            update = self.store.resources(resources_id)
+            llm = update.resources.get("main_llm") if update is not None else None
+            self._sampling_cache[resources_id] = (
+                dict(llm.sampling_parameters) if isinstance(llm, LLM) and llm.sampling_parameters else None
+            )
+        return self._sampling_cache[resources_id]
 
     def update_resources(self, resources: NamedResources) -> str:
         """Publish a new resources version (agents fetch it by the task's ``resources_id``); returns its id."""
@@ -334,3 +412,4 @@ class AgentDaemon:
     async def retrieve_completed_rollouts(self) -> list[Rollout]:
         """Every finished rollout queued with :meth:`queue_task`, removed from the daemon."""
         return self.store.pop_all_finished()
+

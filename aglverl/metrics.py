@@ -1,4 +1,4 @@
-"""A small Prometheus text-format registry: counters, gauges and histograms, all single-loop, no locks.
+"""A small Prometheus text-format registry (counters, gauges, histograms) and activity timelines; single loop.
 
 The daemon owns one :class:`Registry`; the store, the task server and the proxy register their series in it
 and ``GET /metrics`` renders it. Series names and help strings are fixed at registration; label values are
@@ -8,9 +8,19 @@ never request contents (no task inputs, no prompts), so ``/metrics`` reveals not
 from __future__ import annotations
 
 import bisect
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["LATENCY_BUCKETS", "Counter", "Gauge", "Histogram", "Registry"]
+__all__ = [
+    "LATENCY_BUCKETS",
+    "ActivityTimeline",
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "Registry",
+    "overlap_shares",
+]
 
 #: Seconds; spans a sub-millisecond proxy hop to a multi-minute agent rollout.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -157,3 +167,81 @@ class Registry:
         for metric in self._metrics.values():
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
+
+
+class ActivityTimeline:
+    """When something was active, as wall-clock intervals (``time.monotonic``), for busy-share metrics.
+
+    :meth:`begin` / :meth:`end` mark one more / one fewer concurrent activity; the timeline is busy while at
+    least one is running. :meth:`busy_intervals` clips the intervals to a window; intervals that ended before
+    ``keep_seconds`` ago are dropped, so memory stays bounded over a long run. Single thread (the event loop).
+    """
+
+    def __init__(self, keep_seconds: float = 3600.0) -> None:
+        self.keep_seconds = keep_seconds
+        self._active = 0
+        self._since = 0.0
+        self._intervals: deque[tuple[float, float]] = deque()
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def begin(self, now: float | None = None) -> None:
+        if self._active == 0:
+            self._since = time.monotonic() if now is None else now
+        self._active += 1
+
+    def end(self, now: float | None = None) -> None:
+        if self._active <= 0:
+            raise RuntimeError("ActivityTimeline.end() without a matching begin()")
+        self._active -= 1
+        if self._active == 0:
+            now = time.monotonic() if now is None else now
+            self._intervals.append((self._since, now))
+            while self._intervals and self._intervals[0][1] < now - self.keep_seconds:
+                self._intervals.popleft()
+
+    def busy_intervals(self, start: float, stop: float) -> list[tuple[float, float]]:
+        """The busy intervals inside ``[start, stop]`` (an activity still running counts up to ``stop``)."""
+        spans = list(self._intervals)
+        if self._active:
+            spans.append((self._since, stop))
+        return [(max(a, start), min(b, stop)) for a, b in spans if b > start and a < stop]
+
+
+def overlap_shares(
+    start: float, stop: float, first: Sequence[tuple[float, float]], second: Sequence[tuple[float, float]]
+) -> dict[str, float]:
+    """How the window ``[start, stop]`` splits between two activities given as disjoint, sorted intervals:
+    the shares of time in which only ``first`` ran, only ``second``, both, or neither (they sum to 1)."""
+    length = stop - start
+    if length <= 0:
+        return {"first_only": 0.0, "second_only": 0.0, "both": 0.0, "neither": 0.0}
+    a, b = _total(first), _total(second)
+    both = _total(_intersect(first, second))
+    return {
+        "first_only": (a - both) / length,
+        "second_only": (b - both) / length,
+        "both": both / length,
+        "neither": max(0.0, length - a - b + both) / length,
+    }
+
+
+def _total(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(max(0.0, b - a) for a, b in intervals)
+
+
+def _intersect(
+    first: Sequence[tuple[float, float]], second: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(first) and j < len(second):
+        lo, hi = max(first[i][0], second[j][0]), min(first[i][1], second[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if first[i][1] < second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out

@@ -13,6 +13,15 @@ every HTTP method:
   ``context`` limit too), weight version, backend, latency.
 - ``/v1/{path}`` — unattributed calls: forwarded verbatim and counted, never recorded.
 
+Sampling parameters (attributed calls, when the rollout's ``main_llm`` resource names them, as a trainer's
+does): a parameter the call omits is filled in with the trainer's value (``temperature``, ``top_p``,
+``top_k``; and ``max_tokens`` when the call sets no limit), so the tokens are drawn from the distribution the
+trainer recomputes log-probs for. A call that sets a different value (or a non-neutral ``min_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` or ``logit_bias``) is off-policy; the
+``sampling_mismatch`` rule decides: ``"refuse"`` answers 400 naming the parameter and both values,
+``"mask"`` forwards it and records it ``off_policy`` (its rows are kept out of the loss). Every call records
+the values it used; ``aglverl_proxy_sampling_total{action}`` counts fills, refusals and masked calls.
+
 The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
 chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the
 SSE events; bodies with a ``Content-Length`` are read whole (bounded), parsed once and sent unchanged.
@@ -49,7 +58,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,11 +71,11 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from ._net import bind_listener, url_of
-from .metrics import Registry
+from .metrics import ActivityTimeline, Registry
 from .models import ProxyLLM, checked_token_ids
 from .store import LLMCall, StoreError, TaskStore
 
-__all__ = ["LLMProxy", "ProxyError", "RetryPolicy"]
+__all__ = ["LLMProxy", "ProxyError", "RetryPolicy", "reconcile_sampling"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +133,62 @@ _ERROR_TYPES: Mapping[int, str] = {
 }
 
 Outcome = Literal["ok", "upstream_error", "failed", "cancelled", "rejected"]
+SamplingMismatch = Literal["refuse", "mask"]
+#: Sampling parameters that change the distribution tokens are drawn from, and each one's neutral value.
+SAMPLING_NEUTRAL: Mapping[str, float | None] = {
+    "temperature": None,  # no neutral value: the trainer always names one
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+#: Of those, the ones a trainer's ``main_llm`` names (and the proxy fills in when a call omits them).
+TRAINER_SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def _same_value(key: str, a: Any, b: Any) -> bool:
+    if key == "top_k":  # vLLM: -1 and 0 both mean "no top-k"
+        a, b = (-1 if v in (0, -1, None) else v for v in (a, b))
+    if a is None or b is None:
+        return a is b
+    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6)
+
+
+def reconcile_sampling(
+    request: Mapping[str, Any], expected: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, float], list[str]]:
+    """Compare a call's sampling parameters with the trainer's ``expected`` ones.
+
+    Returns ``(fill, used, mismatches)``: the parameters to add to the request (the trainer's values the call
+    omits, and ``max_tokens`` when it sets no limit), the values the call is made with, and a description of
+    each parameter it sets differently (``"temperature=0.7 (the trainer samples at 1.0)"``). A ``null`` in the
+    request counts as omitted; a parameter neither side names counts at its neutral value.
+    """
+    fill: dict[str, Any] = {}
+    used: dict[str, float] = {}
+    mismatches: list[str] = []
+    for key, neutral in SAMPLING_NEUTRAL.items():
+        want = expected.get(key, neutral) if key in TRAINER_SAMPLING else neutral
+        got = request.get(key)
+        if got is None:
+            if want is not None and key in expected:
+                fill[key] = want
+            if want is not None:
+                used[key] = float(want)
+            continue
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            continue  # the backend rejects a wrong type with its own 400
+        used[key] = float(got)
+        if want is not None and not _same_value(key, got, want):
+            mismatches.append(f"{key}={got!r} (the trainer samples at {key}={want!r})")
+    if request.get("logit_bias"):
+        mismatches.append("logit_bias (the trainer samples without one)")
+    limit = expected.get("max_tokens")
+    if limit is not None and request.get("max_tokens") is None and request.get("max_completion_tokens") is None:
+        fill["max_tokens"] = limit
+    return fill, used, mismatches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,11 +438,13 @@ class _Call:
         "max_tokens",
         "method",
         "model",
+        "off_policy",
         "outcome",
         "path",
         "records",
         "response",
         "rollout_id",
+        "sampling",
         "seq",
         "sse",
         "started_at",
@@ -407,6 +474,8 @@ class _Call:
         # when the backend refuses the prompt as too long.
         self.max_tokens: int | None = None
         self.limit: Literal["context"] | None = None
+        self.sampling: dict[str, float] | None = None
+        self.off_policy = False
         self.weight_version = 0
         self.backend = ""
         self.response: web.StreamResponse | None = None
@@ -528,6 +597,9 @@ class LLMProxy:
     updates longer than that (each step otherwise starts by opening new connections). ``request_logprobs``:
     ask the backend for the sampled tokens' logprobs on every recorded call whose agent did not set
     ``logprobs`` itself (a trainer's behaviour log-probs); the agent then receives them in its answers too.
+    ``sampling_of(rollout_id)``: the sampling parameters the rollout's trainer expects (``None``: unchecked);
+    ``sampling_mismatch``: what happens to a call that sets other ones (see the module docstring).
+    :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
     """
 
     def __init__(
@@ -550,7 +622,11 @@ class LLMProxy:
         backend_api_key: str | None = None,
         upstream_keepalive: float = UPSTREAM_KEEPALIVE,
         request_logprobs: bool = False,
+        sampling_of: Callable[[str], Mapping[str, Any] | None] | None = None,
+        sampling_mismatch: SamplingMismatch = "refuse",
     ) -> None:
+        if sampling_mismatch not in ("refuse", "mask"):
+            raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {sampling_mismatch!r}")
         self.store = store
         self.host = host
         self.port = port
@@ -564,6 +640,10 @@ class LLMProxy:
         self.shutdown_grace = shutdown_grace
         self.upstream_keepalive = upstream_keepalive
         self.request_logprobs = request_logprobs
+        self.sampling_of = sampling_of
+        self.sampling_mismatch = sampling_mismatch
+        #: When calls were in flight: the backends' busy time as the proxy sees it.
+        self.activity = ActivityTimeline()
         #: Model weights version recorded on every call; set or incremented by :meth:`resume`.
         self.weight_version = 0
         self._auth = f"Bearer {token}".encode() if token is not None else None
@@ -610,6 +690,14 @@ class LLMProxy:
             "aglverl_proxy_added_seconds",
             "Time a call spent in the proxy beyond its last upstream try (seconds).",
         )
+        self.m_sampling = r.counter(
+            "aglverl_proxy_sampling_total",
+            "Recorded calls whose sampling parameters were filled in, refused or masked as off-policy.",
+            ["action"],
+        )
+        self.m_generated = r.counter(
+            "aglverl_proxy_generated_tokens_total", "Response token ids recorded, over every recorded call."
+        )
         r.gauge("aglverl_proxy_in_flight", "Calls being forwarded now.", lambda: self._in_flight)
 
     # ------------------------------------------------------------------ public API
@@ -619,6 +707,11 @@ class LLMProxy:
         if self._url is None:
             raise RuntimeError("LLMProxy is not serving yet")
         return self._url
+
+    @property
+    def serving(self) -> bool:
+        """Whether the proxy has started serving (its :attr:`url` is known)."""
+        return self._url is not None
 
     @property
     def backends(self) -> list[str]:
@@ -859,19 +952,47 @@ class LLMProxy:
         call.kind = kind
         call.capture = _Capture(kind)
         call.headers["Accept-Encoding"] = "identity"
+        empty = not obj
+        fill = self._reconcile_sampling(call, obj)
         max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
         call.max_tokens = max_tokens if type(max_tokens) is int else None
-        added = []
         if "return_token_ids" not in obj:
-            added.append(b'"return_token_ids":true')
+            fill["return_token_ids"] = True
         if self.request_logprobs and "logprobs" not in obj:
             # Completions take a count of alternatives: 0 asks for the sampled tokens' logprobs alone.
-            added.append(b'"logprobs":true' if kind == "chat" else b'"logprobs":0')
-        if added:
+            fill["logprobs"] = True if kind == "chat" else 0
+        if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
+            call.body = orjson.dumps({**obj, **fill})
+        elif fill:
             # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
             i = call.body.index(b"{") + 1
-            fields = b",".join(added) + (b"," if obj else b"")
-            call.body = call.body[:i] + fields + call.body[i:]
+            added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
+            call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
+
+    def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the call's sampling parameters against its trainer's; return the parameters to add.
+
+        Raises :class:`ProxyError` (400) for an off-policy call under the ``"refuse"`` rule, marks it
+        ``off_policy`` under ``"mask"``.
+        """
+        expected = self.sampling_of(call.rollout_id) if self.sampling_of is not None and call.rollout_id else None
+        if not expected:
+            return {}
+        fill, call.sampling, mismatches = reconcile_sampling(obj, expected)
+        if mismatches:
+            if self.sampling_mismatch == "refuse":
+                self.m_sampling.inc(1, "refused")
+                raise ProxyError(
+                    400,
+                    f"{call.path}: {'; '.join(mismatches)}: this rollout trains on-policy, so its calls must "
+                    "sample as the trainer does (omit the parameter to get the trainer's value, or start the "
+                    "trainer with aglverl.sampling_mismatch: mask to keep such calls out of the loss)",
+                )
+            self.m_sampling.inc(1, "masked")
+            call.off_policy = True
+        if fill:
+            self.m_sampling.inc(1, "filled")
+        return fill
 
     async def _wait_resumed(self) -> None:
         with anyio.move_on_after(self.pause_timeout):
@@ -882,9 +1003,11 @@ class LLMProxy:
 
     def _enter(self) -> None:
         self._in_flight += 1
+        self.activity.begin()
 
     def _leave(self) -> None:
         self._in_flight -= 1
+        self.activity.end()
         if self._in_flight == 0 and self._drained is not None:
             self._drained.set()
             self._drained = None
@@ -1298,6 +1421,8 @@ class LLMProxy:
             "error": call.error,
             "model": (capture.model if capture is not None else None) or call.model,
             "weight_version": call.weight_version,
+            "sampling": call.sampling,
+            "off_policy": call.off_policy,
         }
         vocab = self.store.vocab_size
         choices = capture.result() if capture is not None else []
@@ -1318,6 +1443,8 @@ class LLMProxy:
                 ids = logprobs = None  # a broken call's partial output is never passed off as a response
             elif ids is None or prompt is None:
                 self.m_no_ids.inc()
+            if ids is not None:
+                self.m_generated.inc(len(ids))
             records.append(
                 LLMCall(
                     **common,

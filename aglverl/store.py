@@ -109,7 +109,10 @@ class LLMCall:
     one per response id, or ``None``. ``limit`` is the limit that ended the response, as the proxy decided
     it: ``"max_tokens"`` (the engine stopped at the request's ``max_tokens``), ``"context"`` (the backend
     refused the prompt as too long, or stopped at its context window); ``None`` when the model ended the
-    response itself or the call failed for another reason.
+    response itself or the call failed for another reason. ``sampling`` holds the sampling parameters the call
+    was made with after the proxy filled in the trainer's (``None``: the proxy did not check them);
+    ``off_policy`` is true when the agent set different ones and the proxy kept the call (its row must not
+    train).
     """
 
     rollout_id: str | None
@@ -129,6 +132,8 @@ class LLMCall:
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     limit: Literal["max_tokens", "context"] | None = None
+    sampling: dict[str, float] | None = None
+    off_policy: bool = False
 
     @property
     def has_token_ids(self) -> bool:
@@ -717,6 +722,50 @@ class TaskStore:
         """Call ``listener(rollout_ids)`` whenever rollouts are dropped (e.g. to drop per-rollout routing state)."""
         self._forget_listeners.append(listener)
 
+    def adopt(self, record: RolloutRecord, *, resources_id: str | None, owner: str | None) -> None:
+        """Take in a rollout that finished under a previous run (recovered from its journal) as finished here.
+
+        It keeps its id, input, result or error, reason and calls, and is journaled again (a second restart
+        still has it); a late post for it gets the usual 409. Raises ``ValueError`` if the id is already held
+        or the record is not terminal.
+        """
+        if record.rollout_id in self._entries:
+            raise ValueError(f"rollout id {record.rollout_id!r} is already held")
+        if record.state not in TERMINAL:
+            raise ValueError(f"rollout {record.rollout_id!r} is {record.state}, not finished")
+        attempt_id = record.attempt_id or (record.calls[0].attempt_id if record.calls else None)
+        entry = _Entry(
+            rollout_id=record.rollout_id,
+            input=record.input,
+            mode=None,
+            resources_id=resources_id,
+            metadata=dict(record.metadata),
+            create_time=time.time(),
+            owner=owner,
+            state=record.state,
+            attempts=[attempt_id] if attempt_id else [],
+            num_claims=record.num_claims,
+            requeues=record.requeues,
+            result=record.result,
+            result_attempt=record.attempt_id,
+            error=record.error,
+            termination=record.termination,
+            calls={attempt_id: list(record.calls)} if attempt_id else {},
+        )
+        self._entries[record.rollout_id] = entry
+        self._journal({"kind": "task", **self._task_record(entry)})
+        if attempt_id:
+            self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": attempt_id})
+        if entry.state == "completed" and entry.result is not None:
+            self._journal(self._result_record(entry, attempt_id or "", entry.result))
+        else:
+            self._journal(self._failed_record(entry))
+
+    def resources_id_of(self, rollout_id: str) -> str | None:
+        """The resources version the rollout's task names (``None`` for an unknown rollout or none)."""
+        entry = self._entries.get(rollout_id)
+        return entry.resources_id if entry is not None else None
+
     def knows(self, rollout_id: str) -> bool:
         """Whether the rollout is held (queued, claimed or finished and not yet forgotten)."""
         return rollout_id in self._entries
@@ -763,6 +812,18 @@ class TaskStore:
         self._journal({"kind": "resources", "update": update.model_dump(mode="json")})
         return update
 
+    def replace_resources(self, resources_id: str, resources: NamedResources) -> None:
+        """Change a published resources version in place (the latest stays the latest); ``KeyError`` if unknown."""
+        if resources_id not in self._resources:
+            raise KeyError(f"unknown resources id {resources_id!r}")
+        update = ResourcesUpdate(resources_id=resources_id, resources=resources)
+        self._resources[resources_id] = update
+        self._journal({"kind": "resources", "update": update.model_dump(mode="json"), "latest": False})
+
+    def all_resources(self) -> list[ResourcesUpdate]:
+        """Every resources version held, oldest first."""
+        return list(self._resources.values())
+
     def resources(self, resources_id: str | None = None) -> ResourcesUpdate | None:
         """A resources version by id, or the latest one when ``resources_id`` is ``None``."""
         rid = resources_id if resources_id is not None else self._latest_resources
@@ -789,7 +850,8 @@ class TaskStore:
     def live_records(self) -> Iterator[dict[str, Any]]:
         """Records that rebuild the current state (used to compact the journal)."""
         for update in self._resources.values():
-            yield {"kind": "resources", "update": update.model_dump(mode="json")}
+            latest = update.resources_id == self._latest_resources
+            yield {"kind": "resources", "update": update.model_dump(mode="json"), "latest": latest}
         for e in self._entries.values():
             yield {"kind": "task", **self._task_record(e)}
             for attempt_id in e.attempts:
@@ -844,7 +906,8 @@ class TaskStore:
             elif kind == "resources":
                 update = ResourcesUpdate.model_validate(r["update"])
                 self._resources[update.resources_id] = update
-                self._latest_resources = update.resources_id
+                if r.get("latest", True):
+                    self._latest_resources = update.resources_id
             elif (entry := self._entries.get(r.get("rollout_id", ""))) is not None:
                 if kind == "attempt":
                     entry.attempts.append(r["attempt_id"])

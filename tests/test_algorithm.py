@@ -17,6 +17,7 @@ from aglverl.algorithm import (
     compose_config,
     load_samples,
 )
+from aglverl.signals import SignalConfig
 from aglverl.tiny import tiny_model_path
 
 pytestmark = pytest.mark.usefixtures("tiny_model")
@@ -49,7 +50,8 @@ def test_overrides_are_merged_onto_verls_yaml_with_cpu_defaults() -> None:
     assert config.critic.model.path == config.actor_rollout_ref.model.path
     # interpolations are resolved (the rollout reads the data lengths)
     assert config.actor_rollout_ref.rollout.response_length == 16
-    assert options == DaemonOptions()
+    # verl computes the engine's log-probs by default (rollout.calculate_log_probs): the proxy asks for them
+    assert options == DaemonOptions(signal=SignalConfig(request_logprobs=True))
 
 
 def test_user_overrides_beat_the_cpu_defaults() -> None:
@@ -102,6 +104,48 @@ def test_dataclass_fields_the_yaml_leaves_out_are_accepted() -> None:
 def test_algorithms_that_need_the_trainer_to_generate_are_refused() -> None:
     with pytest.raises(ConfigError, match="remax"):
         compose_config({**SMALL, "algorithm": {"adv_estimator": "remax"}})
+
+
+def test_the_config_feeds_verls_v1_trainer_with_aglverls_sampler() -> None:
+    config, _ = compose_config(SMALL)
+    assert config.trainer.use_v1 is True  # verl's default, and aglverl's
+    sampler = config.trainer.v1.sampler.custom_sampler
+    assert (sampler.path, sampler.name) == ("pkg://aglverl.verl_v1", "EventReplayBuffer")
+    config, _ = compose_config({**SMALL, "trainer.v1.trainer_mode": "colocate_async"})
+    assert config.trainer.v1.sampler.custom_sampler.name == "EventReplayBufferAsync"
+    # verl's packaged gsm8k paths mean nothing for agents: unset unless the user names files
+    assert config.data.train_files is None and config.data.val_files is None
+    with pytest.raises(ConfigError, match="use_v1=false"):
+        compose_config({**SMALL, "trainer.use_v1": False})
+
+
+def test_behaviour_log_probs_are_one_setting_for_verl_and_the_proxy() -> None:
+    config, options = compose_config({**SMALL, "actor_rollout_ref.rollout.calculate_log_probs": False})
+    assert config.actor_rollout_ref.rollout.calculate_log_probs is False
+    assert options.signal.request_logprobs is False
+    config, options = compose_config(
+        {**SMALL, "actor_rollout_ref.rollout.calculate_log_probs": False, "aglverl.signal.request_logprobs": True}
+    )
+    assert config.actor_rollout_ref.rollout.calculate_log_probs is True
+    assert options.signal.request_logprobs is True
+
+
+def test_rejection_sampling_is_verls_group_filter_with_a_bound() -> None:
+    config, options = compose_config({**SMALL, "aglverl.signal.rejection_sampling": True})
+    groups = config.algorithm.filter_groups
+    assert (groups.enable, groups.metric, groups.max_num_gen_batches) == (True, "reward", 4)
+    assert options.signal.rejection_sampling
+    config, _ = compose_config(
+        {**SMALL, "aglverl.signal.rejection_sampling": True, "algorithm.filter_groups.max_num_gen_batches": 2}
+    )
+    assert config.algorithm.filter_groups.max_num_gen_batches == 2
+
+
+def test_sampling_mismatch_rule_is_checked() -> None:
+    _, options = compose_config({**SMALL, "aglverl": {"sampling_mismatch": "mask"}})
+    assert options.sampling_mismatch == "mask"
+    with pytest.raises(ConfigError, match="aglverl.sampling_mismatch"):
+        compose_config({**SMALL, "aglverl": {"sampling_mismatch": "ignore"}})
 
 
 def test_verls_own_validation_runs() -> None:

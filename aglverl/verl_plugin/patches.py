@@ -19,11 +19,14 @@ import torch
 
 __all__ = [
     "SUPPORTED_RAY",
+    "SUPPORTED_TRANSFER_QUEUE",
     "SUPPORTED_VERL",
     "UnsupportedVersionError",
     "apply_cpu_patches",
     "check_versions",
     "loopback_only_ray",
+    "transfer_queue_threads",
+    "use_worker_group",
 ]
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_VERL = ("0.9.1",)
 #: Ray minor releases the plugin was run on.
 SUPPORTED_RAY = ("2.60",)
+#: TransferQueue releases aglverl's V1 producer (``aglverl.verl_v1``) was checked against (verl 0.9.1 pins it).
+SUPPORTED_TRANSFER_QUEUE = ("0.1.11",)
 
 _applied = False
 
@@ -49,6 +54,17 @@ def check_versions() -> None:
         raise UnsupportedVersionError(
             f"aglverl's verl integration supports verl {', '.join(SUPPORTED_VERL)}, found verl {verl.__version__}; "
             f'install a supported one (pip install "verl[verl-core]=={SUPPORTED_VERL[-1]}")'
+        )
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        transfer_queue = version("TransferQueue")
+    except PackageNotFoundError:
+        transfer_queue = None
+    if transfer_queue is not None and transfer_queue not in SUPPORTED_TRANSFER_QUEUE:
+        raise UnsupportedVersionError(
+            f"aglverl's verl integration supports TransferQueue {', '.join(SUPPORTED_TRANSFER_QUEUE)}, "
+            f"found {transfer_queue} (verl {SUPPORTED_VERL[-1]} pins it)"
         )
     if not ray.__version__.startswith(tuple(v + "." for v in SUPPORTED_RAY)):
         raise UnsupportedVersionError(
@@ -167,6 +183,40 @@ def _attention_replaced(attention: str) -> Iterator[None]:
         yield
     finally:
         PreTrainedModel.from_pretrained = classmethod(original)  # type: ignore[method-assign,assignment]
+
+
+def use_worker_group(cls: type) -> None:
+    """Make verl's V1 trainer build its worker groups (and standalone rollout workers) from ``cls``.
+
+    ``verl/trainer/ppo/v1/trainer_base.py:310`` and ``verl/workers/rollout/replica.py:178, 217`` construct
+    ``RayWorkerGroup`` by name (the V1 trainer takes no ``ray_worker_group_cls``), so aglverl's subclass (the
+    plugin's environment for every worker, a ``file://`` rendezvous instead of a TCP store on all interfaces)
+    replaces that name in both modules. It stays in place for the process; every run installs its own.
+    """
+    check_versions()
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+    import verl.workers.rollout.replica as replica
+    from verl.single_controller.ray import RayWorkerGroup
+
+    if not issubclass(cls, RayWorkerGroup):
+        raise TypeError(f"{cls!r} is not a RayWorkerGroup subclass")
+    trainer_base.RayWorkerGroup = cls  # type: ignore[attr-defined]
+    replica.RayWorkerGroup = cls  # type: ignore[attr-defined]
+
+
+def transfer_queue_threads(count: int) -> None:
+    """Cap the torch threads TransferQueue uses while it packs tensors in this process at ``count``.
+
+    TransferQueue reads ``TQ_NUM_THREADS`` (default 8) once, when it is imported (``transfer_queue/client.py:42``,
+    ``storage/simple_storage.py:73``), and warns on every put and get of a machine with fewer physical cores.
+    Processes Ray starts get the variable in their environment; in a process that imported TransferQueue
+    already (the driver: verl imports it), the two module constants are set here.
+    """
+    check_versions()
+    for name in ("transfer_queue.client", "transfer_queue.storage.simple_storage"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.TQ_NUM_THREADS = count  # type: ignore[attr-defined]
 
 
 def loopback_only_ray() -> None:

@@ -1,0 +1,542 @@
+"""The trajectory producer: a trainer's prompts become GRPO groups answered by agents; finished groups, rows.
+
+verl's V1 trainer asks for trajectories prompt by prompt and samples finished groups from a store of its own
+(TransferQueue). :class:`TrajectoryProducer` is the daemon's side of that contract, and knows nothing of verl::
+
+    dispatch(prompts)   each prompt queued n times in the store (one GRPO group); sink.started(prompts)
+    a group's rollouts all terminal  ->  rows built by aglverl.batch with the training-signal controls
+                        ->  sink.finished(group)  ->  version bumped: whoever waits for groups wakes
+
+The sink (:mod:`aglverl.verl_v1` writes TransferQueue) decides where rows go. A sampler waits for the next
+finished group with :meth:`TrajectoryProducer.wait_changed` (an event, never a poll). Each finished group
+leaves :class:`GroupStats` behind for the trainer's metrics (:meth:`TrajectoryProducer.take_stats`).
+
+Restart: with a journal, a training group's dispatch is journaled next to its rollouts' records and stays
+there until a checkpoint covers the group (:meth:`TrajectoryProducer.checkpointed`). A producer started on
+that journal holds the groups that were in flight (:meth:`TrajectoryProducer.restore`), hands none of their
+tasks out, and adopts one when the trainer dispatches the same prompt again: by its uid (verl re-issues
+in-flight prompts of its checkpoint under their uid) or by step, dataset index and input (a replayed data
+loader). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
+rollout ids with the live resources (this run's proxy URL), so no sample is answered more often than ``n``
+times. Groups no dispatch adopts are dropped by :meth:`TrajectoryProducer.end_recovery`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import anyio
+import numpy as np
+from anyio.abc import TaskGroup, TaskStatus
+
+from .batch import BatchConfig, build_batch
+from .collector import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
+from .metrics import Registry
+from .models import Mode
+from .signals import SignalConfig
+from .store import TERMINAL, RolloutRecord, TaskStore
+
+__all__ = ["FinishedGroup", "GroupSink", "GroupStats", "Prompt", "TrajectoryProducer", "aggregate_stats"]
+
+logger = logging.getLogger(__name__)
+
+#: Owner prefix of the store's tasks that belong to producer groups.
+OWNER_PREFIX = "group:"
+GroupStatus = Literal["finished", "failure"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt a trainer wants answered ``n`` times (one GRPO group).
+
+    ``uid`` names the group (the trainer's; it may not contain ``_``), ``input`` is what agents get as the
+    task input, ``partition`` is ``"train"`` or ``"val"``, ``global_steps`` the trainer step that asked,
+    ``index`` the prompt's position in its dataset (matches a replayed prompt after a restart), ``fields``
+    dataset fields a sink carries into every row of the group.
+    """
+
+    uid: str
+    input: Any
+    n: int
+    partition: str = "train"
+    global_steps: int = 0
+    index: int | None = None
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.uid or "_" in self.uid:
+            raise ValueError(f"a prompt uid must be non-empty and contain no '_', got {self.uid!r}")
+        if self.n < 1:
+            raise ValueError(f"prompt {self.uid}: n must be >= 1, got {self.n}")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """What a finished group contributes to a step's metrics (sums, so groups add up)."""
+
+    uid: str
+    partition: str
+    global_steps: int
+    n_rollouts: int
+    n_completed: int
+    n_timed_out: int
+    #: Sum of the rollouts' final rewards, a failed rollout counting its failure reward.
+    reward_sum: float
+    n_rows: int
+    seconds: float
+    #: The batch builder's counts for this group (``batch/*``, ``filter/*``, ``rejection/*``, ``logprobs/*``).
+    counts: Mapping[str, float]
+    #: Every GRPO group of this prompt has equal scores (its advantages are all zero).
+    uniform: bool
+    #: Oldest / newest weight version that generated the group's rows.
+    min_version: int
+    max_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedGroup:
+    """A group whose rollouts are all terminal: its rows (``data``, a verl ``DataProto`` built by
+    :func:`aglverl.batch.build_batch`, one row per trainable turn, in session then turn order) and what a
+    sink needs to file them: each row's session (the rollout's place in the group), turn index, the weight
+    version of its call, its rollout's oldest / newest call version, and the engine's logprobs of its
+    response tokens (float32, as long as the row's response; ``None`` where the call brought none)."""
+
+    prompt: Prompt
+    status: GroupStatus
+    data: Any
+    sessions: np.ndarray
+    turns: np.ndarray
+    versions: np.ndarray
+    rollout_min_versions: np.ndarray
+    rollout_max_versions: np.ndarray
+    logprobs: list[np.ndarray | None]
+    stats: GroupStats
+    records: list[RolloutRecord]
+
+
+class GroupSink(Protocol):
+    """Where a producer's groups go (TransferQueue, for verl's V1 trainer)."""
+
+    async def started(self, prompts: Sequence[Prompt]) -> None:
+        """The prompts' groups were queued for agents (verl's ``running`` status)."""
+
+    async def finished(self, group: FinishedGroup) -> None:
+        """The group's rollouts are all terminal: file its rows and its status."""
+
+
+@dataclass(eq=False)
+class _Group:
+    prompt: Prompt
+    rollout_ids: list[str]
+    dispatched_at: float
+    started: anyio.Event
+    journaled: bool
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Recovered:
+    """A training group a previous run left in flight (from the journal), waiting to be adopted."""
+
+    record: Mapping[str, Any]
+    raw: list[Mapping[str, Any]]
+    rollouts: dict[str, RolloutRecord | None]  # rollout id -> terminal record, or None (redo it)
+    input: Any
+
+
+def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
+    """A step's aglverl metrics from its groups: rollouts, failures, reward over every finished rollout
+    (failures at their failure reward), rows, the batch builder's counts summed, and the version span."""
+    n = sum(s.n_rollouts for s in stats)
+    counts: dict[str, float] = defaultdict(float)
+    for s in stats:
+        for key, value in s.counts.items():
+            counts[key] += value
+    metrics = {key: value for key, value in counts.items() if "/n_" in key}
+    metrics.update(
+        {
+            "training/reward": sum(s.reward_sum for s in stats) / n if n else 0.0,
+            "step/n_groups": float(len(stats)),
+            "step/n_groups_uniform": float(sum(s.uniform for s in stats)),
+            "step/n_rollouts": float(n),
+            "step/n_completed": float(sum(s.n_completed for s in stats)),
+            "step/n_failed": float(n - sum(s.n_completed for s in stats)),
+            "step/n_timed_out": float(sum(s.n_timed_out for s in stats)),
+            "step/n_rows": float(sum(s.n_rows for s in stats)),
+            "step/group_seconds_max": max((s.seconds for s in stats), default=0.0),
+        }
+    )
+    if stats:
+        metrics["step/call_weight_version_min"] = float(min(s.min_version for s in stats))
+        metrics["step/call_weight_version_max"] = float(max(s.max_version for s in stats))
+    return metrics
+
+
+class TrajectoryProducer:
+    """Runs prompt groups over the store and hands each finished group to ``sink`` (see the module docstring).
+
+    ``batch`` and ``signal`` shape the rows (rejection sampling is left to the sampler, which gets the
+    groups' ``uniform`` flag: rows are always written). ``group_timeout``: seconds after dispatch at which a
+    group's unfinished rollouts are failed (``None``: leases and attempts alone bound it). ``weight_version``
+    tells the version served now (for rows whose calls the proxy did not see). ``journal``: training groups
+    stay in the store's journal until :meth:`checkpointed`.
+    """
+
+    def __init__(
+        self,
+        store: TaskStore,
+        sink: GroupSink,
+        *,
+        batch: BatchConfig,
+        signal: SignalConfig,
+        group_timeout: float | None = None,
+        weight_version: Callable[[], int] = lambda: 0,
+        journal: bool = False,
+        registry: Registry | None = None,
+    ) -> None:
+        self.store = store
+        self.sink = sink
+        self.batch_config = batch
+        # Rejection is the sampler's decision (an evicted group is replaced); rows of every group are written.
+        self.signal = signal
+        self._build_signal = SignalConfig.from_dict({**signal.to_dict(), "rejection_sampling": False})
+        self.group_timeout = group_timeout
+        self.weight_version = weight_version
+        self.journal = journal
+        self._groups: dict[str, _Group] = {}
+        self._recovered: dict[str, _Recovered] = {}
+        self._stats: dict[str, GroupStats] = {}
+        self._evicted: list[GroupStats] = []
+        self._version = 0
+        self._changed = anyio.Event()
+        self._tg: TaskGroup | None = None
+        r = registry or Registry()
+        self._m_groups = r.counter("aglverl_groups_total", "Prompt groups finished.", ["status"])
+        r.gauge("aglverl_groups_in_flight", "Prompt groups dispatched and not finished.", self.in_flight)
+
+    # ------------------------------------------------------------------ life cycle
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Host the groups' tasks until cancelled."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._tg = None
+
+    def in_flight(self) -> int:
+        return sum(not g.finished for g in self._groups.values())
+
+    @property
+    def version(self) -> int:
+        """How many groups have finished so far (it only grows)."""
+        return self._version
+
+    async def wait_changed(self, seen: int) -> int:
+        """Return the moment :attr:`version` differs from ``seen`` (at once if it already does)."""
+        while self._version == seen:
+            await self._changed.wait()
+        return self._version
+
+    def uniform(self, uid: str) -> bool:
+        """Whether the finished group ``uid`` has equal scores in every GRPO group (false if unknown)."""
+        stats = self._stats.get(uid)
+        return stats is not None and stats.uniform
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, prompts: Sequence[Prompt], *, resources_id: str | None, mode: Mode = "train") -> None:
+        """Queue every prompt's group and return at once (call on the event loop).
+
+        Raises ``RuntimeError`` if the producer is not serving and ``ValueError`` for a uid already in flight;
+        nothing is queued then.
+        """
+        if self._tg is None:
+            raise RuntimeError("the trajectory producer is not serving (start the daemon first)")
+        for prompt in prompts:
+            if prompt.uid in self._groups:
+                raise ValueError(f"prompt uid {prompt.uid!r} is already dispatched")
+        started = anyio.Event()
+        for prompt in prompts:
+            group = self._queue(prompt, resources_id, mode, started)
+            self._tg.start_soon(self._run, group, name=f"aglverl group {prompt.uid}")
+        self._tg.start_soon(self._mark_started, list(prompts), started, name="aglverl groups started")
+
+    def _queue(self, prompt: Prompt, resources_id: str | None, mode: Mode, started: anyio.Event) -> _Group:
+        recovered = self._adopt(prompt)
+        owner = OWNER_PREFIX + prompt.uid
+        rollout_ids: list[str] = []
+        for session in range(prompt.n):
+            metadata = {
+                "data_id": prompt.uid,
+                "session": session,
+                "global_steps": prompt.global_steps,
+                "partition": prompt.partition,
+                "is_train": prompt.partition == "train",
+            }
+            previous = list(recovered.rollouts)[session] if recovered is not None else None
+            record = recovered.rollouts[previous] if recovered is not None and previous is not None else None
+            if record is not None:
+                self.store.adopt(record, resources_id=resources_id, owner=owner)
+                rollout_ids.append(record.rollout_id)
+            else:
+                rollout_ids.append(
+                    self.store.enqueue(
+                        prompt.input,
+                        mode=mode,
+                        resources_id=resources_id,
+                        metadata=metadata,
+                        owner=owner,
+                        rollout_id=previous,
+                    )
+                )
+        journaled = self.journal and prompt.partition == "train"
+        if journaled:
+            self.store.journal_write(_group_record(prompt, rollout_ids))
+        group = _Group(prompt, rollout_ids, time.monotonic(), started, journaled)
+        self._groups[prompt.uid] = group
+        return group
+
+    async def _mark_started(self, prompts: list[Prompt], started: anyio.Event) -> None:
+        try:
+            await self.sink.started(prompts)
+        finally:
+            started.set()
+
+    # ------------------------------------------------------------------ a group's life
+    async def _run(self, group: _Group) -> None:
+        prompt = group.prompt
+        deadline = math.inf if self.group_timeout is None else group.dispatched_at + self.group_timeout
+        with anyio.move_on_after(deadline - time.monotonic()):
+            await self.store.wait_terminal(group.rollout_ids)
+        timed_out = self.store.fail(group.rollout_ids, "the group's deadline passed before the rollout finished")
+        records = [self.store.record(rid) for rid in group.rollout_ids]
+        if tokens_in(records) <= INLINE_BUILD_TOKENS:
+            finished = self._build(group, records, timed_out)
+        else:
+            finished = await anyio.to_thread.run_sync(self._build, group, records, timed_out)
+        await group.started.wait()
+        await self.sink.finished(finished)
+        self._m_groups.inc(1, finished.status)
+        group.finished = True
+        self._stats[prompt.uid] = finished.stats
+        if not group.journaled:
+            self._forget(group)
+        self._version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _build(self, group: _Group, records: list[RolloutRecord], timed_out: int) -> FinishedGroup:
+        prompt = group.prompt
+        trajectories = [trajectory_of(record) for record in records]
+        rollouts = [finished_rollout(r, t, prompt.uid) for r, t in zip(records, trajectories, strict=True)]
+        data, counts = build_batch(rollouts, self.batch_config, self._build_signal)
+        session_of = {record.rollout_id: i for i, record in enumerate(records)}
+        row_rollouts = data.non_tensor_batch["rollout_id_list"]
+        sessions = np.fromiter((session_of[r] for r in row_rollouts), np.int64, count=len(row_rollouts))
+        turns = data.non_tensor_batch["turn_index_list"].astype(np.int64)
+        now = self.weight_version()
+        per_turn = [[now if v is None else v for v in t.versions] for t in trajectories]
+        low = np.array([min(v, default=now) for v in per_turn], np.int64)
+        high = np.array([max(v, default=now) for v in per_turn], np.int64)
+        versions = np.fromiter(
+            (per_turn[s][t] for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)),
+            np.int64,
+            count=len(sessions),
+        )
+        width = self.batch_config.max_response_length
+        logprobs = [
+            _row_logprobs(trajectories[s].logprobs[t], trajectories[s].turns[t][1], width)
+            for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)
+        ]
+        n_completed = sum(r.state == "completed" for r in records)
+        reward_sum = sum(
+            (r.reward if r.reward is not None else self.batch_config.reward_fill_value or 0.0)
+            if r.completed
+            else self.signal.failure_reward
+            for r in rollouts
+        )
+        n_groups = counts.get("rejection/n_groups", 0.0)
+        stats = GroupStats(
+            uid=prompt.uid,
+            partition=prompt.partition,
+            global_steps=prompt.global_steps,
+            n_rollouts=len(records),
+            n_completed=n_completed,
+            n_timed_out=timed_out,
+            reward_sum=float(reward_sum),
+            n_rows=len(data),
+            seconds=time.monotonic() - group.dispatched_at,
+            counts=counts,
+            uniform=n_groups > 0 and counts.get("rejection/n_groups_uniform", 0.0) == n_groups,
+            min_version=int(versions.min()) if len(versions) else now,
+            max_version=int(versions.max()) if len(versions) else now,
+        )
+        return FinishedGroup(
+            prompt=prompt,
+            status="finished" if len(data) else "failure",
+            data=data,
+            sessions=sessions,
+            turns=turns,
+            versions=versions,
+            rollout_min_versions=low[sessions] if len(sessions) else low[:0],
+            rollout_max_versions=high[sessions] if len(sessions) else high[:0],
+            logprobs=logprobs,
+            stats=stats,
+            records=records,
+        )
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.prompt.uid, None)
+        if group.journaled:
+            self.store.journal_write({"kind": "group_done", "uid": group.prompt.uid})
+        self.store.forget(group.rollout_ids)
+
+    # ------------------------------------------------------------------ metrics
+    def take_stats(self, uids: Sequence[str]) -> list[GroupStats]:
+        """The stats of the finished groups ``uids`` (a trainer step's groups), removed from the producer,
+        plus those of every group evicted since the last call (:meth:`evicted`)."""
+        taken = [s for uid in dict.fromkeys(uids) if (s := self._stats.pop(uid, None)) is not None]
+        taken += self._evicted
+        self._evicted = []
+        return taken
+
+    def take_partition(self, partition: str) -> list[GroupStats]:
+        """Every finished group's stats of ``partition`` (e.g. a validation's), removed from the producer."""
+        uids = [uid for uid, s in self._stats.items() if s.partition == partition]
+        return [self._stats.pop(uid) for uid in uids]
+
+    def evicted(self, uids: Sequence[str]) -> None:
+        """The sampler dropped these finished groups (stale, rejected, failed): their stats go to the next
+        :meth:`take_stats`; their rows will never be read."""
+        for uid in uids:
+            stats = self._stats.pop(uid, None)
+            if stats is not None:
+                self._evicted.append(stats)
+
+    # ------------------------------------------------------------------ journal and restart
+    def checkpointed(self) -> int:
+        """A trainer checkpoint now covers every finished group: drop them from the journal; returns how many."""
+        done = [g for g in self._groups.values() if g.finished]
+        for group in done:
+            self._forget(group)
+        return len(done)
+
+    def restore(self, records: Sequence[Mapping[str, Any]]) -> set[str]:
+        """Hold the training groups a previous run left in flight (call before serving).
+
+        Returns the rollout ids of every producer task in ``records`` (the store must not restore those:
+        their tasks would be handed out with the previous run's resources).
+        """
+        groups = {r["uid"]: r for r in records if r.get("kind") == "group"}
+        for r in records:
+            if r.get("kind") == "group_done":
+                groups.pop(r["uid"], None)
+        owned = {
+            r["rollout_id"]
+            for r in records
+            if r.get("kind") == "task" and str(r.get("owner") or "").startswith(OWNER_PREFIX)
+        }
+        wanted = {rid for g in groups.values() for rid in g["rollout_ids"]}
+        mine = [r for r in records if r.get("rollout_id") in wanted and r.get("kind") != "group"]
+        scratch = TaskStore(lease_seconds=self.store.lease_seconds, registry=Registry())
+        scratch.restore(mine)
+        for uid, record in groups.items():
+            rollouts: dict[str, RolloutRecord | None] = {}
+            inputs = []
+            for rid in record["rollout_ids"]:
+                known = scratch.knows(rid)
+                snapshot = scratch.record(rid) if known else None
+                if snapshot is not None:
+                    inputs.append(snapshot.input)
+                rollouts[rid] = snapshot if snapshot is not None and snapshot.state in TERMINAL else None
+            raw = [r for r in mine if r.get("rollout_id") in rollouts]
+            self._recovered[uid] = _Recovered(record, raw, rollouts, inputs[0] if inputs else None)
+        if self._recovered:
+            n_done = sum(r is not None for g in self._recovered.values() for r in g.rollouts.values())
+            logger.info(
+                "journal: %d training groups were in flight (%d of their rollouts finished)",
+                len(self._recovered),
+                n_done,
+            )
+        return owned | wanted
+
+    def _adopt(self, prompt: Prompt) -> _Recovered | None:
+        recovered = self._recovered.pop(prompt.uid, None)
+        if recovered is None and prompt.index is not None:
+            for uid, candidate in self._recovered.items():
+                r = candidate.record
+                if (
+                    r["partition"] == prompt.partition
+                    and r["global_steps"] == prompt.global_steps
+                    and r["index"] == prompt.index
+                    and candidate.input == prompt.input
+                ):
+                    recovered = self._recovered.pop(uid)
+                    break
+        if recovered is None:
+            return None
+        if len(recovered.rollouts) != prompt.n:
+            logger.warning(
+                "prompt %s: the journal's group has %d rollouts, the trainer asks for %d; not reused",
+                prompt.uid,
+                len(recovered.rollouts),
+                prompt.n,
+            )
+            return None
+        done = sum(r is not None for r in recovered.rollouts.values())
+        logger.info("prompt %s: reusing %d finished rollouts from the journal, redoing %d", prompt.uid, done, prompt.n - done)
+        return recovered
+
+    @property
+    def recovered(self) -> int:
+        """Groups from a previous run still waiting to be adopted."""
+        return len(self._recovered)
+
+    def end_recovery(self) -> int:
+        """Drop the previous run's groups no dispatch adopted (the trainer moved past them); returns how many."""
+        dropped = len(self._recovered)
+        if dropped:
+            logger.info("journal: %d groups of the previous run were not asked for again; dropped", dropped)
+        self._recovered.clear()
+        return dropped
+
+    def live_records(self) -> Iterator[dict[str, Any]]:
+        """Journal records of the groups still needed (for compaction): live training groups and recovered
+        groups not yet adopted (their rollouts' records with them)."""
+        for group in self._groups.values():
+            if group.journaled:
+                yield _group_record(group.prompt, group.rollout_ids)
+        for recovered in self._recovered.values():
+            yield dict(recovered.record)
+            yield from (dict(r) for r in recovered.raw)
+
+
+def _group_record(prompt: Prompt, rollout_ids: list[str]) -> dict[str, Any]:
+    return {
+        "kind": "group",
+        "uid": prompt.uid,
+        "partition": prompt.partition,
+        "global_steps": prompt.global_steps,
+        "index": prompt.index,
+        "n": prompt.n,
+        "rollout_ids": rollout_ids,
+    }
+
+
+def _row_logprobs(values: Sequence[float] | None, response: Sequence[int], width: int) -> np.ndarray | None:
+    """A row's engine logprobs (its first ``width`` response tokens, float32); ``None`` unless the call brought
+    one finite logprob per response token."""
+    if values is None or len(values) != len(response):
+        return None
+    try:
+        array = np.asarray(values[:width], dtype=np.float32)
+    except (TypeError, ValueError):
+        return None
+    return array if np.isfinite(array).all() else None

@@ -1,0 +1,781 @@
+"""aglverl on verl's V1 trainer: the daemon as the trainer's trajectory producer. Every V1-specific call is here.
+
+verl's V1 trainer (``verl/trainer/ppo/v1``, the default of verl's ``ppo_trainer.yaml``) runs its own loop,
+modes (``trainer.v1.trainer_mode``: sync, colocate_async, separate_async), checkpoints and resume. aglverl
+plugs into its extension points and adds what only it can (agents it does not control, over HTTP):
+
+- :class:`DaemonAgentLoopManager` — what verl's trainer calls ``generate_sequences(prompts)`` on: the prompts
+  go to the daemon's :class:`~aglverl.producer.TrajectoryProducer` (``n`` tasks each) and the call returns at
+  once, as verl's ``AgentLoopManagerTQ`` does.
+- :class:`TransferQueueSink` — the producer's sink: each finished group's rows go into TransferQueue the way
+  verl's ``AgentLoopWorkerTQ`` files them (key ``{uid}_{session}_{turn}``, verl's fields, the tags ``status``,
+  lengths, ``global_steps``, ``min_global_steps`` / ``max_global_steps`` from the weight versions the proxy
+  recorded), then the prompt's group status (``running`` at dispatch, ``finished`` / ``failure``).
+- :class:`EventReplayBuffer` / :class:`EventReplayBufferAsync` — verl's replay buffers, installed through
+  ``trainer.v1.sampler.custom_sampler``, that wait for the producer's next finished group (an event) where
+  verl's sleep ``poll_interval`` seconds (``replay_buffer.py:144``); aglverl's rejection sampling is verl's
+  DAPO group filter fed by the producer's classification.
+- :func:`trainer_class` — verl's trainer for the configured mode with hooks: the proxy holds and drains the
+  agents' calls before the replicas sleep and lets them on after the weights are updated (calls then carry
+  the new weight version); advantages with aglverl's training-signal controls, on whole groups
+  (``_compute_advantage``); aglverl's step metrics (``_compute_metrics``); the journal trimmed after every
+  checkpoint (``_save_checkpoint``).
+- :class:`SampleDataset` — task inputs as verl's dataset (``data.custom_cls``): verl's stateful data loader
+  samples, shuffles and checkpoints them; each item's ``raw_prompt`` is the task input agents get.
+- :func:`train` — the run: TransferQueue, the trainer, the daemon (and agents), ``trainer.fit``.
+
+verl's blocking calls run in a worker thread (``anyio.to_thread``); everything that touches the daemon goes
+back to the event loop with ``anyio.from_thread`` and an explicit loop token. Checked against verl 0.9.1 and
+TransferQueue 0.1.11 (:mod:`aglverl.verl_plugin.patches` refuses other releases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .metrics import overlap_shares
+from .producer import FinishedGroup, Prompt, aggregate_stats
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from .daemon import AgentDaemon
+    from .signals import SignalConfig
+
+__all__ = [
+    "DaemonAgentLoopManager",
+    "EventReplayBuffer",
+    "EventReplayBufferAsync",
+    "SampleDataset",
+    "TransferQueueSink",
+    "sampler_name",
+    "train",
+    "trainer_class",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``data.train_files`` / ``data.val_files`` naming the task inputs of the current run (see SampleDataset).
+TRAIN_FILES, VAL_FILES = "aglverl://train", "aglverl://val"
+#: This module, as verl's ``load_module`` names one (``trainer.v1.sampler.custom_sampler.path``).
+MODULE_PATH = f"pkg://{__name__}"
+#: The dataset column that carries each task input (verl requires ``raw_prompt``: it counts prompts by it).
+INPUT_KEY = "raw_prompt"
+
+
+def sampler_name(trainer_mode: str) -> str:
+    """The replay buffer class for a trainer mode (verl's sync buffer for ``sync``, its async one otherwise)."""
+    return "EventReplayBuffer" if trainer_mode == "sync" else "EventReplayBufferAsync"
+
+
+# ---------------------------------------------------------------------------------------------- the run
+@dataclasses.dataclass
+class _Run:
+    """What verl's callbacks into this module need (verl builds our classes itself, from names)."""
+
+    config: Any
+    signal: SignalConfig
+    datasets: dict[str, list[dict[str, Any]]]
+    token: Any = None
+    daemon: AgentDaemon | None = None
+    resources: dict[str, str] = dataclasses.field(default_factory=dict)
+    on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = ()
+    progress: bool = True
+    bar: Any = None
+
+    def on_loop(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Run ``func(*args)`` on the daemon's event loop from verl's thread and return its result."""
+        return anyio.from_thread.run_sync(func, *args, token=self.token)
+
+    def await_on_loop(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Await ``func(*args)`` on the daemon's event loop from verl's thread (blocks this thread only)."""
+        return anyio.from_thread.run(func, *args, token=self.token)
+
+    @property
+    def producer(self) -> Any:
+        if self.daemon is None or self.daemon.producer is None:
+            raise RuntimeError("the aglverl daemon is not serving yet")
+        return self.daemon.producer
+
+
+_RUN: _Run | None = None
+
+
+def _run() -> _Run:
+    if _RUN is None:
+        raise RuntimeError("no aglverl training run is active in this process (use aglverl.AsyncVERL)")
+    return _RUN
+
+
+@contextmanager
+def _active(run: _Run) -> Iterator[_Run]:
+    global _RUN
+    if _RUN is not None:
+        raise RuntimeError("an aglverl training run is already active in this process")
+    _RUN = run
+    try:
+        yield run
+    finally:
+        _RUN = None
+
+
+# ---------------------------------------------------------------------------------------------- dataset
+class SampleDataset(Dataset):
+    """The run's task inputs as verl's dataset (``data.custom_cls``), built by verl's ``create_rl_dataset``.
+
+    ``data_files`` is :data:`TRAIN_FILES` or :data:`VAL_FILES`; the samples are taken from the active run when
+    the dataset is built, so the object pickles (data-loader workers) with them. Each item carries the task
+    input under ``raw_prompt``, its position (``index``) and ``data_source`` (the sample's, or ``"aglverl"``).
+    """
+
+    def __init__(
+        self, data_files: Any, tokenizer: Any = None, processor: Any = None, config: Any = None, max_samples: int = -1
+    ) -> None:
+        name = data_files if isinstance(data_files, str) else next(iter(data_files))
+        samples = _run().datasets.get(str(name))
+        if samples is None:
+            raise ValueError(f"{name!r} is not a dataset of the active aglverl run")
+        self.samples = samples if max_samples is None or max_samples < 0 else samples[:max_samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = self.samples[index]
+        source = sample.get("data_source") if isinstance(sample, Mapping) else None
+        return {INPUT_KEY: sample, "index": index, "data_source": str(source or "aglverl")}
+
+
+# ---------------------------------------------------------------------------------------------- manager
+def _column(batch: TensorDict, key: str, size: int, default: Any = None) -> list[Any]:
+    """One column of verl's prompt batch as a list (tensors, stacks of objects, or one value for all rows)."""
+    from tensordict import NonTensorData, NonTensorStack
+
+    if key not in batch.keys():
+        return [default] * size
+    value = batch.get(key)
+    if isinstance(value, NonTensorData):
+        return [value.data] * size
+    if isinstance(value, NonTensorStack):
+        return list(value.tolist())
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return list(value)
+
+
+class DaemonAgentLoopManager:
+    """verl's agent-loop manager contract, fulfilled by the daemon's agents: ``generate_sequences`` hands the
+    prompts to the producer and returns at once (generation goes on; finished groups land in TransferQueue).
+
+    Called from verl's trainer thread; the prompts reach the event loop through ``anyio.from_thread``.
+    """
+
+    def __init__(self, run: _Run) -> None:
+        self._run = run
+        rollout = run.config.actor_rollout_ref.rollout
+        self._n = {"train": int(rollout.n), "val": int(rollout.val_kwargs.n)}
+
+    def generate_sequences(self, prompts: TensorDict) -> None:
+        from tensordict import NonTensorData
+
+        size = len(prompts)
+        flag = prompts.get("validate", None) if "validate" in prompts.keys() else None
+        validate = bool(flag.data if isinstance(flag, NonTensorData) else flag)
+        partition = "val" if validate else "train"
+        steps = _column(prompts, "global_steps", size, 0)
+        counts = _column(prompts, "__rollout_n__", size, None)
+        batch = [
+            Prompt(
+                uid=str(uid),
+                input=task,
+                n=int(n) if n is not None else self._n[partition],
+                partition=partition,
+                global_steps=int(step),
+                index=int(index) if index is not None else None,
+                fields={"data_source": source or "aglverl"},
+            )
+            for uid, task, index, source, step, n in zip(
+                _column(prompts, "uid", size),
+                _column(prompts, INPUT_KEY, size),
+                _column(prompts, "index", size),
+                _column(prompts, "data_source", size),
+                steps,
+                counts,
+                strict=True,
+            )
+        ]
+        run = self._run
+        run.on_loop(
+            lambda: run.producer.dispatch(
+                batch, resources_id=run.resources[partition], mode="val" if validate else "train"
+            )
+        )
+
+
+# ---------------------------------------------------------------------------------------------- sink
+class TransferQueueSink:
+    """Files finished groups in TransferQueue as verl's ``AgentLoopWorkerTQ`` does (see the module docstring).
+
+    ``logprobs``: every row carries ``rollout_log_probs`` (a row whose call came back without the engine's
+    logprobs gets zeros and is kept out of the loss, so the column stays whole). TransferQueue's client is
+    blocking: each write runs in a worker thread.
+    """
+
+    def __init__(self, *, logprobs: bool) -> None:
+        self.logprobs = logprobs
+
+    async def started(self, prompts: Sequence[Prompt]) -> None:
+        import transfer_queue as tq
+
+        by_partition: dict[str, list[str]] = {}
+        for prompt in prompts:
+            by_partition.setdefault(prompt.partition, []).append(prompt.uid)
+
+        def write() -> None:
+            for partition, uids in by_partition.items():
+                tq.kv_batch_put(keys=uids, partition_id=partition, tags=[{"status": "running"}] * len(uids))
+
+        await anyio.to_thread.run_sync(write)
+
+    async def finished(self, group: FinishedGroup) -> None:
+        import transfer_queue as tq
+
+        keys, fields, tags = self.rows(group)
+        prompt = group.prompt
+
+        def write() -> None:
+            from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+            if keys:
+                tq.kv_batch_put(
+                    keys=keys, partition_id=prompt.partition, fields=list_of_dict_to_tensordict(fields), tags=tags
+                )
+            # The group's terminal status comes last: once a sampler sees it, every row is there.
+            tq.kv_put(key=prompt.uid, partition_id=prompt.partition, tag={"status": group.status})
+
+        await anyio.to_thread.run_sync(write)
+
+    def rows(self, group: FinishedGroup) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+        """Keys, fields and tags of the group's rows (jagged: each row only as long as its tokens)."""
+        data, prompt = group.data, group.prompt
+        if not len(data):
+            return [], [], []
+        batch = data.batch
+        width = batch["prompts"].shape[1]
+        prompt_len = batch["attention_mask"][:, :width].sum(-1).tolist()
+        response_len = batch["response_mask"].sum(-1).tolist()
+        trains = (~batch["is_drop_mask"]).tolist()
+        uids = data.non_tensor_batch["uid"].tolist()
+        rollout_ids = data.non_tensor_batch["rollout_id_list"].tolist()
+        weights = batch["advantage_weights"].tolist() if "advantage_weights" in batch.keys() else None
+        n_turns = Counter(group.sessions.tolist())
+        keys, fields, tags = [], [], []
+        for i in range(len(data)):
+            plen, rlen = prompt_len[i], response_len[i]
+            session, turn = int(group.sessions[i]), int(group.turns[i])
+            prompts = batch["prompts"][i, width - plen :]
+            responses = batch["responses"][i, :rlen]
+            logprobs = group.logprobs[i]
+            mask_value = 1 if trains[i] and (logprobs is not None or not self.logprobs) else 0
+            mask = torch.full((rlen,), mask_value, dtype=torch.int64)
+            row: dict[str, Any] = {
+                "prompts": prompts.clone(),
+                "responses": responses.clone(),
+                "response_mask": mask,
+                "loss_mask": mask.clone(),
+                "input_ids": torch.cat([prompts, responses]),
+                "position_ids": torch.arange(plen + rlen, dtype=torch.int64),
+                "rm_scores": batch["token_level_scores"][i, :rlen].clone(),
+                "advantage_weights": torch.tensor(weights[i] if weights is not None else 1.0),
+                "num_turns": n_turns[session],
+                "uid": uids[i],
+                "session_id": session,
+                "index": prompt.index if prompt.index is not None else -1,
+                "global_steps": prompt.global_steps,
+                "data_source": str(prompt.fields.get("data_source", "aglverl")),
+                "extra_fields": {
+                    "rollout_id": rollout_ids[i],
+                    "turn": turn,
+                    "weight_version": int(group.versions[i]),
+                    "min_global_steps": int(group.rollout_min_versions[i]),
+                    "max_global_steps": int(group.rollout_max_versions[i]),
+                    "reward_extra_info": {},
+                },
+            }
+            if self.logprobs:
+                row["rollout_log_probs"] = (
+                    torch.from_numpy(logprobs) if logprobs is not None else torch.zeros(rlen, dtype=torch.float32)
+                )
+            keys.append(f"{prompt.uid}_{session}_{turn}")
+            fields.append(row)
+            tags.append(
+                {
+                    "status": "success",
+                    "prompt_len": plen,
+                    "response_len": rlen,
+                    "seq_len": plen + rlen,
+                    "global_steps": prompt.global_steps,
+                    "min_global_steps": int(group.rollout_min_versions[i]),
+                    "max_global_steps": int(group.rollout_max_versions[i]),
+                }
+            )
+        return keys, fields, tags
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+def _replay_buffers() -> tuple[type, type]:
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+    return ReplayBuffer, ReplayBufferAsync
+
+
+_ReplayBuffer, _ReplayBufferAsync = _replay_buffers()
+
+
+class _EventWaits:
+    """What aglverl's replay buffers change in verl's: waiting (an event, not a sleep) and which finished
+    groups are filtered (aglverl's rejection sampling, through verl's DAPO group filter)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        run = _run()
+        config = run.config
+        self._aglverl = run
+        self._seen = -1
+        self._rejection = run.signal.rejection_sampling
+        filter_groups = config.algorithm.get("filter_groups", None)
+        enabled = bool(filter_groups is not None and filter_groups.get("enable", False))
+        metric = str(filter_groups.get("metric", "reward")) if enabled else None
+        self._rejection_cap = int(filter_groups.get("max_num_gen_batches", 0) or 0) if enabled else 0
+        self._rejected = 0
+        sampler = config.trainer.v1.sampler
+        extra: dict[str, Any] = {
+            "filter_groups_metric": metric,
+            "sync_refill_failed_groups": bool(sampler.get("sync_refill_failed_groups", False)),
+        }
+        if kwargs.get("trainer_mode") == "sync":
+            train_batch_size = int(config.data.train_batch_size)
+            gen = config.data.get("gen_batch_size", None) or train_batch_size
+            extra.update(
+                train_batch_size=train_batch_size,
+                gen_batch_size=1 if metric is not None or extra["sync_refill_failed_groups"] else int(gen),
+                max_inflight_gen_batches=int(filter_groups.get("max_inflight_gen_batches", 1)) if enabled else 1,
+            )
+        super().__init__(**kwargs, **extra)  # type: ignore[call-arg]
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> Any:
+        self._rejected = 0
+        return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+
+    def _sync_metadata_from_transfer_queue(self) -> None:
+        # The version is read before the look: a group finishing after it wakes the next wait.
+        self._seen = self._aglverl.on_loop(lambda: self._aglverl.producer.version)
+        super()._sync_metadata_from_transfer_queue()  # type: ignore[misc]
+
+    def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+        run = self._aglverl
+        run.await_on_loop(run.producer.wait_changed, self._seen)
+        return last_debug_time
+
+    def _dapo_filtered_keys(self, partition_id: str) -> tuple[set[str], Counter]:
+        if not self._rejection or partition_id == "val" or self.filter_groups_metric is None:  # type: ignore[attr-defined]
+            return super()._dapo_filtered_keys(partition_id)  # type: ignore[misc]
+        cap = self._rejection_cap * int(self._aglverl.config.data.train_batch_size)
+        if cap and self._rejected >= cap:
+            return set(), Counter()  # enough replaced this step: train on what is there
+        finished = list(self.finished_keys[partition_id])  # type: ignore[attr-defined]
+        producer = self._aglverl.producer
+        uniform = self._aglverl.on_loop(lambda: {uid for uid in finished if producer.uniform(uid)})
+        return uniform, Counter({"uniform": len(uniform)}) if uniform else Counter()
+
+    def _evict_terminal_groups(self, global_steps: int, partition_id: str, reasons: Any) -> Any:
+        evicted, stale, dapo, metrics = super()._evict_terminal_groups(global_steps, partition_id, reasons)  # type: ignore[misc]
+        if evicted:
+            self._rejected += dapo
+            producer = self._aglverl.producer
+            self._aglverl.on_loop(producer.evicted, sorted(evicted))
+        return evicted, stale, dapo, metrics
+
+
+class EventReplayBuffer(_EventWaits, _ReplayBuffer):  # type: ignore[valid-type,misc]
+    """verl's sync-mode replay buffer, waking on the producer's finished groups (see :class:`_EventWaits`)."""
+
+
+class EventReplayBufferAsync(_EventWaits, _ReplayBufferAsync):  # type: ignore[valid-type,misc]
+    """verl's async-mode replay buffer (staleness eviction), waking on the producer's finished groups."""
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class _Hooks:
+    """What aglverl adds to verl's trainer of the configured mode (mixed in before it; see the docstring)."""
+
+    _aglverl: _Run
+
+    def on_init_end(self) -> None:
+        # The first weight sync (after a checkpoint load) happens before the daemon serves: nothing to hold.
+        super().on_init_end()  # type: ignore[misc]
+
+    def on_step_begin(self) -> None:
+        self._step_started = time.monotonic()
+        self._computing: list[tuple[float, float]] = []
+        self._tokens_before = self._aglverl.on_loop(lambda: self._aglverl.daemon.proxy.m_generated.value())
+        super().on_step_begin()  # type: ignore[misc]
+
+    def on_sample_end(self) -> None:
+        run = self._aglverl
+        # Hold new calls and drain the ones in flight while the engines still serve them; then sleep them.
+        run.await_on_loop(run.daemon.proxy.pause)
+        # The first step has asked for everything a previous run left in flight that it wants again.
+        run.on_loop(run.producer.end_recovery)
+        super().on_sample_end()  # type: ignore[misc]
+        self._compute_from = time.monotonic()
+
+    def on_step_end(self) -> None:
+        run = self._aglverl
+        try:
+            super().on_step_end()  # type: ignore[misc]
+        finally:
+            version = int(self.global_steps)  # type: ignore[attr-defined]
+            run.on_loop(run.daemon.proxy.resume, version)
+            self._computing.append((self._compute_from, time.monotonic()))
+
+    def _save_checkpoint(self) -> None:
+        super()._save_checkpoint()  # type: ignore[misc]
+        run = self._aglverl
+        run.on_loop(run.producer.checkpointed)
+
+    def _validate(self) -> dict[str, float]:
+        metrics = super()._validate()  # type: ignore[misc]
+        run = self._aglverl
+        stats = run.on_loop(run.producer.take_partition, "val")
+        n = sum(s.n_rollouts for s in stats)
+        metrics["val/reward"] = sum(s.reward_sum for s in stats) / n if n else 0.0
+        metrics["val/n_rollouts"] = float(n)
+        return metrics
+
+    def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        return _advantages(self, batch, metrics)
+
+    def _compute_metrics(self, batch: Any, metrics: dict[str, Any], timing_raw: dict, global_steps: int, epoch: int) -> None:
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
+        run = self._aglverl
+        uids = [key.split("_", 1)[0] for key in batch.keys]
+        metrics.update(_step_metrics(self, run, uids, timing_raw))
+        clean = {k: float(v) for k, v in metrics.items() if _finite_number(v)}
+        if run.bar is not None:
+            run.bar.set_postfix(
+                reward=f"{clean.get('training/reward', 0.0):.3f}",
+                tok_s=f"{clean.get('step/generated_tokens_per_s', 0.0):.0f}",
+                refresh=False,
+            )
+        for callback in run.on_step:
+            run.on_loop(callback, int(global_steps), clean)
+
+
+def _finite_number(value: Any) -> bool:
+    if isinstance(value, (bool, dict, str)) or value is None:
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _step_metrics(trainer: Any, run: _Run, uids: list[str], timing: Mapping[str, float]) -> dict[str, float]:
+    """aglverl's metrics of a step: its groups' (reward over every rollout, failures at their failure
+    reward; rows, filters), the proxy's counters, generated tokens/s over every generated token, and how the
+    step's wall time split between the engines generating and the trainer computing."""
+    daemon = run.daemon
+    assert daemon is not None
+    stop = time.monotonic()
+    start = trainer._step_started
+
+    def on_loop() -> tuple[list[Any], dict[str, float], list[tuple[float, float]], float]:
+        producer = daemon.producer
+        assert producer is not None
+        stats = producer.take_stats(uids)
+        return stats, daemon.proxy_counters(), daemon.proxy.activity.busy_intervals(start, stop), daemon.proxy.m_generated.value()
+
+    stats, counters, generating, tokens = run.on_loop(on_loop)
+    metrics = aggregate_stats(stats)
+    metrics.update(counters)
+    computing = [(max(a, start), min(b, stop)) for a, b in trainer._computing if b > start]
+    shares = overlap_shares(start, stop, generating, computing)
+    wall = stop - start
+    metrics.update(
+        {
+            "step/wall_seconds": wall,
+            "step/share_generating_only": shares["first_only"],
+            "step/share_computing_only": shares["second_only"],
+            "step/share_both": shares["both"],
+            "step/share_neither": shares["neither"],
+            "step/generated_tokens": tokens - trainer._tokens_before,
+            "step/generated_tokens_per_s": (tokens - trainer._tokens_before) / wall if wall > 0 else 0.0,
+            "step/weight_version": float(trainer.global_steps),
+        }
+    )
+    low = metrics.get("step/call_weight_version_min")
+    if low is not None:
+        metrics["step/staleness"] = float(trainer.global_steps - 1 - low)
+    return metrics
+
+
+def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
+    """verl's ``_compute_advantage`` phases (KL in reward, rollout correction) with aglverl's advantages.
+
+    GRPO groups are whole prompt groups (or, per_step, a prompt's turn): every rollout is one member, whatever
+    its number of rows (each row weighs ``1/k`` in its group's mean and std), the turn weighting scales each
+    row in the loss (``advantage_weights``), and rows the batch builder kept out of the loss still count in
+    their group's statistics. Padding rows verl adds have no loss tokens and a group of their own.
+    """
+    import transfer_queue as tq
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+    from verl.workers.utils.padding import response_to_nested
+
+    from .signals import compute_advantage
+
+    config = trainer.config
+    algorithm = config.algorithm
+    fields = [
+        "uid",
+        "response_mask",
+        "rm_scores",
+        "rollout_log_probs",
+        "old_log_probs",
+        "ref_log_prob",
+        "values",
+        "advantage_weights",
+    ]
+    raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    response_mask = raw["response_mask"]
+    data = DataProto(batch=raw.to_padded_tensor())
+    data.batch["token_level_scores"] = data.batch["rm_scores"]
+    data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+    if algorithm.use_kl_in_reward:
+        data, kl_metrics = apply_kl_penalty(data, kl_ctrl=trainer.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty)
+        metrics.update(kl_metrics)
+    else:
+        data.batch["token_level_rewards"] = data.batch["token_level_scores"]
+    correction = algorithm.get("rollout_correction", None)
+    corrected = correction is not None and "rollout_log_probs" in data.batch and not correction.get("bypass_mode", False)
+    if corrected:
+        data, correction_metrics = compute_rollout_correction_and_add_to_batch(data, correction)
+        metrics.update(correction_metrics)
+    estimator = str(getattr(algorithm.adv_estimator, "value", algorithm.adv_estimator))
+    if estimator in ("grpo", "grpo_vectorized") and trainer._aglverl.signal.advantage == "broadcast":
+        data.batch["group_weights"] = _per_rollout_weights(batch.keys)
+    if "advantage_weights" not in data.batch.keys():
+        data.batch["advantage_weights"] = torch.ones(len(data), dtype=torch.float32)
+    data = compute_advantage(
+        data,
+        adv_estimator=algorithm.adv_estimator,
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        num_repeat=int(config.actor_rollout_ref.rollout.n),
+        norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
+        config=algorithm,
+    )
+    out = ["advantages", "returns"]
+    if algorithm.use_kl_in_reward:
+        out.append("token_level_rewards")
+    if corrected:
+        out.append("response_mask")
+        if "rollout_is_weights" in data.batch.keys():
+            out.append("rollout_is_weights")
+    from tensordict import TensorDict
+
+    nested = TensorDict({k: response_to_nested(data.batch[k], response_mask) for k in out}, batch_size=len(batch))
+    return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=nested)
+
+
+def _per_rollout_weights(keys: Sequence[str]) -> torch.Tensor:
+    """``1/k`` for each row of a session (``{uid}_{session}_{turn}``) that has ``k`` rows in the batch."""
+    sessions = [key.rsplit("_", 1)[0] for key in keys]
+    counts = Counter(sessions)
+    return torch.tensor([1.0 / counts[s] for s in sessions], dtype=torch.float32)
+
+
+def trainer_class(trainer_mode: str) -> type:
+    """verl's V1 trainer registered for ``trainer_mode``, with aglverl's hooks mixed in."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    base = get_trainer_cls(trainer_mode)
+    return type(f"Aglverl{base.__name__}", (_Hooks, base), {"__module__": __name__})
+
+
+# ---------------------------------------------------------------------------------------------- running
+def backend_urls(trainer: Any) -> list[str]:
+    """The inference servers verl started (one per rollout replica), as ``http://host:port``."""
+    return [f"http://{address}" for address in trainer.llm_server_manager.get_addresses()]
+
+
+def served_model_name(url: str) -> str:
+    """The model name an OpenAI-compatible server answers to (its first ``/v1/models`` entry); blocking."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP(S)_PROXY
+    with direct.open(f"{url}/v1/models", timeout=30) as response:
+        return str(json.load(response)["data"][0]["id"])
+
+
+def sampling_parameters(config: Any, *, validation: bool = False) -> dict[str, Any]:
+    """The sampling parameters agents get in ``main_llm`` (verl's rollout / ``val_kwargs`` settings); the proxy
+    fills them into calls that omit them and checks the calls that set them."""
+    rollout = config.actor_rollout_ref.rollout
+    source = rollout.val_kwargs if validation else rollout
+    params: dict[str, Any] = {
+        "temperature": float(source.temperature),
+        "top_p": float(source.top_p),
+        "max_tokens": int(config.data.max_response_length),
+    }
+    if validation and not source.do_sample:
+        params.update(temperature=0.0, top_p=1.0)
+    if int(source.top_k) > 0:
+        params["top_k"] = int(source.top_k)
+    return params
+
+
+def close_trainer(trainer: Any) -> None:
+    """Stop the trainer's Ray actors and free its placement groups (blocking; for a shared Ray session)."""
+    import ray
+    from ray.util import remove_placement_group
+
+    actors: list[Any] = []
+    for name in ("actor_rollout_wg", "critic_wg", "ref_policy_wg"):
+        group = getattr(trainer, name, None)
+        if group is not None:
+            actors += list(group.workers)
+    for manager_name in ("llm_server_manager", "standalone_server_manager"):
+        manager = getattr(trainer, manager_name, None)
+        if manager is not None:
+            actors += [h for replica in manager.get_replicas() for h in replica.servers]
+            if getattr(manager, "global_load_balancer", None) is not None:
+                actors.append(manager.global_load_balancer)
+    actors += list(getattr(getattr(trainer, "reward_loop_manager", None), "reward_loop_worker_handles", None) or [])
+    for actor in dict.fromkeys(actors):
+        try:
+            ray.kill(actor)
+        except Exception as exc:  # already gone: nothing to stop
+            logger.debug("ray.kill(%s): %s", actor, exc)
+    pools = getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}
+    for pool in pools.values():
+        for pg in getattr(pool, "pgs", None) or []:
+            remove_placement_group(pg)
+
+
+async def train(
+    config: Any,
+    options: Any,
+    train_samples: list[dict[str, Any]],
+    val_samples: list[dict[str, Any]] | None,
+    *,
+    daemon_kwargs: Callable[[Any], dict[str, Any]],
+    serve: Callable[[AgentDaemon], Any],
+    on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
+    progress: bool = True,
+) -> Any:
+    """Run verl's V1 trainer with the daemon as its producer; returns the trainer after ``fit``.
+
+    ``daemon_kwargs(trainer)`` gives the :class:`~aglverl.daemon.AgentDaemon`'s arguments once the trainer's
+    servers are up; ``serve(daemon)`` is an async context manager run around ``fit`` (agents, callbacks).
+    Cancellation stops after the blocking verl call in progress returns; TransferQueue, the trainer's actors
+    and the daemon are shut down either way.
+    """
+    import transfer_queue as tq
+
+    from .daemon import AgentDaemon
+
+    datasets = {TRAIN_FILES: train_samples, VAL_FILES: val_samples or train_samples}
+    run = _Run(config=config, signal=options.signal, datasets=datasets, on_step=on_step, progress=progress)
+    run.token = anyio.lowlevel.current_token()
+    with _active(run), _progress_bar(run):
+        await anyio.to_thread.run_sync(tq.init, config.transfer_queue)
+        trainer: Any = None
+        try:
+            trainer = trainer_class(config.trainer.v1.trainer_mode)(config=config)
+            trainer._aglverl = run
+            await anyio.to_thread.run_sync(trainer.init)
+            kwargs = await anyio.to_thread.run_sync(daemon_kwargs, trainer)
+            kwargs["trajectory_sink"] = TransferQueueSink(logprobs=options.signal.request_logprobs)
+            daemon = AgentDaemon(**kwargs)
+            async with daemon:
+                run.daemon = daemon
+                daemon.proxy.weight_version = int(trainer.global_steps)
+                run.resources = {
+                    "train": daemon.update_resources({"main_llm": daemon.main_llm(sampling_parameters(config))}),
+                    "val": daemon.update_resources(
+                        {"main_llm": daemon.main_llm(sampling_parameters(config, validation=True))}
+                    ),
+                }
+                async with serve(daemon):
+                    await anyio.to_thread.run_sync(trainer.fit, DaemonAgentLoopManager(run))
+            return trainer
+        finally:
+            with anyio.CancelScope(shield=True):
+                if trainer is not None:
+                    await anyio.to_thread.run_sync(_finish_tracking, trainer)
+                    await anyio.to_thread.run_sync(close_trainer, trainer)
+                await anyio.to_thread.run_sync(tq.close)
+
+
+@contextmanager
+def _progress_bar(run: _Run) -> Iterator[None]:
+    """verl's V1 loop draws its own ``tqdm`` bar (``trainer_base.py:434``); for the run it is aglverl's: named,
+    on stderr, hidden without ``progress``, with the step's reward and generated tokens/s."""
+    import sys
+
+    import verl.trainer.ppo.v1.trainer_base as trainer_base
+    from tqdm import tqdm
+
+    def bar(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(desc="aglverl training", unit="step", file=sys.stderr, disable=not run.progress)
+        run.bar = tqdm(*args, **kwargs)
+        return run.bar
+
+    original = trainer_base.tqdm
+    trainer_base.tqdm = bar
+    try:
+        yield
+    finally:
+        trainer_base.tqdm = original
+        if run.bar is not None:
+            run.bar.close()
+
+
+def _finish_tracking(trainer: Any) -> None:
+    tracking = getattr(trainer, "logger", None)
+    if tracking is not None:
+        try:
+            tracking.finish()
+        except Exception as exc:  # a logger backend failing to flush must not hide the run's own outcome
+            logger.warning("verl's Tracking.finish failed: %s", exc)
+
+
+def journal_path(config: Any, journal: str | None) -> str | None:
+    """The daemon's journal for this run: ``"auto"`` puts it next to verl's checkpoints when they are saved."""
+    if journal == "auto":
+        saves = int(config.trainer.save_freq) > 0
+        journal = os.path.join(config.trainer.default_local_dir, "aglverl.journal") if saves else None
+    if journal is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(journal)), exist_ok=True)
+        if config.trainer.resume_mode == "disable" and os.path.exists(journal):
+            os.remove(journal)  # a fresh run must not recover another run's groups
+    return journal
+
