@@ -163,8 +163,9 @@ def reconcile_sampling(
 
     Returns ``(fill, used, mismatches)``: the parameters to add to the request (the trainer's values the call
     omits, and ``max_tokens`` when it sets no limit), the values the call is made with, and a description of
-    each parameter it sets differently (``"temperature=0.7 (the trainer samples at 1.0)"``). A ``null`` in the
-    request counts as omitted; a parameter neither side names counts at its neutral value.
+    each parameter it sets differently (``"temperature=0.7 (the trainer samples at 1.0)"``); ``used`` names the
+    trainer's parameters and those the call sets. A ``null`` in the request counts as omitted; a parameter
+    the trainer does not name must be at its neutral value.
     """
     fill: dict[str, Any] = {}
     used: dict[str, float] = {}
@@ -175,7 +176,6 @@ def reconcile_sampling(
         if got is None:
             if want is not None and key in expected:
                 fill[key] = want
-            if want is not None:
                 used[key] = float(want)
             continue
         if isinstance(got, bool) or not isinstance(got, (int, float)):

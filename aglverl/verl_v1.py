@@ -22,7 +22,7 @@ plugs into its extension points and adds what only it can (agents it does not co
   checkpoint (``_save_checkpoint``).
 - :class:`SampleDataset` — task inputs as verl's dataset (``data.custom_cls``): verl's stateful data loader
   samples, shuffles and checkpoints them; each item's ``raw_prompt`` is the task input agents get.
-- :func:`train` — the run: TransferQueue, the trainer, the daemon (and agents), ``trainer.fit``.
+- :func:`running` / :func:`train` — the run: TransferQueue, the trainer, the daemon (and agents), ``fit``.
 
 verl's blocking calls run in a worker thread (``anyio.to_thread``); everything that touches the daemon goes
 back to the event loop with ``anyio.from_thread`` and an explicit loop token. Checked against verl 0.9.1 and
@@ -39,8 +39,8 @@ import os
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -66,6 +66,7 @@ __all__ = [
     "EventReplayBufferAsync",
     "SampleDataset",
     "TransferQueueSink",
+    "running",
     "sampler_name",
     "train",
     "trainer_class",
@@ -234,9 +235,10 @@ class DaemonAgentLoopManager:
 class TransferQueueSink:
     """Files finished groups in TransferQueue as verl's ``AgentLoopWorkerTQ`` does (see the module docstring).
 
-    ``logprobs``: every row carries ``rollout_log_probs`` (a row whose call came back without the engine's
-    logprobs gets zeros and is kept out of the loss, so the column stays whole). TransferQueue's client is
-    blocking: each write runs in a worker thread.
+    ``logprobs``: every row carries ``rollout_log_probs``, so the column stays whole; a row whose call came
+    back without the engine's logprobs (or whose agent posted triplets without them) is marked
+    ``rollout_log_probs_valid = 0`` and the trainer counts it as on-policy (its recomputed log-probs stand in,
+    see ``_compute_old_log_prob``). TransferQueue's client is blocking: each write runs in a worker thread.
     """
 
     def __init__(self, *, logprobs: bool) -> None:
@@ -294,8 +296,7 @@ class TransferQueueSink:
             prompts = batch["prompts"][i, width - plen :]
             responses = batch["responses"][i, :rlen]
             logprobs = group.logprobs[i]
-            mask_value = 1 if trains[i] and (logprobs is not None or not self.logprobs) else 0
-            mask = torch.full((rlen,), mask_value, dtype=torch.int64)
+            mask = torch.full((rlen,), 1 if trains[i] else 0, dtype=torch.int64)
             row: dict[str, Any] = {
                 "prompts": prompts.clone(),
                 "responses": responses.clone(),
@@ -321,9 +322,9 @@ class TransferQueueSink:
                 },
             }
             if self.logprobs:
-                row["rollout_log_probs"] = (
-                    torch.from_numpy(logprobs) if logprobs is not None else torch.zeros(rlen, dtype=torch.float32)
-                )
+                present = logprobs is not None
+                row["rollout_log_probs"] = torch.from_numpy(logprobs) if present else torch.zeros(rlen)
+                row["rollout_log_probs_valid"] = torch.tensor(int(present))
             keys.append(f"{prompt.uid}_{session}_{turn}")
             fields.append(row)
             tags.append(
@@ -470,6 +471,18 @@ class _Hooks:
         metrics["val/n_rollouts"] = float(n)
         return metrics
 
+    def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        rollout = self.config.actor_rollout_ref.rollout  # type: ignore[attr-defined]
+        correction = self.config.algorithm.get("rollout_correction", None)  # type: ignore[attr-defined]
+        if not rollout.calculate_log_probs or (correction is not None and correction.get("bypass_mode", False)):
+            return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
+        # verl compares the engine's log-probs with the recomputed ones right after computing them; rows
+        # without the engine's get the recomputed ones first (on-policy by assumption), then verl's metrics.
+        with _setting(rollout, "calculate_log_probs", False):
+            batch = super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
+        metrics.update(_fill_and_compare_log_probs(batch))
+        return batch
+
     def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
         return _advantages(self, batch, metrics)
 
@@ -487,6 +500,55 @@ class _Hooks:
             )
         for callback in run.on_step:
             run.on_loop(callback, int(global_steps), clean)
+
+
+@contextmanager
+def _setting(node: Any, key: str, value: Any) -> Iterator[None]:
+    """``node[key] = value`` for the block (a verl config value read by the method the block calls)."""
+    from omegaconf import open_dict
+
+    old = node[key]
+    with open_dict(node):
+        node[key] = value
+    try:
+        yield
+    finally:
+        with open_dict(node):
+            node[key] = old
+
+
+def _fill_and_compare_log_probs(batch: Any) -> dict[str, float]:
+    """Give rows without the engine's log-probs the trainer's (``rollout_log_probs_valid = 0``), then compare
+    the engine's with the trainer's over the rest: verl's ``training/rollout_probs_diff_*`` and aglverl's
+    ``logprobs/*`` (mean / max absolute difference, k3 KL, rows missing)."""
+    import transfer_queue as tq
+    from verl import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+    from verl.workers.utils.padding import response_to_nested
+
+    from .signals import logprob_mismatch
+
+    fields = ["rollout_log_probs", "rollout_log_probs_valid", "old_log_probs", "response_mask", "responses"]
+    raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    response_mask = raw["response_mask"]
+    data = DataProto(batch=raw.to_padded_tensor())
+    valid = data.batch.pop("rollout_log_probs_valid", None)
+    missing = (valid == 0) if valid is not None else torch.zeros(len(data), dtype=torch.bool)
+    if bool(missing.any()):
+        data.batch["rollout_log_probs"][missing] = data.batch["old_log_probs"][missing]
+        from tensordict import TensorDict
+
+        nested = response_to_nested(data.batch["rollout_log_probs"], response_mask)
+        tq.kv_batch_put(
+            keys=batch.keys,
+            partition_id=batch.partition_id,
+            fields=TensorDict({"rollout_log_probs": nested}, batch_size=len(batch)),
+        )
+    metrics = dict(calculate_debug_metrics(data))
+    compared = data.batch["response_mask"] * (~missing).unsqueeze(-1)
+    metrics.update(logprob_mismatch(data.batch["old_log_probs"], data.batch["rollout_log_probs"], compared))
+    metrics["logprobs/n_rows_missing"] = float(missing.sum())
+    return metrics
 
 
 def _finite_number(value: Any) -> bool:
@@ -680,23 +742,23 @@ def close_trainer(trainer: Any) -> None:
             remove_placement_group(pg)
 
 
-async def train(
+@asynccontextmanager
+async def running(
     config: Any,
     options: Any,
     train_samples: list[dict[str, Any]],
     val_samples: list[dict[str, Any]] | None,
     *,
     daemon_kwargs: Callable[[Any], dict[str, Any]],
-    serve: Callable[[AgentDaemon], Any],
     on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
     progress: bool = True,
-) -> Any:
-    """Run verl's V1 trainer with the daemon as its producer; returns the trainer after ``fit``.
+) -> AsyncIterator[tuple[_Run, Any]]:
+    """TransferQueue, verl's V1 trainer (initialised: workers, replicas, checkpoint loaded) and the daemon as
+    its producer, serving; yields ``(run, trainer)`` ready for ``trainer.fit(DaemonAgentLoopManager(run))``.
 
     ``daemon_kwargs(trainer)`` gives the :class:`~aglverl.daemon.AgentDaemon`'s arguments once the trainer's
-    servers are up; ``serve(daemon)`` is an async context manager run around ``fit`` (agents, callbacks).
-    Cancellation stops after the blocking verl call in progress returns; TransferQueue, the trainer's actors
-    and the daemon are shut down either way.
+    servers are up (blocking; called in a worker thread). On exit (also on error or cancellation) the daemon,
+    the trainer's Ray actors and TransferQueue are shut down.
     """
     import transfer_queue as tq
 
@@ -714,25 +776,46 @@ async def train(
             await anyio.to_thread.run_sync(trainer.init)
             kwargs = await anyio.to_thread.run_sync(daemon_kwargs, trainer)
             kwargs["trajectory_sink"] = TransferQueueSink(logprobs=options.signal.request_logprobs)
-            daemon = AgentDaemon(**kwargs)
-            async with daemon:
+            async with AgentDaemon(**kwargs) as daemon:
                 run.daemon = daemon
                 daemon.proxy.weight_version = int(trainer.global_steps)
-                run.resources = {
-                    "train": daemon.update_resources({"main_llm": daemon.main_llm(sampling_parameters(config))}),
-                    "val": daemon.update_resources(
-                        {"main_llm": daemon.main_llm(sampling_parameters(config, validation=True))}
-                    ),
-                }
-                async with serve(daemon):
-                    await anyio.to_thread.run_sync(trainer.fit, DaemonAgentLoopManager(run))
-            return trainer
+                # validation's first, so that the latest resources (what agents get by default) are training's
+                validation = sampling_parameters(config, validation=True)
+                run.resources["val"] = daemon.update_resources({"main_llm": daemon.main_llm(validation)})
+                training = sampling_parameters(config)
+                run.resources["train"] = daemon.update_resources({"main_llm": daemon.main_llm(training)})
+                yield run, trainer
         finally:
+            run.daemon = None
             with anyio.CancelScope(shield=True):
                 if trainer is not None:
                     await anyio.to_thread.run_sync(_finish_tracking, trainer)
                     await anyio.to_thread.run_sync(close_trainer, trainer)
                 await anyio.to_thread.run_sync(tq.close)
+
+
+async def train(
+    config: Any,
+    options: Any,
+    train_samples: list[dict[str, Any]],
+    val_samples: list[dict[str, Any]] | None,
+    *,
+    daemon_kwargs: Callable[[Any], dict[str, Any]],
+    serve: Callable[[AgentDaemon], Any],
+    on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
+    progress: bool = True,
+) -> None:
+    """Run verl's V1 trainer (``fit``) with the daemon as its producer (see :func:`running`).
+
+    ``serve(daemon)`` is an async context manager run around ``fit`` (the agents, the caller's callbacks).
+    Cancellation stops after the blocking verl call in progress returns.
+    """
+    async with running(
+        config, options, train_samples, val_samples, daemon_kwargs=daemon_kwargs, on_step=on_step, progress=progress
+    ) as (run, trainer):
+        assert run.daemon is not None
+        async with serve(run.daemon):
+            await anyio.to_thread.run_sync(trainer.fit, DaemonAgentLoopManager(run))
 
 
 @contextmanager

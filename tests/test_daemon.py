@@ -212,3 +212,91 @@ async def test_heartbeats_keep_a_long_rollout_from_being_requeued() -> None:
             report = await step.wait()
         tg.cancel_scope.cancel()
     assert report.metrics["step/n_completed"] == 1 and report.metrics["step/n_requeued"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+TRAINER_SAMPLING = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_tokens": 5}
+
+
+async def _one_call(daemon: AgentDaemon, **params: object) -> tuple[str, object]:
+    """Queue one task, claim it like an agent and make one chat call on its proxy URL with ``params``."""
+    rollout_id = await daemon.queue_task({"q": 1})
+    async with AgentClient(daemon.server_url) as agent:
+        task = await agent.next_task()
+        assert task is not None and task.rollout_id == rollout_id
+        llm = (await agent.resources(task.resources_id)).resources["main_llm"]
+        assert isinstance(llm, ProxyLLM)
+        client = openai.AsyncOpenAI(
+            base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0
+        )
+        try:
+            reply: object = await client.chat.completions.create(
+                model="mock", messages=[{"role": "user", "content": "hi"}], **params
+            )
+        except openai.BadRequestError as exc:
+            reply = exc
+        finally:
+            await client.close()
+        await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+    return rollout_id, reply
+
+
+async def test_the_proxy_fills_in_the_trainers_sampling_parameters_and_records_them() -> None:
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", sampling_parameters=TRAINER_SAMPLING) as daemon,
+    ):
+        rollout_id, _ = await _one_call(daemon)  # the agent names no sampling parameter at all
+        sent = mock.generation_requests()[-1].json
+        assert (sent["temperature"], sent["top_p"], sent["top_k"], sent["max_tokens"]) == (1.0, 0.9, 20, 5)
+        (call,) = daemon.store.record(rollout_id).calls
+        assert call.sampling == {"temperature": 1.0, "top_p": 0.9, "top_k": 20.0}
+        assert call.off_policy is False
+        # the same values set explicitly are on-policy too (top_k given as -1/0 means none: only 20 is equal)
+        _, reply = await _one_call(daemon, temperature=1.0, top_p=0.9, max_tokens=3, extra_body={"top_k": 20})
+        assert not isinstance(reply, Exception)
+        assert mock.generation_requests()[-1].json["max_tokens"] == 3  # an agent's own limit is kept
+        assert daemon.proxy.m_sampling.value("filled") == 1  # the second call named all of them
+
+
+async def test_a_call_with_other_sampling_parameters_is_refused_naming_them() -> None:
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", sampling_parameters=TRAINER_SAMPLING) as daemon,
+    ):
+        before = len(mock.generation_requests())
+        rollout_id, reply = await _one_call(daemon, temperature=0.7, presence_penalty=0.5)
+        assert isinstance(reply, openai.BadRequestError)
+        message = str(reply)
+        assert "temperature=0.7" in message and "temperature=1.0" in message and "presence_penalty" in message
+        assert "sampling_mismatch" in message
+        assert len(mock.generation_requests()) == before  # never forwarded
+        assert daemon.store.record(rollout_id).calls == []
+        assert daemon.proxy.m_sampling.value("refused") == 1
+
+
+async def test_under_the_mask_rule_an_off_policy_call_is_kept_and_its_row_masked() -> None:
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(
+            backends=[mock.url],
+            model="mock",
+            sampling_parameters=TRAINER_SAMPLING,
+            sampling_mismatch="mask",
+            batch=BATCH,
+        ) as daemon,
+    ):
+        rollout_id, reply = await _one_call(daemon, temperature=0.2)
+        assert not isinstance(reply, Exception)
+        assert mock.generation_requests()[-1].json["temperature"] == 0.2
+        (call,) = daemon.store.record(rollout_id).calls
+        assert call.off_policy is True and call.sampling is not None and call.sampling["temperature"] == 0.2
+        assert daemon.proxy.m_sampling.value("masked") == 1
+        # the row stays in the batch (its reward counts in its group) but is marked not to train
+        from aglverl.batch import build_batch
+        from aglverl.collector import finished_rollout, trajectory_of
+
+        record = daemon.store.record(rollout_id)
+        data, metrics = build_batch([finished_rollout(record, trajectory_of(record), "g")], BATCH)
+        assert data.batch["is_drop_mask"].tolist() == [True]
+        assert metrics["batch/n_rows_off_policy"] == 1.0

@@ -1,0 +1,251 @@
+"""aglverl as verl V1's trajectory producer, on one live trainer (verl's sync mode on CPU) and one Ray session:
+rows filed in TransferQueue as verl's agent loop files them, the replay buffer waking on the daemon's events,
+advantages on whole groups, and the proxy holding calls around the replicas' sleep."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anyio
+import pytest
+import ray
+
+from aglverl.algorithm import _daemon_kwargs, _run_config, compose_config, verl_runtime
+from aglverl.models import Rollout, Triplet
+from aglverl.producer import Prompt
+from aglverl.verl_v1 import DaemonAgentLoopManager, running
+
+pytestmark = pytest.mark.anyio
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CONFIG = {
+    "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 8, "shuffle": False},
+    "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
+    "algorithm": {"adv_estimator": "grpo"},
+    "trainer": {"total_training_steps": 2, "val_before_train": False, "test_freq": -1, "save_freq": -1},
+    "aglverl": {"journal": None},
+}
+TRAIN = [{"prompt": "Say yes.", "word": "yes", "id": i} for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def live(tiny_model: Path) -> AsyncIterator[tuple[Any, Any]]:
+    """verl's V1 trainer, initialised, and the daemon serving as its producer: ``(run, trainer)``."""
+    config, options = compose_config(CONFIG)
+    config = _run_config(config, has_validation=False)
+    with ExitStack() as stack:
+        runtime = stack.enter_context(verl_runtime(config))
+        from aglverl.algorithm import _worker_group_class
+        from aglverl.verl_plugin.patches import use_worker_group
+
+        use_worker_group(_worker_group_class(runtime.env, runtime.rendezvous_dir))
+        async with running(
+            config, options, TRAIN, None, daemon_kwargs=lambda t: _daemon_kwargs(config, options, t), progress=False
+        ) as (run, trainer):
+            trainer.agent_loop_manager = DaemonAgentLoopManager(run)
+            trainer.global_steps = 1
+            trainer.curr_step_profile, trainer.timing_raw = False, {}  # what verl's fit() sets for a step
+            yield run, trainer
+
+
+def _tq_get(keys: Sequence[str], partition: str = "train", fields: list[str] | None = None) -> Any:
+    import transfer_queue as tq
+
+    return tq.kv_batch_get(keys=list(keys), partition_id=partition, select_fields=fields)
+
+
+def _tq_tags(partition: str = "train") -> dict[str, dict[str, Any]]:
+    import transfer_queue as tq
+
+    return (tq.kv_list(partition) or {}).get(partition, {})
+
+
+def _answer_with_triplets(store: Any, plan: dict[tuple[str, int], tuple[float, list[tuple[list[int], list[int]]]]]) -> int:
+    """Claim queued tasks and post, for (group, session), its reward and triplets (prompt ids, response ids)."""
+    answered = 0
+    while (task := store.try_claim()) is not None:
+        reward, turns = plan[(task.metadata["data_id"], task.metadata["session"])]
+        triplets = [Triplet(prompt={"token_ids": p}, response={"token_ids": r}) for p, r in turns]
+        store.submit_result(
+            Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward, triplets=triplets)
+        )
+        answered += 1
+    return answered
+
+
+async def _agents_answer(run: Any, count: int, reply: dict[str, tuple[list[int], list[int]]]) -> None:
+    """``count`` agents claim a task each and answer through the proxy with the openai SDK (reward by word)."""
+    import openai
+
+    from aglverl.client import AgentClient
+    from aglverl.demo import word_reward
+
+    async with AgentClient(run.daemon.server_url) as agent:
+        client = openai.AsyncOpenAI(api_key="-", max_retries=0)
+        for _ in range(count):
+            task = await agent.next_task(wait=30)
+            assert task is not None
+            llm = (await agent.resources(task.resources_id)).resources["main_llm"]
+            answer = await client.with_options(base_url=llm.get_base_url(task.rollout_id, task.attempt_id)).chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task.input["prompt"]}]
+            )
+            text = answer.choices[0].message.content or ""
+            # the engine's ids, as vLLM returns them when asked (the proxy asked on the agent's behalf)
+            reply[task.rollout_id] = (answer.model_extra["prompt_token_ids"], answer.choices[0].model_extra["token_ids"])
+            await agent.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=word_reward(text))
+            )
+        await client.close()
+
+
+async def test_a_training_batch_is_filed_and_sampled_the_way_verls_agent_loop_does_it(live: Any) -> None:
+    run, trainer = live
+    trainer.replay_buffer.poll_interval = 3600.0  # were it still polling, sample() would not return in time
+    replies: dict[str, tuple[list[int], list[int]]] = {}
+    async with anyio.create_task_group() as tg:
+        await anyio.to_thread.run_sync(trainer._add_batch_to_generate)  # verl's own dispatch: pending tags, then us
+        tg.start_soon(_agents_answer, run, 4, replies)
+        with anyio.fail_after(120):
+            batch, metrics = await anyio.to_thread.run_sync(trainer.replay_buffer.sample, 1, "train", 2)
+    assert len(batch) == 4 and metrics == {}
+    uids = {key.split("_")[0] for key in batch.keys}
+    assert len(uids) == 2
+    assert sorted(key.split("_", 1)[1] for key in batch.keys) == ["0_0", "0_0", "1_0", "1_0"]
+    for tag in batch.tags:
+        assert tag["status"] == "success" and tag["global_steps"] == 1
+        assert tag["min_global_steps"] == tag["max_global_steps"] == 0  # generated under the initial weights
+        assert tag["seq_len"] == tag["prompt_len"] + tag["response_len"]
+    data = _tq_get(batch.keys)
+    for i, extra in enumerate(list(data["extra_fields"])):
+        prompt = data["prompts"][i].tolist()
+        response = data["responses"][i].tolist()
+        assert data["input_ids"][i].tolist() == prompt + response
+        assert data["position_ids"][i].tolist() == list(range(len(prompt) + len(response)))
+        assert data["response_mask"][i].tolist() == [1] * len(response)
+        scores = data["rm_scores"][i].tolist()
+        assert scores[:-1] == [0.0] * (len(scores) - 1)
+        assert extra["weight_version"] == 0
+        assert replies[extra["rollout_id"]] == (prompt, response)  # exactly the ids the engine generated
+        assert "rollout_log_probs" in data.keys()  # verl's default: the engine's log-probs ride along
+    for uid in uids:
+        assert uid not in _tq_tags()  # sampled groups' prompt entries are cleared, as verl's own sampler does
+    import transfer_queue as tq
+
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
+    taken = run.daemon.producer.take_stats(sorted(uids))
+    assert sum(s.n_rollouts for s in taken) == 4
+
+
+async def test_advantages_are_computed_on_whole_groups_with_masked_rows_and_verls_padding(live: Any) -> None:
+    run, trainer = live
+    producer, store = run.daemon.producer, run.daemon.store
+    long_prompt = list(range(1, 21))  # 20 ids > max_prompt_length 16: the row is kept for its group, masked
+    plan = {
+        ("ga", 0): (1.0, [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6])]),  # two turns: two rows, one member
+        ("ga", 1): (0.0, [([1, 2], [7, 8, 9])]),
+        ("ga", 2): (0.5, [(long_prompt, [5])]),
+        ("gb", 0): (1.0, [([1], [2])]),
+        ("gb", 1): (1.0, [([1], [3])]),  # all equal: advantages 0
+    }
+    prompts = [Prompt("ga", {}, 3, global_steps=1), Prompt("gb", {}, 2, global_steps=1)]
+    import transfer_queue as tq
+
+    def pending() -> None:
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": 1}] * 2
+        tq.kv_batch_put(keys=["ga", "gb"], partition_id="train", tags=tags)
+
+    await anyio.to_thread.run_sync(pending)
+    producer.dispatch(prompts, resources_id=None)
+    assert _answer_with_triplets(store, plan) == 5
+    with anyio.fail_after(60):
+        batch, _ = await anyio.to_thread.run_sync(trainer.replay_buffer.sample, 1, "train", 2)
+    assert len(batch) == 6
+    # verl's own phases up to the advantages: balancing pads the batch to whole mini-batches (multiples of
+    # 2 prompts x 2 = 4 rows) with rows of a group of their own; then the actor's old log-probs
+    metrics: dict[str, Any] = {}
+    batch = await anyio.to_thread.run_sync(trainer._balance_batch, batch, metrics)
+    assert len(batch) == 8
+    batch = await anyio.to_thread.run_sync(trainer._compute_old_log_prob, batch, metrics)
+    await anyio.to_thread.run_sync(trainer._compute_advantage, batch, metrics)
+    data = await anyio.to_thread.run_sync(_tq_get, batch.keys, "train", ["advantages", "response_mask"])
+    got = {key: data["advantages"][i].tolist() for i, key in enumerate(batch.keys)}
+    masks = {key: data["response_mask"][i].tolist() for i, key in enumerate(batch.keys)}
+    # group ga by hand: one member per rollout, scores (1, 0, 0.5): mean 0.5, unbiased std 0.5
+    mean, std = 0.5, math.sqrt(((1 - 0.5) ** 2 + (0 - 0.5) ** 2 + 0.0) / 2)
+    high, low = (1 - mean) / (std + 1e-6), (0 - mean) / (std + 1e-6)
+    assert got["ga_0_0"] == pytest.approx([high] * 2, rel=1e-6)
+    assert got["ga_0_1"] == pytest.approx([high], rel=1e-6)  # the second turn gets its rollout's advantage
+    assert got["ga_1_0"] == pytest.approx([low] * 3, rel=1e-6)
+    assert masks["ga_2_0"] == [0] and got["ga_2_0"] == [0.0]  # counted in the statistics, not in the loss
+    assert got["gb_0_0"] == [0.0] and got["gb_1_0"] == [0.0]
+    pads = [key for key in batch.keys if key.startswith("pad")]
+    assert len(pads) == 2 and all(set(got[key]) <= {0.0} for key in pads)
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
+    producer.take_stats(["ga", "gb"])
+
+
+async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_ones_until_the_update(
+    live: Any,
+) -> None:
+    run, trainer = live
+    daemon = run.daemon
+    rollout_id = await daemon.queue_task({"prompt": "x"})
+    task = daemon.store.try_claim()
+    assert task is not None and task.rollout_id == rollout_id
+    base = f"{daemon.proxy_url}/rollout/{rollout_id}/attempt/{task.attempt_id}/v1"
+    body = {"model": daemon.model, "messages": [{"role": "user", "content": "x"}]}
+    events: list[str] = []
+    before = daemon.proxy.weight_version
+    version = int(trainer.global_steps) + 1
+    trainer.global_steps = version  # the step whose weights on_step_end syncs
+    async with aiohttp.ClientSession() as http:
+
+        async def long_call() -> None:
+            # a generation queued in the engine when the trainer's step ends its sampling
+            long_body = {**body, "max_tokens": 8, "stream": True, "temperature": 1.0}
+            async with http.post(f"{base}/chat/completions", json=long_body) as response:
+                assert response.status == 200, await response.text()
+                async for _ in response.content.iter_any():
+                    if "first byte" not in events:
+                        events.append("first byte")
+                events.append("long call done")
+
+        async def held_call() -> None:
+            async with http.post(f"{base}/chat/completions", json=body) as response:
+                assert response.status == 200
+                await response.read()
+            events.append("held call done")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_call)
+            with anyio.fail_after(30):
+                while "first byte" not in events:
+                    await anyio.sleep(0.005)  # a test watching for a byte, not a wait for work
+            await anyio.to_thread.run_sync(trainer.on_step_begin)
+            await anyio.to_thread.run_sync(trainer.on_sample_end)  # pause (drain), then sleep the replicas
+            events.append("asleep")
+            assert events.index("long call done") < events.index("asleep")
+            assert daemon.proxy.paused
+            tg.start_soon(held_call)
+            await anyio.sleep(0.2)
+            assert "held call done" not in events  # held by the proxy while the weights change
+            await anyio.to_thread.run_sync(trainer.on_step_end)  # weights synced, replicas awake, calls resume
+            events.append("updated")
+        assert events.index("updated") < events.index("held call done")
+    daemon.store.submit_result(Rollout(rollout_id=rollout_id, attempt_id=task.attempt_id, final_reward=0.0))
+    first, held = daemon.store.record(rollout_id).calls
+    assert first.status == held.status == "ok"
+    # the call held across the update was generated by the new weights and recorded under their version
+    assert (first.weight_version, held.weight_version) == (before, version)
