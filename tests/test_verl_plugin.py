@@ -1,4 +1,5 @@
-"""verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake.
+"""verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake,
+the server handle verl's agent loops call (defaults, weight version, abort/resume).
 
 One Ray session and one trainer (``init_workers`` takes ~20 s here) for the whole module.
 """
@@ -14,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio
 import numpy as np
 import psutil
 import pytest
 import ray
 import torch
 
-from aglverl.algorithm import compose_config, verl_runtime
+from aglverl.algorithm import VerlRuntime, compose_config, verl_runtime
 from aglverl.batch import BatchConfig, FinishedRollout, build_batch
 from aglverl.trainer import AgentPPOTrainer, build_trainer
 
@@ -42,10 +44,16 @@ CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_model: Path) -> Iterator[AgentPPOTrainer]:
+def runtime(tiny_model: Path) -> Iterator[VerlRuntime]:
+    config, _ = compose_config(CONFIG)
+    with verl_runtime(config) as runtime:
+        yield runtime
+
+
+@pytest.fixture(scope="module")
+def trainer(runtime: VerlRuntime) -> Iterator[AgentPPOTrainer]:
     config, _ = compose_config(CONFIG)
     with ExitStack() as stack:
-        runtime = stack.enter_context(verl_runtime(config))
         trainer = build_trainer(config, [{"q": i} for i in range(4)], None, runtime)
         stack.callback(trainer.close)
         trainer.init_workers()  # ends with the replicas asleep, as verl's fit() expects
@@ -181,3 +189,54 @@ def test_worker_processes_run_on_the_cpu_platform(trainer: AgentPPOTrainer) -> N
         return get_platform().device_name, torch.distributed.get_backend(), bool(pinned.sum() == 2)
 
     assert _in_worker(trainer, platform) == ("cpu", "gloo", True)
+
+
+# ---------------------------------------------------------------------------------------------- the server handle
+def _reload(_worker: Any, version: int) -> None:
+    """Inside the worker: load the served weights again, as version ``version``."""
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    server = local_rollout().server
+    server.load_weights([(n, p.detach().clone()) for n, p in server.model.named_parameters()], version)
+
+
+async def test_the_handle_applies_verls_defaults_and_reports_the_served_weight_version(
+    trainer: AgentPPOTrainer,
+) -> None:
+    handle = trainer.llm_server_manager.server_handles[0]
+    await trainer.actor_rollout_wg.workers[0].__ray_call__.remote(_reload, 3)
+    greedy = {"temperature": 0, "ignore_eos": True, "logprobs": False}
+    out = await handle.generate.remote(prompt_ids=list(range(5, 15)), sampling_params=greedy, request_id="a")
+    # no max_tokens: the response length (8); log-probs were not asked for; vLLM's "completed" for a length stop
+    assert len(out.token_ids) == 8 and out.log_probs is None and out.stop_reason == "completed"
+    assert out.extra_fields["global_steps"] == 3
+    near_end = await handle.generate.remote(prompt_ids=list(range(5, 40)), sampling_params=greedy | {"logprobs": True})
+    assert len(near_end.token_ids) == 5 == len(near_end.log_probs)  # capped by the 40-token context
+
+
+async def test_the_handle_aborts_a_parked_request_and_rejects_new_ones_until_resume(
+    trainer: AgentPPOTrainer,
+) -> None:
+    handle = trainer.llm_server_manager.server_handles[0]
+    sampling = {"max_tokens": 4, "ignore_eos": True}
+    await handle.sleep.remote()
+    try:
+        parked = handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling, request_id="parked")
+        result = await handle.abort_all_requests.remote(reject_request=True)
+        with anyio.fail_after(60):
+            out = await parked  # ended by the abort, whether it was waiting at the sleeping server or refused
+            refused = await handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling)
+        assert set(result) == {"aborted_count", "request_ids"}
+        assert result["aborted_count"] == len(result["request_ids"]) and set(result["request_ids"]) <= {"cmpl-parked"}
+        for ended in (out, refused):
+            assert ended.stop_reason == "aborted" and ended.token_ids == []
+            assert isinstance(ended.extra_fields["global_steps"], int)
+        state = (await handle.state.remote())[0]
+        assert state["generation_paused"] and state["sleeping"]
+    finally:
+        await handle.wake_up.remote()
+        await handle.resume_generation.remote()
+    with anyio.fail_after(60):
+        out = await handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling)
+    assert len(out.token_ids) == 4 and out.stop_reason == "completed"
+    assert not (await handle.state.remote())[0]["generation_paused"]
