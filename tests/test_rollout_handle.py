@@ -1,4 +1,4 @@
-"""The embedded rollout's server handle, called in-process: verl's vLLM-server semantics.
+"""The embedded rollout's server handle and weight loading, called in-process: verl's vLLM-server semantics.
 
 The handle's class is used without Ray here (``generate`` only talks HTTP to the server); its abort and
 sleep methods, which reach the worker through Ray, are covered with a real Ray in ``test_verl_plugin.py``.
@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import anyio
 import pytest
+import torch
 from aiohttp import web
 
 from aglverl._net import bind_listener, url_of
+from aglverl.algorithm import compose_config
 from aglverl.inference import WEIGHT_VERSION_HEADER, InferenceServer
-from aglverl.verl_plugin.rollout import RETRY_DELAYS, EmbeddedServerHandle
+from aglverl.verl_plugin.rollout import RETRY_DELAYS, EmbeddedRollout, EmbeddedServerHandle
 
 pytestmark = pytest.mark.anyio
 
@@ -220,3 +222,56 @@ async def test_an_unreachable_server_fails_naming_it_after_bounded_retries() -> 
     finally:
         await handle.close()
     assert time.monotonic() - started < sum(RETRY_DELAYS) + 5
+
+
+# ---------------------------------------------------------------------------------------------- weights
+@pytest.fixture
+def rollout(tiny_model: Path) -> Iterator[EmbeddedRollout]:
+    config, _ = compose_config({"actor_rollout_ref": {"model": {"path": str(tiny_model)}}})
+    rollout = EmbeddedRollout(config.actor_rollout_ref.rollout, config.actor_rollout_ref.model, None)
+    yield rollout
+    rollout.shutdown()
+
+
+async def test_update_weights_takes_an_async_generator_as_checkpoint_engines_yield_it(
+    rollout: EmbeddedRollout,
+) -> None:
+    served = rollout.server.model
+    target = {n: torch.randn_like(p) for n, p in served.named_parameters()}  # tied weights once
+    buffer: dict[str, torch.Tensor] = {}
+    closed: list[bool] = []
+
+    async def receive_weights() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        try:
+            for name, tensor in target.items():
+                await anyio.lowlevel.checkpoint()
+                # like a transfer bucket: the same storage is overwritten for the next tensor
+                view = buffer.setdefault(str(tuple(tensor.shape)), torch.empty_like(tensor))
+                view.copy_(tensor)
+                yield name, view
+        finally:
+            closed.append(True)
+
+    await rollout.update_weights(receive_weights(), global_steps=5)
+    assert closed == [True]
+    for name, param in served.named_parameters():
+        assert torch.equal(param, target[name]), name
+    assert rollout.server.weight_version == 5
+    # a plain iterable still works (the hybrid worker's generator)
+    await rollout.update_weights(((n, t * 2) for n, t in target.items()), global_steps=6)
+    assert torch.equal(served.get_parameter("model.norm.weight"), target["model.norm.weight"] * 2)
+    assert rollout.server.weight_version == 6
+
+
+async def test_a_failing_weight_iterator_loads_nothing(rollout: EmbeddedRollout) -> None:
+    before = {n: p.detach().clone() for n, p in rollout.server.model.named_parameters()}
+
+    async def broken() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        yield "model.norm.weight", torch.zeros_like(before["model.norm.weight"])
+        raise ConnectionError("the sender went away")
+
+    with pytest.raises(ConnectionError):
+        await rollout.update_weights(broken(), global_steps=9)
+    after = dict(rollout.server.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert rollout.server.weight_version == 0

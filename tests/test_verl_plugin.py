@@ -1,5 +1,5 @@
 """verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake,
-the server handle verl's agent loops call (defaults, weight version, abort/resume).
+the server handle verl's agent loops call (defaults, weight version, abort/resume) and a standalone replica.
 
 One Ray session and one trainer (``init_workers`` takes ~20 s here) for the whole module.
 """
@@ -24,7 +24,7 @@ import torch
 
 from aglverl.algorithm import VerlRuntime, compose_config, verl_runtime
 from aglverl.batch import BatchConfig, FinishedRollout, build_batch
-from aglverl.trainer import AgentPPOTrainer, build_trainer
+from aglverl.trainer import AgentPPOTrainer, _worker_group_class, build_trainer
 
 pytestmark = pytest.mark.anyio
 
@@ -40,6 +40,8 @@ CONFIG = {
     },
     "algorithm": {"adv_estimator": "grpo"},
     "trainer": {"total_training_steps": 2},
+    # a second (fake) GPU for the standalone replica's resource pool
+    "ray_kwargs": {"ray_init": {"num_gpus": 2, "num_cpus": 16}},
 }
 
 
@@ -164,15 +166,19 @@ def _descendants() -> list[psutil.Process]:
     return [me, *me.children(recursive=True)]
 
 
-def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: AgentPPOTrainer) -> None:
+def _exposed_listeners() -> list[tuple[int, Any]]:
+    """Listeners of this process tree not on loopback (asserts that Ray and some listeners are there)."""
     pids = {p.pid for p in _descendants()}
     assert len(pids) > 3  # Ray's GCS, raylet and verl's workers are running
     listeners = [
         c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids
     ]
     assert listeners
-    exposed = [(c.pid, c.laddr) for c in listeners if not _is_loopback(c.laddr.ip)]
-    assert exposed == []
+    return [(c.pid, c.laddr) for c in listeners if not _is_loopback(c.laddr.ip)]
+
+
+def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: AgentPPOTrainer) -> None:
+    assert _exposed_listeners() == []
 
 
 def _is_loopback(ip: str) -> bool:
@@ -240,3 +246,58 @@ async def test_the_handle_aborts_a_parked_request_and_rejects_new_ones_until_res
         out = await handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling)
     assert len(out.token_ids) == 4 and out.stop_reason == "completed"
     assert not (await handle.state.remote())[0]["generation_paused"]
+
+
+# ---------------------------------------------------------------------------------------------- standalone
+def _load_from_async_generator(_worker: Any, version: int) -> bool:
+    """Inside the worker: random weights through an async generator, as a checkpoint engine yields them."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    rollout = local_rollout()
+    target = {n: torch.randn_like(p) for n, p in rollout.server.model.named_parameters()}
+
+    async def receive_weights() -> Any:
+        for name, tensor in target.items():
+            await asyncio.sleep(0)
+            yield name, tensor
+
+    with ThreadPoolExecutor(1) as pool:  # a loop of its own, whatever runs this worker's methods
+        pool.submit(asyncio.run, rollout.update_weights(receive_weights(), global_steps=version)).result()
+    served = dict(rollout.server.model.named_parameters())
+    return all(torch.equal(served[n], t) for n, t in target.items())
+
+
+def test_a_standalone_replica_serves_and_loads_weights_from_an_async_generator(
+    trainer: AgentPPOTrainer, runtime: VerlRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from verl.workers.rollout import replica as replica_module
+    from verl.workers.rollout.replica import RolloutMode
+
+    from aglverl.verl_plugin.rollout import EmbeddedReplica
+
+    # verl builds the standalone pool's workers with its own RayWorkerGroup; ours keeps their rendezvous local
+    monkeypatch.setattr(replica_module, "RayWorkerGroup", _worker_group_class(runtime.env, runtime.rendezvous_dir))
+    rollout_config = trainer.config.actor_rollout_ref.rollout
+    replica = EmbeddedReplica(1, rollout_config, trainer.config.actor_rollout_ref.model, gpus_per_node=1)
+    asyncio.run(replica.init_standalone())
+    try:
+        assert replica.rollout_mode == RolloutMode.STANDALONE
+        assert replica.server_address != trainer.llm_server_manager.server_addresses[0]
+        handle = replica.server_handle
+        greedy = {"temperature": 0, "ignore_eos": True}
+        before = ray.get(handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=greedy))
+        assert len(before.token_ids) == 8 and before.extra_fields["global_steps"] == 0
+        assert ray.get(replica.workers[0].__ray_call__.remote(_load_from_async_generator, 7)) is True
+        after = ray.get(handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=greedy))
+        assert after.extra_fields["global_steps"] == 7 and after.token_ids != before.token_ids
+        assert _exposed_listeners() == []
+    finally:
+        for actor in [*replica.workers, *replica.servers]:
+            ray.kill(actor)
+        for pg in replica.resource_pool.pgs or []:
+            ray.util.remove_placement_group(pg)

@@ -3,10 +3,12 @@
 verl looks a rollout engine up in two registries (``verl_plugin/__init__.py`` registers this one as
 ``rollout.name=aglverl``):
 
-- :class:`EmbeddedRollout` (a ``BaseRollout``) lives in each ``ActorRolloutRefWorker`` process. It hosts an
-  :class:`~aglverl.inference.InferenceServer` over the worker's model on its own thread and event loop, so
-  the server keeps answering while the worker trains; weights arrive through verl's checkpoint engine
-  (``update_weights`` with full HF-named tensors) and are copied into the served model between generations.
+- :class:`EmbeddedRollout` (a ``BaseRollout``) lives in each ``ActorRolloutRefWorker`` process (hybrid
+  mode), or in the ``CheckpointEngineWorker`` verl starts for a standalone replica (its own resource pool, as
+  ``trainer.v1.trainer_mode=separate_async`` uses). It hosts an :class:`~aglverl.inference.InferenceServer`
+  over the model on its own thread and event loop, so the server keeps answering while the worker trains;
+  weights arrive through verl's checkpoint engine (``update_weights`` with full HF-named tensors, from a plain
+  or an async iterator) and are copied into the served model between generations.
 - :class:`EmbeddedReplica` (a ``RolloutReplica``) lives in the driver. verl's LLM server manager creates one
   per rollout replica; it reports the server's ``host:port`` and hands verl a Ray actor,
   :class:`EmbeddedServerHandle`, that offers the server-handle methods verl calls, with the semantics of
@@ -22,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
 import aiohttp
@@ -66,8 +68,9 @@ class EmbeddedRollout(BaseRollout):
     """verl's rollout interface over an in-process :class:`InferenceServer`.
 
     ``release()`` (verl's sleep) makes the server hold new generations until ``resume(["kv_cache"])``;
-    ``update_weights`` consumes verl's ``(name, tensor)`` generator on every rank (FSDP gathers full tensors
-    collectively) and loads them into the served model, which then serves weight version ``global_steps``.
+    ``update_weights`` consumes verl's ``(name, tensor)`` iterator on every rank (FSDP gathers full tensors
+    collectively; checkpoint engines yield from an async generator) and loads them into the served model,
+    which then serves weight version ``global_steps``.
     """
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any, **kwargs: Any) -> None:
@@ -90,6 +93,12 @@ class EmbeddedRollout(BaseRollout):
         _LOCAL.append(self)
         logger.info("aglverl rollout serving %s at %s", self.server.served_model_name, self.server.url)
 
+    def shutdown(self) -> None:
+        """Stop the server (in-flight requests get a short grace) and forget this rollout; blocking."""
+        self._thread.stop()
+        if self in _LOCAL:
+            _LOCAL.remove(self)
+
     async def resume(self, tags: list[str]) -> None:
         """verl resumes ``weights`` before a sync and ``kv_cache`` after it; the latter wakes the server."""
         if "kv_cache" in tags:
@@ -100,18 +109,45 @@ class EmbeddedRollout(BaseRollout):
         self.server.sleep()
 
     async def update_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], wire_format: str = "named_tensors", **kwargs: Any
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+        wire_format: str = "named_tensors",
+        **kwargs: Any,
     ) -> None:
-        """Load full HF-named tensors into the served model; it then serves version ``global_steps``."""
+        """Load full HF-named tensors into the served model; it then serves version ``global_steps``.
+
+        ``weights``: a plain iterable (the hybrid worker's generator) or an async iterator (every verl
+        checkpoint engine's ``receive_weights``). All of it is received first, then loaded in one swap
+        between generations: if the iterator raises or the call is cancelled while receiving, nothing is
+        loaded; once loading has started, cancellation does not interrupt it (the copy completes). Raises
+        ``KeyError``/``ValueError`` for an unknown name or a shape mismatch (see
+        :meth:`InferenceServer.load_weights`), ``NotImplementedError`` for other wire formats or LoRA.
+        """
         if wire_format != "named_tensors":
             raise NotImplementedError(f"the aglverl rollout takes full named tensors, not {wire_format!r}")
         if kwargs.get("peft_config") is not None:
             raise NotImplementedError("the aglverl rollout cannot load LoRA adapters; set model.lora.merge=true")
-        # The generator may run collectives (FSDP full_tensor) and yields views of training parameters, so it
-        # is consumed here, on the worker's thread, and every tensor is copied before the next step runs.
-        named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+        named = await _received(weights)
         version = int(kwargs.get("global_steps") or 0)
         await asyncio.to_thread(self.server.load_weights, named, version)
+
+
+async def _received(
+    weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """Every ``(name, tensor)`` of ``weights``, each tensor copied to the CPU.
+
+    Consumed here, on the worker's loop: the iterator may run collectives (FSDP ``full_tensor``) and yields
+    views of training parameters or of a transfer buffer it reuses for the next item, hence the copies.
+    """
+    if isinstance(weights, AsyncIterable):
+        try:
+            return [(name, tensor.detach().to("cpu", copy=True)) async for name, tensor in weights]
+        finally:
+            aclose = getattr(weights, "aclose", None)
+            if aclose is not None:  # an async generator left early (error, cancellation) runs its cleanup now
+                await aclose()
+    return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
 
 
 def _describe(_worker: Any) -> dict[str, Any]:
@@ -354,12 +390,20 @@ def _completion_request(
 
 
 class EmbeddedReplica(RolloutReplica):
-    """One embedded rollout replica, as verl's LLM server manager sees it (hybrid mode only)."""
+    """One embedded rollout replica, as verl's LLM server manager sees it.
+
+    Hybrid (inside the actor workers) and standalone (a resource pool of its own, verl's
+    ``CheckpointEngineWorker`` hosting :class:`EmbeddedRollout`) modes; colocated mode (a separate process
+    beside the actor, verl's reward and teacher model servers) is refused.
+    """
 
     async def launch_servers(self) -> None:
-        if self.rollout_mode != RolloutMode.HYBRID:
+        """Find the server the worker started and create its handle; raises for colocated mode."""
+        if self.rollout_mode not in (RolloutMode.HYBRID, RolloutMode.STANDALONE):
             raise NotImplementedError(
-                "the aglverl rollout runs inside verl's hybrid actor workers (actor_rollout_ref.hybrid_engine=true)"
+                f"the aglverl rollout runs in hybrid mode (inside verl's actor workers) or standalone mode (its "
+                f"own resource pool), not {self.rollout_mode}: colocated reward or teacher model servers are not "
+                f"supported by rollout.name={ROLLOUT_NAME}"
             )
         info = await self.workers[0].__ray_call__.remote(_describe)
         handle = EmbeddedServerHandle.options(max_concurrency=self.max_concurrency).remote(
