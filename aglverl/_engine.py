@@ -19,6 +19,13 @@ for streamed sequences, only the last one for the others).
 
 Weight swaps and sleep happen between generations, never mid-batch: :meth:`Engine.idle` stops admission,
 waits (on the condition) for the running sequences to finish, and keeps the engine idle while its block runs.
+Every sequence records the weight version it was admitted under (:attr:`Engine.weight_version`, changed only
+while the engine is idle), so a whole sequence is generated under the version it reports.
+
+Abort (:meth:`Engine.abort`, vLLM's ``pause_generation`` without waiting for in-flight requests): queued
+sequences end at once and running ones at the next step boundary, with ``finish_reason`` ``"abort"`` and the
+tokens generated so far; admission stays closed until :meth:`Engine.resume` (new sequences wait, or with
+``reject`` end at once as aborted with no tokens).
 
 Log-probabilities: for every sampled token the engine reports ``log_softmax(logits / temperature)`` at that
 token (``temperature`` 0, i.e. greedy, counts as 1). That is exactly what verl's actor recomputes for the
@@ -77,12 +84,14 @@ class GenSequence:
 
     The engine only ever appends to ``token_ids``/``logprobs``/``top_logprobs`` and sets the finish fields
     before its final notification, so an owner that reads slices up to the length it was notified about sees
-    a consistent prefix. ``aborted`` is the owner's way to say "stop, nobody is listening" (a client went
+    a consistent prefix. ``cancelled`` is the owner's way to say "stop, nobody is listening" (a client went
     away, a stop string matched): the engine drops the sequence at the next step without notifying again.
+    ``request_id`` names the owner's request (reported by :meth:`Engine.abort`); ``weight_version`` is set by
+    the engine when the sequence is admitted (``None`` while it waits, or if it ended before admission).
     """
 
     __slots__ = (
-        "aborted",
+        "cancelled",
         "error",
         "finish_reason",
         "finished",
@@ -92,10 +101,12 @@ class GenSequence:
         "notify",
         "params",
         "prompt",
+        "request_id",
         "rng",
         "stop_reason",
         "token_ids",
         "top_logprobs",
+        "weight_version",
     )
 
     def __init__(
@@ -107,8 +118,10 @@ class GenSequence:
         notify: Callable[[GenSequence, int], None],
         incremental: bool = False,
         choice: int = 0,
+        request_id: str = "",
     ) -> None:
         self.prompt = prompt
+        self.request_id = request_id
         self.params = params
         #: Where ``notify(seq, n_tokens)`` is called (``call_soon_threadsafe``).
         self.loop = loop
@@ -127,7 +140,8 @@ class GenSequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         self.error: BaseException | None = None
-        self.aborted = False
+        self.cancelled = False
+        self.weight_version: int | None = None
 
 
 @dataclass(slots=True)
@@ -143,6 +157,8 @@ class EngineStats:
     sequences: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    #: Sequences ended by :meth:`Engine.abort` or refused while it rejects.
+    aborted_sequences: int = 0
     largest_batch: int = 0
     #: Seconds spent in forward passes and sampling (the rest of a run is waiting for work).
     busy_seconds: float = 0.0
@@ -279,7 +295,8 @@ class Engine:
 
     ``eos_token_ids`` end a sequence (unless its ``ignore_eos``). ``max_batch_size`` bounds the running batch;
     ``batch_wait`` is how long an idle engine waits for company once work arrives. ``seed`` seeds the random
-    streams of unseeded sequences (``None``: from the OS).
+    streams of unseeded sequences (``None``: from the OS). ``weight_version`` is the version of the weights
+    the model holds; its owner changes it only inside :meth:`idle` (sequences record it when admitted).
     """
 
     def __init__(
@@ -291,8 +308,10 @@ class Engine:
         max_batch_size: int = 64,
         batch_wait: float = 0.002,
         seed: int | None = None,
+        weight_version: int = 0,
     ) -> None:
         self.model = model
+        self.weight_version = weight_version
         self.eos = frozenset(eos_token_ids)
         self.pad = pad_token_id
         self.max_batch_size = max_batch_size
@@ -301,8 +320,12 @@ class Engine:
         self._seeds = random.Random(seed)
         self._cond = threading.Condition()
         self._pending: deque[GenSequence] = deque()
-        self._holds = 0  # parties (weight loads, sleep) that need the engine idle
+        self._holds = 0  # parties (weight loads, sleep, the abort gate) that need the engine idle
         self._busy = False
+        self._gate_closed = False  # closed by abort(), opened by resume(); holds the engine while closed
+        self._rejecting = False  # while the gate is closed: end new sequences at once instead of queueing
+        self._cut = False  # the engine thread is to end every running sequence at its next step boundary
+        self._last_cut: list[GenSequence] = []  # what the last cut ended (read by abort() once idle)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -332,12 +355,60 @@ class Engine:
         return self._thread is not None and not self._stopping
 
     def submit(self, seqs: Sequence[GenSequence]) -> None:
-        """Queue sequences (any thread). Raises ``RuntimeError`` when the engine is not running."""
+        """Queue sequences (any thread). Raises ``RuntimeError`` when the engine is not running.
+
+        While :meth:`abort` rejects, the sequences end at once (``finish_reason`` ``"abort"``, no tokens; their
+        owners are notified as usual); while its gate is merely closed they wait for :meth:`resume`.
+        """
         with self._cond:
             if self._thread is None or self._stopping:
                 raise RuntimeError("the inference engine is not running")
+            if self._rejecting:
+                self._end_aborted(seqs)
+                return
             self._pending.extend(seqs)
             self._cond.notify_all()
+
+    def abort(self, *, reject: bool = False) -> list[GenSequence]:
+        """End every queued and running sequence now and close admission until :meth:`resume` (any thread).
+
+        Queued sequences (also those waiting at a held, e.g. sleeping, engine) end at once; running ones at the
+        engine's next step boundary; each keeps the tokens generated so far and gets ``finish_reason``
+        ``"abort"``. Sequences submitted afterwards wait for :meth:`resume`, or with ``reject`` end at once as
+        aborted with no tokens (each call re-declares ``reject``, as vLLM's ``abort_all_requests`` does).
+        Blocks until the running batch has been cut (at most one decode step), so the engine is idle when it
+        returns. Returns the sequences it ended (owner-cancelled ones excluded). Idempotent apart from that.
+        """
+        with self._cond:
+            if not self._gate_closed:
+                self._gate_closed = True
+                self._holds += 1
+            self._rejecting = reject
+            queued = [s for s in self._pending if not s.cancelled]
+            self._pending.clear()
+            self._end_aborted(queued)
+            running: list[GenSequence] = []
+            if self._busy:
+                self._last_cut, self._cut = [], True
+                self._cond.notify_all()
+                while self._busy:
+                    self._cond.wait()
+                running = self._last_cut
+            return queued + running
+
+    def resume(self) -> None:
+        """Open admission again after :meth:`abort` (any thread): waiting sequences start; idempotent."""
+        with self._cond:
+            self._rejecting = False
+            if self._gate_closed:
+                self._gate_closed = False
+                self._holds -= 1
+                self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`abort` closed admission (until :meth:`resume`)."""
+        return self._gate_closed
 
     @contextmanager
     def idle(self) -> Iterator[None]:
@@ -425,7 +496,7 @@ class Engine:
         out: list[GenSequence] = []
         while self._pending and len(out) < room:
             seq = self._pending.popleft()
-            if not seq.aborted:
+            if not seq.cancelled:
                 out.append(seq)
         return out
 
@@ -453,12 +524,18 @@ class Engine:
         finally:
             with self._cond:
                 self._busy = False
+                self._cut = False
                 self._cond.notify_all()
 
     def _next_admission(self, batch: _Batch) -> list[GenSequence]:
         with self._cond:
             if self._stopping:
                 raise _Stopped
+            if self._cut:
+                self._cut = False
+                self._last_cut = [s for s in batch.seqs if not s.cancelled]
+                self._end_aborted(self._last_cut)
+                batch.keep([])
             if self._holds or not self._pending:
                 return []
             return self._take(self.max_batch_size - len(batch.seqs))
@@ -471,6 +548,8 @@ class Engine:
             index = torch.tensor(rows)
             _set_kv(cache, [(k.index_select(0, index), v.index_select(0, index)) for k, v in _kv(cache)])
             mask, logits = mask[index], logits[index]
+        for seq in seqs:  # before _advance notifies anyone; the version cannot change while we are busy
+            seq.weight_version = self.weight_version
         new = _Batch(list(seqs), cache, mask, mask.sum(-1) - 1)  # _advance moves it to the sampled token's
         self.stats.prefill_batches += 1
         self.stats.sequences += len(seqs)
@@ -529,7 +608,7 @@ class Engine:
         keep: list[int] = []
         news: dict[asyncio.AbstractEventLoop, list[tuple[GenSequence, int]]] = {}
         for i, seq in enumerate(seqs):
-            if seq.aborted:
+            if seq.cancelled:
                 continue
             token = token_list[i]
             seq.token_ids.append(token)
@@ -548,6 +627,16 @@ class Engine:
         for loop, items in news.items():
             _post(loop, items)
         return keep
+
+    def _end_aborted(self, seqs: Sequence[GenSequence]) -> None:
+        """Finish ``seqs`` with ``"abort"`` (tokens so far kept) and notify their owners; caller holds the lock."""
+        news: dict[asyncio.AbstractEventLoop, list[tuple[GenSequence, int]]] = {}
+        for seq in seqs:
+            seq.finish_reason, seq.finished = "abort", True
+            news.setdefault(seq.loop, []).append((seq, len(seq.token_ids)))
+        self.stats.aborted_sequences += len(seqs)
+        for loop, items in news.items():
+            _post(loop, items)
 
     def _seeded(self, seq: GenSequence) -> random.Random:
         seq.rng = random.Random(self._seeds.getrandbits(64))

@@ -23,6 +23,17 @@ requests and the ``n`` choices of one request share forward passes. Weights are 
 by :meth:`InferenceServer.load_weights` (from any thread); :meth:`~InferenceServer.sleep` /
 :meth:`~InferenceServer.wake_up` park the engine (requests wait rather than fail).
 
+Weight version: every generation answer carries the header ``X-Weight-Version``, the version of the weights
+its tokens were generated under (recorded by the engine when the sequence started, so a swap racing the
+request cannot mislead it; for a stream the header goes out with the first tokens, once every choice has
+started). A request body may name itself with ``request_id`` (vLLM's field); the answer's ``id`` is then
+``cmpl-<request_id>`` / ``chatcmpl-<request_id>``.
+
+Abort (verl's partial rollouts): :meth:`~InferenceServer.abort` ends every queued and running generation
+at once with ``finish_reason: "abort"`` and the ids generated so far (JSON and streams alike, as vLLM's
+OpenAI server does), so a client can resume from ``prompt + ids``; new requests then wait for
+:meth:`~InferenceServer.resume`, or with ``reject=True`` are answered at once as aborted with no tokens.
+
 Use ``async with InferenceServer("tiny") as server:`` or ``await tg.start(server.serve)`` on an asyncio loop,
 or :class:`InferenceServerThread` to host it on a thread of its own (inside a process whose loop is not ours).
 Constructing the server loads the model: a blocking call of a few seconds.
@@ -63,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINE_THREAD_NAME",
     "LOOP_THREAD_NAME",
+    "WEIGHT_VERSION_HEADER",
     "InferenceServer",
     "InferenceServerThread",
     "InferenceStats",
@@ -79,6 +91,8 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 #: vLLM runs on uvicorn, whose idle keep-alive is 5 s; the proxy's pool is tuned to close before that.
 KEEPALIVE_SECONDS = 5.0
+#: Response header with the weight version a generation answer's tokens came from.
+WEIGHT_VERSION_HEADER = "X-Weight-Version"
 #: How long stopping lets in-flight requests finish before cancelling them.
 SHUTDOWN_GRACE = 1.0
 #: Keys of ``generate_ids`` sampling dicts (verl's) that are accepted only at their neutral value.
@@ -158,6 +172,7 @@ class _Request(BaseModel):
     stream_options: _StreamOptions | None = None
     return_token_ids: bool | None = None
     ignore_eos: bool | None = False
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class _ChatRequest(_Request):
@@ -186,6 +201,8 @@ class _Plan:
     include_usage: bool
     with_ids: bool
     logprobs: bool
+    #: The caller's name for the request (vLLM's ``request_id``), if it gave one.
+    request_id: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -268,7 +285,7 @@ class _Choice:
                 cut, stop = hit
                 self.text = self.text[:cut]
                 self.finish_reason, self.stop_reason = "stop", stop
-                self.seq.aborted = True
+                self.seq.cancelled = True
                 return i + 1
         return count
 
@@ -302,18 +319,19 @@ class _Job:
     """One request in flight: its choices, and how their news reaches whoever awaits it.
 
     Streams get every delta through an unbounded memory stream (one item per choice per step); others wait
-    for :attr:`done`. :meth:`abort` tells the engine to drop the request's sequences (client gone).
+    for :attr:`done`. :meth:`cancel` tells the engine to drop the request's sequences (client gone).
     """
 
     def __init__(self, server: InferenceServer, plan: _Plan) -> None:
         self.server = server
         self.plan = plan
+        self.id = _request_id(plan.kind, plan.request_id)
         self.created = int(time.time())
         self.done = anyio.Event()
         self.choices: list[_Choice] = []
         self.holdback = max((len(s) for s in plan.stops), default=1) - 1 if plan.stream else 0
         self._left = 0
-        self.aborted = False
+        self.cancelled = False
         self._send: MemoryObjectSendStream[tuple[_Choice, _Delta]] | None = None
         self.updates: MemoryObjectReceiveStream[tuple[_Choice, _Delta]] | None = None
         if plan.stream:
@@ -328,6 +346,7 @@ class _Job:
                     notify=self._notify,
                     incremental=plan.stream or bool(plan.stops),
                     choice=j,
+                    request_id=self.id,
                 )
                 self.choices.append(_Choice(self, p * plan.n + j, prompt, seq))
         self._by_seq = {id(c.seq): c for c in self.choices}
@@ -337,9 +356,15 @@ class _Job:
     def error(self) -> BaseException | None:
         return next((c.seq.error for c in self.choices if c.seq.error is not None), None)
 
+    @property
+    def weight_version(self) -> int:
+        """The oldest weight version any choice started under (the current one if none started)."""
+        versions = [c.seq.weight_version for c in self.choices if c.seq.weight_version is not None]
+        return min(versions) if versions else self.server.weight_version
+
     def _notify(self, seq: GenSequence, count: int) -> None:
-        if self.aborted:
-            return  # news the engine sent before it saw the abort
+        if self.cancelled:
+            return  # news the engine sent before it saw the cancellation
         choice = self._by_seq[id(seq)]
         delta = choice.take(count)
         if delta is not None and self._send is not None:
@@ -352,11 +377,11 @@ class _Job:
                 if self._send is not None:
                     self._send.close()
 
-    def abort(self) -> None:
+    def cancel(self) -> None:
         """Drop the request's sequences from the engine (at its next step); no more news is taken."""
-        self.aborted = True
+        self.cancelled = True
         for choice in self.choices:
-            choice.seq.aborted = True
+            choice.seq.cancelled = True
         if self._send is not None:
             self._send.close()
 
@@ -382,6 +407,11 @@ class InferenceStats:
     wake_up_calls: int
     requests: int
     rejected_requests: int
+    #: :meth:`InferenceServer.abort` closed admission (until :meth:`InferenceServer.resume`).
+    generation_paused: bool
+    abort_calls: int
+    #: Sequences ended by an abort, or refused while an abort rejects new requests.
+    aborted_sequences: int
     pending_sequences: int
     generation_runs: int
     prefill_batches: int
@@ -453,13 +483,13 @@ class InferenceServer:
             max_batch_size=max_batch_size,
             batch_wait=batch_wait,
             seed=seed,
+            weight_version=weight_version,
         )
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._weight_version = weight_version
         self._weights_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._sleeping = False
-        self._counts = {"sleep": 0, "wake_up": 0, "weight_loads": 0, "requests": 0, "rejected": 0}
+        self._counts = {"sleep": 0, "wake_up": 0, "weight_loads": 0, "requests": 0, "rejected": 0, "abort": 0}
         self._token_texts: dict[int, str] = {}
         self._url: str | None = None
         self._serving = False
@@ -476,7 +506,8 @@ class InferenceServer:
 
     @property
     def weight_version(self) -> int:
-        return self._weight_version
+        """The version of the weights served now (answers report the version they ran under)."""
+        return self.engine.weight_version
 
     @property
     def sleeping(self) -> bool:
@@ -487,13 +518,16 @@ class InferenceServer:
         e = self.engine.stats
         c = self._counts
         return InferenceStats(
-            weight_version=self._weight_version,
+            weight_version=self.engine.weight_version,
             weight_loads=c["weight_loads"],
             sleeping=self._sleeping,
             sleep_calls=c["sleep"],
             wake_up_calls=c["wake_up"],
             requests=c["requests"],
             rejected_requests=c["rejected"],
+            generation_paused=self.engine.paused,
+            abort_calls=c["abort"],
+            aborted_sequences=e.aborted_sequences,
             pending_sequences=self.engine.pending,
             generation_runs=e.generation_runs,
             prefill_batches=e.prefill_batches,
@@ -523,7 +557,7 @@ class InferenceServer:
                 for name, tensor in named_tensors:
                     self._copy_param(name, tensor)
                     count += 1
-            self._weight_version = version
+            self.engine.weight_version = version  # the engine is idle: no sequence can start meanwhile
             self._counts["weight_loads"] += 1
         logger.info("loaded %d tensors, serving weight version %d", count, version)
         return count
@@ -570,6 +604,33 @@ class InferenceServer:
             self._sleeping = False
             self.engine.release()
 
+    def abort(self, *, reject: bool = False) -> list[str]:
+        """End every queued and running generation now; returns the ids of the requests it ended (any thread).
+
+        vLLM's ``abort_all_requests``: each ended choice answers with ``finish_reason`` ``"abort"`` and the ids
+        generated so far (requests waiting at a sleeping server end too). Admission then stays closed until
+        :meth:`resume`: new requests wait (``reject=False``) or are answered at once as aborted with no tokens
+        (``reject=True``; each call re-declares it). Blocks for at most one decode step (the running batch is
+        cut at the next step boundary), so calling it on the server's own loop stalls that loop that long.
+        Request ids are the answers' ``id`` (``cmpl-...`` / ``chatcmpl-...``), in the order they were ended.
+        """
+        with self._state_lock:
+            self._counts["abort"] += 1
+        ended = self.engine.abort(reject=reject)
+        return list(dict.fromkeys(seq.request_id for seq in ended))
+
+    def resume(self) -> None:
+        """Open admission after :meth:`abort` (vLLM's ``resume_generation``): waiting requests start.
+
+        Thread-safe and idempotent; it does not wake a sleeping server (:meth:`wake_up` does).
+        """
+        self.engine.resume()
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`abort` closed admission (until :meth:`resume`)."""
+        return self.engine.paused
+
     # ------------------------------------------------------------------ in-process generation
     async def generate_ids(
         self, prompt_ids: Sequence[int], sampling: Mapping[str, Any] | None = None
@@ -580,6 +641,7 @@ class InferenceServer:
         ``seed``, ``stop_token_ids``, ``ignore_eos`` and ``logprobs`` (truthy: return the log-probs); verl's
         ``top_k``/``repetition_penalty``/``min_p`` are accepted at their neutral values. Callable from any
         asyncio loop in any thread while the server is serving (results are delivered to the caller's loop).
+        An :meth:`abort` ends it with ``finish_reason`` ``"abort"`` and the ids generated so far.
         Raises ``ValueError`` for bad input, ``RuntimeError`` if the server stops or generation fails; if
         the caller is cancelled the sequence is dropped from the batch.
         """
@@ -591,7 +653,7 @@ class InferenceServer:
             await job.done.wait()
         finally:
             if not job.done.is_set():
-                job.abort()
+                job.cancel()
         choice = job.choices[0]
         if choice.seq.error is not None:
             raise RuntimeError(f"generation failed: {choice.seq.error}") from choice.seq.error
@@ -850,6 +912,7 @@ class InferenceServer:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             with_ids=req.return_token_ids is True,
             logprobs=logprobs,
+            request_id=req.request_id,
         )
 
     # ------------------------------------------------------------------ HTTP handlers
@@ -890,30 +953,46 @@ class InferenceServer:
             await job.done.wait()
         finally:
             if not job.done.is_set():
-                job.abort()  # the client went away or we are stopping: free the batch rows
+                job.cancel()  # the client went away or we are stopping: free the batch rows
         if job.error is not None:
             return _ApiError(500, f"generation failed: {job.error}").response()
         shape = _chat_body if plan.kind == "chat" else _completion_body
-        return web.Response(body=orjson.dumps(shape(self, job)), content_type="application/json")
+        return web.Response(
+            body=orjson.dumps(shape(self, job)),
+            content_type="application/json",
+            headers={WEIGHT_VERSION_HEADER: str(job.weight_version)},
+        )
 
     async def _stream(self, request: web.Request, job: _Job) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": _SSE_TYPE, "Cache-Control": "no-cache"})
         try:
             await self._stream_events(request, response, job)
         except ConnectionResetError:
-            pass  # the client is gone; the caller aborts the job
+            pass  # the client is gone; the caller cancels the job
         return response
 
     async def _stream_events(self, request: web.Request, response: web.StreamResponse, job: _Job) -> None:
-        """The SSE body: role chunks (chat), a chunk per token and choice, usage if asked, ``[DONE]``."""
+        """The SSE body: role chunks (chat), a chunk per token and choice, usage if asked, ``[DONE]``.
+
+        Nothing is sent before every choice has started (or ended), as vLLM sends its first chunk with the
+        first tokens: the headers then carry the weight version the tokens come from.
+        """
         updates = job.updates
         assert updates is not None
         with updates:
+            early: list[tuple[_Choice, _Delta]] = []
+            started: set[int] = set()
+            async for item in updates:
+                early.append(item)
+                started.add(item[0].index)
+                if len(started) == len(job.choices):
+                    break
+            response.headers[WEIGHT_VERSION_HEADER] = str(job.weight_version)
             await response.prepare(request)
-            rid = _request_id(job.plan.kind)
-            if job.plan.kind == "chat":
-                await response.write(b"".join(_sse(_chat_role_chunk(self, job, rid, c)) for c in job.choices))
+            rid = job.id
             chunk = _chat_chunk if job.plan.kind == "chat" else _completion_chunk
+            roles = [_sse(_chat_role_chunk(self, job, rid, c)) for c in job.choices] if job.plan.kind == "chat" else []
+            await response.write(b"".join(roles + [_sse(chunk(self, job, rid, c, d)) for c, d in early]))
             async for choice, delta in updates:
                 events = [_sse(chunk(self, job, rid, choice, delta))]
                 while True:  # everything already delivered goes out in one write
@@ -1020,8 +1099,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- response shapes
-def _request_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(8)}"
+def _request_id(kind: str, given: str | None = None) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{given or secrets.token_hex(8)}"
 
 
 def _fingerprint() -> str:
@@ -1093,7 +1172,7 @@ def _chat_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
                 "routed_experts": None,
             }
         )
-    body = _head(server, job, _request_id("chat"), "chat.completion")
+    body = _head(server, job, job.id, "chat.completion")
     body |= {"choices": choices, "service_tier": None, "system_fingerprint": _fingerprint()}
     body |= {"usage": _usage_of(job), "prompt_logprobs": None}
     body |= {"prompt_token_ids": job.plan.prompts[0] if with_ids else None, "prompt_text": None}
@@ -1120,7 +1199,7 @@ def _completion_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
                 "routed_experts": None,
             }
         )
-    body = _head(server, job, _request_id("completion"), "text_completion")
+    body = _head(server, job, job.id, "text_completion")
     body |= {"choices": choices, "service_tier": None, "system_fingerprint": _fingerprint()}
     body |= {"usage": _usage_of(job), "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
     return body

@@ -739,3 +739,156 @@ async def test_a_client_that_goes_away_frees_its_batch_row(
     _, after = await _post(http, server.url + "/v1/completions", _greedy(max_tokens=2))
     assert after["choices"][0]["finish_reason"] == "length"
     assert server.stats().generated_tokens < 200  # the abandoned sequence stopped costing compute
+
+
+# ---------------------------------------------------------------------------------------------- abort and resume
+@pytest.fixture
+async def paired(tiny_model: Path) -> AsyncIterator[InferenceServer]:
+    """A server whose engine waits (up to a minute) for a second sequence before it starts a batch: two
+    requests of one sequence each, or one request with ``n=2``, are admitted together. A streamed partner
+    then tells when its companion is running: when the stream's first chunk arrives."""
+    async with InferenceServer(tiny_model, served_model_name="tiny", max_batch_size=2, batch_wait=60) as s:
+        yield s
+
+
+def _stream_ids(events: list[Any]) -> tuple[list[int], Any]:
+    """A completions stream's ids and its last choice chunk (``finish_reason``)."""
+    chunks = [e["choices"][0] for e in events if e != "[DONE]" and e["choices"]]
+    return [t for c in chunks for t in c["token_ids"]], chunks[-1]
+
+
+async def test_abort_ends_running_generations_with_the_ids_generated_so_far(
+    paired: InferenceServer, http: aiohttp.ClientSession
+) -> None:
+    url = paired.url + "/v1/completions"
+    _, reference = await _post(http, url, _greedy(max_tokens=300, n=2))
+    full = reference["choices"][0]["token_ids"]
+    plain: list[Any] = []
+
+    async def ask() -> None:
+        plain.append(await _post(http, url, _greedy(max_tokens=1000, request_id="plain")))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            async with http.post(url, json=_greedy(max_tokens=1000, stream=True, request_id="streamed")) as resp:
+                await resp.content.readuntil(b"\n\n")  # both run: they were admitted together
+                ended = await anyio.to_thread.run_sync(paired.abort)
+                events = _events(await resp.read())
+    assert sorted(ended) == ["cmpl-plain", "cmpl-streamed"]
+    status, body = plain[0]
+    choice = body["choices"][0]
+    assert status == 200 and body["id"] == "cmpl-plain"
+    assert choice["finish_reason"] == "abort" and choice["stop_reason"] is None
+    assert 1 <= len(choice["token_ids"]) < 300  # cut mid-way: the ids so far, which resume the greedy answer
+    assert choice["token_ids"] == full[: len(choice["token_ids"])]
+    assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+    assert choice["text"] == paired.tokenizer.decode(choice["token_ids"])
+    ids, last = _stream_ids(events)
+    assert events[-1] == "[DONE]" and last["finish_reason"] == "abort"
+    assert 1 <= len(ids) < 300 and ids == full[: len(ids)]
+    assert paired.paused and paired.stats().aborted_sequences == 2
+    paired.resume()
+    _, after = await _post(http, url, _greedy(max_tokens=3, n=2))
+    assert [c["finish_reason"] for c in after["choices"]] == ["length", "length"]
+
+
+async def test_abort_with_reject_answers_new_requests_at_once_until_resume(
+    server: InferenceServer, http: aiohttp.ClientSession
+) -> None:
+    assert server.abort(reject=True) == []  # nothing was running
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    chat |= {"return_token_ids": True}
+    with anyio.fail_after(10):  # answered at once, not parked
+        _, plain = await _post(http, server.url + "/v1/completions", _greedy(max_tokens=5))
+        _, streamed = await _post(http, server.url + "/v1/completions", _greedy(max_tokens=5, stream=True))
+        _, chat_plain = await _post(http, server.url + "/v1/chat/completions", chat)
+        _, chat_streamed = await _post(http, server.url + "/v1/chat/completions", chat | {"stream": True})
+        refused = await server.generate_ids([5, 6], {"max_tokens": 5})
+    for choice in (plain["choices"][0], chat_plain["choices"][0]):
+        assert choice["finish_reason"] == "abort" and choice["token_ids"] == []
+    assert chat_plain["choices"][0]["message"]["content"] == ""
+    ids, last = _stream_ids(streamed)
+    assert ids == [] and last["finish_reason"] == "abort" and streamed[-1] == "[DONE]"
+    chat_chunks = [e["choices"][0] for e in chat_streamed[:-1]]
+    assert chat_chunks[0]["delta"]["role"] == "assistant"
+    assert chat_chunks[-1]["finish_reason"] == "abort" and chat_streamed[-1] == "[DONE]"
+    assert refused == ([], None, "abort")
+    stats = server.stats()
+    assert stats.generation_paused and stats.abort_calls == 1 and stats.aborted_sequences == 5
+    server.resume()
+    server.resume()
+    assert not server.paused
+    _, answer = await _post(http, server.url + "/v1/completions", _greedy(max_tokens=5))
+    assert answer["choices"][0]["finish_reason"] == "length" and len(answer["choices"][0]["token_ids"]) == 5
+
+
+async def test_after_an_abort_new_requests_wait_for_resume(server: InferenceServer) -> None:
+    server.abort()
+    results: list[Any] = []
+
+    async def ask() -> None:
+        results.append(await server.generate_ids([5, 6, 7], {"max_tokens": 4, "ignore_eos": True}))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask)
+        await anyio.wait_all_tasks_blocked()  # submitted and waiting
+        assert results == [] and server.stats().pending_sequences == 1
+        server.resume()
+    assert len(results[0][0]) == 4 and results[0][2] == "length"
+
+
+async def test_abort_ends_a_request_waiting_at_a_sleeping_server(server: InferenceServer) -> None:
+    server.sleep()
+    results: list[Any] = []
+
+    async def ask() -> None:
+        results.append(await server.generate_ids([5, 6, 7], {"max_tokens": 4}))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            await anyio.wait_all_tasks_blocked()
+            assert server.stats().pending_sequences == 1  # parked by the sleep
+            ended = server.abort()
+    assert len(ended) == 1 and ended[0].startswith("cmpl-")
+    assert results == [([], None, "abort")]
+    server.wake_up()  # awake but still paused by the abort: requests wait for resume
+    assert server.paused and not server.sleeping
+    server.resume()
+    ids, _, finish = await server.generate_ids([5, 6, 7], {"max_tokens": 4, "ignore_eos": True})
+    assert len(ids) == 4 and finish == "length"
+
+
+# ---------------------------------------------------------------------------------------------- weight version
+async def test_answers_carry_the_weight_version_their_tokens_came_from(
+    paired: InferenceServer, http: aiohttp.ClientSession
+) -> None:
+    url = paired.url + "/v1/completions"
+    weights = _scaled(paired, 1.0)
+    paired.load_weights(weights, 3)
+    for stream in (False, True):
+        async with http.post(url, json=_greedy(max_tokens=3, n=2, stream=stream)) as resp:
+            assert resp.headers["X-Weight-Version"] == "3"
+            await resp.read()
+    plain: list[Any] = []
+
+    async def ask() -> None:
+        async with http.post(url, json=_greedy(max_tokens=40)) as resp:
+            plain.append((resp.headers["X-Weight-Version"], await resp.json()))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            async with http.post(url, json=_greedy(max_tokens=40, stream=True)) as resp:
+                await resp.content.readuntil(b"\n\n")  # both run under version 3
+                # Swap with this loop blocked: the engine finishes both, then the new weights go in, and only
+                # then does the loop build the answers. They must name the weights they ran under.
+                assert paired.load_weights(weights, 4) > 0
+                assert resp.headers["X-Weight-Version"] == "3"
+                await resp.read()
+    version, body = plain[0]
+    assert version == "3" and len(body["choices"][0]["token_ids"]) == 40
+    assert paired.weight_version == 4
+    async with http.post(url, json=_greedy(max_tokens=3, n=2)) as resp:
+        assert resp.headers["X-Weight-Version"] == "4"

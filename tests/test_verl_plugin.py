@@ -1,4 +1,5 @@
-"""verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake.
+"""verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake,
+the server handle verl's agent loops call (defaults, weight version, abort/resume) and a standalone replica.
 
 One Ray session and one trainer (``init_workers`` takes ~20 s here) for the whole module.
 """
@@ -14,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio
 import numpy as np
 import psutil
 import pytest
 import ray
 import torch
 
-from aglverl.algorithm import compose_config, verl_runtime
+from aglverl.algorithm import VerlRuntime, compose_config, verl_runtime
 from aglverl.batch import BatchConfig, FinishedRollout, build_batch
-from aglverl.trainer import AgentPPOTrainer, build_trainer
+from aglverl.trainer import AgentPPOTrainer, _worker_group_class, build_trainer
 
 pytestmark = pytest.mark.anyio
 
@@ -38,14 +40,22 @@ CONFIG = {
     },
     "algorithm": {"adv_estimator": "grpo"},
     "trainer": {"total_training_steps": 2},
+    # a second (fake) GPU for the standalone replica's resource pool
+    "ray_kwargs": {"ray_init": {"num_gpus": 2, "num_cpus": 16}},
 }
 
 
 @pytest.fixture(scope="module")
-def trainer(tiny_model: Path) -> Iterator[AgentPPOTrainer]:
+def runtime(tiny_model: Path) -> Iterator[VerlRuntime]:
+    config, _ = compose_config(CONFIG)
+    with verl_runtime(config) as runtime:
+        yield runtime
+
+
+@pytest.fixture(scope="module")
+def trainer(runtime: VerlRuntime) -> Iterator[AgentPPOTrainer]:
     config, _ = compose_config(CONFIG)
     with ExitStack() as stack:
-        runtime = stack.enter_context(verl_runtime(config))
         trainer = build_trainer(config, [{"q": i} for i in range(4)], None, runtime)
         stack.callback(trainer.close)
         trainer.init_workers()  # ends with the replicas asleep, as verl's fit() expects
@@ -156,15 +166,19 @@ def _descendants() -> list[psutil.Process]:
     return [me, *me.children(recursive=True)]
 
 
-def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: AgentPPOTrainer) -> None:
+def _exposed_listeners() -> list[tuple[int, Any]]:
+    """Listeners of this process tree not on loopback (asserts that Ray and some listeners are there)."""
     pids = {p.pid for p in _descendants()}
     assert len(pids) > 3  # Ray's GCS, raylet and verl's workers are running
     listeners = [
         c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids
     ]
     assert listeners
-    exposed = [(c.pid, c.laddr) for c in listeners if not _is_loopback(c.laddr.ip)]
-    assert exposed == []
+    return [(c.pid, c.laddr) for c in listeners if not _is_loopback(c.laddr.ip)]
+
+
+def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: AgentPPOTrainer) -> None:
+    assert _exposed_listeners() == []
 
 
 def _is_loopback(ip: str) -> bool:
@@ -181,3 +195,109 @@ def test_worker_processes_run_on_the_cpu_platform(trainer: AgentPPOTrainer) -> N
         return get_platform().device_name, torch.distributed.get_backend(), bool(pinned.sum() == 2)
 
     assert _in_worker(trainer, platform) == ("cpu", "gloo", True)
+
+
+# ---------------------------------------------------------------------------------------------- the server handle
+def _reload(_worker: Any, version: int) -> None:
+    """Inside the worker: load the served weights again, as version ``version``."""
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    server = local_rollout().server
+    server.load_weights([(n, p.detach().clone()) for n, p in server.model.named_parameters()], version)
+
+
+async def test_the_handle_applies_verls_defaults_and_reports_the_served_weight_version(
+    trainer: AgentPPOTrainer,
+) -> None:
+    handle = trainer.llm_server_manager.server_handles[0]
+    await trainer.actor_rollout_wg.workers[0].__ray_call__.remote(_reload, 3)
+    greedy = {"temperature": 0, "ignore_eos": True, "logprobs": False}
+    out = await handle.generate.remote(prompt_ids=list(range(5, 15)), sampling_params=greedy, request_id="a")
+    # no max_tokens: the response length (8); log-probs were not asked for; vLLM's "completed" for a length stop
+    assert len(out.token_ids) == 8 and out.log_probs is None and out.stop_reason == "completed"
+    assert out.extra_fields["global_steps"] == 3
+    near_end = await handle.generate.remote(prompt_ids=list(range(5, 40)), sampling_params=greedy | {"logprobs": True})
+    assert len(near_end.token_ids) == 5 == len(near_end.log_probs)  # capped by the 40-token context
+
+
+async def test_the_handle_aborts_a_parked_request_and_rejects_new_ones_until_resume(
+    trainer: AgentPPOTrainer,
+) -> None:
+    handle = trainer.llm_server_manager.server_handles[0]
+    sampling = {"max_tokens": 4, "ignore_eos": True}
+    await handle.sleep.remote()
+    try:
+        parked = handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling, request_id="parked")
+        result = await handle.abort_all_requests.remote(reject_request=True)
+        with anyio.fail_after(60):
+            out = await parked  # ended by the abort, whether it was waiting at the sleeping server or refused
+            refused = await handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling)
+        assert set(result) == {"aborted_count", "request_ids"}
+        assert result["aborted_count"] == len(result["request_ids"]) and set(result["request_ids"]) <= {"cmpl-parked"}
+        for ended in (out, refused):
+            assert ended.stop_reason == "aborted" and ended.token_ids == []
+            assert isinstance(ended.extra_fields["global_steps"], int)
+        state = (await handle.state.remote())[0]
+        assert state["generation_paused"] and state["sleeping"]
+    finally:
+        await handle.wake_up.remote()
+        await handle.resume_generation.remote()
+    with anyio.fail_after(60):
+        out = await handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling)
+    assert len(out.token_ids) == 4 and out.stop_reason == "completed"
+    assert not (await handle.state.remote())[0]["generation_paused"]
+
+
+# ---------------------------------------------------------------------------------------------- standalone
+def _load_from_async_generator(_worker: Any, version: int) -> bool:
+    """Inside the worker: random weights through an async generator, as a checkpoint engine yields them."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    rollout = local_rollout()
+    target = {n: torch.randn_like(p) for n, p in rollout.server.model.named_parameters()}
+
+    async def receive_weights() -> Any:
+        for name, tensor in target.items():
+            await asyncio.sleep(0)
+            yield name, tensor
+
+    with ThreadPoolExecutor(1) as pool:  # a loop of its own, whatever runs this worker's methods
+        pool.submit(asyncio.run, rollout.update_weights(receive_weights(), global_steps=version)).result()
+    served = dict(rollout.server.model.named_parameters())
+    return all(torch.equal(served[n], t) for n, t in target.items())
+
+
+def test_a_standalone_replica_serves_and_loads_weights_from_an_async_generator(
+    trainer: AgentPPOTrainer, runtime: VerlRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from verl.workers.rollout import replica as replica_module
+    from verl.workers.rollout.replica import RolloutMode
+
+    from aglverl.verl_plugin.rollout import EmbeddedReplica
+
+    # verl builds the standalone pool's workers with its own RayWorkerGroup; ours keeps their rendezvous local
+    monkeypatch.setattr(replica_module, "RayWorkerGroup", _worker_group_class(runtime.env, runtime.rendezvous_dir))
+    rollout_config = trainer.config.actor_rollout_ref.rollout
+    replica = EmbeddedReplica(1, rollout_config, trainer.config.actor_rollout_ref.model, gpus_per_node=1)
+    asyncio.run(replica.init_standalone())
+    try:
+        assert replica.rollout_mode == RolloutMode.STANDALONE
+        assert replica.server_address != trainer.llm_server_manager.server_addresses[0]
+        handle = replica.server_handle
+        greedy = {"temperature": 0, "ignore_eos": True}
+        before = ray.get(handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=greedy))
+        assert len(before.token_ids) == 8 and before.extra_fields["global_steps"] == 0
+        assert ray.get(replica.workers[0].__ray_call__.remote(_load_from_async_generator, 7)) is True
+        after = ray.get(handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=greedy))
+        assert after.extra_fields["global_steps"] == 7 and after.token_ids != before.token_ids
+        assert _exposed_listeners() == []
+    finally:
+        for actor in [*replica.workers, *replica.servers]:
+            ray.kill(actor)
+        for pg in replica.resource_pool.pgs or []:
+            ray.util.remove_placement_group(pg)
