@@ -91,6 +91,13 @@ def translate_stream(translator: Translator, raw: bytes, cuts: Sequence[int] = (
     return out + translator.close()
 
 
+def stream_body(api: str) -> dict[str, Any]:
+    """A streamed request in ``api`` that translates to the recorded ``chat_stream`` case's shape."""
+    if api == "responses":
+        return {"model": "tiny", "input": "x", "stream": True}
+    return {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+
 def requested(api: str, body: dict[str, Any]) -> Translator:
     translator = new_translator(api)  # type: ignore[arg-type]
     translator.request(orjson.dumps(body))
@@ -422,14 +429,7 @@ def test_whole_answers_are_valid_sdk_objects_with_the_backends_text() -> None:
 @pytest.mark.parametrize("api", ["responses", "messages"])
 def test_streams_are_valid_sdk_events_and_carry_the_backends_text(api: str) -> None:
     _, ids, text = fixture_answer("chat_stream")
-    body = {"model": "tiny", "input": "x", "stream": True}
-    if api == "messages":
-        body = {
-            "model": "tiny",
-            "max_tokens": 10,
-            "messages": [{"role": "user", "content": "x"}],
-            "stream": True,
-        }
+    body = stream_body(api)
     events = sse_events(translate_stream(requested(api, body), CASES["chat_stream"].response))
     for name, data in events:
         assert name == data["type"]  # Anthropic's SDK reads the event name; OpenAI's the data's type
@@ -466,14 +466,7 @@ def test_stream_translation_does_not_depend_on_where_the_bytes_are_cut(data: st.
     raw = CASES["chat_stream"].response
     api = data.draw(st.sampled_from(["responses", "messages"]))
     cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=30))
-    body = {"model": "tiny", "input": "x", "stream": True}
-    if api == "messages":
-        body = {
-            "model": "tiny",
-            "max_tokens": 10,
-            "messages": [{"role": "user", "content": "x"}],
-            "stream": True,
-        }
+    body = stream_body(api)
 
     def shape(out: bytes) -> list[Any]:  # everything but the random ids
         return [
