@@ -22,6 +22,12 @@ trainer recomputes log-probs for. A call that sets a different value (or a non-n
 ``"mask"`` forwards it and records it ``off_policy`` (its rows are kept out of the loss). Every call records
 the values it used; ``aglverl_proxy_sampling_total{action}`` counts fills, refusals and masked calls.
 
+``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
+family, are translated by :mod:`aglverl.translate`: the body becomes a chat completion before anything else
+looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
+agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
+gets, the proxy's own included, is in that API's shape; Anthropic's ``x-api-key`` is accepted as the token.
+
 The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
 chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the
 SSE events; bodies with a ``Content-Length`` are read whole (bounded), parsed once and sent unchanged.
@@ -74,6 +80,7 @@ from ._net import bind_listener, url_of
 from .metrics import ActivityTimeline, Registry
 from .models import ProxyLLM, checked_token_ids
 from .store import LLMCall, StoreError, TaskStore
+from .translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
 
 __all__ = ["LLMProxy", "ProxyError", "RetryPolicy", "reconcile_sampling"]
 
@@ -84,8 +91,9 @@ HOP_BY_HOP: frozenset[str] = frozenset(
     {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
 )
 #: Also dropped from requests: the backend's own Host and a recomputed length; the agent's credential (meant
-#: for this proxy, never for the backend); ``Expect`` because the proxy has already read the whole body.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+#: for this proxy, never for the backend: OpenAI SDKs send ``Authorization``, Anthropic's ``x-api-key``);
+#: ``Expect`` because the proxy has already read the whole body.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
 #: Also dropped from responses: the length, recomputed for the body actually sent.
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 #: Paths (after ``/v1/``) whose token ids are captured, and the response shape each one has.
@@ -221,18 +229,23 @@ class RetryPolicy:
 
 
 class ProxyError(Exception):
-    """A call the proxy answers itself, with an HTTP ``status`` and a message naming what was wrong."""
+    """A call the proxy answers itself, with an HTTP ``status`` and a message naming what was wrong (and the
+    offending request field, ``param``, when there is one)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.param = param
 
-    def body(self) -> bytes:
+    def body(self, translator: Translator | None = None) -> bytes:
+        """OpenAI-shaped, or in the API of a translated call."""
+        if translator is not None:
+            return translator.error(self.status, self.message, self.param)
         return _error_body(self.status, self.message)
 
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body(), content_type=_JSON)
+    def response(self, translator: Translator | None = None) -> web.Response:
+        return web.Response(status=self.status, body=self.body(translator), content_type=_JSON)
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -451,6 +464,7 @@ class _Call:
         "t0",
         "tail",
         "target",
+        "translator",
         "upstream_end",
         "upstream_start",
         "weight_version",
@@ -470,6 +484,8 @@ class _Call:
         self.kind: Literal["chat", "completion"] | None = None
         self.model: str | None = None
         self.capture: _Capture | None = None
+        # A Responses / Anthropic Messages call, relayed as a chat completion and answered in its own API.
+        self.translator: Translator | None = None
         # The request's max_tokens tells a stop at max_tokens from a full context window; ``limit`` is set
         # when the backend refuses the prompt as too long.
         self.max_tokens: int | None = None
@@ -880,7 +896,7 @@ class LLMProxy:
                 await self._admit(request, call, target)
             except ProxyError as exc:
                 self.m_calls.inc(1, "rejected")
-                return exc.response()
+                return exc.response(call.translator)
             except asyncio.CancelledError:  # the agent left while its body was read or while paused
                 self.m_calls.inc(1, "cancelled")
                 raise
@@ -894,8 +910,11 @@ class LLMProxy:
 
     async def _admit(self, request: web.Request, call: _Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
-        self._authorize(request)
         path = request.match_info["path"]
+        api = TRANSLATED_PATHS.get(path) if request.method == "POST" else None
+        if api is not None:  # known first, so that every refusal below is in the agent's API
+            call.translator = new_translator(api)
+        self._authorize(request)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
             try:
@@ -913,6 +932,8 @@ class LLMProxy:
             call.headers["Authorization"] = self._backend_auth
         call.body = await self._read_body(request)
         kind = CAPTURED_PATHS.get(path) if call.method == "POST" else None
+        if call.translator is not None:
+            kind = self._translate_request(call, call.translator)
         if kind is not None and call.rollout_id is not None:
             self._prepare_capture(call, kind)
         if self._paused:
@@ -921,9 +942,14 @@ class LLMProxy:
     def _authorize(self, request: web.Request) -> None:
         if self._auth is None:
             return
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        header = request.headers.get("Authorization")
+        if header is None and "x-api-key" in request.headers:  # how Anthropic's SDK sends its api_key
+            header = "Bearer " + request.headers["x-api-key"]
+        given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self._auth):
-            raise ProxyError(401, "missing or wrong proxy token: send 'Authorization: Bearer <token>'")
+            raise ProxyError(
+                401, "missing or wrong proxy token: send 'Authorization: Bearer <token>' (or 'x-api-key')"
+            )
 
     async def _read_body(self, request: web.Request) -> bytes:
         length = request.content_length
@@ -936,6 +962,19 @@ class LLMProxy:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
+
+    @staticmethod
+    def _translate_request(call: _Call, translator: Translator) -> Literal["chat"]:
+        """Turn a Responses / Messages body into the chat completion the backend gets (before any capture
+        preparation, which then sees an ordinary chat call); a body that cannot be translated is a 400."""
+        try:
+            call.body = translator.request(call.body)
+        except TranslationError as exc:
+            raise ProxyError(exc.status, exc.message, exc.param) from None
+        call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
+        call.headers["Content-Type"] = _JSON
+        call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated
+        return "chat"
 
     def _prepare_capture(self, call: _Call, kind: Literal["chat", "completion"]) -> None:
         """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
@@ -1020,7 +1059,7 @@ class LLMProxy:
             return await self._attempts(request, call)
         except ProxyError as exc:
             call.fail(exc.message)
-            return exc.response()
+            return exc.response(call.translator)
         except asyncio.CancelledError:
             call.fail("proxy shutting down" if self._closing else "agent disconnected", "cancelled")
             raise
@@ -1029,7 +1068,7 @@ class LLMProxy:
             call.fail(f"internal proxy error: {exc!r}")
             if call.response is not None:
                 return call.response
-            return ProxyError(500, f"internal proxy error: {exc!r}").response()
+            return ProxyError(500, f"internal proxy error: {exc!r}").response(call.translator)
         finally:
             self._finish(call)
 
@@ -1167,7 +1206,11 @@ class LLMProxy:
     async def _send_held(self, request: web.Request, call: _Call, held: _Held) -> web.StreamResponse:
         call.upstream_end = time.monotonic()
         call.fail(f"backend answered {held.status}: {_error_message(held.body)}", "upstream_error")
-        response = web.Response(status=held.status, reason=held.reason, body=held.body, headers=held.headers)
+        body, headers = held.body, held.headers
+        if call.translator is not None:
+            body = call.translator.whole(held.status, body)
+            headers["Content-Type"] = _JSON
+        response = web.Response(status=held.status, reason=held.reason, body=body, headers=headers)
         await self._send_whole(request, call, response)
         return response
 
@@ -1206,6 +1249,12 @@ class LLMProxy:
             raise _Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
         call.upstream_end = time.monotonic()
         self._capture_body(call, upstream.status, body)
+        if call.translator is not None:
+            try:
+                body = call.translator.whole(upstream.status, body)
+            except TranslationError as exc:
+                raise ProxyError(exc.status, exc.message) from None
+            headers["Content-Type"] = _JSON
         response = web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
         await self._send_whole(request, call, response)
         return response
@@ -1236,6 +1285,9 @@ class LLMProxy:
         self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
         status = upstream.status
+        translator = call.translator
+        if translator is not None:
+            translator.open(status, call.sse)
         response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         call.response = response
         try:
@@ -1277,7 +1329,10 @@ class LLMProxy:
                     call.upstream_end = time.monotonic()
                     self._commit(call)
             try:
-                await response.write(chunk)
+                # A translated call's bytes go out translated, event by event, as they arrive.
+                out = chunk if translator is None else translator.feed(chunk)
+                if out:
+                    await response.write(out)
             except ConnectionError:
                 call.fail("agent disconnected", "cancelled")
                 return response
@@ -1294,6 +1349,8 @@ class LLMProxy:
             self._capture_body(call, status, bytes(whole))
         self._commit(call)
         try:
+            if translator is not None and (last := translator.close()):
+                await response.write(last)
             await response.write_eof()
         except ConnectionError:
             call.fail("agent disconnected", "cancelled")
@@ -1323,7 +1380,9 @@ class LLMProxy:
                 "call %d on %s failed after its response started: %s", call.seq, call.path, message
             )
         try:
-            if call.sse and not call.delivered:
+            if call.translator is not None and not call.delivered:
+                await response.write(call.translator.abort(message))  # that API's own error ending
+            elif call.sse and not call.delivered:
                 # A blank line first ends any event the backend left half-sent.
                 prefix = b"" if call.tail.endswith(b"\n\n") else b"\n\n"
                 await response.write(prefix + b"data: " + _error_body(status, message) + b"\n\n")

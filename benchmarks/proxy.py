@@ -51,6 +51,20 @@ BODY = orjson.dumps(
     }
 )
 STREAM_BODY = orjson.dumps({**orjson.loads(BODY), "stream": True})
+#: The same call in the Responses API and in Anthropic Messages: the proxy translates each into BODY's chat
+#: completion, so the backend does the same work and the difference is the translation.
+TRANSLATED = {
+    "responses": orjson.dumps(
+        {"model": "mock", "input": "Say yes, please.", "max_output_tokens": COMPLETION_TOKENS}
+    ),
+    "messages": orjson.dumps(
+        {
+            "model": "mock",
+            "max_tokens": COMPLETION_TOKENS,
+            "messages": [{"role": "user", "content": "Say yes, please."}],
+        }
+    ),
+}
 HEADERS = {"Content-Type": "application/json"}
 
 
@@ -174,9 +188,9 @@ async def call(session: aiohttp.ClientSession, url: str, body: bytes = BODY) -> 
     return time.perf_counter() - started
 
 
-async def first_byte(session: aiohttp.ClientSession, url: str) -> float:
+async def first_byte(session: aiohttp.ClientSession, url: str, body: bytes = STREAM_BODY) -> float:
     started = time.perf_counter()
-    async with session.post(url, data=STREAM_BODY, headers=HEADERS) as response:
+    async with session.post(url, data=body, headers=HEADERS) as response:
         await response.content.readany()
         elapsed = time.perf_counter() - started
         await response.read()
@@ -340,11 +354,43 @@ async def measure_one_process(quick: bool) -> dict[str, Any]:
                 ttfb_n, lambda: first_byte(session, direct_url), lambda: first_byte(session, proxied_url)
             )
         )
+        translated = await measure_translated(session, direct_url, bases[1], seq_n, ttfb_n)
     return {
         "what": "client, proxy, bare hop and mock on one asyncio loop in this process",
         "sequential": {"direct_ms": d, "proxied_ms": p, "added_ms": added_ms(d, p)},
         "floor_bare_aiohttp_hop_added_ms": added_ms(d, b),
         "stream_first_byte": {"direct_ms": fd, "proxied_ms": fp, "added_ms": added_ms(fd, fp)},
+        "translated": translated,
+    }
+
+
+async def measure_translated(
+    session: aiohttp.ClientSession, direct_url: str, base: str, seq_n: int, ttfb_n: int
+) -> dict[str, Any]:
+    """Added latency of a chat call, a Responses call and an Anthropic Messages call (same backend work), all
+    interleaved against the same direct chat call; then the same for the first byte of their streams."""
+    urls = {
+        "chat": f"{base}/chat/completions",
+        "responses": f"{base}/responses",
+        "messages": f"{base}/messages",
+    }
+    bodies = {"chat": BODY, **TRANSLATED}
+    streams = {api: orjson.dumps({**orjson.loads(body), "stream": True}) for api, body in bodies.items()}
+    apis = list(urls)
+    json_targets = [lambda: call(session, direct_url)]
+    json_targets += [lambda api=api: call(session, urls[api], bodies[api]) for api in apis]  # type: ignore[misc]
+    ttfb_targets = [lambda: first_byte(session, direct_url)]
+    ttfb_targets += [lambda api=api: first_byte(session, urls[api], streams[api]) for api in apis]  # type: ignore[misc]
+    await alternating(100, *json_targets, *ttfb_targets)  # warm-up
+    direct, *proxied = (summary_ms(x) for x in await alternating(seq_n, *json_targets))
+    direct_fb, *proxied_fb = (summary_ms(x) for x in await alternating(ttfb_n, *ttfb_targets))
+    return {
+        "what": "the same call as chat, Responses and Anthropic Messages through the proxy (attributed, recorded)",
+        "direct_chat_ms": direct,
+        "added_ms": {api: added_ms(direct, p) for api, p in zip(apis, proxied, strict=True)},
+        "stream_first_byte_added_ms": {
+            api: added_ms(direct_fb, p) for api, p in zip(apis, proxied_fb, strict=True)
+        },
     }
 
 

@@ -37,6 +37,18 @@ def test_calculator_example_trains_one_row_per_turn() -> None:
     assert 1.0 < rows <= 3.0  # the tiny model rarely answers at once: most rollouts take several turns
 
 
+def test_openai_agents_example_trains_through_the_responses_api() -> None:
+    out = _run("openai_agents_tool.py", "--steps", "2")
+    rows = re.search(r"final: reward \d\.\d{3}, rows (\d+)", out)
+    assert rows is not None and int(rows.group(1)) > 0, out[-2000:]  # every model call a row
+
+
+def test_langgraph_example_trains_through_the_responses_api() -> None:
+    out = _run("langgraph_tool.py", "--steps", "2", "--api", "responses")
+    rows = re.search(r"final: reward \d\.\d{3}, rows (\d+)", out)
+    assert rows is not None and int(rows.group(1)) > 0, out[-2000:]
+
+
 def test_remote_agents_example_runs_its_agents_in_another_process() -> None:
     out = _run("remote_agents.py", "--steps", "2", "--concurrency", "8")
     agents = re.search(r"agents: pid (\d+) -> (http://127\.0\.0\.1:\d+)", out)

@@ -11,6 +11,7 @@ from .mock_vllm import (
     prompt_token_ids,
     render_chat,
     token_logprob,
+    tool_arguments,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "prompt_token_ids",
     "render_chat",
     "token_logprob",
+    "tool_arguments",
 ]

@@ -10,6 +10,11 @@ compute what a proxy must have recorded without asking the mock.
 It also serves ``GET /v1/models`` and ``GET /health``, injects faults on the next generation calls (500, 429
 with ``Retry-After``, a stall that never answers, a connection closed mid-stream, an answer without token ids),
 and records what it saw: every request with its body, and how many generation calls the client abandoned.
+A chat request with ``tools`` whose ``tool_choice`` is ``"required"`` or names a function is answered the way
+vLLM's tool parser answers it: one call in ``message.tool_calls`` (streams: ``delta.tool_calls``, the name
+first, the arguments piece by piece, one piece per generated token) and finish reason ``"tool_calls"``; the
+arguments are the JSON object ``{"value": "t<id> t<id> ..."}`` of the generated ids (:func:`tool_arguments`).
+
 For soak runs it can also fail a random fraction of generation calls and add random latency, from a seeded
 generator so a run can be repeated.
 
@@ -53,6 +58,7 @@ __all__ = [
     "prompt_token_ids",
     "render_chat",
     "token_logprob",
+    "tool_arguments",
 ]
 
 #: Token ids the mock produces are in ``range(VOCAB_SIZE)``.
@@ -113,6 +119,28 @@ def token_logprob(token_id: int) -> float:
 
 def _text(token_id: int) -> str:
     return f" t{token_id}"
+
+
+def tool_arguments(ids: Sequence[int]) -> list[str]:
+    """The pieces, one per generated id, of the arguments of a tool call the mock makes; joined, a JSON object."""
+    if not ids:
+        return ['{"value": ""}']
+    pieces = ['{"value": "' + f"t{ids[0]}", *(f" t{t}" for t in ids[1:])]
+    pieces[-1] += '"}'
+    return pieces
+
+
+def _forced_tool(body: Mapping[str, Any]) -> str | None:
+    """The function a chat request makes the model call: ``tool_choice`` "required" (the first tool) or named."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not isinstance(tools, list) or not tools:
+        return None
+    if choice == "required":
+        return str(tools[0].get("function", {}).get("name", ""))
+    if isinstance(choice, dict):
+        return str(choice.get("function", {}).get("name", ""))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -228,6 +256,13 @@ class _Generation:
         self.logprobs = bool(raw_lp) if kind == "chat" else raw_lp is not None and raw_lp is not False
         stream_options = body.get("stream_options") or {}
         self.include_usage = bool(stream_options.get("include_usage"))
+        self.tool = _forced_tool(body) if kind == "chat" else None
+        if self.tool is not None:
+            for c in self.choices:
+                c.finish = "tool_calls" if c.finish == "stop" else c.finish
+
+    def _call_id(self, c: _Choice) -> str:
+        return f"chatcmpl-tool-{c.index}{sum(c.prompt) % 10**8:08d}"
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts)
@@ -276,9 +311,14 @@ class _Generation:
         return orjson.dumps(obj)
 
     def _chat_choice(self, c: _Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(map(_text, c.ids))}
+        if self.tool is not None:
+            function = {"name": self.tool, "arguments": "".join(tool_arguments(c.ids))}
+            message = {"role": "assistant", "content": None}
+            message["tool_calls"] = [{"id": self._call_id(c), "type": "function", "function": function}]
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": "".join(map(_text, c.ids))},
+            "message": message,
             "logprobs": self._chat_logprobs(c.ids),
             "finish_reason": c.finish,
             "stop_reason": None,
@@ -328,11 +368,18 @@ class _Generation:
         events.append(_DONE)
         return events
 
+    def _tool_delta(self, c: _Choice, k: int) -> dict[str, Any]:
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": tool_arguments(c.ids)[k]}}
+        if k == 0:  # the first piece also names the call, as vLLM's parsers send it
+            call |= {"id": self._call_id(c), "type": "function"}
+            call["function"] = {"name": self.tool, **call["function"]}
+        return {"tool_calls": [call]}
+
     def _chunk_choice(self, c: _Choice, k: int, last: bool, offset: int) -> dict[str, Any]:
         t = c.ids[k]
         choice: dict[str, Any] = {"index": c.index}
         if self.kind == "chat":
-            choice["delta"] = {"content": _text(t)}
+            choice["delta"] = {"content": _text(t)} if self.tool is None else self._tool_delta(c, k)
             choice["logprobs"] = self._chat_logprobs([t])
         else:
             choice["text"] = _text(t)
