@@ -144,7 +144,7 @@ def test_rejection_sampling_is_verls_group_filter_with_a_bound() -> None:
 def test_sampling_mismatch_rule_is_checked() -> None:
     _, options = compose_config({**SMALL, "aglverl": {"sampling_mismatch": "mask"}})
     assert options.sampling_mismatch == "mask"
-    with pytest.raises(ConfigError, match="aglverl.sampling_mismatch"):
+    with pytest.raises(ConfigError, match=r"aglverl\.sampling_mismatch"):
         compose_config({**SMALL, "aglverl": {"sampling_mismatch": "ignore"}})
 
 

@@ -1,4 +1,4 @@
-"""AsyncVERL end to end on CPU: verl's workers (fsdp2 actor on gloo, reference, critic) fed by agents over HTTP.
+"""AsyncVERL end to end on CPU: verl's V1 trainer (fsdp2 actor on gloo, reference, critic) fed by agents over HTTP.
 
 One Ray session for the module; two runs: the first trains two steps and checkpoints, the second resumes.
 """
@@ -123,18 +123,25 @@ async def test_two_full_steps_run_through_verls_actor_reference_and_critic(first
     assert sorted(steps) == [1, 2]
     for record in steps.values():
         metrics = record["metrics"]
-        assert metrics["step/n_completed"] == 4 and metrics["step/skipped"] == 0
+        assert metrics["step/n_completed"] == 4 and metrics["step/n_rows"] == 4
         assert "actor/pg_loss" in metrics and "actor/kl_loss" in metrics  # actor + reference
         assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics  # critic (GAE)
         assert metrics["actor/grad_norm"] > 0
-    assert "val/reward" in first_run["final"] and "val/reward/toy" in first_run["final"]
+        # where the step's wall time went: the four shares add up
+        shares = [metrics[f"step/share_{k}"] for k in ("generating_only", "computing_only", "both", "neither")]
+        assert sum(shares) == pytest.approx(1.0, abs=1e-6) and metrics["step/share_computing_only"] > 0
+        assert metrics["step/generated_tokens"] > 0
+    final = first_run["final"]
+    assert "val/reward" in final and final["val/n_rollouts"] == 2  # 2 samples x val_kwargs.n 1
+    assert any(key.startswith("val-core/toy/reward/") for key in final)  # verl's own, per data source
     assert set(first_run["seen"]) >= {0, 1, 2, 3, 100, 101}
 
 
 async def test_verl_consumes_the_engines_log_probs_and_on_policy_they_match(first_run: dict[str, Any]) -> None:
     metrics = first_run["steps"][1]["metrics"]
-    assert metrics["logprobs/present"] == 1.0
+    assert metrics["logprobs/n_rows_missing"] == 0.0
     assert metrics["logprobs/n_tokens"] > 0
+    assert metrics["training/rollout_probs_diff_valid"] == 1  # verl's own comparison ran on them too
     # the embedded server samples with the weights the actor has: its log-probs are the actor's recomputation
     assert metrics["logprobs/abs_diff_mean"] < 1e-3, metrics["logprobs/abs_diff_mean"]
     assert abs(metrics["logprobs/k3_kl"]) < 1e-4

@@ -1,7 +1,7 @@
-"""verl's own RayPPOTrainer on CPU through aglverl's plugin: workers, embedded servers, weight sync, sleep/wake,
-the server handle verl's agent loops call (defaults, weight version, abort/resume) and a standalone replica.
+"""verl's V1 trainer on CPU through aglverl's plugin: workers, embedded servers, sleep/wake, the platform, the
+server handle verl's agent loops call (defaults, weight version, abort/resume) and a standalone replica.
 
-One Ray session and one trainer (``init_workers`` takes ~20 s here) for the whole module.
+One Ray session and one trainer (``init`` takes ~20 s here) for the whole module.
 """
 
 from __future__ import annotations
@@ -9,22 +9,19 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import anyio
-import numpy as np
 import psutil
 import pytest
 import ray
 import torch
+from helpers.v1 import live_trainer
 
-from aglverl.algorithm import VerlRuntime, compose_config, verl_runtime
-from aglverl.batch import BatchConfig, FinishedRollout, build_batch
-from aglverl.trainer import AgentPPOTrainer, _worker_group_class, build_trainer
+from aglverl.verl_v1 import served_model_name
 
 pytestmark = pytest.mark.anyio
 
@@ -33,54 +30,29 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONFIG = {
     "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 8},
-    "actor_rollout_ref": {
-        "rollout": {"n": 4},
-        # a high learning rate so one update visibly moves every weight
-        "actor": {"ppo_mini_batch_size": 2, "optim": {"lr": 1e-2}, "use_kl_loss": True},
-    },
+    "actor_rollout_ref": {"rollout": {"n": 4}, "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": True}},
     "algorithm": {"adv_estimator": "grpo"},
-    "trainer": {"total_training_steps": 2},
+    "trainer": {"total_training_steps": 2, "val_before_train": False, "save_freq": -1},
+    "aglverl": {"journal": None},
     # a second (fake) GPU for the standalone replica's resource pool
     "ray_kwargs": {"ray_init": {"num_gpus": 2, "num_cpus": 16}},
 }
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model: Path) -> Iterator[VerlRuntime]:
-    config, _ = compose_config(CONFIG)
-    with verl_runtime(config) as runtime:
-        yield runtime
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 @pytest.fixture(scope="module")
-def trainer(runtime: VerlRuntime) -> Iterator[AgentPPOTrainer]:
-    config, _ = compose_config(CONFIG)
-    with ExitStack() as stack:
-        trainer = build_trainer(config, [{"q": i} for i in range(4)], None, runtime)
-        stack.callback(trainer.close)
-        trainer.init_workers()  # ends with the replicas asleep, as verl's fit() expects
-        trainer.checkpoint_manager.update_weights(0)  # what a run does first: sync weights, wake the servers
-        yield trainer
+async def live(tiny_model: Path) -> AsyncIterator[tuple[Any, Any]]:
+    async with live_trainer(CONFIG, [{"q": i} for i in range(4)]) as (_, trainer, runtime):
+        yield trainer, runtime
 
 
-def _actor_worker(worker_dict: Any) -> Any:
-    from verl.workers.engine_workers import ActorRolloutRefWorker
-
-    return next(w for w in worker_dict.worker_dict.values() if isinstance(w, ActorRolloutRefWorker))
-
-
-def _weight_gap(worker_dict: Any) -> tuple[float, dict[str, float]]:
-    """Inside the worker: max |actor - served| over all weights, and a checksum of the served weights."""
-    from aglverl.verl_plugin.rollout import local_rollout
-
-    actor = _actor_worker(worker_dict)
-    params, _ = actor.actor.engine.get_per_tensor_param()
-    served = dict(local_rollout().server.model.named_parameters())
-    gap = 0.0
-    for name, tensor in params:
-        if name in served:
-            gap = max(gap, float((tensor.detach().cpu() - served[name].detach()).abs().max()))
-    return gap, {name: float(p.detach().double().sum()) for name, p in served.items()}
+@pytest.fixture
+def trainer(live: tuple[Any, Any]) -> Any:
+    return live[0]
 
 
 def _server_state(worker_dict: Any) -> dict[str, Any]:
@@ -91,14 +63,14 @@ def _server_state(worker_dict: Any) -> dict[str, Any]:
     return dataclasses.asdict(local_rollout().server.stats())
 
 
-def _in_worker(trainer: AgentPPOTrainer, fn: Any) -> Any:
+def _in_worker(trainer: Any, fn: Any) -> Any:
     return ray.get(trainer.actor_rollout_wg.workers[0].__ray_call__.remote(fn))
 
 
-async def test_server_addresses_answer_openai_chat_with_token_ids(trainer: AgentPPOTrainer) -> None:
+async def test_server_addresses_answer_openai_chat_with_token_ids(trainer: Any) -> None:
     addresses = trainer.llm_server_manager.get_addresses()
     assert len(addresses) == 1
-    model = trainer.served_model_name()
+    model = served_model_name(f"http://{addresses[0]}")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         async with session.post(
             f"http://{addresses[0]}/v1/chat/completions",
@@ -117,46 +89,13 @@ async def test_server_addresses_answer_openai_chat_with_token_ids(trainer: Agent
     assert 1 <= len(body["choices"][0]["token_ids"]) <= 4
 
 
-def _batch(trainer: AgentPPOTrainer) -> Any:
-    """A GRPO step's batch as the daemon builds it: 2 samples x 4 rollouts, rewards differing within groups."""
-    rng = np.random.default_rng(0)
-    rollouts = [
-        FinishedRollout(
-            f"r{i}", f"group{i // 4}", float(i % 2), [(rng.integers(3, 500, 12).tolist(), rng.integers(3, 500, 6).tolist())]
-        )
-        for i in range(8)
-    ]
-    data, _ = build_batch(rollouts, BatchConfig(max_prompt_length=32, max_response_length=8))
-    return data
-
-
-def test_after_an_actor_update_the_weight_sync_serves_the_actors_weights(trainer: AgentPPOTrainer) -> None:
-    trainer.global_steps = 1
-    trainer.checkpoint_manager.update_weights(0)
-    gap, before = _in_worker(trainer, _weight_gap)
-    assert gap == 0.0
-
-    metrics: dict[str, float] = {}
-    trainer.checkpoint_manager.sleep_replicas()
-    assert trainer._update(_batch(trainer), metrics, {}) is not None
-    # On-policy GRPO's first loss is ~0 (advantages are centred per group); its gradient is not.
-    assert metrics["actor/grad_norm"] > 0.0 and "actor/kl_loss" in metrics  # the reference model ran too
-    gap, still_served = _in_worker(trainer, _weight_gap)
-    assert gap > 0.0 and still_served == before  # trained, not yet synced
-
-    trainer.checkpoint_manager.update_weights(1)
-    gap, after = _in_worker(trainer, _weight_gap)
-    assert gap == 0.0
-    assert after != before
-    assert _in_worker(trainer, _server_state)["weight_version"] == 1
-
-
-def test_sleep_and_wake_up_reach_the_embedded_server(trainer: AgentPPOTrainer) -> None:
+async def test_sleep_and_wake_up_reach_the_embedded_server(trainer: Any) -> None:
     start = _in_worker(trainer, _server_state)
-    trainer.checkpoint_manager.sleep_replicas()
+    # verl's manager methods run their coroutine themselves only outside an event loop: call them from a thread
+    await anyio.to_thread.run_sync(trainer.checkpoint_manager.sleep_replicas)
     slept = _in_worker(trainer, _server_state)
     assert slept["sleeping"] and slept["sleep_calls"] == start["sleep_calls"] + 1
-    trainer.checkpoint_manager.wake_up_replicas()
+    await anyio.to_thread.run_sync(trainer.checkpoint_manager.wake_up_replicas)
     woken = _in_worker(trainer, _server_state)
     assert not woken["sleeping"] and woken["wake_up_calls"] == start["wake_up_calls"] + 1
 
@@ -177,7 +116,7 @@ def _exposed_listeners() -> list[tuple[int, Any]]:
     return [(c.pid, c.laddr) for c in listeners if not _is_loopback(c.laddr.ip)]
 
 
-def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: AgentPPOTrainer) -> None:
+async def test_nothing_of_ours_or_rays_listens_off_loopback(trainer: Any) -> None:
     assert _exposed_listeners() == []
 
 
@@ -187,7 +126,7 @@ def _is_loopback(ip: str) -> bool:
     return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
-def test_worker_processes_run_on_the_cpu_platform(trainer: AgentPPOTrainer) -> None:
+async def test_worker_processes_run_on_the_cpu_platform(trainer: Any) -> None:
     def platform(_worker: Any) -> tuple[str, str, bool]:
         from verl.plugin.platform import get_platform
 
@@ -207,7 +146,7 @@ def _reload(_worker: Any, version: int) -> None:
 
 
 async def test_the_handle_applies_verls_defaults_and_reports_the_served_weight_version(
-    trainer: AgentPPOTrainer,
+    trainer: Any,
 ) -> None:
     handle = trainer.llm_server_manager.server_handles[0]
     await trainer.actor_rollout_wg.workers[0].__ray_call__.remote(_reload, 3)
@@ -221,7 +160,7 @@ async def test_the_handle_applies_verls_defaults_and_reports_the_served_weight_v
 
 
 async def test_the_handle_aborts_a_parked_request_and_rejects_new_ones_until_resume(
-    trainer: AgentPPOTrainer,
+    trainer: Any,
 ) -> None:
     handle = trainer.llm_server_manager.server_handles[0]
     sampling = {"max_tokens": 4, "ignore_eos": True}
@@ -270,21 +209,16 @@ def _load_from_async_generator(_worker: Any, version: int) -> bool:
     return all(torch.equal(served[n], t) for n, t in target.items())
 
 
-def test_a_standalone_replica_serves_and_loads_weights_from_an_async_generator(
-    trainer: AgentPPOTrainer, runtime: VerlRuntime, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import asyncio
-
-    from verl.workers.rollout import replica as replica_module
+async def test_a_standalone_replica_serves_and_loads_weights_from_an_async_generator(trainer: Any) -> None:
     from verl.workers.rollout.replica import RolloutMode
 
     from aglverl.verl_plugin.rollout import EmbeddedReplica
 
-    # verl builds the standalone pool's workers with its own RayWorkerGroup; ours keeps their rendezvous local
-    monkeypatch.setattr(replica_module, "RayWorkerGroup", _worker_group_class(runtime.env, runtime.rendezvous_dir))
+    # verl builds the standalone pool's workers by the name RayWorkerGroup: the run installed aglverl's
+    # (aglverl.verl_plugin.patches.use_worker_group), whose workers meet on a local rendezvous
     rollout_config = trainer.config.actor_rollout_ref.rollout
     replica = EmbeddedReplica(1, rollout_config, trainer.config.actor_rollout_ref.model, gpus_per_node=1)
-    asyncio.run(replica.init_standalone())
+    await replica.init_standalone()
     try:
         assert replica.rollout_mode == RolloutMode.STANDALONE
         assert replica.server_address != trainer.llm_server_manager.server_addresses[0]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,10 @@ import aiohttp
 import anyio
 import pytest
 import ray
+from helpers.v1 import live_trainer
 
-from aglverl.algorithm import _daemon_kwargs, _run_config, compose_config, verl_runtime
 from aglverl.models import Rollout, Triplet
 from aglverl.producer import Prompt
-from aglverl.verl_v1 import DaemonAgentLoopManager, running
 
 pytestmark = pytest.mark.anyio
 
@@ -43,21 +41,8 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def live(tiny_model: Path) -> AsyncIterator[tuple[Any, Any]]:
     """verl's V1 trainer, initialised, and the daemon serving as its producer: ``(run, trainer)``."""
-    config, options = compose_config(CONFIG)
-    config = _run_config(config, has_validation=False)
-    with ExitStack() as stack:
-        runtime = stack.enter_context(verl_runtime(config))
-        from aglverl.algorithm import _worker_group_class
-        from aglverl.verl_plugin.patches import use_worker_group
-
-        use_worker_group(_worker_group_class(runtime.env, runtime.rendezvous_dir))
-        async with running(
-            config, options, TRAIN, None, daemon_kwargs=lambda t: _daemon_kwargs(config, options, t), progress=False
-        ) as (run, trainer):
-            trainer.agent_loop_manager = DaemonAgentLoopManager(run)
-            trainer.global_steps = 1
-            trainer.curr_step_profile, trainer.timing_raw = False, {}  # what verl's fit() sets for a step
-            yield run, trainer
+    async with live_trainer(CONFIG, TRAIN) as (run, trainer, _):
+        yield run, trainer
 
 
 def _tq_get(keys: Sequence[str], partition: str = "train", fields: list[str] | None = None) -> Any:
@@ -148,7 +133,9 @@ async def test_a_training_batch_is_filed_and_sampled_the_way_verls_agent_loop_do
     assert sum(s.n_rollouts for s in taken) == 4
 
 
-async def test_advantages_are_computed_on_whole_groups_with_masked_rows_and_verls_padding(live: Any) -> None:
+async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whole_group_advantages(
+    live: Any,
+) -> None:
     run, trainer = live
     producer, store = run.daemon.producer, run.daemon.store
     long_prompt = list(range(1, 21))  # 20 ids > max_prompt_length 16: the row is kept for its group, masked
@@ -178,7 +165,7 @@ async def test_advantages_are_computed_on_whole_groups_with_masked_rows_and_verl
     batch = await anyio.to_thread.run_sync(trainer._balance_batch, batch, metrics)
     assert len(batch) == 8
     batch = await anyio.to_thread.run_sync(trainer._compute_old_log_prob, batch, metrics)
-    await anyio.to_thread.run_sync(trainer._compute_advantage, batch, metrics)
+    batch = await anyio.to_thread.run_sync(trainer._compute_advantage, batch, metrics)
     data = await anyio.to_thread.run_sync(_tq_get, batch.keys, "train", ["advantages", "response_mask"])
     got = {key: data["advantages"][i].tolist() for i, key in enumerate(batch.keys)}
     masks = {key: data["response_mask"][i].tolist() for i, key in enumerate(batch.keys)}
@@ -192,8 +179,40 @@ async def test_advantages_are_computed_on_whole_groups_with_masked_rows_and_verl
     assert got["gb_0_0"] == [0.0] and got["gb_1_0"] == [0.0]
     pads = [key for key in batch.keys if key.startswith("pad")]
     assert len(pads) == 2 and all(set(got[key]) <= {0.0} for key in pads)
+
+    # the rest of verl's step on this batch: the actor update, then the weight sync serves the new weights
+    gap, before = await anyio.to_thread.run_sync(_in_worker, trainer, _weight_gap)
+    assert gap == 0.0
+    await anyio.to_thread.run_sync(trainer.checkpoint_manager.sleep_replicas)
+    await anyio.to_thread.run_sync(trainer._update_actor, batch, metrics)
+    assert metrics["actor/grad_norm"] > 0.0
+    gap, still_served = await anyio.to_thread.run_sync(_in_worker, trainer, _weight_gap)
+    assert gap > 0.0 and still_served == before  # trained, not yet synced
+    await anyio.to_thread.run_sync(trainer.checkpoint_manager.update_weights, 5)
+    gap, after = await anyio.to_thread.run_sync(_in_worker, trainer, _weight_gap)
+    assert gap == 0.0 and after != before
     await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
     producer.take_stats(["ga", "gb"])
+
+
+def _in_worker(trainer: Any, fn: Any) -> Any:
+    return ray.get(trainer.actor_rollout_wg.workers[0].__ray_call__.remote(fn))
+
+
+def _weight_gap(worker_dict: Any) -> tuple[float, dict[str, float]]:
+    """Inside the worker: max |actor - served| over all weights, and a checksum of the served weights."""
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from aglverl.verl_plugin.rollout import local_rollout
+
+    actor = next(w for w in worker_dict.worker_dict.values() if isinstance(w, ActorRolloutRefWorker))
+    params, _ = actor.actor.engine.get_per_tensor_param()
+    served = dict(local_rollout().server.model.named_parameters())
+    gap = 0.0
+    for name, tensor in params:
+        if name in served:
+            gap = max(gap, float((tensor.detach().cpu() - served[name].detach()).abs().max()))
+    return gap, {name: float(p.detach().double().sum()) for name, p in served.items()}
 
 
 async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_ones_until_the_update(
@@ -207,6 +226,7 @@ async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_on
     base = f"{daemon.proxy_url}/rollout/{rollout_id}/attempt/{task.attempt_id}/v1"
     body = {"model": daemon.model, "messages": [{"role": "user", "content": "x"}]}
     events: list[str] = []
+    first_byte = anyio.Event()
     before = daemon.proxy.weight_version
     version = int(trainer.global_steps) + 1
     trainer.global_steps = version  # the step whose weights on_step_end syncs
@@ -218,8 +238,7 @@ async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_on
             async with http.post(f"{base}/chat/completions", json=long_body) as response:
                 assert response.status == 200, await response.text()
                 async for _ in response.content.iter_any():
-                    if "first byte" not in events:
-                        events.append("first byte")
+                    first_byte.set()
                 events.append("long call done")
 
         async def held_call() -> None:
@@ -231,8 +250,7 @@ async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_on
         async with anyio.create_task_group() as tg:
             tg.start_soon(long_call)
             with anyio.fail_after(30):
-                while "first byte" not in events:
-                    await anyio.sleep(0.005)  # a test watching for a byte, not a wait for work
+                await first_byte.wait()
             await anyio.to_thread.run_sync(trainer.on_step_begin)
             await anyio.to_thread.run_sync(trainer.on_sample_end)  # pause (drain), then sleep the replicas
             events.append("asleep")

@@ -1,0 +1,78 @@
+"""A training process killed with SIGKILL mid-step and started again: it resumes from verl's checkpoint and the
+daemon's journal, trains the remaining steps, and over both runs every sample is answered exactly ``n`` times
+(the killed step's finished rollouts are reused, its unfinished ones redone under their own rollout ids)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import orjson
+import psutil
+import pytest
+
+HELPER = Path(__file__).parent / "helpers" / "train_until_killed.py"
+
+
+def _run(directory: Path, run: int) -> int:
+    """Run the helper in a session of its own; whatever it leaves behind (Ray's processes) is ended."""
+    process = subprocess.Popen(
+        [sys.executable, str(HELPER), str(directory), str(run)],
+        start_new_session=True,
+        stdout=(directory / f"run{run}.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        return process.wait(timeout=900)
+    finally:
+        _end_session(process.pid)
+
+
+def _end_session(session: int) -> None:
+    survivors = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(proc.pid) == session:
+                survivors.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    for proc in survivors:
+        proc.kill()
+    psutil.wait_procs(survivors, timeout=30)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def test_a_run_killed_mid_step_resumes_without_losing_or_repeating_a_rollout(tmp_path: Path, tiny_model: Path) -> None:
+    assert _run(tmp_path, 1) == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
+    trained = [(row["run"], row["step"]) for row in _lines(tmp_path / "steps.jsonl")]
+    assert trained == [(1, 1), (1, 2)]  # killed during step 3, after checkpoint 2
+    assert _run(tmp_path, 2) == 0, (tmp_path / "run2.log").read_text()[-3000:]
+
+    steps = _lines(tmp_path / "steps.jsonl")
+    assert [(row["run"], row["step"]) for row in steps] == [(1, 1), (1, 2), (2, 3), (2, 4)]  # none trained twice
+    assert all(row["step/n_completed"] == 4 and row["step/n_rows"] == 4 for row in steps)
+
+    answers = _lines(tmp_path / "answers.jsonl")
+    per_rollout = Counter(a["rollout_id"] for a in answers)
+    assert max(per_rollout.values()) == 1, "a rollout was answered twice"
+    rollouts_of: dict[int, set[str]] = defaultdict(set)
+    runs_of: dict[int, Counter[int]] = defaultdict(Counter)
+    for a in answers:
+        rollouts_of[a["sample"]].add(a["rollout_id"])
+        runs_of[a["sample"]][a["run"]] += 1
+    assert {sample: len(ids) for sample, ids in rollouts_of.items()} == {sample: 2 for sample in range(8)}
+    # step 3's samples: two rollouts answered before the kill were reused, the two others redone after it
+    assert runs_of[4] + runs_of[5] == Counter({1: 2, 2: 2})
+    assert sum(runs_of[s][1] for s in range(4)) == 8 and sum(runs_of[s][2] for s in range(6, 8)) == 4
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # each run starts (and ends) a Ray of its own
