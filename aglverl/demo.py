@@ -2,7 +2,7 @@
 
 The task is the toy example's (``examples/one_word.py``): every prompt asks for one word, and the reward is the
 share of the answer's words that are that word. Agents are ordinary ``openai`` SDK code on each rollout's
-proxy URL; the trainer is verl's ``RayPPOTrainer`` (GRPO) through :class:`~aglverl.algorithm.AsyncVERL`; the
+proxy URL; the trainer is verl's V1 PPO trainer (GRPO, sync mode) through :class:`~aglverl.algorithm.AsyncVERL`; the
 inference server is the embedded one inside verl's actor worker. Output, in ``--out DIR``:
 
 - a progress bar on stderr (step, reward, generated tokens/s);
@@ -54,7 +54,10 @@ def demo_samples(count: int, word: str = TARGET_WORD) -> list[dict[str, Any]]:
     return [{"prompt": _PROMPTS[i % len(_PROMPTS)].format(w=word), "word": word, "id": i} for i in range(count)]
 
 
-_CLIENTS: dict[int, Any] = {}
+_CLIENT: tuple[Any, Any] | None = None  # (event loop, client)
+#: Clients of event loops that have ended, kept for the life of the process: the connections of a client belong
+#: to its loop, and a dropped ``openai`` client schedules its own closing on whatever loop runs at the time.
+_RETIRED: list[Any] = []
 
 
 def _openai_client() -> Any:
@@ -63,11 +66,13 @@ def _openai_client() -> Any:
 
     import openai
 
-    loop = id(asyncio.get_running_loop())
-    if loop not in _CLIENTS:
-        _CLIENTS.clear()  # clients of a finished loop are unusable (their connections belong to it)
-        _CLIENTS[loop] = openai.AsyncOpenAI(api_key="unused", max_retries=0)
-    return _CLIENTS[loop]
+    global _CLIENT
+    loop = asyncio.get_running_loop()
+    if _CLIENT is None or _CLIENT[0] is not loop:
+        if _CLIENT is not None:
+            _RETIRED.append(_CLIENT)
+        _CLIENT = (loop, openai.AsyncOpenAI(api_key="unused", max_retries=0))
+    return _CLIENT[1]
 
 
 async def one_word_agent(task: Mapping[str, Any], llm: LLM) -> float:
