@@ -97,7 +97,9 @@ def demo_config(
         "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
         "actor_rollout_ref": {
             "model": {"path": model},
-            "rollout": {"n": 8, "temperature": 1.0},
+            # on-policy lockstep training: the engine's log-probs would only feed a diagnostic (verl's default
+            # computes and compares them on every row)
+            "rollout": {"n": 8, "temperature": 1.0, "calculate_log_probs": False},
             "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}, "use_kl_loss": False},
         },
         "algorithm": {"adv_estimator": "grpo"},

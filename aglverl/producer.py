@@ -121,13 +121,17 @@ class FinishedGroup:
 
 
 class GroupSink(Protocol):
-    """Where a producer's groups go (TransferQueue, for verl's V1 trainer)."""
+    """Where a producer's groups go (TransferQueue, for verl's V1 trainer). A sink may file lazily: what it was
+    given must be readable once :meth:`flush` returns."""
 
     async def started(self, prompts: Sequence[Prompt]) -> None:
         """The prompts' groups were queued for agents (verl's ``running`` status)."""
 
     async def finished(self, group: FinishedGroup) -> None:
         """The group's rollouts are all terminal: file its rows and its status."""
+
+    async def flush(self) -> None:
+        """Everything given so far is filed when this returns."""
 
 
 @dataclass(eq=False)
@@ -234,14 +238,26 @@ class TrajectoryProducer:
     def in_flight(self) -> int:
         return sum(not g.finished for g in self._groups.values())
 
+    def progress(self, partition: str) -> tuple[int, int]:
+        """``(version, groups of partition still in flight)``, read together."""
+        in_flight = sum(not g.finished and g.prompt.partition == partition for g in self._groups.values())
+        return self._version, in_flight
+
     @property
     def version(self) -> int:
         """How many groups have finished so far (it only grows)."""
         return self._version
 
-    async def wait_changed(self, seen: int) -> int:
-        """Return the moment :attr:`version` differs from ``seen`` (at once if it already does)."""
-        while self._version == seen:
+    async def flush(self) -> int:
+        """Have the sink file every group finished so far; returns the :attr:`version` they make up."""
+        version = self._version
+        await self.sink.flush()
+        return version
+
+    async def wait_changed(self, seen: int, count: int = 1) -> int:
+        """Return the moment :attr:`version` reaches ``seen + count`` (``count`` more groups finished since a
+        look at ``seen``; at once if that already happened). Cancelling the wait changes nothing."""
+        while self._version < seen + count:
             await self._changed.wait()
         return self._version
 
@@ -249,6 +265,14 @@ class TrajectoryProducer:
         """Whether the finished group ``uid`` has equal scores in every GRPO group (false if unknown)."""
         stats = self._stats.get(uid)
         return stats is not None and stats.uniform
+
+    def uniform_scores(self, uids: Sequence[str]) -> dict[str, float]:
+        """Of the finished groups ``uids``, those whose scores are all equal, with their mean reward."""
+        return {
+            uid: round(stats.reward_sum / stats.n_rollouts, 6)
+            for uid in uids
+            if (stats := self._stats.get(uid)) is not None and stats.uniform and stats.n_rollouts
+        }
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, prompts: Sequence[Prompt], *, resources_id: str | None, mode: Mode = "train") -> None:

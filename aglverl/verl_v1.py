@@ -232,48 +232,78 @@ class DaemonAgentLoopManager:
 
 
 # ---------------------------------------------------------------------------------------------- sink
+@dataclasses.dataclass(eq=False)
+class _Write:
+    """One group's rows (or a status change) waiting for the next TransferQueue write."""
+
+    partition: str
+    keys: list[str]
+    fields: list[dict[str, Any]]
+    tags: list[dict[str, Any]]
+    statuses: dict[str, str]
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    error: BaseException | None = None
+
+
 class TransferQueueSink:
     """Files finished groups in TransferQueue as verl's ``AgentLoopWorkerTQ`` does (see the module docstring).
 
-    ``logprobs``: every row carries ``rollout_log_probs``, so the column stays whole; a row whose call came
-    back without the engine's logprobs (or whose agent posted triplets without them) is marked
-    ``rollout_log_probs_valid = 0`` and the trainer counts it as on-policy (its recomputed log-probs stand in,
-    see ``_compute_old_log_prob``). TransferQueue's client is blocking: each write runs in a worker thread.
+    Writes happen when someone is about to look (:meth:`flush`: the replay buffer before it reads
+    TransferQueue's tags, the trainer before a checkpoint snapshots it): the groups that finished since the
+    last look go in one write, rows first and then the groups' statuses, so whoever sees a group's terminal
+    status finds its rows. Nothing is written while agents are busy (measured: per-group writes, in a worker
+    thread, slowed the agents' event loop down by ~15% of the generation phase). A failed write raises in
+    :meth:`flush`.
+
+    Rows carry verl's fields (``prompts``, ``responses``, ``response_mask`` = ``loss_mask``, ``input_ids``,
+    ``position_ids``, ``rm_scores``, ``num_turns``, ``uid``) and aglverl's (``advantage_weights``, the
+    ``weight_version`` of the row's call); validation rows also ``data_source``. ``logprobs``: every row
+    carries ``rollout_log_probs``, so the column stays whole; a row whose call came back without the engine's
+    logprobs (or whose agent posted triplets without them) is marked ``rollout_log_probs_valid = 0`` and the
+    trainer counts it as on-policy (its recomputed log-probs stand in, see ``_compute_old_log_prob``).
     """
 
     def __init__(self, *, logprobs: bool) -> None:
         self.logprobs = logprobs
+        self._queue: list[_Write] = []
+        self._writing = False
 
     async def started(self, prompts: Sequence[Prompt]) -> None:
-        import transfer_queue as tq
-
-        by_partition: dict[str, list[str]] = {}
-        for prompt in prompts:
-            by_partition.setdefault(prompt.partition, []).append(prompt.uid)
-
-        def write() -> None:
-            for partition, uids in by_partition.items():
-                tq.kv_batch_put(keys=uids, partition_id=partition, tags=[{"status": "running"}] * len(uids))
-
-        await anyio.to_thread.run_sync(write)
+        self._queue += [_Write(p.partition, [], [], [], {p.uid: "running"}) for p in prompts]
 
     async def finished(self, group: FinishedGroup) -> None:
-        import transfer_queue as tq
-
         keys, fields, tags = self.rows(group)
         prompt = group.prompt
+        self._queue.append(_Write(prompt.partition, keys, fields, tags, {prompt.uid: group.status}))
 
-        def write() -> None:
-            from verl.utils.tensordict_utils import list_of_dict_to_tensordict
-
-            if keys:
-                tq.kv_batch_put(
-                    keys=keys, partition_id=prompt.partition, fields=list_of_dict_to_tensordict(fields), tags=tags
-                )
-            # The group's terminal status comes last: once a sampler sees it, every row is there.
-            tq.kv_put(key=prompt.uid, partition_id=prompt.partition, tag={"status": group.status})
-
-        await anyio.to_thread.run_sync(write)
+    async def flush(self) -> None:
+        """Write everything queued so far; return once it is in TransferQueue (also what a concurrent flush
+        was writing). The first caller while no write runs writes for everyone; a failed write raises in every
+        caller it held."""
+        if not self._queue and not self._writing:
+            return
+        if self._writing:
+            marker = _Write("", [], [], [], {})
+            self._queue.append(marker)  # done once everything queued before it is written
+            await marker.done.wait()
+            if marker.error is not None:
+                raise marker.error
+            return
+        self._writing = True
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    await anyio.to_thread.run_sync(_write_batch, batch)
+                except BaseException as exc:
+                    for item in batch:
+                        item.error = exc
+                    raise
+                finally:
+                    for item in batch:
+                        item.done.set()
+        finally:
+            self._writing = False
 
     def rows(self, group: FinishedGroup) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
         """Keys, fields and tags of the group's rows (jagged: each row only as long as its tokens)."""
@@ -286,16 +316,15 @@ class TransferQueueSink:
         response_len = batch["response_mask"].sum(-1).tolist()
         trains = (~batch["is_drop_mask"]).tolist()
         uids = data.non_tensor_batch["uid"].tolist()
-        rollout_ids = data.non_tensor_batch["rollout_id_list"].tolist()
         weights = batch["advantage_weights"].tolist() if "advantage_weights" in batch.keys() else None
         n_turns = Counter(group.sessions.tolist())
+        validation = prompt.partition == "val"
         keys, fields, tags = [], [], []
         for i in range(len(data)):
             plen, rlen = prompt_len[i], response_len[i]
             session, turn = int(group.sessions[i]), int(group.turns[i])
             prompts = batch["prompts"][i, width - plen :]
             responses = batch["responses"][i, :rlen]
-            logprobs = group.logprobs[i]
             mask = torch.full((rlen,), 1 if trains[i] else 0, dtype=torch.int64)
             row: dict[str, Any] = {
                 "prompts": prompts.clone(),
@@ -306,22 +335,14 @@ class TransferQueueSink:
                 "position_ids": torch.arange(plen + rlen, dtype=torch.int64),
                 "rm_scores": batch["token_level_scores"][i, :rlen].clone(),
                 "advantage_weights": torch.tensor(weights[i] if weights is not None else 1.0),
-                "num_turns": n_turns[session],
+                "weight_version": torch.tensor(int(group.versions[i])),
+                "num_turns": n_turns[session],  # an int, as in verl's rows (its padding rows put 0)
                 "uid": uids[i],
-                "session_id": session,
-                "index": prompt.index if prompt.index is not None else -1,
-                "global_steps": prompt.global_steps,
-                "data_source": str(prompt.fields.get("data_source", "aglverl")),
-                "extra_fields": {
-                    "rollout_id": rollout_ids[i],
-                    "turn": turn,
-                    "weight_version": int(group.versions[i]),
-                    "min_global_steps": int(group.rollout_min_versions[i]),
-                    "max_global_steps": int(group.rollout_max_versions[i]),
-                    "reward_extra_info": {},
-                },
             }
+            if validation:
+                row["data_source"] = str(prompt.fields.get("data_source", "aglverl"))
             if self.logprobs:
+                logprobs = group.logprobs[i]
                 present = logprobs is not None
                 row["rollout_log_probs"] = torch.from_numpy(logprobs) if present else torch.zeros(rlen)
                 row["rollout_log_probs_valid"] = torch.tensor(int(present))
@@ -339,6 +360,29 @@ class TransferQueueSink:
                 }
             )
         return keys, fields, tags
+
+
+def _write_batch(batch: Sequence[_Write]) -> None:
+    """Rows of every queued write, one put per partition; then every status change, one put per partition."""
+    import transfer_queue as tq
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    partitions = dict.fromkeys(item.partition for item in batch if item.partition)
+    for partition in partitions:
+        items = [item for item in batch if item.partition == partition and item.keys]
+        if items:
+            tq.kv_batch_put(
+                keys=[key for item in items for key in item.keys],
+                partition_id=partition,
+                fields=list_of_dict_to_tensordict([row for item in items for row in item.fields]),
+                tags=[tag for item in items for tag in item.tags],
+            )
+    for partition in partitions:
+        statuses = {uid: s for item in batch if item.partition == partition for uid, s in item.statuses.items()}
+        if statuses:
+            tq.kv_batch_put(
+                keys=list(statuses), partition_id=partition, tags=[{"status": s} for s in statuses.values()]
+            )
 
 
 # ---------------------------------------------------------------------------------------------- sampler
@@ -360,6 +404,7 @@ class _EventWaits:
         config = run.config
         self._aglverl = run
         self._seen = -1
+        self._want = 1
         self._rejection = run.signal.rejection_sampling
         filter_groups = config.algorithm.get("filter_groups", None)
         enabled = bool(filter_groups is not None and filter_groups.get("enable", False))
@@ -383,16 +428,35 @@ class _EventWaits:
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> Any:
         self._rejected = 0
+        self._want = batch_size
+        if self.trainer_mode == "sync":  # type: ignore[attr-defined]
+            # Lockstep: nothing of the step is terminal yet (the last step took or dropped every group), so the
+            # first look waits until as many groups as it needs (or as are in flight) have finished.
+            run = self._aglverl
+            version, in_flight = run.on_loop(run.producer.progress, partition_id)
+            if min(batch_size, in_flight):
+                run.await_on_loop(run.producer.wait_changed, version, min(batch_size, in_flight))
         return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
 
+    def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int) -> Any:
+        self._want = target_count
+        return super().wait_for_sampleable(global_steps, partition_id, target_count)  # type: ignore[misc]
+
     def _sync_metadata_from_transfer_queue(self) -> None:
-        # The version is read before the look: a group finishing after it wakes the next wait.
-        self._seen = self._aglverl.on_loop(lambda: self._aglverl.producer.version)
+        # Every group counted in the version is written before the look; one finishing later wakes the next wait.
+        self._seen = self._aglverl.await_on_loop(self._aglverl.producer.flush)
         super()._sync_metadata_from_transfer_queue()  # type: ignore[misc]
 
     def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+        # Wake when as many more groups finished as are missing (or, draining, as are still in flight): no
+        # look at TransferQueue could change the decision before that. Never more than are in flight.
+        terminal = len(self.finished_keys[partition_id]) + len(self.failure_keys[partition_id])  # type: ignore[attr-defined]
+        in_flight = len(self.pending_keys[partition_id]) + len(self.running_keys[partition_id])  # type: ignore[attr-defined]
+        short = self._want - terminal
+        draining = short <= 0 and self.trainer_mode == "sync"  # type: ignore[attr-defined]
+        count = max(1, min(in_flight, short) if short > 0 else (in_flight if draining else 1))
         run = self._aglverl
-        run.await_on_loop(run.producer.wait_changed, self._seen)
+        run.await_on_loop(run.producer.wait_changed, self._seen, count)
         return last_debug_time
 
     def _dapo_filtered_keys(self, partition_id: str) -> tuple[set[str], Counter]:
@@ -403,8 +467,8 @@ class _EventWaits:
             return set(), Counter()  # enough replaced this step: train on what is there
         finished = list(self.finished_keys[partition_id])  # type: ignore[attr-defined]
         producer = self._aglverl.producer
-        uniform = self._aglverl.on_loop(lambda: {uid for uid in finished if producer.uniform(uid)})
-        return uniform, Counter({"uniform": len(uniform)}) if uniform else Counter()
+        uniform: dict[str, float] = self._aglverl.on_loop(producer.uniform_scores, finished)
+        return set(uniform), Counter(uniform.values())
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, reasons: Any) -> Any:
         evicted, stale, dapo, metrics = super()._evict_terminal_groups(global_steps, partition_id, reasons)  # type: ignore[misc]
@@ -428,10 +492,6 @@ class _Hooks:
     """What aglverl adds to verl's trainer of the configured mode (mixed in before it; see the docstring)."""
 
     _aglverl: _Run
-
-    def on_init_end(self) -> None:
-        # The first weight sync (after a checkpoint load) happens before the daemon serves: nothing to hold.
-        super().on_init_end()  # type: ignore[misc]
 
     def on_step_begin(self) -> None:
         self._step_started = time.monotonic()
@@ -458,8 +518,9 @@ class _Hooks:
             self._computing.append((self._compute_from, time.monotonic()))
 
     def _save_checkpoint(self) -> None:
-        super()._save_checkpoint()  # type: ignore[misc]
         run = self._aglverl
+        run.await_on_loop(run.producer.flush)  # finished groups into TransferQueue before verl snapshots it
+        super()._save_checkpoint()  # type: ignore[misc]
         run.on_loop(run.producer.checkpointed)
 
     def _validate(self) -> dict[str, float]:
@@ -476,12 +537,22 @@ class _Hooks:
         correction = self.config.algorithm.get("rollout_correction", None)  # type: ignore[attr-defined]
         if not rollout.calculate_log_probs or (correction is not None and correction.get("bypass_mode", False)):
             return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
-        # verl compares the engine's log-probs with the recomputed ones right after computing them; rows
-        # without the engine's get the recomputed ones first (on-policy by assumption), then verl's metrics.
-        with _setting(rollout, "calculate_log_probs", False):
-            batch = super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
-        metrics.update(_fill_and_compare_log_probs(batch))
-        return batch
+        return _old_log_probs(self, batch, metrics)
+
+    def _balance_batch(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        # verl pads the batch to whole mini-batches and then reorders it so that data-parallel ranks get equal
+        # token loads; with one rank (or trainer.balance_batch off) there is nothing to balance (measured:
+        # the partitioning costs ~100 ms a step here), so only the padding is done.
+        from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
+
+        group = self.actor_rollout_wg  # type: ignore[attr-defined]
+        if "actor" not in group._dispatch_info:
+            group._dispatch_info["actor"] = group._query_dispatch_info("actor")
+        dp_size = max(group._dispatch_info["actor"]) + 1
+        if dp_size > 1 and self.config.trainer.balance_batch:  # type: ignore[attr-defined]
+            return super()._balance_batch(batch, metrics, *args, **kwargs)  # type: ignore[misc]
+        multiple = self._get_required_batch_multiple(dp_size)  # type: ignore[attr-defined]
+        return upsample_batch_to_divisible_size(batch, multiple, self.tokenizer.eos_token_id)  # type: ignore[attr-defined]
 
     def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
         return _advantages(self, batch, metrics)
@@ -502,53 +573,56 @@ class _Hooks:
             run.on_loop(callback, int(global_steps), clean)
 
 
-@contextmanager
-def _setting(node: Any, key: str, value: Any) -> Iterator[None]:
-    """``node[key] = value`` for the block (a verl config value read by the method the block calls)."""
-    from omegaconf import open_dict
-
-    old = node[key]
-    with open_dict(node):
-        node[key] = value
-    try:
-        yield
-    finally:
-        with open_dict(node):
-            node[key] = old
-
-
-def _fill_and_compare_log_probs(batch: Any) -> dict[str, float]:
-    """Give rows without the engine's log-probs the trainer's (``rollout_log_probs_valid = 0``), then compare
-    the engine's with the trainer's over the rest: verl's ``training/rollout_probs_diff_*`` and aglverl's
-    ``logprobs/*`` (mean / max absolute difference, k3 KL, rows missing)."""
+def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
+    """verl's ``_compute_old_log_prob`` with the engine's log-probs: one read and one write of TransferQueue,
+    as verl's own; rows without the engine's log-probs (``rollout_log_probs_valid = 0``) get the trainer's
+    first (on-policy by assumption), then the engine's are compared with the trainer's over the rest: verl's
+    ``training/rollout_probs_diff_*`` and aglverl's ``logprobs/*`` (mean / max absolute difference, k3 KL,
+    rows missing)."""
     import transfer_queue as tq
     from verl import DataProto
+    from verl.trainer.ppo.core_algos import agg_loss
     from verl.utils.debug.metrics import calculate_debug_metrics
-    from verl.workers.utils.padding import response_to_nested
+    from verl.workers.utils.padding import response_from_nested, response_to_nested
 
     from .signals import logprob_mismatch
 
-    fields = ["rollout_log_probs", "rollout_log_probs_valid", "old_log_probs", "response_mask", "responses"]
-    raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-    response_mask = raw["response_mask"]
-    data = DataProto(batch=raw.to_padded_tensor())
-    valid = data.batch.pop("rollout_log_probs_valid", None)
-    missing = (valid == 0) if valid is not None else torch.zeros(len(data), dtype=torch.bool)
+    config = trainer.config
+    batch.extra_info.update(
+        {"calculate_entropy": True, "compute_loss": False, "temperature": config.actor_rollout_ref.rollout.temperature}
+    )
+    output = trainer.actor_rollout_wg.compute_log_prob(batch)
+    assert len(output) == len(batch)
+    fields = ["entropy", "log_probs", "response_mask", "responses", "rollout_log_probs", "rollout_log_probs_valid"]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    response_mask = data["response_mask"]
+    data["old_log_probs"] = response_from_nested(data.pop("log_probs"), response_mask)
+    data["entropy"] = response_from_nested(data.pop("entropy"), response_mask)
+    valid = data.pop("rollout_log_probs_valid") if "rollout_log_probs_valid" in data.keys() else None
+    padded = DataProto(batch=data.to_padded_tensor())
+    written = ["old_log_probs", "entropy"]
+    missing = (valid == 0) if valid is not None else torch.zeros(len(batch), dtype=torch.bool)
     if bool(missing.any()):
-        data.batch["rollout_log_probs"][missing] = data.batch["old_log_probs"][missing]
-        from tensordict import TensorDict
-
-        nested = response_to_nested(data.batch["rollout_log_probs"], response_mask)
-        tq.kv_batch_put(
-            keys=batch.keys,
-            partition_id=batch.partition_id,
-            fields=TensorDict({"rollout_log_probs": nested}, batch_size=len(batch)),
+        padded.batch["rollout_log_probs"][missing] = padded.batch["old_log_probs"][missing]
+        data["rollout_log_probs"] = response_to_nested(padded.batch["rollout_log_probs"], response_mask)
+        written.append("rollout_log_probs")
+    batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=data.select(*written))
+    actor = config.actor_rollout_ref.actor
+    entropy = agg_loss(
+        loss_mat=padded.batch["entropy"],
+        loss_mask=padded.batch["response_mask"],
+        loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=actor.loss_scale_factor,
+    )
+    metrics["actor/entropy"] = entropy.detach().item()
+    if "rollout_log_probs" in padded.batch.keys():
+        metrics.update(calculate_debug_metrics(padded))
+        compared = padded.batch["response_mask"] * (~missing).unsqueeze(-1)
+        metrics.update(
+            logprob_mismatch(padded.batch["old_log_probs"], padded.batch["rollout_log_probs"], compared)
         )
-    metrics = dict(calculate_debug_metrics(data))
-    compared = data.batch["response_mask"] * (~missing).unsqueeze(-1)
-    metrics.update(logprob_mismatch(data.batch["old_log_probs"], data.batch["rollout_log_probs"], compared))
     metrics["logprobs/n_rows_missing"] = float(missing.sum())
-    return metrics
+    return batch
 
 
 def _finite_number(value: Any) -> bool:
@@ -617,17 +691,17 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
 
     config = trainer.config
     algorithm = config.algorithm
-    fields = [
-        "uid",
-        "response_mask",
-        "rm_scores",
-        "rollout_log_probs",
-        "old_log_probs",
-        "ref_log_prob",
-        "values",
-        "advantage_weights",
-    ]
-    raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    correction = algorithm.get("rollout_correction", None)
+    estimator = str(getattr(algorithm.adv_estimator, "value", algorithm.adv_estimator))
+    # only what this step's advantages read (each column read costs ~2 ms per 128 rows here)
+    fields = ["uid", "response_mask", "rm_scores", "advantage_weights"]
+    if correction is not None and not correction.get("bypass_mode", False):
+        fields += ["rollout_log_probs", "old_log_probs"]
+    if algorithm.use_kl_in_reward:
+        fields += ["old_log_probs", "ref_log_prob"]
+    if estimator == "gae" or estimator not in _SCORE_ONLY_ESTIMATORS:
+        fields += ["values", "rollout_log_probs", "old_log_probs", "ref_log_prob"]  # all verl itself reads
+    raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(dict.fromkeys(fields)))
     response_mask = raw["response_mask"]
     data = DataProto(batch=raw.to_padded_tensor())
     data.batch["token_level_scores"] = data.batch["rm_scores"]
@@ -637,12 +711,10 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
         metrics.update(kl_metrics)
     else:
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
-    correction = algorithm.get("rollout_correction", None)
     corrected = correction is not None and "rollout_log_probs" in data.batch and not correction.get("bypass_mode", False)
     if corrected:
         data, correction_metrics = compute_rollout_correction_and_add_to_batch(data, correction)
         metrics.update(correction_metrics)
-    estimator = str(getattr(algorithm.adv_estimator, "value", algorithm.adv_estimator))
     if estimator in ("grpo", "grpo_vectorized") and trainer._aglverl.signal.advantage == "broadcast":
         data.batch["group_weights"] = _per_rollout_weights(batch.keys)
     if "advantage_weights" not in data.batch.keys():
@@ -667,6 +739,22 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
 
     nested = TensorDict({k: response_to_nested(data.batch[k], response_mask) for k in out}, batch_size=len(batch))
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=nested)
+
+
+#: verl's advantage estimators that read nothing but the scores, the mask and the group ids.
+_SCORE_ONLY_ESTIMATORS = frozenset(
+    {
+        "grpo",
+        "grpo_vectorized",
+        "grpo_passk",
+        "rloo",
+        "rloo_vectorized",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "opo",
+        "gpg",
+    }
+)
 
 
 def _per_rollout_weights(keys: Sequence[str]) -> torch.Tensor:

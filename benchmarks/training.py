@@ -67,6 +67,7 @@ def child(steps: int, mode: str, impl: str) -> None:
     if impl == "v1":
         config["trainer"]["v1"] = {"trainer_mode": mode}
     algo = AsyncVERL(config, agent=one_word_agent, progress=False)
+    _start_ray(algo.config, impl)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         worker = algo.trainer.actor_rollout_wg.workers[0]
@@ -80,9 +81,31 @@ def child(steps: int, mode: str, impl: str) -> None:
     sys.stdout.buffer.write(orjson.dumps({"done": time.monotonic() - started}) + b"\n")
 
 
+def _start_ray(config: Any, impl: str) -> None:
+    """Start Ray here (AsyncVERL then joins it) the same way for both implementations, with the plugin's
+    environment for every process Ray starts and, for ``legacy``, its source first on their ``PYTHONPATH``
+    (a Ray started by AsyncVERL would give its workers the installed package, this checkout)."""
+    import ray
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    from aglverl import algorithm
+    from aglverl.verl_plugin.patches import loopback_only_ray
+
+    runtime_env = get_ppo_ray_runtime_env(config)
+    env = runtime_env.setdefault("env_vars", {})
+    env.update(algorithm.PLATFORM_ENV)
+    if hasattr(algorithm, "_transfer_queue_threads"):
+        env.update(algorithm._transfer_queue_threads())
+    if impl == "legacy":
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    loopback_only_ray()
+    ray.init(num_cpus=16, num_gpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+
+
 # ---------------------------------------------------------------------------------------------- parent
 def legacy_source(directory: Path) -> Path:
     """The ``aglverl`` package as it was at :data:`LEGACY_COMMIT`, extracted under ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", LEGACY_COMMIT, "aglverl"], check=True, capture_output=True
     ).stdout
@@ -96,8 +119,11 @@ def run_child(impl: str, steps: int, mode: str, legacy: Path | None, log: Path) 
         assert legacy is not None
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(legacy), env.get("PYTHONPATH")]))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--impl", impl, "--steps", str(steps), "--mode", mode]
+    # Ray puts the driver's working directory first on its workers' sys.path: never this checkout's root
     with log.open("wb") as stderr:
-        out = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=stderr, check=False, timeout=1800)
+        out = subprocess.run(
+            command, env=env, cwd=log.parent, stdout=subprocess.PIPE, stderr=stderr, check=False, timeout=1800
+        )
     rows = [orjson.loads(line) for line in out.stdout.splitlines() if line.startswith(b"{")]
     if out.returncode != 0 or not rows or "done" not in rows[-1]:
         raise RuntimeError(f"{impl} run failed (exit {out.returncode}); see {log}")

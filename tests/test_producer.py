@@ -40,6 +40,9 @@ class RecordingSink:
         self._changed.set()
         self._changed = anyio.Event()
 
+    async def flush(self) -> None:
+        return None
+
     async def wait_for(self, count: int) -> list[FinishedGroup]:
         with anyio.fail_after(10):
             while len(self.groups) < count:

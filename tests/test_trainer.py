@@ -187,3 +187,35 @@ async def test_a_second_run_resumes_from_the_checkpoint_without_retraining_a_ste
     assert final["training/global_step"] == 3
     # the data loader resumed too: step 3 takes the third pair of samples (no shuffling), then validation
     assert sorted(set(recorder.seen) - {100, 101}) == [4, 5]
+
+
+async def test_rejection_sampling_replaces_uniform_groups_with_fresh_prompts(
+    first_run: dict[str, Any], tmp_path: Path
+) -> None:
+    """aglverl's rejection sampling on V1 is verl's DAPO group filter on the daemon's scores: a group whose
+    rewards are all equal is evicted and a fresh prompt replaces it, so every trained group has signal."""
+    answered: dict[int, int] = {}
+
+    async def agent(task: Mapping[str, Any], llm: LLM) -> float:
+        await one_word_agent(task, llm)  # a real call through the proxy, so the group has rows
+        i = int(task["id"])
+        answered[i] = answered.get(i, 0) + 1
+        return 1.0 if i % 2 == 0 else float(answered[i] % 2)  # even ids: uniform groups; odd: (1, 0)
+
+    overrides = {
+        **_config(2, tmp_path),
+        "trainer.save_freq": -1,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
+        "aglverl": {"signal": {"rejection_sampling": True}, "journal": None},
+        "algorithm": {"adv_estimator": "grpo"},
+    }
+    algo = AsyncVERL(overrides, agent=agent)
+    steps: list[dict[str, float]] = []
+    algo.on_step.append(lambda step, metrics: steps.append(dict(metrics)))
+    await algo.run(TRAIN, None)
+    assert len(steps) == 2
+    assert sum(m.get("training/filter_groups/evicted_samples", 0.0) for m in steps) >= 1
+    for metrics in steps:
+        assert metrics["critic/score/mean"] == pytest.approx(0.5)  # only the (1, 0) groups were trained
+    assert any(i % 2 == 0 for i in answered) and any(i % 2 == 1 for i in answered)

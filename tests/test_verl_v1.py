@@ -113,17 +113,20 @@ async def test_a_training_batch_is_filed_and_sampled_the_way_verls_agent_loop_do
         assert tag["min_global_steps"] == tag["max_global_steps"] == 0  # generated under the initial weights
         assert tag["seq_len"] == tag["prompt_len"] + tag["response_len"]
     data = _tq_get(batch.keys)
-    for i, extra in enumerate(list(data["extra_fields"])):
+    assert "rollout_log_probs" in data.keys()  # verl's default: the engine's log-probs ride along
+    rows = []
+    for i in range(len(batch)):
         prompt = data["prompts"][i].tolist()
         response = data["responses"][i].tolist()
+        rows.append((prompt, response))
         assert data["input_ids"][i].tolist() == prompt + response
         assert data["position_ids"][i].tolist() == list(range(len(prompt) + len(response)))
-        assert data["response_mask"][i].tolist() == [1] * len(response)
+        assert data["response_mask"][i].tolist() == data["loss_mask"][i].tolist() == [1] * len(response)
         scores = data["rm_scores"][i].tolist()
         assert scores[:-1] == [0.0] * (len(scores) - 1)
-        assert extra["weight_version"] == 0
-        assert replies[extra["rollout_id"]] == (prompt, response)  # exactly the ids the engine generated
-        assert "rollout_log_probs" in data.keys()  # verl's default: the engine's log-probs ride along
+        assert len(data["rollout_log_probs"][i]) == len(response)
+    assert data["weight_version"].tolist() == [0] * 4
+    assert sorted(rows) == sorted(replies.values())  # exactly the ids the engine generated, one row each
     for uid in uids:
         assert uid not in _tq_tags()  # sampled groups' prompt entries are cleared, as verl's own sampler does
     import transfer_queue as tq
