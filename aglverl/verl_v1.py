@@ -557,6 +557,24 @@ class _Hooks:
     def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
         return _advantages(self, batch, metrics)
 
+    # verl's workers read every column of a batch from TransferQueue; these hand them only what a worker
+    # reads (measured: ~2 ms per column of 128 rows on every worker call).
+    def _compute_ref_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        super()._compute_ref_log_prob(_for_workers(batch), metrics)  # type: ignore[misc]
+        return batch
+
+    def _compute_values(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        super()._compute_values(_for_workers(batch), metrics)  # type: ignore[misc]
+        return batch
+
+    def _update_critic(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        super()._update_critic(_for_workers(batch), metrics)  # type: ignore[misc]
+        return batch
+
+    def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
+        super()._update_actor(_for_workers(batch), metrics)  # type: ignore[misc]
+        return batch
+
     def _compute_metrics(self, batch: Any, metrics: dict[str, Any], timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
         run = self._aglverl
@@ -591,7 +609,7 @@ def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     batch.extra_info.update(
         {"calculate_entropy": True, "compute_loss": False, "temperature": config.actor_rollout_ref.rollout.temperature}
     )
-    output = trainer.actor_rollout_wg.compute_log_prob(batch)
+    output = trainer.actor_rollout_wg.compute_log_prob(_for_workers(batch))
     assert len(output) == len(batch)
     fields = ["entropy", "log_probs", "response_mask", "responses", "rollout_log_probs", "rollout_log_probs_valid"]
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
@@ -739,6 +757,25 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
 
     nested = TensorDict({k: response_to_nested(data.batch[k], response_mask) for k in out}, batch_size=len(batch))
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=nested)
+
+
+#: The columns of aglverl's rows a model worker reads (a batch fresh from the sampler names no columns).
+WORKER_ROW_FIELDS = ("prompts", "responses", "response_mask", "loss_mask", "input_ids", "position_ids")
+#: Columns no model worker reads: the scores (advantages are computed in the driver), group ids, turn counts,
+#: aglverl's own bookkeeping.
+DRIVER_ONLY_FIELDS = frozenset(
+    {"uid", "num_turns", "rm_scores", "advantage_weights", "weight_version", "rollout_log_probs_valid", "data_source"}
+)
+
+
+def _for_workers(batch: Any) -> Any:
+    """The batch as a model worker gets it: the same rows, only the columns workers read."""
+    if batch.fields is None:
+        logprobs = _run().config.actor_rollout_ref.rollout.calculate_log_probs
+        fields = [*WORKER_ROW_FIELDS, "rollout_log_probs"] if logprobs else list(WORKER_ROW_FIELDS)
+    else:
+        fields = [f for f in batch.fields if f not in DRIVER_ONLY_FIELDS]
+    return dataclasses.replace(batch, fields=fields)
 
 
 #: verl's advantage estimators that read nothing but the scores, the mask and the group ids.
