@@ -165,6 +165,12 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         action="store_true",
         help="drop GRPO groups whose rewards are all equal (aglverl.signal.rejection_sampling)",
     )
+    p.add_argument(
+        "--mode",
+        default="sync",
+        choices=["sync", "colocate_async", "separate_async"],
+        help="verl's trainer mode (trainer.v1.trainer_mode; default: sync)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -175,15 +181,20 @@ async def _demo(args: argparse.Namespace) -> None:
     from .demo import run_demo
 
     warnings.simplefilter("ignore")  # verl's deprecation and optional-engine notices are noise for a demo
-
+    out = Path(args.out)
+    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
+    library_log = out / "train.log"  # what verl, Ray and TransferQueue print, off the console
     summary = await run_demo(
         steps=args.steps,
         agents=args.agents,
-        out=Path(args.out),
+        out=out,
         model=args.model,
         json_lines=args.json,
         rejection_sampling=args.rejection_sampling,
+        mode=args.mode,
+        library_log=library_log,
     )
+    print(f"verl's, Ray's and TransferQueue's output: {library_log}", file=sys.stderr, flush=True)
     print(orjson.dumps(summary).decode(), flush=True)
 
 

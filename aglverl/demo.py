@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import orjson
 
 from .models import LLM
 
-__all__ = ["TARGET_WORD", "demo_config", "demo_samples", "one_word_agent", "run_demo", "word_reward"]
+__all__ = ["MODES", "TARGET_WORD", "demo_config", "demo_samples", "one_word_agent", "run_demo", "word_reward"]
 
 #: The word the model is taught to answer with.
 TARGET_WORD = "yes"
@@ -51,7 +53,9 @@ def word_reward(answer: str, word: str = TARGET_WORD) -> float:
 
 def demo_samples(count: int, word: str = TARGET_WORD) -> list[dict[str, Any]]:
     """``count`` task inputs: a prompt asking for ``word`` (several phrasings) and the word itself."""
-    return [{"prompt": _PROMPTS[i % len(_PROMPTS)].format(w=word), "word": word, "id": i} for i in range(count)]
+    return [
+        {"prompt": _PROMPTS[i % len(_PROMPTS)].format(w=word), "word": word, "id": i} for i in range(count)
+    ]
 
 
 _CLIENT: tuple[Any, Any] | None = None  # (event loop, client)
@@ -89,21 +93,36 @@ async def one_word_agent(task: Mapping[str, Any], llm: LLM) -> float:
     return word_reward(reply.choices[0].message.content or "", task["word"])
 
 
+#: verl's V1 trainer modes the demo runs (``trainer.v1.trainer_mode``).
+MODES = ("sync", "colocate_async", "separate_async")
+
+
 def demo_config(
-    steps: int, model: str = "tiny", agents: int | None = None, rejection_sampling: bool = False
+    steps: int,
+    model: str = "tiny",
+    agents: int | None = None,
+    rejection_sampling: bool = False,
+    mode: str = "sync",
 ) -> dict[str, Any]:
-    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, 16 prompts x 8 samples per step."""
+    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, 16 prompts x 8 samples per step, verl's
+    trainer ``mode`` (the CPU defaults fill in what an asynchronous mode needs)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    rollout: dict[str, Any] = {"n": 8, "temperature": 1.0}
+    if mode == "sync":
+        # on-policy lockstep training: the engine's log-probs would only feed a diagnostic (verl's default
+        # computes and compares them on every row); the asynchronous modes need them for off-policy correction
+        rollout["calculate_log_probs"] = False
     return {
         "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
         "actor_rollout_ref": {
             "model": {"path": model},
-            # on-policy lockstep training: the engine's log-probs would only feed a diagnostic (verl's default
-            # computes and compares them on every row)
-            "rollout": {"n": 8, "temperature": 1.0, "calculate_log_probs": False},
+            "rollout": rollout,
             "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}, "use_kl_loss": False},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {
+            "v1": {"trainer_mode": mode},
             "total_training_steps": steps,
             "val_before_train": False,
             "test_freq": -1,
@@ -126,24 +145,33 @@ async def run_demo(
     model: str = "tiny",
     json_lines: bool = False,
     rejection_sampling: bool = False,
+    mode: str = "sync",
+    library_log: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the demo; returns the summary (also written as the last stdout line by the CLI)."""
+    """Run the demo; returns the summary (also written as the last stdout line by the CLI).
+
+    ``library_log``: a file for everything verl, Ray and TransferQueue print or log in this process while
+    the demo runs, so that the console shows only the progress bar (or the JSON lines) and the summary.
+    """
     from .algorithm import AsyncVERL
 
     started = time.monotonic()
     await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     rewards: list[float] = []
-    config = demo_config(steps, model, agents, rejection_sampling)
-    algo = AsyncVERL(config, agent=one_word_agent, progress=not json_lines)
+    config = demo_config(steps, model, agents, rejection_sampling, mode)
     first_step_at: list[float] = []
+    walls: list[float] = []
 
-    with _open_log(out / "metrics.jsonl") as log:
+    with _open_log(out / "metrics.jsonl") as log, _libraries_to(library_log):
+        # the bar goes to the console's stderr as it was before the libraries' output was redirected
+        algo = AsyncVERL(config, agent=one_word_agent, progress=False if json_lines else _CONSOLE_ERR)
 
         def on_step(step: int, metrics: Mapping[str, float]) -> None:
             if not first_step_at:
                 first_step_at.append(time.monotonic() - metrics.get("timing_s/step", 0.0))
             reward = float(metrics.get("training/reward", 0.0))
             rewards.append(reward)
+            walls.append(time.monotonic() - started)
             row = {
                 "step": step,
                 "reward": reward,
@@ -155,7 +183,8 @@ async def run_demo(
             log.write(line + b"\n")
             log.flush()
             if json_lines:
-                print(line.decode(), flush=True)
+                _CONSOLE.write(line.decode() + "\n")
+                _CONSOLE.flush()
 
         algo.on_step.append(on_step)
         try:
@@ -174,12 +203,57 @@ async def run_demo(
         "startup_s": round(startup, 2),
         "seconds_per_step": round((wall - startup) / len(rewards), 3) if rewards else math.nan,
         "first_step_reaching_0.9": next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None),
+        "seconds_to_0.9": next((round(w, 2) for w, r in zip(walls, rewards, strict=True) if r >= 0.9), None),
+        "mode": mode,
         "out": str(out),
+        "log": str(library_log) if library_log is not None else None,
     }
 
 
 def _open_log(path: Path) -> Any:
     return path.open("wb")
+
+
+#: The console as it was when this module was imported (the demo's own lines go there, whatever is redirected).
+_CONSOLE, _CONSOLE_ERR = sys.stdout, sys.stderr
+
+
+@contextmanager
+def _libraries_to(path: Path | None) -> Iterator[None]:
+    """Send what verl, Ray and TransferQueue print or log in this process to ``path`` for the block.
+
+    Their ``print``s go to ``sys.stdout``, their log records and Python warnings to handlers that write to the
+    process's streams (some created during the block, e.g. by ``ray.init``): for the block, ``sys.stdout`` and
+    ``sys.stderr`` are the file, every stream handler writing to the console writes to the file, and warnings
+    are logged. The demo's progress bar and lines keep the console streams. ``None``: nothing is redirected.
+    """
+    if path is None:
+        yield
+        return
+    import logging
+
+    with path.open("a", buffering=1) as sink:
+        handlers: list[tuple[logging.StreamHandler, Any]] = []
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+            for handler in getattr(logger, "handlers", ()):
+                if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
+                    try:
+                        handlers.append((handler, handler.setStream(sink)))
+                    except AttributeError:  # a handler whose stream is fixed (logging's last resort)
+                        continue
+        root = logging.getLogger()
+        added = logging.StreamHandler(sink)
+        added.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(added)
+        logging.captureWarnings(True)
+        with redirect_stdout(sink), redirect_stderr(sink):
+            try:
+                yield
+            finally:
+                logging.captureWarnings(False)
+                root.removeHandler(added)
+                for handler, stream in handlers:
+                    handler.setStream(stream)
 
 
 def plot_rewards(rewards: list[float], path: Path) -> None:

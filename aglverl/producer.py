@@ -339,7 +339,9 @@ class TrajectoryProducer:
         deadline = math.inf if self.group_timeout is None else group.dispatched_at + self.group_timeout
         with anyio.move_on_after(deadline - time.monotonic()):
             await self.store.wait_terminal(group.rollout_ids)
-        timed_out = self.store.fail(group.rollout_ids, "the group's deadline passed before the rollout finished")
+        timed_out = self.store.fail(
+            group.rollout_ids, "the group's deadline passed before the rollout finished"
+        )
         records = [self.store.record(rid) for rid in group.rollout_ids]
         if tokens_in(records) <= INLINE_BUILD_TOKENS:
             finished = self._build(group, records, timed_out)
@@ -515,7 +517,12 @@ class TrajectoryProducer:
             )
             return None
         done = sum(r is not None for r in recovered.rollouts.values())
-        logger.info("prompt %s: reusing %d finished rollouts from the journal, redoing %d", prompt.uid, done, prompt.n - done)
+        logger.info(
+            "prompt %s: reusing %d finished rollouts from the journal, redoing %d",
+            prompt.uid,
+            done,
+            prompt.n - done,
+        )
         return recovered
 
     @property

@@ -99,7 +99,7 @@ class _Run:
     daemon: AgentDaemon | None = None
     resources: dict[str, str] = dataclasses.field(default_factory=dict)
     on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = ()
-    progress: bool = True
+    progress: Any = True  # a bool, or the text stream the bar goes to
     bar: Any = None
 
     def on_loop(self, func: Callable[..., Any], *args: Any) -> Any:
@@ -148,7 +148,12 @@ class SampleDataset(Dataset):
     """
 
     def __init__(
-        self, data_files: Any, tokenizer: Any = None, processor: Any = None, config: Any = None, max_samples: int = -1
+        self,
+        data_files: Any,
+        tokenizer: Any = None,
+        processor: Any = None,
+        config: Any = None,
+        max_samples: int = -1,
     ) -> None:
         name = data_files if isinstance(data_files, str) else next(iter(data_files))
         samples = _run().datasets.get(str(name))
@@ -378,7 +383,9 @@ def _write_batch(batch: Sequence[_Write]) -> None:
                 tags=[tag for item in items for tag in item.tags],
             )
     for partition in partitions:
-        statuses = {uid: s for item in batch if item.partition == partition for uid, s in item.statuses.items()}
+        statuses = {
+            uid: s for item in batch if item.partition == partition for uid, s in item.statuses.items()
+        }
         if statuses:
             tq.kv_batch_put(
                 keys=list(statuses), partition_id=partition, tags=[{"status": s} for s in statuses.values()]
@@ -393,6 +400,15 @@ def _replay_buffers() -> tuple[type, type]:
 
 
 _ReplayBuffer, _ReplayBufferAsync = _replay_buffers()
+
+
+def _base_trainer() -> type:
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    return PPOTrainer
+
+
+_PPOTrainer = _base_trainer()
 
 
 class _EventWaits:
@@ -422,7 +438,9 @@ class _EventWaits:
             extra.update(
                 train_batch_size=train_batch_size,
                 gen_batch_size=1 if metric is not None or extra["sync_refill_failed_groups"] else int(gen),
-                max_inflight_gen_batches=int(filter_groups.get("max_inflight_gen_batches", 1)) if enabled else 1,
+                max_inflight_gen_batches=int(filter_groups.get("max_inflight_gen_batches", 1))
+                if enabled
+                else 1,
             )
         super().__init__(**kwargs, **extra)  # type: ignore[call-arg]
 
@@ -489,7 +507,16 @@ class EventReplayBufferAsync(_EventWaits, _ReplayBufferAsync):  # type: ignore[v
 
 # ---------------------------------------------------------------------------------------------- trainer
 class _Hooks:
-    """What aglverl adds to verl's trainer of the configured mode (mixed in before it; see the docstring)."""
+    """What aglverl adds around verl's trainer of the configured mode (mixed in before it): the proxy held
+    around sleeping replicas and weight updates, the journal trimmed at checkpoints, aglverl's metrics.
+
+    ``sync``: at the end of sampling the proxy holds new calls and drains those in flight (nothing is left
+    queued in an engine), then verl puts the replicas to sleep; calls go on after the weight update.
+    ``colocate_async``: the proxy holds new calls but does not drain: verl aborts the engines' generations
+    and the proxy continues each aborted one after the update (the agent sees one answer, generated across
+    two weight versions). ``separate_async``: agents keep generating on the standalone replicas while the
+    trainer trains; the proxy holds calls only around the weight update, which aborts and resumes as above.
+    """
 
     _aglverl: _Run
 
@@ -501,8 +528,12 @@ class _Hooks:
 
     def on_sample_end(self) -> None:
         run = self._aglverl
-        # Hold new calls and drain the ones in flight while the engines still serve them; then sleep them.
-        run.await_on_loop(run.daemon.proxy.pause)
+        assert run.daemon is not None
+        mode = self.trainer_mode  # type: ignore[attr-defined]
+        if mode == "sync":
+            run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
+        elif mode == "colocate_async":
+            run.await_on_loop(run.daemon.proxy.hold)  # verl aborts next; the proxy resumes after the update
         # The first step has asked for everything a previous run left in flight that it wants again.
         run.on_loop(run.producer.end_recovery)
         super().on_sample_end()  # type: ignore[misc]
@@ -510,6 +541,9 @@ class _Hooks:
 
     def on_step_end(self) -> None:
         run = self._aglverl
+        assert run.daemon is not None
+        if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
+            run.await_on_loop(run.daemon.proxy.hold)  # the update aborts the standalone engines' generations
         try:
             super().on_step_end()  # type: ignore[misc]
         finally:
@@ -532,10 +566,36 @@ class _Hooks:
         metrics["val/n_rollouts"] = float(n)
         return metrics
 
+    def _compute_metrics(
+        self, batch: Any, metrics: dict[str, Any], timing_raw: dict, global_steps: int, epoch: int
+    ) -> None:
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
+        run = self._aglverl
+        uids = [key.split("_", 1)[0] for key in batch.keys]
+        metrics.update(_step_metrics(self, run, uids, timing_raw))
+        clean = {k: float(v) for k, v in metrics.items() if _finite_number(v)}
+        if run.bar is not None:
+            run.bar.set_postfix(
+                reward=f"{clean.get('training/reward', 0.0):.3f}",
+                tok_s=f"{clean.get('step/generated_tokens_per_s', 0.0):.0f}",
+                refresh=False,
+            )
+        for callback in run.on_step:
+            run.on_loop(callback, int(global_steps), clean)
+
+
+class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
+    """verl's step phases where aglverl does them differently (placed right above verl's ``PPOTrainer`` in
+    the trainer's class order, so a mode's own version of a phase, e.g. separate_async's version-aware old
+    log-probs, still wraps aglverl's): advantages on whole groups, the engine's log-probs checked in one
+    pass, no balancing with one rank, model workers reading only the columns they use."""
+
     def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
         rollout = self.config.actor_rollout_ref.rollout  # type: ignore[attr-defined]
         correction = self.config.algorithm.get("rollout_correction", None)  # type: ignore[attr-defined]
-        if not rollout.calculate_log_probs or (correction is not None and correction.get("bypass_mode", False)):
+        if not rollout.calculate_log_probs or (
+            correction is not None and correction.get("bypass_mode", False)
+        ):
             return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
         return _old_log_probs(self, batch, metrics)
 
@@ -575,21 +635,6 @@ class _Hooks:
         super()._update_actor(_for_workers(batch), metrics)  # type: ignore[misc]
         return batch
 
-    def _compute_metrics(self, batch: Any, metrics: dict[str, Any], timing_raw: dict, global_steps: int, epoch: int) -> None:
-        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
-        run = self._aglverl
-        uids = [key.split("_", 1)[0] for key in batch.keys]
-        metrics.update(_step_metrics(self, run, uids, timing_raw))
-        clean = {k: float(v) for k, v in metrics.items() if _finite_number(v)}
-        if run.bar is not None:
-            run.bar.set_postfix(
-                reward=f"{clean.get('training/reward', 0.0):.3f}",
-                tok_s=f"{clean.get('step/generated_tokens_per_s', 0.0):.0f}",
-                refresh=False,
-            )
-        for callback in run.on_step:
-            run.on_loop(callback, int(global_steps), clean)
-
 
 def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     """verl's ``_compute_old_log_prob`` with the engine's log-probs: one read and one write of TransferQueue,
@@ -607,11 +652,22 @@ def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
 
     config = trainer.config
     batch.extra_info.update(
-        {"calculate_entropy": True, "compute_loss": False, "temperature": config.actor_rollout_ref.rollout.temperature}
+        {
+            "calculate_entropy": True,
+            "compute_loss": False,
+            "temperature": config.actor_rollout_ref.rollout.temperature,
+        }
     )
     output = trainer.actor_rollout_wg.compute_log_prob(_for_workers(batch))
     assert len(output) == len(batch)
-    fields = ["entropy", "log_probs", "response_mask", "responses", "rollout_log_probs", "rollout_log_probs_valid"]
+    fields = [
+        "entropy",
+        "log_probs",
+        "response_mask",
+        "responses",
+        "rollout_log_probs",
+        "rollout_log_probs_valid",
+    ]
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
     response_mask = data["response_mask"]
     data["old_log_probs"] = response_from_nested(data.pop("log_probs"), response_mask)
@@ -665,7 +721,12 @@ def _step_metrics(trainer: Any, run: _Run, uids: list[str], timing: Mapping[str,
         producer = daemon.producer
         assert producer is not None
         stats = producer.take_stats(uids)
-        return stats, daemon.proxy_counters(), daemon.proxy.activity.busy_intervals(start, stop), daemon.proxy.m_generated.value()
+        return (
+            stats,
+            daemon.proxy_counters(),
+            daemon.proxy.activity.busy_intervals(start, stop),
+            daemon.proxy.m_generated.value(),
+        )
 
     stats, counters, generating, tokens = run.on_loop(on_loop)
     metrics = aggregate_stats(stats)
@@ -719,17 +780,25 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
         fields += ["old_log_probs", "ref_log_prob"]
     if estimator == "gae" or estimator not in _SCORE_ONLY_ESTIMATORS:
         fields += ["values", "rollout_log_probs", "old_log_probs", "ref_log_prob"]  # all verl itself reads
-    raw = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(dict.fromkeys(fields)))
+    raw = tq.kv_batch_get(
+        keys=batch.keys, partition_id=batch.partition_id, select_fields=list(dict.fromkeys(fields))
+    )
     response_mask = raw["response_mask"]
     data = DataProto(batch=raw.to_padded_tensor())
     data.batch["token_level_scores"] = data.batch["rm_scores"]
     data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
     if algorithm.use_kl_in_reward:
-        data, kl_metrics = apply_kl_penalty(data, kl_ctrl=trainer.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty)
+        data, kl_metrics = apply_kl_penalty(
+            data, kl_ctrl=trainer.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty
+        )
         metrics.update(kl_metrics)
     else:
         data.batch["token_level_rewards"] = data.batch["token_level_scores"]
-    corrected = correction is not None and "rollout_log_probs" in data.batch and not correction.get("bypass_mode", False)
+    corrected = (
+        correction is not None
+        and "rollout_log_probs" in data.batch
+        and not correction.get("bypass_mode", False)
+    )
     if corrected:
         data, correction_metrics = compute_rollout_correction_and_add_to_batch(data, correction)
         metrics.update(correction_metrics)
@@ -755,7 +824,9 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
             out.append("rollout_is_weights")
     from tensordict import TensorDict
 
-    nested = TensorDict({k: response_to_nested(data.batch[k], response_mask) for k in out}, batch_size=len(batch))
+    nested = TensorDict(
+        {k: response_to_nested(data.batch[k], response_mask) for k in out}, batch_size=len(batch)
+    )
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=nested)
 
 
@@ -764,7 +835,15 @@ WORKER_ROW_FIELDS = ("prompts", "responses", "response_mask", "loss_mask", "inpu
 #: Columns no model worker reads: the scores (advantages are computed in the driver), group ids, turn counts,
 #: aglverl's own bookkeeping.
 DRIVER_ONLY_FIELDS = frozenset(
-    {"uid", "num_turns", "rm_scores", "advantage_weights", "weight_version", "rollout_log_probs_valid", "data_source"}
+    {
+        "uid",
+        "num_turns",
+        "rm_scores",
+        "advantage_weights",
+        "weight_version",
+        "rollout_log_probs_valid",
+        "data_source",
+    }
 )
 
 
@@ -802,17 +881,21 @@ def _per_rollout_weights(keys: Sequence[str]) -> torch.Tensor:
 
 
 def trainer_class(trainer_mode: str) -> type:
-    """verl's V1 trainer registered for ``trainer_mode``, with aglverl's hooks mixed in."""
+    """verl's V1 trainer registered for ``trainer_mode``, with aglverl's hooks before it and aglverl's phases
+    right above verl's base trainer (``[_Hooks, <mode>, _Phases, PPOTrainer]``)."""
     from verl.trainer.ppo.v1 import get_trainer_cls
 
     base = get_trainer_cls(trainer_mode)
-    return type(f"Aglverl{base.__name__}", (_Hooks, base), {"__module__": __name__})
+    return type(f"Aglverl{base.__name__}", (_Hooks, base, _Phases), {"__module__": __name__})
 
 
 # ---------------------------------------------------------------------------------------------- running
 def backend_urls(trainer: Any) -> list[str]:
-    """The inference servers verl started (one per rollout replica), as ``http://host:port``."""
-    return [f"http://{address}" for address in trainer.llm_server_manager.get_addresses()]
+    """The inference servers agents use, as ``http://host:port``: the rollout replicas verl started in its
+    actor workers, or with ``separate_async`` its standalone replicas (those in the training workers sleep
+    while the trainer trains)."""
+    manager = getattr(trainer, "standalone_server_manager", None) or trainer.llm_server_manager
+    return [f"http://{address}" for address in manager.get_addresses()]
 
 
 def served_model_name(url: str) -> str:
@@ -855,7 +938,9 @@ def close_trainer(trainer: Any) -> None:
             actors += [h for replica in manager.get_replicas() for h in replica.servers]
             if getattr(manager, "global_load_balancer", None) is not None:
                 actors.append(manager.global_load_balancer)
-    actors += list(getattr(getattr(trainer, "reward_loop_manager", None), "reward_loop_worker_handles", None) or [])
+    actors += list(
+        getattr(getattr(trainer, "reward_loop_manager", None), "reward_loop_worker_handles", None) or []
+    )
     for actor in dict.fromkeys(actors):
         try:
             ray.kill(actor)
@@ -876,7 +961,7 @@ async def running(
     *,
     daemon_kwargs: Callable[[Any], dict[str, Any]],
     on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
-    progress: bool = True,
+    progress: Any = True,
 ) -> AsyncIterator[tuple[_Run, Any]]:
     """TransferQueue, verl's V1 trainer (initialised: workers, replicas, checkpoint loaded) and the daemon as
     its producer, serving; yields ``(run, trainer)`` ready for ``trainer.fit(DaemonAgentLoopManager(run))``.
@@ -928,7 +1013,7 @@ async def train(
     daemon_kwargs: Callable[[Any], dict[str, Any]],
     serve: Callable[[AgentDaemon], Any],
     on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
-    progress: bool = True,
+    progress: Any = True,
 ) -> None:
     """Run verl's V1 trainer (``fit``) with the daemon as its producer (see :func:`running`).
 
@@ -936,7 +1021,13 @@ async def train(
     Cancellation stops after the blocking verl call in progress returns.
     """
     async with running(
-        config, options, train_samples, val_samples, daemon_kwargs=daemon_kwargs, on_step=on_step, progress=progress
+        config,
+        options,
+        train_samples,
+        val_samples,
+        daemon_kwargs=daemon_kwargs,
+        on_step=on_step,
+        progress=progress,
     ) as (run, trainer):
         assert run.daemon is not None
         async with serve(run.daemon):
@@ -953,7 +1044,8 @@ def _progress_bar(run: _Run) -> Iterator[None]:
     from tqdm import tqdm
 
     def bar(*args: Any, **kwargs: Any) -> Any:
-        kwargs.update(desc="aglverl training", unit="step", file=sys.stderr, disable=not run.progress)
+        stream = run.progress if hasattr(run.progress, "write") else sys.stderr
+        kwargs.update(desc="aglverl training", unit="step", file=stream, disable=not run.progress)
         run.bar = tqdm(*args, **kwargs)
         return run.bar
 
@@ -986,4 +1078,3 @@ def journal_path(config: Any, journal: str | None) -> str | None:
         if config.trainer.resume_mode == "disable" and os.path.exists(journal):
             os.remove(journal)  # a fresh run must not recover another run's groups
     return journal
-
