@@ -138,8 +138,8 @@ class AgentClient:
 
 def _to_rollout(task: Task, result: AgentResult) -> Rollout:
     if isinstance(result, Rollout):
-        update = {"attempt_id": result.attempt_id or task.attempt_id}
-        return result.model_copy(update=update)
+        # the agent function is never told its rollout's ids: they are the task's, whatever it put there
+        return result.model_copy(update={"rollout_id": task.rollout_id, "attempt_id": task.attempt_id})
     reward = None if result is None else float(result)
     return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward)
 

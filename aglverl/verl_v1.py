@@ -442,7 +442,7 @@ class _EventWaits:
                 if enabled
                 else 1,
             )
-        super().__init__(**kwargs, **extra)  # type: ignore[call-arg]
+        super().__init__(**kwargs, **extra)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> Any:
         self._rejected = 0
@@ -523,7 +523,9 @@ class _Hooks:
     def on_step_begin(self) -> None:
         self._step_started = time.monotonic()
         self._computing: list[tuple[float, float]] = []
-        self._tokens_before = self._aglverl.on_loop(lambda: self._aglverl.daemon.proxy.m_generated.value())
+        daemon = self._aglverl.daemon
+        assert daemon is not None
+        self._tokens_before = self._aglverl.on_loop(daemon.proxy.m_generated.value)
         super().on_step_begin()  # type: ignore[misc]
 
     def on_sample_end(self) -> None:
@@ -591,12 +593,12 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
     pass, no balancing with one rank, model workers reading only the columns they use."""
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        rollout = self.config.actor_rollout_ref.rollout  # type: ignore[attr-defined]
-        correction = self.config.algorithm.get("rollout_correction", None)  # type: ignore[attr-defined]
+        rollout = self.config.actor_rollout_ref.rollout
+        correction = self.config.algorithm.get("rollout_correction", None)
         if not rollout.calculate_log_probs or (
             correction is not None and correction.get("bypass_mode", False)
         ):
-            return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
+            return super()._compute_old_log_prob(batch, metrics)
         return _old_log_probs(self, batch, metrics)
 
     def _balance_batch(self, batch: Any, metrics: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -605,14 +607,14 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
         # the partitioning costs ~100 ms a step here), so only the padding is done.
         from verl.trainer.ppo.padding_utils import upsample_batch_to_divisible_size
 
-        group = self.actor_rollout_wg  # type: ignore[attr-defined]
+        group = self.actor_rollout_wg
         if "actor" not in group._dispatch_info:
             group._dispatch_info["actor"] = group._query_dispatch_info("actor")
         dp_size = max(group._dispatch_info["actor"]) + 1
-        if dp_size > 1 and self.config.trainer.balance_batch:  # type: ignore[attr-defined]
-            return super()._balance_batch(batch, metrics, *args, **kwargs)  # type: ignore[misc]
-        multiple = self._get_required_batch_multiple(dp_size)  # type: ignore[attr-defined]
-        return upsample_batch_to_divisible_size(batch, multiple, self.tokenizer.eos_token_id)  # type: ignore[attr-defined]
+        if dp_size > 1 and self.config.trainer.balance_batch:
+            return super()._balance_batch(batch, metrics, *args, **kwargs)
+        multiple = self._get_required_batch_multiple(dp_size)
+        return upsample_batch_to_divisible_size(batch, multiple, self.tokenizer.eos_token_id)
 
     def _compute_advantage(self, batch: Any, metrics: dict[str, Any]) -> Any:
         return _advantages(self, batch, metrics)
@@ -620,19 +622,19 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
     # verl's workers read every column of a batch from TransferQueue; these hand them only what a worker
     # reads (measured: ~2 ms per column of 128 rows on every worker call).
     def _compute_ref_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        super()._compute_ref_log_prob(_for_workers(batch), metrics)  # type: ignore[misc]
+        super()._compute_ref_log_prob(_for_workers(batch), metrics)
         return batch
 
     def _compute_values(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        super()._compute_values(_for_workers(batch), metrics)  # type: ignore[misc]
+        super()._compute_values(_for_workers(batch), metrics)
         return batch
 
     def _update_critic(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        super()._update_critic(_for_workers(batch), metrics)  # type: ignore[misc]
+        super()._update_critic(_for_workers(batch), metrics)
         return batch
 
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
-        super()._update_actor(_for_workers(batch), metrics)  # type: ignore[misc]
+        super()._update_actor(_for_workers(batch), metrics)
         return batch
 
 

@@ -200,8 +200,8 @@ def use_worker_group(cls: type) -> None:
 
     if not issubclass(cls, RayWorkerGroup):
         raise TypeError(f"{cls!r} is not a RayWorkerGroup subclass")
-    trainer_base.RayWorkerGroup = cls  # type: ignore[attr-defined]
-    replica.RayWorkerGroup = cls  # type: ignore[attr-defined]
+    setattr(trainer_base, "RayWorkerGroup", cls)  # noqa: B010 - a module attribute verl looks up by name
+    setattr(replica, "RayWorkerGroup", cls)  # noqa: B010
 
 
 def transfer_queue_threads(count: int) -> None:
