@@ -15,8 +15,8 @@ Restart: with a journal, a training group's dispatch is journaled next to its ro
 there until a checkpoint covers the group (:meth:`TrajectoryProducer.checkpointed`). A producer started on
 that journal holds the groups that were in flight (:meth:`TrajectoryProducer.restore`), hands none of their
 tasks out, and adopts one when the trainer dispatches the same prompt again: by its uid (verl re-issues
-in-flight prompts of its checkpoint under their uid) or by step, dataset index and input (a replayed data
-loader). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
+in-flight prompts of its checkpoint under their uid) or by dataset index and input, the same step first (a
+replayed data loader). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
 rollout ids with the live resources (this run's proxy URL), so no sample is answered more often than ``n``
 times. Groups no dispatch adopts are dropped by :meth:`TrajectoryProducer.end_recovery`.
 """
@@ -496,16 +496,18 @@ class TrajectoryProducer:
     def _adopt(self, prompt: Prompt) -> _Recovered | None:
         recovered = self._recovered.pop(prompt.uid, None)
         if recovered is None and prompt.index is not None:
-            for uid, candidate in self._recovered.items():
-                r = candidate.record
-                if (
-                    r["partition"] == prompt.partition
-                    and r["global_steps"] == prompt.global_steps
-                    and r["index"] == prompt.index
-                    and candidate.input == prompt.input
-                ):
-                    recovered = self._recovered.pop(uid)
-                    break
+            # A replayed data loader asks for the same sample again under a new uid, at the same step in
+            # lockstep training, possibly at another one when rollouts run ahead: the same step wins.
+            same = [
+                uid
+                for uid, candidate in self._recovered.items()
+                if candidate.record["partition"] == prompt.partition
+                and candidate.record["index"] == prompt.index
+                and candidate.input == prompt.input
+            ]
+            same.sort(key=lambda uid: self._recovered[uid].record["global_steps"] != prompt.global_steps)
+            if same:
+                recovered = self._recovered.pop(same[0])
         if recovered is None:
             return None
         if len(recovered.rollouts) != prompt.n:

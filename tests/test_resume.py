@@ -18,10 +18,10 @@ import pytest
 HELPER = Path(__file__).parent / "helpers" / "train_until_killed.py"
 
 
-def _run(directory: Path, run: int) -> int:
+def _run(directory: Path, run: int, mode: str = "sync") -> int:
     """Run the helper in a session of its own; whatever it leaves behind (Ray's processes) is ended."""
     process = subprocess.Popen(
-        [sys.executable, str(HELPER), str(directory), str(run)],
+        [sys.executable, str(HELPER), str(directory), str(run), mode],
         start_new_session=True,
         stdout=(directory / f"run{run}.log").open("wb"),
         stderr=subprocess.STDOUT,
@@ -71,6 +71,33 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_repeating_a_rollout(tmp
     # step 3's samples: two rollouts answered before the kill were reused, the two others redone after it
     assert runs_of[4] + runs_of[5] == Counter({1: 2, 2: 2})
     assert sum(runs_of[s][1] for s in range(4)) == 8 and sum(runs_of[s][2] for s in range(6, 8)) == 4
+
+
+def test_an_asynchronous_run_killed_mid_rollout_resumes_without_losing_or_repeating_a_rollout(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """colocate_async: rollouts run ahead of the trainer, so groups of later steps are in flight when the
+    process dies. verl restores TransferQueue from its checkpoint and re-issues the in-flight prompts under
+    their uids; the daemon's journal gives back what their agents had already answered."""
+    assert _run(tmp_path, 1, "colocate_async") == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
+    first = [row["step"] for row in _lines(tmp_path / "steps.jsonl")]
+    assert _run(tmp_path, 2, "colocate_async") == 0, (tmp_path / "run2.log").read_text()[-3000:]
+    steps = _lines(tmp_path / "steps.jsonl")
+    trained = [(row["run"], row["step"]) for row in steps]
+    assert [step for _, step in trained] == [1, 2, 3, 4]  # resumed after the last checkpoint; none twice
+    assert [step for run, step in trained if run == 1] == first
+    answers = _lines(tmp_path / "answers.jsonl")
+    assert max(Counter(a["rollout_id"] for a in answers).values()) == 1, "a rollout was answered twice"
+    rollouts_of: dict[int, set[str]] = defaultdict(set)
+    runs_of: dict[int, set[int]] = defaultdict(set)
+    for a in answers:
+        rollouts_of[a["sample"]].add(a["rollout_id"])
+        runs_of[a["sample"]].add(a["run"])
+    assert max(len(ids) for ids in rollouts_of.values()) == 2  # no sample answered more than rollout.n times
+    # the group caught half answered by the kill was finished in the second run, its first answer reused
+    assert any(runs == {1, 2} and len(rollouts_of[s]) == 2 for s, runs in runs_of.items())
+    for row in steps:
+        assert row["step/n_completed"] == 4
 
 
 @pytest.fixture(autouse=True)

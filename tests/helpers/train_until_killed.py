@@ -1,14 +1,15 @@
-"""A training process for the SIGKILL resume test: `python tests/helpers/train_until_killed.py DIR RUN`.
+"""A training process for the SIGKILL resume tests: `python tests/helpers/train_until_killed.py DIR RUN [MODE]`.
 
-Trains the one-word task with ``AsyncVERL`` (verl's V1 sync trainer, a checkpoint every step, the daemon's
-journal next to the checkpoints, ``resume_mode: auto``) for 4 steps of 2 samples x 2 rollouts, the samples in
-dataset order (step k takes samples 2k-2 and 2k-1). Every answer an agent gives is appended to
-``DIR/answers.jsonl`` (run, sample id, rollout id) before the agent returns it, and every trained step to
-``DIR/steps.jsonl``.
+Trains the one-word task with ``AsyncVERL`` (verl's V1 trainer in ``MODE``, default ``sync``; a checkpoint
+every step, the daemon's journal next to the checkpoints, ``resume_mode: auto``) for 4 steps of 2 samples x 2
+rollouts, the samples in dataset order. Every answer an agent gives is appended to ``DIR/answers.jsonl`` (run,
+sample id, rollout id) before the agent returns it, and every trained step to ``DIR/steps.jsonl``.
 
-``RUN=1`` dies mid-step: in step 3, the first two rollouts are answered; the third agent waits until those two
-results are stored and journaled, then kills its own process with SIGKILL (the fourth never answers).
-``RUN=2`` answers everything.
+``RUN=1`` dies mid-step. ``sync``: in step 3 (samples 4 and 5), the first two rollouts are answered; the third
+agent waits until those two results are stored and journaled, then kills its own process with SIGKILL (the
+fourth never answers). An asynchronous mode (rollouts run ahead of the trainer, across steps): the tenth
+agent to answer waits until the nine before it are stored and journaled, then kills the process — so a group
+is caught half answered. ``RUN=2`` answers everything.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from aglverl.demo import demo_samples, one_word_agent
 STEP_3_SAMPLES = {4, 5}
 
 
-def config(directory: Path) -> dict[str, Any]:
+def config(directory: Path, mode: str = "sync") -> dict[str, Any]:
     return {
         "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 4, "shuffle": False},
         "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {
+            "v1": {"trainer_mode": mode},
             "total_training_steps": 4,
             "save_freq": 1,
             "test_freq": -1,
@@ -47,22 +49,23 @@ def config(directory: Path) -> dict[str, Any]:
     }
 
 
-async def main(directory: Path, run: int) -> None:
+async def main(directory: Path, run: int, mode: str) -> None:
     answers = (directory / "answers.jsonl").open("ab")
     steps = (directory / "steps.jsonl").open("ab")
-    step_3: list[str] = []
+    watched: list[str] = []
+    kill_at = 3 if mode == "sync" else 10
     algo: AsyncVERL | None = None
 
     async def agent(task: dict[str, Any], llm: LLM) -> float:
         rollout_id = llm.endpoint.split("/rollout/", 1)[1].split("/", 1)[0]
-        if run == 1 and task["id"] in STEP_3_SAMPLES:
-            step_3.append(rollout_id)
-            if len(step_3) == 3:  # two answered (or on their way): make sure they are stored, then die
+        if run == 1 and (mode != "sync" or task["id"] in STEP_3_SAMPLES):
+            watched.append(rollout_id)
+            if len(watched) == kill_at:  # the ones before answered (or on their way): stored, then die
                 assert algo is not None and algo.daemon is not None
-                await algo.daemon.store.wait_terminal(step_3[:2])
+                await algo.daemon.store.wait_terminal(watched[: kill_at - 1])
                 await algo.daemon.store.commit()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if len(step_3) > 3:
+            if len(watched) > kill_at:
                 await anyio.sleep_forever()
         reward = await one_word_agent(task, llm)
         answers.write(orjson.dumps({"run": run, "sample": task["id"], "rollout_id": rollout_id}) + b"\n")
@@ -74,10 +77,10 @@ async def main(directory: Path, run: int) -> None:
         steps.write(orjson.dumps(row) + b"\n")
         steps.flush()
 
-    algo = AsyncVERL(config(directory), agent=agent, progress=False)
+    algo = AsyncVERL(config(directory, mode), agent=agent, progress=False)
     algo.on_step.append(on_step)
-    await algo.run(train_dataset=demo_samples(8))
+    await algo.run(train_dataset=demo_samples(8 if mode == "sync" else 32))
 
 
 if __name__ == "__main__":
-    anyio.run(main, Path(sys.argv[1]), int(sys.argv[2]))
+    anyio.run(main, Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "sync")
