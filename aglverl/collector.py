@@ -112,7 +112,12 @@ class Trajectory(NamedTuple):
     turns came from the proxy), the engine's logprobs (one list per turn, ``None`` where missing), where the
     turns came from (``"client"``, ``"proxy"``, ``"none"``), how many recorded calls were unusable, and per
     turn the weight version that generated it and whether its call was off-policy (proxy turns; a posted
-    triplet's version is unknown: ``None``)."""
+    triplet's version is unknown: ``None``).
+
+    ``versions`` holds each turn's first token's version, ``end_versions`` its last token's: they differ
+    for a turn whose generation was aborted by a weight update and continued under the new weights (verl's
+    ``min_global_steps`` / ``max_global_steps`` of a row are the min of the one and the max of the other).
+    """
 
     turns: list[Turn]
     rewards: list[float | None] | None
@@ -121,6 +126,7 @@ class Trajectory(NamedTuple):
     n_skipped: int
     versions: list[int | None]
     off_policy: list[bool]
+    end_versions: list[int | None]
 
 
 def trajectory_of(record: RolloutRecord) -> Trajectory:
@@ -137,7 +143,7 @@ def trajectory_of(record: RolloutRecord) -> Trajectory:
         rewards = [t.reward for t in result.triplets]
         logprobs = [_posted_logprobs(t) for t in result.triplets]
         n = len(turns)
-        return Trajectory(turns, rewards, logprobs, "client", 0, [None] * n, [False] * n)
+        return Trajectory(turns, rewards, logprobs, "client", 0, [None] * n, [False] * n, [None] * n)
     usable: list[LLMCall] = [c for c in record.calls if c.status == "ok" and c.has_token_ids]
     proxied: list[Turn] = [(c.prompt_token_ids or [], c.response_token_ids or []) for c in usable]
     return Trajectory(
@@ -148,6 +154,7 @@ def trajectory_of(record: RolloutRecord) -> Trajectory:
         len(record.calls) - len(usable),
         [c.weight_version for c in usable],
         [c.off_policy for c in usable],
+        [c.last_weight_version for c in usable],
     )
 
 
@@ -429,12 +436,13 @@ class RolloutCollector:
 def _weight_versions(records: Sequence[RolloutRecord]) -> dict[str, float]:
     """The oldest and newest weight version that generated the step's recorded calls (-1: no calls).
 
-    A trainer compares them with the version it trains (staleness); on-policy steps have min = max.
+    A trainer compares them with the version it trains (staleness); on-policy steps have min = max. A call
+    continued across a weight update counts with its first token's version and its last one's.
     """
-    versions = [c.weight_version for r in records for c in r.calls if c.status == "ok"]
+    calls = [c for r in records for c in r.calls if c.status == "ok"]
     return {
-        "step/call_weight_version_min": float(min(versions, default=-1)),
-        "step/call_weight_version_max": float(max(versions, default=-1)),
+        "step/call_weight_version_min": float(min((c.weight_version for c in calls), default=-1)),
+        "step/call_weight_version_max": float(max((c.last_weight_version for c in calls), default=-1)),
     }
 
 

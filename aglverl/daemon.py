@@ -335,6 +335,20 @@ class AgentDaemon:
         finally:
             self.proxy.resume(weight_version)
 
+    @asynccontextmanager
+    async def holding_calls(self, weight_version: int | None = None) -> AsyncIterator[None]:
+        """Hold LLM calls around a weight update without draining them (the asynchronous trainer modes).
+
+        New calls wait and calls in flight go on; a generation the trainer aborts in the block waits to
+        continue, and on exit (also on error or cancellation) everything goes on under the new weight
+        version: agents never see the abort (see :meth:`aglverl.proxy.LLMProxy.hold`).
+        """
+        self.proxy.hold()
+        try:
+            yield
+        finally:
+            self.proxy.resume(weight_version)
+
     def proxy_counters(self) -> dict[str, float]:
         """The LLM proxy's cumulative counters since start, under ``proxy/*`` names for a trainer's logs."""
         proxy = self.proxy
@@ -343,6 +357,11 @@ class AgentDaemon:
         counters["proxy/backend_ejections"] = proxy.m_ejections.value()
         counters["proxy/calls_without_token_ids"] = proxy.m_no_ids.value()
         counters["proxy/calls_unrecorded"] = proxy.m_unrecorded.value()
+        counters["proxy/held_calls"] = proxy.m_held.value()
+        counters["proxy/resumed"] = proxy.m_resumed.value()
+        counters["proxy/continuations"] = proxy.m_continuations.value()
+        for reason in ("unsupported", "refused"):
+            counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
         return counters
 
     # ------------------------------------------------------------------ trainer API

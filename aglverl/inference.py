@@ -31,7 +31,9 @@ started). A request body may name itself with ``request_id`` (vLLM's field); the
 
 Abort (verl's partial rollouts): :meth:`~InferenceServer.abort` ends every queued and running generation
 at once with ``finish_reason: "abort"`` and the ids generated so far (JSON and streams alike, as vLLM's
-OpenAI server does), so a client can resume from ``prompt + ids``; new requests then wait for
+OpenAI server does), so a client can resume from ``prompt + ids`` (each choice's text is decoded from the
+prompt's last ids on, as vLLM's detokenizer is primed, so the resumed text completes a character the aborted
+one ended inside: the aborted text's trailing U+FFFD are those bytes); new requests then wait for
 :meth:`~InferenceServer.resume`, or with ``reject=True`` are answered at once as aborted with no tokens.
 
 Use ``async with InferenceServer("tiny") as server:`` or ``await tg.start(server.serve)`` on an asyncio loop,
@@ -48,7 +50,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -93,6 +95,9 @@ MAX_TOP_LOGPROBS = 20
 KEEPALIVE_SECONDS = 5.0
 #: Response header with the weight version a generation answer's tokens came from.
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
+#: Prompt ids the detokenizer of each choice starts from (vLLM primes its own with the prompt's last ids): a
+#: UTF-8 character is at most 4 bytes, so this covers one split across the prompt/output boundary twice over.
+DETOKENIZER_LEAD = 8
 #: How long stopping lets in-flight requests finish before cancelling them.
 SHUTDOWN_GRACE = 1.0
 #: Keys of ``generate_ids`` sampling dicts (verl's) that are accepted only at their neutral value.
@@ -238,8 +243,12 @@ class _Choice:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.counted = False  # the job has counted this choice as finished
-        self._prefix = 0  # incremental detokenization window: ids[_prefix:_read] is already text
-        self._read = 0
+        # Detokenization starts from the prompt's last ids, as vLLM's does: a generation resumed from prompt +
+        # the ids of an aborted one then renders a character split across that boundary whole. The window
+        # counts in "lead + output" positions: ids[_prefix:_read] is already text.
+        self._lead, self._read = _lead_of(job.server._decode, prompt)
+        self._lead_text = job.server._decode(self._lead[: self._read])
+        self._prefix = 0
 
     @property
     def done(self) -> bool:
@@ -292,13 +301,20 @@ class _Choice:
     def _piece(self, upto: int) -> str:
         """New text once token ``upto - 1`` is added (empty while it ends inside a UTF-8 character)."""
         decode = self.job.server._decode
-        ids = self.seq.token_ids
-        prefix = decode(ids[self._prefix : self._read])
-        full = decode(ids[self._prefix : upto])
+        upto += len(self._lead)
+        prefix = decode(self._ids(self._prefix, self._read))
+        full = decode(self._ids(self._prefix, upto))
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix, self._read = self._read, upto
             return full[len(prefix) :]
         return ""
+
+    def _ids(self, start: int, end: int) -> list[int]:
+        """Ids ``[start, end)`` of the lead followed by the output."""
+        lead, n = self._lead, len(self._lead)
+        if start >= n:
+            return self.seq.token_ids[start - n : end - n]
+        return lead[start:end] + self.seq.token_ids[: max(0, end - n)]
 
     def _find_stop(self, before: int) -> tuple[int, str] | None:
         """The earliest stop string that ends in the text added after ``before``."""
@@ -310,9 +326,28 @@ class _Choice:
         return best
 
     def _final_text(self, text_end: int) -> None:
-        full = self.job.server._decode(self.seq.token_ids[:text_end])
+        decode = self.job.server._decode
+        full = decode(self._ids(0, len(self._lead) + text_end))
+        if full.startswith(self._lead_text):
+            full = full[len(self._lead_text) :]
+        else:  # a tokenizer whose decode is not additive; the output alone is the best reading then
+            full = decode(self.seq.token_ids[:text_end])
         if not self.seq.incremental or full.startswith(self.text):
             self.text = full  # flushes characters an incremental decode was still holding back
+
+
+def _lead_of(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> tuple[list[int], int]:
+    """The prompt ids a choice's detokenizer starts from, and how many of them are text already.
+
+    The last ``DETOKENIZER_LEAD`` prompt ids; those at the end that render as U+FFFD (bytes of a character the
+    output may complete, like the ids of an aborted generation a resumed one is prompted with) are read
+    again with the output, which is what vLLM's incremental detokenizer does with the prompt it is primed with.
+    """
+    lead = list(prompt[-DETOKENIZER_LEAD:])
+    read = len(lead)
+    while read and decode(lead[:read]).endswith("\ufffd"):
+        read -= 1
+    return lead, read
 
 
 class _Job:

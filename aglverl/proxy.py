@@ -39,6 +39,25 @@ another backend with capped exponential backoff and jitter (:class:`RetryPolicy`
 within the budget). A backend that refuses connections is ejected for ``eject_seconds`` and then probed
 (``GET /health``) by a task that sleeps until that deadline; it takes traffic again only once a probe passes.
 
+Weight updates: :meth:`LLMProxy.pause` holds new calls and drains those in flight (lockstep training);
+:meth:`LLMProxy.hold` holds new calls and lets those in flight go on (verl's asynchronous modes, which abort
+the engines' generations to swap weights); :meth:`LLMProxy.resume` ends either. An agent never sees an
+abort: when a backend answers a recorded call with ``finish_reason: "abort"`` (a JSON body, or an SSE choice
+that ends so), the proxy keeps the partial output, waits while it is held (at once when it is not), and
+continues the generation token-exactly on the rollout's backend with a token-in ``/v1/completions`` call:
+the prompt ids and the ids so far as ``prompt``, what is left of the call's ``max_tokens``, the call's own
+sampling parameters (``seed`` moved on by the tokens generated), ``return_token_ids``, logprobs if the call
+had them; a continuation aborted in its turn is continued again. The agent gets one answer: a JSON body
+covering the whole generation (text, ``token_ids``, logprobs, finish reason, usage), or a stream that goes
+on in its own chunk shape (same ``id``) to its final chunk, usage and ``[DONE]``; a Responses / Messages call
+gets the same through its translator. The call is recorded once, with all its ids and the weight versions
+of its first and last tokens (each the backend's ``X-Weight-Version`` when it sends one, else the proxy's
+version). A backend that keeps aborting (or refusing) a continuation, or a hold longer than
+``pause_timeout`` after the last token, ends the call with a 503 error saying so (an SSE error event once
+the stream started), recorded as failed. Calls with ``n > 1``, tools, a ``response_format``, vLLM guided
+decoding or ``prompt_logprobs`` are not resumed (a completion cannot carry their state on): their abort ends
+them the same way, with the reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
+
 Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
 (4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
 to close. Cancelling ``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds,
@@ -259,9 +278,10 @@ class _Unreachable(Exception):
 
 # ---------------------------------------------------------------------------------------------- token capture
 class _ChoiceCapture:
-    __slots__ = ("finish_reason", "ids", "ids_missing", "logprobs", "logprobs_bad", "prompt_ids")
+    __slots__ = ("chars", "finish_reason", "ids", "ids_missing", "logprobs", "logprobs_bad", "prompt_ids")
 
     def __init__(self) -> None:
+        self.chars = 0  # completions: characters of text so far (where a continuation's text_offset starts)
         self.prompt_ids: list[int] | None = None
         self.ids: list[int] | None = None
         self.logprobs: list[float] | None = None
@@ -365,6 +385,8 @@ class _Capture:
                     c.ids.extend(ids)
             elif self._has_output(ch):
                 c.ids_missing = True
+            if self.kind == "completion":
+                c.chars += len(ch.get("text") or "")
             if c.prompt_ids is None:
                 c.prompt_ids = ch.get("prompt_token_ids")
             lp = ch.get("logprobs")
@@ -392,6 +414,11 @@ class _Capture:
             c.logprobs = [float(v) for v in values]
         else:
             c.logprobs.extend(float(v) for v in values)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether a choice ended with ``finish_reason`` ``"abort"`` (the engine cut it off)."""
+        return any(c.finish_reason == "abort" for c in self.choices.values())
 
     def result(self) -> list[tuple[int, _ChoiceCapture, list[int] | None, list[float] | None]]:
         """``(index, choice, response_ids, logprobs)`` per choice in index order; ids ``None`` unless complete."""
@@ -455,6 +482,7 @@ class _Call:
         "outcome",
         "path",
         "records",
+        "request",
         "response",
         "rollout_id",
         "sampling",
@@ -468,6 +496,7 @@ class _Call:
         "upstream_end",
         "upstream_start",
         "weight_version",
+        "weight_version_end",
     )
 
     def __init__(self, seq: int, t0: float, rollout_id: str | None, attempt_id: str | None) -> None:
@@ -492,7 +521,12 @@ class _Call:
         self.limit: Literal["context"] | None = None
         self.sampling: dict[str, float] | None = None
         self.off_policy = False
+        # The request body as the backend got it (sampling parameters filled in): what a continuation repeats.
+        self.request: dict[str, Any] | None = None
+        # The weight version of the call's first and last tokens: the backend's X-Weight-Version when it sends
+        # one, else the proxy's version when the answer (or the continuation) was asked for.
         self.weight_version = 0
+        self.weight_version_end: int | None = None
         self.backend = ""
         self.response: web.StreamResponse | None = None
         self.sse = False
@@ -540,6 +574,298 @@ def _forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CI
 def _may_end_stream(tail: bytes, chunk: bytes) -> bool:
     """Whether ``chunk`` (after ``tail``, the previous chunk) may complete an SSE ``data: [DONE]`` line."""
     return b"[DONE]" in chunk or (bool(tail) and b"[DONE]" in tail[-6:] + chunk[:6])
+
+
+#: Where an aborted generation is continued: token ids in, token ids out.
+COMPLETIONS_TARGET = "/v1/completions"
+#: The response header in which a backend reports the weight version an answer's tokens came from (aglverl's
+#: embedded server sends it; vLLM does not, and the proxy's own version is recorded then).
+WEIGHT_VERSION_HEADER = "X-Weight-Version"
+#: Request fields a continuation repeats; on ``/v1/completions`` each means what it meant on the call.
+CONTINUED_FIELDS: tuple[str, ...] = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "allowed_token_ids",
+    "cache_salt",
+    "user",
+    "stream_options",
+)
+#: vLLM fields whose state a continuation would start afresh (a grammar over the output, prompt logprobs).
+_UNRESUMABLE_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "prompt_logprobs",
+)
+_SEED_SPACE = 2**63
+#: Chunks up to this size are searched whole for an abort (a search costs about what finding the tail does).
+_ABORT_SCAN_WHOLE = 1024
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DONE_EVENT = b"data: [DONE]\n\n"
+#: The end of a generation aborted exactly at its limit (nothing is left to continue).
+_LENGTH_END: Mapping[str, Any] = {
+    "index": 0,
+    "text": "",
+    "logprobs": None,
+    "finish_reason": "length",
+    "stop_reason": None,
+    "token_ids": [],
+}
+
+
+def _resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completion"] | None) -> str | None:
+    """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can)."""
+    n, best_of = request.get("n"), request.get("best_of")
+    if (type(n) is int and n > 1) or (type(best_of) is int and best_of > 1):
+        return "a call with n > 1"
+    if kind == "chat":
+        if request.get("tools") and request.get("tool_choice") != "none":
+            return "a call with tools (the backend parses tool calls out of the whole output)"
+        response_format = request.get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+            return "a call with a response_format"
+    elif request.get("echo"):
+        return "a call with echo"
+    for key in _UNRESUMABLE_FIELDS:
+        if request.get(key) is not None:
+            return f"a call with {key}"
+    return None
+
+
+def _reported_version(headers: CIMultiDictProxy[str]) -> int | None:
+    """The weight version a backend reports for an answer, if it reports a valid one."""
+    value = headers.get(WEIGHT_VERSION_HEADER)
+    if value is None or not value.isdigit():
+        return None
+    return int(value)
+
+
+class _EventCut:
+    """Cuts a byte stream after its last complete SSE event (LF or CR LF line ends) and keeps the rest."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete events of what came so far (maybe empty); an unfinished one is kept for later."""
+        if not self._rest and chunk[-2:] == b"\n\n":
+            return chunk  # the usual chunk: whole events (a server writes one or more events at a time)
+        buf = self._rest + chunk if self._rest else chunk
+        lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        self._rest = buf[end:]
+        return buf[:end]
+
+    def rest(self) -> bytes:
+        """What was kept (the stream ended): an event with no blank line after it, or nothing."""
+        rest, self._rest = self._rest, b""
+        return rest
+
+
+def _may_abort(events: bytes) -> bool:
+    """Whether complete SSE events may hold an aborted choice (a cheap look: the word, where it can be).
+
+    An abort is a stream's last choice event, followed at most by a usage event and ``[DONE]`` (with n > 1,
+    the other choices' aborts come right before it), so the last three events of a long chunk are enough:
+    scanning the whole of a chunk that bundles many events would cost more than the relay's own work.
+    """
+    start = 0
+    if len(events) > _ABORT_SCAN_WHOLE:
+        end = len(events) - 2
+        for _ in range(3):
+            end = events.rfind(b"\n\n", 0, end)
+            if end < 0:
+                break
+        start = end + 2 if end >= 0 else 0
+    return events.find(b'"abort"', start) >= 0
+
+
+def _event_data(raw: bytes) -> bytes:
+    """The ``data`` of one SSE event (its lines joined)."""
+    lines = [line[5:].removeprefix(b" ") for line in raw.splitlines() if line[:5] == b"data:"]
+    return lines[0] if len(lines) == 1 else b"\n".join(lines)
+
+
+def _payloads(events: bytes) -> list[bytes]:
+    """The ``data`` of each of some complete SSE events."""
+    return [data for raw in _EVENT_END.split(events) if raw and (data := _event_data(raw))]
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _event_json(raw: bytes) -> dict[str, Any] | None:
+    return _json_object(_event_data(raw))
+
+
+def _choices_of(event: dict[str, Any] | None) -> list[dict[str, Any]]:
+    choices = event.get("choices") if event is not None else None
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+
+def _text_of(choice: Mapping[str, Any], kind: Literal["chat", "completion"] | None) -> str:
+    if kind == "completion":
+        return choice.get("text") or ""
+    return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+
+
+def _unfinish(choice: dict[str, Any], kind: Literal["chat", "completion"] | None) -> None:
+    """An aborted choice's last piece as an ordinary one: no finish reason, and no trailing U+FFFD.
+
+    Those stand for the bytes of a character the output ended inside: the continuation, prompted with these
+    ids, renders that character whole (vLLM's detokenizer, and the embedded server's, start from the prompt's
+    last ids), so they must not also go out here.
+    """
+    choice["finish_reason"] = None
+    choice["stop_reason"] = None
+    if kind == "completion":
+        choice["text"] = (choice.get("text") or "").rstrip("\ufffd")
+        return
+    holder = choice.get("delta") or choice.get("message")
+    if isinstance(holder, dict) and isinstance(holder.get("content"), str):
+        holder["content"] = holder["content"].rstrip("\ufffd")
+
+
+def _sse_event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _drain(content: aiohttp.StreamReader) -> None:
+    """Read what is left of a body, so that its connection goes back to the pool; errors end the reading."""
+    try:
+        while await content.readany():
+            pass
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        pass
+
+
+class _Resumption:
+    """An aborted generation on its way to its end: what its continuations need and what they did."""
+
+    __slots__ = ("chars", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
+
+    def __init__(
+        self,
+        prompt: list[int],
+        ids: list[int],
+        limit: int | None,
+        deadline: float,
+        head: dict[str, Any],
+        chars: int,
+    ) -> None:
+        self.prompt = prompt  # the call's own prompt ids
+        self.ids = ids  # every response id so far
+        self.limit = limit  # the call's max_tokens (after filling); None: the rest of the context
+        self.deadline = deadline  # give up when no token came by then (monotonic)
+        self.head = head  # id, object, created, model of the call's stream
+        self.chars = chars  # characters of text so far (completions' text_offset)
+        self.refusals = 0  # continuations in a row that brought no token
+        self.ready = 0.0  # when the current continuation was free to go (for the resume latency)
+        self.version = 0  # the weight version of the current continuation
+
+    @property
+    def left(self) -> int | None:
+        """Tokens the call may still generate (``None``: up to the context window)."""
+        return None if self.limit is None else max(0, self.limit - len(self.ids))
+
+    def usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
+        """A backend's usage counts, for the call's own prompt and the whole generation."""
+        prompt, completion = len(self.prompt), len(self.ids)
+        counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {**usage, **counts}
+
+
+def _continued_choice(raw: bytes) -> dict[str, Any]:
+    """The choice of a whole continuation answer; :class:`ProxyError` (502) unless a completion with ids."""
+    choices = _choices_of(_json_object(raw))
+    if not choices or type(choices[0].get("token_ids")) is not list:
+        raise ProxyError(502, "the backend's continuation is not a completion with token ids")
+    return choices[0]
+
+
+def _merged(call: _Call, answer: Any, pieces: Sequence[dict[str, Any]], state: _Resumption) -> Any:
+    """A whole answer the backend aborted, extended by its continuations' ``pieces``: one body, in the call's
+    shape, whose text, token ids, logprobs, finish reason and usage cover the whole generation."""
+    choice = answer["choices"][0]
+    chat = call.kind == "chat"
+    if chat and not isinstance(choice.get("message"), dict):
+        choice["message"] = {"role": "assistant", "content": ""}
+    _unfinish(choice, call.kind)
+    holder, key = (choice["message"], "content") if chat else (choice, "text")
+    text = holder.get(key) or ""
+    logprobs = choice.get("logprobs")
+    top = (call.request or {}).get("top_logprobs") or 0
+    for piece in pieces:
+        if piece.get("finish_reason") == "abort":
+            _unfinish(piece, "completion")
+        if isinstance(logprobs, dict):
+            if chat:
+                logprobs.setdefault("content", []).extend(_chat_logprobs(piece.get("logprobs"), top))
+            else:
+                shifted = _offset_logprobs(piece.get("logprobs"), len(text)) or {}
+                for field in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                    logprobs.setdefault(field, []).extend(shifted.get(field) or ())
+        text += piece.get("text") or ""
+    holder[key] = text
+    last = pieces[-1]
+    choice["token_ids"] = state.ids
+    choice["finish_reason"], choice["stop_reason"] = last.get("finish_reason"), last.get("stop_reason")
+    if isinstance(answer.get("usage"), dict):
+        answer["usage"] = state.usage(answer["usage"])
+    return answer
+
+
+def _chat_logprobs(logprobs: Any, top: int) -> list[dict[str, Any]]:
+    """A completion's logprobs as chat ``logprobs.content`` entries, with at most ``top`` alternatives."""
+    if not isinstance(logprobs, dict):
+        return []
+    tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or []
+    out = []
+    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
+        alternatives = tops[i] if top and i < len(tops) and isinstance(tops[i], dict) else {}
+        best = sorted(alternatives.items(), key=lambda item: -item[1])[:top]
+        out.append(
+            {
+                "token": token,
+                "logprob": value,
+                "bytes": list(token.encode("utf-8", "replace")),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))} for t, v in best
+                ],
+            }
+        )
+    return out
+
+
+def _offset_logprobs(logprobs: Any, offset: int) -> Any:
+    """Completions logprobs whose ``text_offset`` counts from ``offset`` characters further on."""
+    if not isinstance(logprobs, dict) or not offset or not isinstance(logprobs.get("text_offset"), list):
+        return logprobs
+    return {**logprobs, "text_offset": [o + offset for o in logprobs["text_offset"]]}
 
 
 def _stop_limit(
@@ -606,7 +932,8 @@ class LLMProxy:
     ``api_key``); it is never logged nor forwarded. ``backend_api_key``: sent to the backends as a bearer token
     (they never see the agents' credentials). ``max_request_bytes``/``max_response_bytes`` bound bodies;
     ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
-    event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused;
+    event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused or held,
+    and how long an aborted generation may go without a new token (held, or refused) before it gives up;
     ``shutdown_grace`` how long in-flight calls may finish on shutdown. ``upstream_keepalive``: seconds an idle
     pooled connection to a backend is kept; it must stay below the backends' own keep-alive (vLLM's
     ``--timeout-keep-alive``, 5 s by default). Raise both together to keep connections warm across trainer
@@ -670,7 +997,9 @@ class LLMProxy:
         self._in_flight = 0
         self._drained: anyio.Event | None = None  # created by a pause() waiting for in-flight calls
         self._paused = False
-        self._resumed: anyio.Event | None = None  # exists while paused
+        self._held = False
+        self._gate: anyio.Event | None = None  # exists while paused or held; set by resume()
+        self._waiting = 0  # calls waiting for the gate now (at admission, or to continue an aborted generation)
         self._handlers: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._session: aiohttp.ClientSession | None = None
@@ -715,6 +1044,33 @@ class LLMProxy:
             "aglverl_proxy_generated_tokens_total", "Response token ids recorded, over every recorded call."
         )
         r.gauge("aglverl_proxy_in_flight", "Calls being forwarded now.", lambda: self._in_flight)
+        self.m_held = r.counter(
+            "aglverl_proxy_held_calls_total",
+            "Calls that arrived while the proxy was paused or held, and waited.",
+        )
+        r.gauge(
+            "aglverl_proxy_waiting_calls",
+            "Calls waiting now for a pause or hold to end (new calls, and aborted generations to continue).",
+            lambda: self._waiting,
+        )
+        self.m_resumed = r.counter(
+            "aglverl_proxy_resumed_total",
+            "Recorded calls whose generation a backend aborted and the proxy continued to its end.",
+        )
+        self.m_continuations = r.counter(
+            "aglverl_proxy_continuations_total",
+            "Token-in continuation requests sent for aborted generations.",
+        )
+        self.m_resume_failed = r.counter(
+            "aglverl_proxy_resume_failures_total",
+            "Aborted generations not continued: calls the proxy does not resume (unsupported), or a backend "
+            "that kept aborting or refusing for pause_timeout (refused).",
+            ["reason"],
+        )
+        self.m_resume_latency = r.histogram(
+            "aglverl_proxy_resume_seconds",
+            "An aborted generation free to continue (not held) to its continuation's first token (seconds).",
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -769,27 +1125,54 @@ class LLMProxy:
         """Hold new calls (for a weight update) and return once every call in flight has finished.
 
         Held calls wait up to ``pause_timeout`` for :meth:`resume`, then get a 503. Cancelling ``pause``
-        stops the wait for the drain but leaves the proxy paused: call :meth:`resume`.
+        stops the wait for the drain but leaves the proxy paused: call :meth:`resume`. A call whose aborted
+        generation waits to continue (see :meth:`hold`) is in flight: a drain waits for it, so a pause while
+        backends abort generations returns once those calls ended (at the latest after ``pause_timeout``).
         """
         if not self._paused:
             self._paused = True
-            self._resumed = anyio.Event()
+            self._close_gate()
         while self._in_flight:
             if self._drained is None:
                 self._drained = anyio.Event()
             await self._drained.wait()
 
+    def hold(self) -> None:
+        """Hold new calls, without draining the calls in flight: they go on (the asynchronous trainer modes).
+
+        From now until :meth:`resume`, a new call waits (up to ``pause_timeout``, then a 503) as during
+        :meth:`pause`, and so does the continuation of a generation a backend aborts meanwhile (the trainer
+        aborts the engines' generations to swap their weights): it continues under the new weights once
+        :meth:`resume` is called, and its agent sees one uninterrupted answer. Idempotent; returns at once.
+        """
+        self._held = True
+        self._close_gate()
+
     def resume(self, weight_version: int | None = None) -> None:
-        """Release held calls; ``weight_version`` becomes the recorded version (default: the current one + 1)."""
+        """End a pause or a hold: waiting calls go on, and so do aborted generations waiting to continue.
+
+        ``weight_version`` becomes the proxy's version (default: the current one + 1), recorded on calls whose
+        backend reports none (``X-Weight-Version``).
+        """
         self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
-        self._paused = False
-        if self._resumed is not None:
-            self._resumed.set()
-            self._resumed = None
+        self._paused = self._held = False
+        if self._gate is not None:
+            self._gate.set()
+            self._gate = None
+
+    def _close_gate(self) -> None:
+        if self._gate is None:
+            self._gate = anyio.Event()
 
     @property
     def paused(self) -> bool:
+        """Whether :meth:`pause` was called and :meth:`resume` not yet."""
         return self._paused
+
+    @property
+    def held(self) -> bool:
+        """Whether :meth:`hold` was called and :meth:`resume` not yet."""
+        return self._held
 
     @property
     def in_flight(self) -> int:
@@ -936,7 +1319,7 @@ class LLMProxy:
             kind = self._translate_request(call, call.translator)
         if kind is not None and call.rollout_id is not None:
             self._prepare_capture(call, kind)
-        if self._paused:
+        if self._gate is not None:
             await self._wait_resumed()
 
     def _authorize(self, request: web.Request) -> None:
@@ -1007,6 +1390,8 @@ class LLMProxy:
             i = call.body.index(b"{") + 1
             added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
             call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
+        obj.update(fill)
+        call.request = obj
 
     def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Check the call's sampling parameters against its trainer's; return the parameters to add.
@@ -1034,11 +1419,20 @@ class LLMProxy:
         return fill
 
     async def _wait_resumed(self) -> None:
-        with anyio.move_on_after(self.pause_timeout):
-            while self._paused and self._resumed is not None:
-                await self._resumed.wait()
-        if self._paused:
+        self.m_held.inc()
+        if not await self._released(time.monotonic() + self.pause_timeout):
             raise ProxyError(503, f"the proxy is paused for a weight update for over {self.pause_timeout:g}s")
+
+    async def _released(self, deadline: float) -> bool:
+        """Wait until the proxy is neither paused nor held; ``False`` if ``deadline`` (monotonic) came first."""
+        self._waiting += 1
+        try:
+            with anyio.move_on_after(deadline - time.monotonic()):
+                while self._gate is not None:  # a new hold may close a new gate before this task runs again
+                    await self._gate.wait()
+        finally:
+            self._waiting -= 1
+        return self._gate is None
 
     def _enter(self) -> None:
         self._in_flight += 1
@@ -1152,17 +1546,26 @@ class LLMProxy:
                 self._sticky.popitem(last=False)
         return best
 
-    async def _send(self, backend: _Backend, call: _Call) -> aiohttp.ClientResponse:
-        """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came."""
+    async def _send(
+        self, backend: _Backend, call: _Call, continuation: bytes | None = None
+    ) -> aiohttp.ClientResponse:
+        """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came.
+
+        ``continuation``: send this ``/v1/completions`` body instead (an aborted generation's continuation).
+        """
         assert self._session is not None
         call.backend = backend.url
-        call.upstream_start = time.monotonic()
+        if continuation is None:
+            call.upstream_start = time.monotonic()
+            method, target, body = call.method, call.target, call.body or None
+        else:
+            method, target, body = "POST", COMPLETIONS_TARGET, continuation
         try:
             upstream = await self._session.request(
-                call.method,
-                URL(backend.url + call.target, encoded=True),
+                method,
+                URL(backend.url + target, encoded=True),
                 headers=call.headers,
-                data=call.body or None,
+                data=body,
                 allow_redirects=False,
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
@@ -1222,6 +1625,10 @@ class LLMProxy:
             headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
             content_type = upstream.headers.get("Content-Type", "")
             call.sse = content_type.startswith(_SSE)
+            if call.capture is not None:
+                version = _reported_version(upstream.headers)
+                if version is not None:
+                    call.weight_version = version
             if call.sse or (
                 upstream.content_length is None
                 and upstream.status not in (204, 304)
@@ -1248,7 +1655,10 @@ class LLMProxy:
             # Nothing has reached the agent yet, so this is as retryable as a refused connection.
             raise _Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
         call.upstream_end = time.monotonic()
-        self._capture_body(call, upstream.status, body)
+        answer = self._capture_body(call, upstream.status, body)
+        if answer is not None and call.capture is not None and call.capture.aborted:
+            body = await self._resume_whole(call, answer)
+            call.upstream_end = time.monotonic()
         if call.translator is not None:
             try:
                 body = call.translator.whole(upstream.status, body)
@@ -1270,16 +1680,20 @@ class LLMProxy:
         else:
             call.delivered = True
 
-    def _capture_body(self, call: _Call, status: int, body: bytes) -> None:
+    def _capture_body(self, call: _Call, status: int, body: bytes) -> Any:
+        """Capture a whole answer's ids; returns the parsed body (``None`` when nothing was captured)."""
         if status >= 400:
             self._upstream_refused(call, status, body)
-            return
+            return None
         if call.capture is None:
-            return
+            return None
         try:
-            call.capture.apply(orjson.loads(body))
+            answer = orjson.loads(body)
         except orjson.JSONDecodeError:
             call.fail(f"backend answered {status} with a body that is not JSON")
+            return None
+        call.capture.apply(answer)
+        return answer
 
     async def _relay_stream(
         self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
@@ -1298,6 +1712,11 @@ class LLMProxy:
         call.first_byte = time.monotonic()
         capture = call.capture if status < 400 else None
         whole = bytearray() if capture is not None and not call.sse else None
+        # A recorded SSE answer goes out in whole events, so that an abort can be taken out of the stream
+        # before the agent sees any of it (an event the agent has half of could not be taken back).
+        events = capture is not None and call.sse
+        cut: _EventCut | None = _EventCut() if events else None
+        head: dict[str, Any] | None = None  # the aborting event's id, object, created and model
         refusal = bytearray()  # the start of an error body, to say what was refused
         limit, size = self.max_response_bytes, 0
         content = upstream.content
@@ -1311,42 +1730,35 @@ class LLMProxy:
                 await self._end_broken(call, 502, f"backend {call.backend} broke off the response: {exc!r}")
                 return response
             if not chunk:
-                break
-            size += len(chunk)
+                if cut is None or head is not None or not (chunk := cut.rest()):
+                    break
+                cut = None  # the stream ended with an event that had no blank line after it
+            else:
+                size += len(chunk)
             if size > limit:
                 await self._end_broken(call, 502, f"backend response exceeds max_response_bytes={limit}")
                 return response
-            parse_after = capture is not None
+            if head is not None:
+                continue  # what follows an abort (usage, [DONE]) is read to free the connection, not sent
             if status >= 400 and len(refusal) < ERROR_BODY_LIMIT:
                 refusal += chunk[: ERROR_BODY_LIMIT - len(refusal)]
-            if whole is not None:
-                whole += chunk
-                parse_after = False
-            elif capture is not None and _may_end_stream(call.tail, chunk):
-                parse_after = False
-                capture.feed(chunk)
-                if capture.done:  # record before the agent can read [DONE] and report its rollout done
-                    call.upstream_end = time.monotonic()
-                    self._commit(call)
-            try:
-                # A translated call's bytes go out translated, event by event, as they arrive.
-                out = chunk if translator is None else translator.feed(chunk)
-                if out:
-                    await response.write(out)
-            except ConnectionError:
-                call.fail("agent disconnected", "cancelled")
+            if events:
+                if cut is not None:
+                    chunk = cut.feed(chunk)
+                if _may_abort(chunk):
+                    chunk, head = self._take_abort(call, chunk)
+                if not chunk:
+                    continue
+            if not await self._forward(call, response, chunk, capture, whole):
                 return response
-            call.tail = chunk
-            if call.records is not None:
-                call.delivered = True
-            elif parse_after:
-                capture.feed(chunk)  # type: ignore[union-attr]  # parsed once the agent has the bytes
+        if head is not None and not await self._resume_stream(call, response, head):
+            return response
         if not call.delivered:
             call.upstream_end = time.monotonic()
         if status >= 400:
             self._upstream_refused(call, status, bytes(refusal))
         elif whole is not None:
-            self._capture_body(call, status, bytes(whole))
+            self._capture_body(call, status, bytes(whole))  # an abort in it went out already: not resumed
         self._commit(call)
         try:
             if translator is not None and (last := translator.close()):
@@ -1357,6 +1769,41 @@ class LLMProxy:
         else:
             call.delivered = True
         return response
+
+    async def _forward(
+        self,
+        call: _Call,
+        response: web.StreamResponse,
+        chunk: bytes,
+        capture: _Capture | None,
+        whole: bytearray | None,
+    ) -> bool:
+        """Send a piece of a streamed answer to the agent (translated, for a translated call) and capture its
+        ids; ``False`` if the agent has gone (the call is then failed as cancelled)."""
+        parse_after = capture is not None
+        if whole is not None:
+            whole += chunk
+            parse_after = False
+        elif capture is not None and _may_end_stream(call.tail, chunk):
+            parse_after = False
+            capture.feed(chunk)
+            if capture.done:  # record before the agent can read [DONE] and report its rollout done
+                call.upstream_end = time.monotonic()
+                self._commit(call)
+        try:
+            # A translated call's bytes go out translated, event by event, as they arrive.
+            out = chunk if call.translator is None else call.translator.feed(chunk)
+            if out:
+                await response.write(out)
+        except ConnectionError:
+            call.fail("agent disconnected", "cancelled")
+            return False
+        call.tail = chunk
+        if call.records is not None:
+            call.delivered = True
+        elif parse_after:
+            capture.feed(chunk)  # type: ignore[union-attr]  # parsed once the agent has the bytes
+        return True
 
     @staticmethod
     def _upstream_refused(call: _Call, status: int, body: bytes) -> None:
@@ -1389,6 +1836,335 @@ class LLMProxy:
             await response.write_eof()
         except ConnectionError:
             pass
+
+    # ------------------------------------------------------------------ resuming aborted generations
+    def _take_abort(self, call: _Call, chunk: bytes) -> tuple[bytes, dict[str, Any] | None]:
+        """Take an abort out of complete SSE events: ``(what the agent gets, the aborting event's head)``.
+
+        The head (``id``, ``object``, ``created``, ``model``) is ``None`` when no choice was aborted (the word
+        was text). Events before the aborting one go out unchanged; the aborting one goes out without its
+        finish reason when it carries the last tokens (dropped when it carries none); what follows it (usage,
+        ``[DONE]``) is dropped: the rest of the answer comes from the continuation.
+        """
+        out: list[bytes] = []
+        for raw in _EVENT_END.split(chunk):
+            if not raw:
+                continue
+            event = _event_json(raw) if b'"abort"' in raw else None
+            choices = _choices_of(event)
+            ended = [c for c in choices if c.get("finish_reason") == "abort"]
+            if not ended:
+                out.append(raw + b"\n\n")
+                continue
+            assert event is not None
+            for choice in ended:
+                _unfinish(choice, call.kind)
+            if any(c.get("token_ids") or _text_of(c, call.kind) for c in choices):
+                out.append(_sse_event(event))
+            head = {key: event.get(key) for key in ("id", "object", "created", "model")}
+            return b"".join(out), head
+        return chunk, None
+
+    def _resumption(self, call: _Call, head: dict[str, Any] | None = None) -> _Resumption:
+        """What the continuations of ``call``'s aborted answer need; :class:`ProxyError` (503) for a call the
+        proxy does not resume (counted as ``unsupported``)."""
+        capture, request = call.capture, call.request
+        assert capture is not None and request is not None
+        why = _resume_blocker(request, call.kind)
+        choice = next(iter(capture.choices.values()), None)
+        prompt = None if choice is None else choice.prompt_ids or capture.prompt_ids
+        if why is None and len(capture.choices) != 1:
+            why = "a call with several choices"
+        if why is None and (choice is None or choice.ids_missing or capture.broken or prompt is None):
+            why = "a call whose answer carries no token ids"
+        if why is not None:
+            self.m_resume_failed.inc(1, "unsupported")
+            message = f"the backend aborted the generation (a weight update), and {why} is not resumed"
+            raise ProxyError(503, message)
+        assert choice is not None and prompt is not None
+        limit = request.get("max_completion_tokens", request.get("max_tokens"))
+        return _Resumption(
+            list(prompt),
+            list(choice.ids or ()),  # no ids and no output (ids_missing unset): aborted before its first token
+            limit if type(limit) is int else None,
+            time.monotonic() + self.pause_timeout,
+            head or {},
+            choice.chars,
+        )
+
+    async def _resume_stream(self, call: _Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
+        """Continue a streamed answer the backend aborted: the continuations' events go on in the agent's
+        stream, in its chunk shape, until one ends otherwise than aborted.
+
+        Returns ``True`` once that continuation's stream was relayed (its ``[DONE]`` included), ``False`` when
+        the response was ended otherwise: an error event (a call not resumed, a backend that kept refusing for
+        ``pause_timeout``, a broken continuation), or the agent left. Cancellation (the agent left, shutdown)
+        closes the continuation's upstream request.
+        """
+        try:
+            state = self._resumption(call, head)
+            while True:
+                if state.left == 0:  # cut exactly at the limit: nothing is left to generate
+                    end = {"choices": [dict(_LENGTH_END)]}
+                    events, _ = self._converted(call, state, end)
+                    if not await self._forward(call, response, events + _DONE_EVENT, call.capture, None):
+                        return False
+                    break
+                upstream = await self._continuation(call, state)
+                try:
+                    again = await self._relay_continuation(call, response, upstream, state)
+                finally:
+                    upstream.close()
+                if again is None:
+                    return False
+                if not again:
+                    break
+        except ProxyError as exc:
+            await self._end_broken(call, exc.status, exc.message)
+            return False
+        self.m_resumed.inc()
+        return True
+
+    async def _resume_whole(self, call: _Call, answer: Any) -> bytes:
+        """Continue a whole (JSON) answer the backend aborted; returns the one body, in the call's shape,
+        covering the whole generation (and captures it). Raises :class:`ProxyError` when it cannot be
+        continued (see :meth:`_resume_stream`); cancellation closes the continuation's upstream request."""
+        state = self._resumption(call)
+        pieces: list[dict[str, Any]] = []
+        while True:
+            if state.left == 0:
+                pieces.append(dict(_LENGTH_END))
+                break
+            upstream = await self._continuation(call, state)
+            try:
+                if (upstream.content_length or 0) > self.max_response_bytes:
+                    limit = self.max_response_bytes
+                    raise ProxyError(502, f"backend continuation exceeds max_response_bytes={limit}")
+                raw = await upstream.read()
+            except TimeoutError:
+                raise ProxyError(504, self._timed_out(call)) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
+            finally:
+                upstream.close()
+            piece = _continued_choice(raw)
+            pieces.append(piece)
+            aborted = piece.get("finish_reason") == "abort"
+            self._progressed(call, state, piece["token_ids"], aborted)
+            if not aborted:
+                break
+        merged = _merged(call, answer, pieces, state)
+        call.capture = _Capture(call.kind or "chat")
+        call.capture.apply(merged)
+        self.m_resumed.inc()
+        return orjson.dumps(merged)
+
+    async def _continuation(self, call: _Call, state: _Resumption) -> aiohttp.ClientResponse:
+        """Send the next continuation of ``state`` and return its response head (status < 400).
+
+        It goes once the proxy is neither paused nor held, to the rollout's backend (whose prefix cache holds
+        the prompt and the partial output). A refusal (no connection, a 5xx or 429, or an answer aborted again
+        without a token) is retried after the retry policy's backoff; :class:`ProxyError` (503) once
+        ``pause_timeout`` has passed since the last token (held, or refused), 502/504 for other failures.
+        """
+        while True:
+            if not await self._held_back(state.deadline):
+                self.m_resume_failed.inc(1, "refused")
+                raise ProxyError(
+                    503,
+                    f"an aborted generation waited to continue for over pause_timeout={self.pause_timeout:g}s "
+                    "while the proxy was held",
+                )
+            if state.refusals:
+                left = max(0.0, state.deadline - time.monotonic())
+                await anyio.sleep(min(self.retry.backoff(state.refusals), left))
+                if time.monotonic() >= state.deadline:
+                    self.m_resume_failed.inc(1, "refused")
+                    raise ProxyError(
+                        503,
+                        f"the backend aborted the generation and refused to continue it for pause_timeout="
+                        f"{self.pause_timeout:g}s ({state.refusals} continuations refused or aborted at once)",
+                    )
+                if self._gate is not None:
+                    continue  # held meanwhile: wait for the hold to end first
+            backend = self._pick(call.rollout_id, ())
+            if backend is None:
+                raise ProxyError(503, "no backends are configured")
+            state.ready = time.monotonic()
+            state.version = self.weight_version
+            self.m_continuations.inc()
+            try:
+                upstream = await self._send(backend, call, self._continuation_body(call, state))
+            except _Unreachable:
+                state.refusals += 1
+                continue
+            if upstream.status in RETRY_STATUSES:
+                upstream.close()
+                state.refusals += 1
+                continue
+            if upstream.status >= 400:
+                try:
+                    body = await upstream.content.read(ERROR_BODY_LIMIT)
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    body = b""
+                finally:
+                    upstream.close()
+                message = _error_message(body)
+                raise ProxyError(
+                    502, f"backend {backend.url} refused to continue the aborted generation: {upstream.status}: {message}"
+                )
+            reported = _reported_version(upstream.headers)
+            if reported is not None:
+                state.version = reported
+            return upstream
+
+    async def _held_back(self, deadline: float) -> bool:
+        """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``)."""
+        if self._gate is None:
+            return True
+        self.activity.end()
+        try:
+            return await self._released(deadline)
+        finally:
+            self.activity.begin()
+
+    def _continuation_body(self, call: _Call, state: _Resumption) -> bytes:
+        """The ``/v1/completions`` body that continues ``state`` token-exactly: the prompt ids and the ids so
+        far as the prompt, what is left of the call's limit, and the call's own sampling parameters.
+
+        Each part is sampled as the call asked, with two seams no completion can hide: a stop string split
+        across an abort is not matched, and vLLM's presence / frequency penalties (off-policy parameters the
+        trainer refuses or masks anyway) count only the part's own tokens.
+        """
+        request = call.request
+        assert request is not None
+        generated = len(state.ids)
+        body = {key: request[key] for key in CONTINUED_FIELDS if request.get(key) is not None}
+        body["prompt"] = state.prompt + state.ids
+        if state.left is not None:
+            body["max_tokens"] = state.left
+        min_tokens = request.get("min_tokens")
+        if type(min_tokens) is int and min_tokens > generated:
+            body["min_tokens"] = min_tokens - generated
+        seed = request.get("seed")
+        if type(seed) is int:
+            # Reproducible, and not the first tokens' random numbers over again (the same seed would replay them).
+            body["seed"] = (seed + generated) % _SEED_SPACE
+        if call.kind == "chat":
+            if request.get("logprobs"):
+                body["logprobs"] = request.get("top_logprobs") or 0
+        elif request.get("logprobs") is not None:
+            body["logprobs"] = request["logprobs"]
+        body["return_token_ids"] = True
+        if call.sse:
+            body["stream"] = True
+        else:
+            body.pop("stream_options", None)
+        return orjson.dumps(body)
+
+    def _progressed(self, call: _Call, state: _Resumption, ids: list[int], aborted: bool) -> None:
+        """Note a continuation's tokens: the call's versions, the refusal budget renewed, the resume latency.
+        An answer aborted without a token counts as a refusal (an engine that still refuses)."""
+        if not ids:
+            state.refusals += aborted
+            return
+        if not state.ids:
+            call.weight_version = state.version  # the aborted answer had no token: the first came from here
+        call.weight_version_end = state.version
+        state.ids.extend(ids)
+        now = time.monotonic()
+        if state.ready:
+            self.m_resume_latency.observe(now - state.ready)
+            state.ready = 0.0
+        state.refusals = 0
+        state.deadline = now + self.pause_timeout
+
+    async def _relay_continuation(
+        self, call: _Call, response: web.StreamResponse, upstream: aiohttp.ClientResponse, state: _Resumption
+    ) -> bool | None:
+        """Relay one continuation's stream in the call's chunk shape: ``True`` if it was aborted too (its
+        tokens went out), ``False`` once it ended, ``None`` if the agent left; :class:`ProxyError` if it broke."""
+        if not upstream.headers.get("Content-Type", "").startswith(_SSE):
+            raise ProxyError(502, f"backend {call.backend} answered the streamed continuation with no stream")
+        cut = _EventCut()
+        content = upstream.content
+        size, limit = 0, self.max_response_bytes
+        while True:
+            try:
+                chunk = await content.readany()
+            except TimeoutError:
+                raise ProxyError(504, self._timed_out(call)) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
+            if not chunk:
+                rest = cut.rest()
+                if not rest.strip():
+                    return False
+                chunk = rest + b"\n\n"  # a last event with no blank line after it
+            size += len(chunk)
+            if size > limit:
+                raise ProxyError(502, f"backend continuation exceeds max_response_bytes={limit}")
+            out: list[bytes] = []
+            aborted = False
+            for data in _payloads(cut.feed(chunk)):
+                if data == b"[DONE]":
+                    out.append(_DONE_EVENT)
+                    continue
+                event = _json_object(data)
+                if event is None:
+                    raise ProxyError(502, f"backend {call.backend} sent a continuation event that is not JSON")
+                if isinstance(event.get("error"), dict):
+                    raise ProxyError(502, f"backend failed while continuing: {_error_message(orjson.dumps(event))}")
+                converted, aborted = self._converted(call, state, event)
+                out.append(converted)
+                if aborted:
+                    break
+            if out and not await self._forward(call, response, b"".join(out), call.capture, None):
+                return None
+            if aborted:
+                await _drain(content)
+                return True
+
+    def _converted(self, call: _Call, state: _Resumption, event: dict[str, Any]) -> tuple[bytes, bool]:
+        """A continuation's (completions) event as an event of the call's stream: ``(bytes, aborted)``.
+
+        An aborted choice goes out without its finish reason (see :func:`_unfinish`); the usage chunk
+        counts the call's own prompt and the whole generation.
+        """
+        head = state.head
+        choices = _choices_of(event)
+        if not choices:
+            usage = event.get("usage")
+            if not isinstance(usage, dict):
+                return b"", False
+            return _sse_event({**head, "choices": [], "usage": state.usage(usage)}), False
+        c = choices[0]
+        ids = c.get("token_ids")
+        if type(ids) is not list:
+            raise ProxyError(502, f"backend {call.backend} sent no token ids for the continuation")
+        aborted = c.get("finish_reason") == "abort"
+        if aborted:
+            _unfinish(c, "completion")
+        self._progressed(call, state, ids, aborted)
+        text = c.get("text") or ""
+        request = call.request or {}
+        finish = c.get("finish_reason")
+        if call.kind == "chat":
+            logprobs = _chat_logprobs(c.get("logprobs"), request.get("top_logprobs") or 0)
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": {"content": logprobs} if request.get("logprobs") else None,
+                "finish_reason": finish,
+            }
+            if finish is not None:
+                choice["stop_reason"] = c.get("stop_reason")
+            choice["token_ids"] = ids
+        else:
+            choice = {**c, "index": 0, "prompt_token_ids": None}
+            choice["logprobs"] = _offset_logprobs(c.get("logprobs"), state.chars)
+            state.chars += len(text)
+        return _sse_event({**head, "choices": [choice]}), aborted
 
     # ------------------------------------------------------------------ backend health
     def _eject(self, backend: _Backend, exc: BaseException) -> None:
@@ -1443,6 +2219,11 @@ class LLMProxy:
         if call.records is not None or call.rollout_id is None or call.kind is None:
             return
         assert call.attempt_id is not None
+        if call.capture is not None and call.capture.aborted and call.error is None:
+            # An abort the proxy could not take out (a chunked JSON answer, an event it did not recognise):
+            # a partial response must not be trained on as a whole one.
+            self.m_resume_failed.inc(1, "unsupported")
+            call.fail("the backend aborted the generation (finish_reason 'abort') and it was not resumed")
         call.records = self._records(call, time.monotonic() - call.t0)
         if not self.store.record_calls(call.rollout_id, call.attempt_id, call.records):
             self.m_unrecorded.inc()
@@ -1480,6 +2261,9 @@ class LLMProxy:
             "error": call.error,
             "model": (capture.model if capture is not None else None) or call.model,
             "weight_version": call.weight_version,
+            "weight_version_end": (
+                call.weight_version if call.weight_version_end is None else call.weight_version_end
+            ),
             "sampling": call.sampling,
             "off_policy": call.off_policy,
         }

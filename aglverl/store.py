@@ -112,7 +112,12 @@ class LLMCall:
     response itself or the call failed for another reason. ``sampling`` holds the sampling parameters the call
     was made with after the proxy filled in the trainer's (``None``: the proxy did not check them);
     ``off_policy`` is true when the agent set different ones and the proxy kept the call (its row must not
-    train).
+    train). ``weight_version`` is the version of the weights the response's first token was generated under,
+    ``weight_version_end`` that of its last token: they differ when a backend aborted the generation for a
+    weight update and the proxy continued it under the new weights. Both are the backend's own report
+    (``X-Weight-Version``) when it sends one, else the proxy's version when the call (or its continuation) was
+    sent. ``weight_version_end`` left ``None`` (records journaled before it existed) becomes
+    ``weight_version``.
     """
 
     rollout_id: str | None
@@ -134,10 +139,20 @@ class LLMCall:
     limit: Literal["max_tokens", "context"] | None = None
     sampling: dict[str, float] | None = None
     off_policy: bool = False
+    weight_version_end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_version_end is None:
+            self.weight_version_end = self.weight_version
 
     @property
     def has_token_ids(self) -> bool:
         return self.prompt_token_ids is not None and self.response_token_ids is not None
+
+    @property
+    def last_weight_version(self) -> int:
+        """The weight version of the response's last token (``weight_version_end``, always set)."""
+        return self.weight_version if self.weight_version_end is None else self.weight_version_end
 
 
 class Journal(Protocol):
