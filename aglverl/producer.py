@@ -368,9 +368,11 @@ class TrajectoryProducer:
         sessions = np.fromiter((session_of[r] for r in row_rollouts), np.int64, count=len(row_rollouts))
         turns = data.non_tensor_batch["turn_index_list"].astype(np.int64)
         now = self.weight_version()
+        # a turn's first token's version and its last's (they differ when an update cut its generation)
         per_turn = [[now if v is None else v for v in t.versions] for t in trajectories]
+        per_turn_end = [[now if v is None else v for v in t.end_versions] for t in trajectories]
         low = np.array([min(v, default=now) for v in per_turn], np.int64)
-        high = np.array([max(v, default=now) for v in per_turn], np.int64)
+        high = np.array([max(v, default=now) for v in per_turn_end], np.int64)
         versions = np.fromiter(
             (per_turn[s][t] for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)),
             np.int64,
@@ -401,8 +403,8 @@ class TrajectoryProducer:
             seconds=time.monotonic() - group.dispatched_at,
             counts=counts,
             uniform=n_groups > 0 and counts.get("rejection/n_groups_uniform", 0.0) == n_groups,
-            min_version=int(versions.min()) if len(versions) else now,
-            max_version=int(versions.max()) if len(versions) else now,
+            min_version=int(low.min()) if len(low) else now,
+            max_version=int(high.max()) if len(high) else now,
         )
         return FinishedGroup(
             prompt=prompt,

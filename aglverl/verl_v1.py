@@ -535,7 +535,7 @@ class _Hooks:
         if mode == "sync":
             run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
         elif mode == "colocate_async":
-            run.await_on_loop(run.daemon.proxy.hold)  # verl aborts next; the proxy resumes after the update
+            run.on_loop(run.daemon.proxy.hold)  # verl aborts next; the proxy resumes after the update
         # The first step has asked for everything a previous run left in flight that it wants again.
         run.on_loop(run.producer.end_recovery)
         super().on_sample_end()  # type: ignore[misc]
@@ -545,7 +545,7 @@ class _Hooks:
         run = self._aglverl
         assert run.daemon is not None
         if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
-            run.await_on_loop(run.daemon.proxy.hold)  # the update aborts the standalone engines' generations
+            run.on_loop(run.daemon.proxy.hold)  # the update aborts the standalone engines' generations
         try:
             super().on_step_end()  # type: ignore[misc]
         finally:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.anyio
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONFIG = {
-    "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": 8, "shuffle": False},
+    "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 32, "shuffle": False},
     "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
     "algorithm": {"adv_estimator": "grpo"},
     "trainer": {
@@ -100,3 +100,69 @@ async def test_a_trajectory_older_than_the_staleness_bound_is_evicted_counted_an
     evicted = producer.take_stats(sorted(trained))  # the step's groups and, with them, the evicted ones
     assert {s.uid for s in evicted} == trained | stale
     await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
+
+
+async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_rows_carry_two_versions(
+    live: tuple[Any, Any],
+) -> None:
+    """Three calls: the first before the update, the second streaming when verl aborts the engines to update
+    their weights (the proxy holds it and continues it under the new weights), the third after it."""
+    import openai
+    import transfer_queue as tq
+
+    from aglverl.client import AgentClient
+    from aglverl.producer import Prompt
+
+    run, trainer = live
+    daemon, producer = run.daemon, run.daemon.producer
+    before = producer.version
+    producer.dispatch([Prompt("span", {"prompt": "Say yes."}, 1, global_steps=2)], resources_id=run.resources["train"])
+    streaming, updated = anyio.Event(), anyio.Event()
+    answers: list[str] = []
+
+    async def agent() -> None:
+        async with AgentClient(daemon.server_url) as client:
+            task = await client.next_task(wait=10)
+            assert task is not None
+            llm = (await client.resources(task.resources_id)).resources["main_llm"]
+            sdk = openai.AsyncOpenAI(base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0)
+            messages = [{"role": "user", "content": "Say yes."}]
+            first = await sdk.chat.completions.create(model=llm.model, messages=messages)
+            answers.append(first.choices[0].finish_reason)
+            parts = []
+            async for chunk in await sdk.chat.completions.create(model=llm.model, messages=messages, stream=True):
+                streaming.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    answers.append(chunk.choices[0].finish_reason)
+                parts.append(chunk)
+            await updated.wait()
+            third = await sdk.chat.completions.create(model=llm.model, messages=messages)
+            answers.append(third.choices[0].finish_reason)
+            await sdk.close()
+            await client.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+
+    async def update() -> None:
+        await streaming.wait()
+        trainer.global_steps = 2
+        await anyio.to_thread.run_sync(trainer.on_step_begin)
+        await anyio.to_thread.run_sync(trainer.on_sample_end)  # hold, abort, sleep
+        await anyio.to_thread.run_sync(trainer.on_step_end)  # weights of step 2, generation resumed
+        updated.set()
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(agent)
+            tg.start_soon(update)
+        await producer.wait_changed(before, 1)
+        await producer.flush()
+    assert len(answers) == 3 and set(answers) <= {"length", "stop"}  # the agent never saw an abort
+    keys = [key for key, tag in (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {}).items() if key.startswith("span_")]
+    assert sorted(keys) == ["span_0_0", "span_0_1", "span_0_2"]
+    data = await anyio.to_thread.run_sync(lambda: tq.kv_batch_get(keys=sorted(keys), partition_id="train"))
+    versions = data["weight_version"].tolist()
+    assert versions[0] == 0 and versions[2] == 2 and len(set(versions)) == 2  # generated under two versions
+    tags = (await anyio.to_thread.run_sync(tq.kv_list, "train"))["train"]
+    assert {(tags[k]["min_global_steps"], tags[k]["max_global_steps"]) for k in keys} == {(0, 2)}
+    assert daemon.proxy_counters()["proxy/held_calls"] + daemon.proxy_counters()["proxy/resumed"] >= 1
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=[*keys, "span"], partition_id="train"))
+    producer.take_stats(["span"])
