@@ -8,6 +8,8 @@ this package in the driver and in Ray's runtime environment. Importing it:
 - registers the CPU device platform as ``"cpu"`` (selected with ``VERL_PLATFORM=cpu``; :mod:`.platform`);
 - registers the embedded rollout engine as ``rollout.name=aglverl`` in verl's two rollout registries (the
   worker-side ``BaseRollout`` and the driver-side ``RolloutReplica``; :mod:`.rollout`), imported lazily;
+- registers the CPU checkpoint engine as ``rollout.checkpoint_engine.backend=aglverl_cpu`` (:mod:`.checkpoint`:
+  weights to standalone replicas through Ray's object store, for ``trainer.v1.trainer_mode=separate_async``);
 - on the CPU platform only, applies the run-time patches verl needs there.
 
 Nothing is patched on GPU machines; registering names is all this does there.
@@ -20,12 +22,22 @@ import os
 from .patches import apply_cpu_patches, check_versions
 from .platform import CPU_PLATFORM, CPUPlatform
 
-__all__ = ["CPU_PLATFORM", "PLUGIN_MODULE", "ROLLOUT_NAME", "CPUPlatform", "apply_cpu_patches", "register"]
+__all__ = [
+    "CHECKPOINT_BACKEND",
+    "CPU_PLATFORM",
+    "PLUGIN_MODULE",
+    "ROLLOUT_NAME",
+    "CPUPlatform",
+    "apply_cpu_patches",
+    "register",
+]
 
 #: The module verl is told to import (``VERL_USE_EXTERNAL_MODULES``).
 PLUGIN_MODULE = __name__
 #: ``actor_rollout_ref.rollout.name`` of the embedded engine (``.rollout``).
 ROLLOUT_NAME = "aglverl"
+#: ``actor_rollout_ref.rollout.checkpoint_engine.backend`` of the CPU checkpoint engine (``.checkpoint``).
+CHECKPOINT_BACKEND = "aglverl_cpu"
 
 
 def _load_replica() -> type:
@@ -35,11 +47,13 @@ def _load_replica() -> type:
 
 
 def register() -> None:
-    """Register the embedded rollout with verl's registries (idempotent)."""
+    """Register the embedded rollout and the CPU checkpoint engine with verl's registries (idempotent)."""
     from verl.workers.rollout import base, replica
 
     base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.rollout.EmbeddedRollout"
     replica.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load_replica)
+    # verl's checkpoint-engine registry holds classes, not loaders: importing the module registers it
+    from . import checkpoint  # noqa: F401
 
 
 check_versions()
