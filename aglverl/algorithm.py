@@ -283,7 +283,7 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
 
 
 #: The embedded engine's checkpoint engine for standalone replicas (no NCCL; ``aglverl.verl_plugin.checkpoint``).
-CPU_CHECKPOINT_ENGINE = "aglverl_cpu"
+CPU_CHECKPOINT_ENGINE = "aglverl_cpu"  # aglverl.verl_plugin.CHECKPOINT_BACKEND (no verl import here)
 
 
 def _given(user: Mapping[str, Any], dotted: str) -> bool:

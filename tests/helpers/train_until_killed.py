@@ -62,7 +62,9 @@ async def main(directory: Path, run: int, mode: str) -> None:
             watched.append(rollout_id)
             if len(watched) == kill_at:  # the ones before answered (or on their way): stored, then die
                 assert algo is not None and algo.daemon is not None
-                await algo.daemon.store.wait_terminal(watched[: kill_at - 1])
+                store = algo.daemon.store
+                # those no longer held were finished and covered by a checkpoint already
+                await store.wait_terminal([rid for rid in watched[: kill_at - 1] if store.knows(rid)])
                 await algo.daemon.store.commit()
                 os.kill(os.getpid(), signal.SIGKILL)
             if len(watched) > kill_at:
