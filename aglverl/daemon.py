@@ -360,6 +360,7 @@ class AgentDaemon:
         counters["proxy/held_calls"] = proxy.m_held.value()
         counters["proxy/resumed"] = proxy.m_resumed.value()
         counters["proxy/continuations"] = proxy.m_continuations.value()
+        counters["proxy/regenerated"] = proxy.m_regenerated.value()
         for reason in ("unsupported", "refused"):
             counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
         return counters

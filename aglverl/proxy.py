@@ -213,7 +213,11 @@ def reconcile_sampling(
     if request.get("logit_bias"):
         mismatches.append("logit_bias (the trainer samples without one)")
     limit = expected.get("max_tokens")
-    if limit is not None and request.get("max_tokens") is None and request.get("max_completion_tokens") is None:
+    if (
+        limit is not None
+        and request.get("max_tokens") is None
+        and request.get("max_completion_tokens") is None
+    ):
         fill["max_tokens"] = limit
     return fill, used, mismatches
 
@@ -794,7 +798,11 @@ class _Resumption:
     def usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
         """A backend's usage counts, for the call's own prompt and the whole generation."""
         prompt, completion = len(self.prompt), len(self.ids)
-        counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        counts = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
         return {**usage, **counts}
 
 
@@ -999,7 +1007,9 @@ class LLMProxy:
         self._paused = False
         self._held = False
         self._gate: anyio.Event | None = None  # exists while paused or held; set by resume()
-        self._waiting = 0  # calls waiting for the gate now (at admission, or to continue an aborted generation)
+        self._waiting = (
+            0  # calls waiting for the gate now (at admission, or to continue an aborted generation)
+        )
         self._handlers: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._session: aiohttp.ClientSession | None = None
@@ -1060,6 +1070,11 @@ class LLMProxy:
         self.m_continuations = r.counter(
             "aglverl_proxy_continuations_total",
             "Token-in continuation requests sent for aborted generations.",
+        )
+        self.m_regenerated = r.counter(
+            "aglverl_proxy_regenerated_total",
+            "Aborted whole answers that a completion cannot continue (tool calls, n > 1, structured output), "
+            "made again from the start (the agent had seen none of them).",
         )
         self.m_resume_failed = r.counter(
             "aglverl_proxy_resume_failures_total",
@@ -1399,7 +1414,9 @@ class LLMProxy:
         Raises :class:`ProxyError` (400) for an off-policy call under the ``"refuse"`` rule, marks it
         ``off_policy`` under ``"mask"``.
         """
-        expected = self.sampling_of(call.rollout_id) if self.sampling_of is not None and call.rollout_id else None
+        expected = (
+            self.sampling_of(call.rollout_id) if self.sampling_of is not None and call.rollout_id else None
+        )
         if not expected:
             return {}
         fill, call.sampling, mismatches = reconcile_sampling(obj, expected)
@@ -1657,7 +1674,11 @@ class LLMProxy:
         call.upstream_end = time.monotonic()
         answer = self._capture_body(call, upstream.status, body)
         if answer is not None and call.capture is not None and call.capture.aborted:
-            body = await self._resume_whole(call, answer)
+            assert call.request is not None
+            if _resume_blocker(call.request, call.kind) is None:
+                body = await self._resume_whole(call, answer)
+            else:
+                body = await self._regenerate_whole(call)
             call.upstream_end = time.monotonic()
         if call.translator is not None:
             try:
@@ -1885,7 +1906,9 @@ class LLMProxy:
         limit = request.get("max_completion_tokens", request.get("max_tokens"))
         return _Resumption(
             list(prompt),
-            list(choice.ids or ()),  # no ids and no output (ids_missing unset): aborted before its first token
+            list(
+                choice.ids or ()
+            ),  # no ids and no output (ids_missing unset): aborted before its first token
             limit if type(limit) is int else None,
             time.monotonic() + self.pause_timeout,
             head or {},
@@ -1959,6 +1982,68 @@ class LLMProxy:
         self.m_resumed.inc()
         return orjson.dumps(merged)
 
+    async def _regenerate_whole(self, call: _Call) -> bytes:
+        """A whole (JSON) answer the backend aborted that a completion cannot continue token-exactly (tool
+        calls, ``n > 1``, structured output: :func:`_resume_blocker`): the agent has seen none of it, so once
+        the proxy is no longer held the call is made again from the start, and that answer (generated under
+        the new weights) is the call's, recorded with its own ids and version. An answer aborted again is made
+        again; :class:`ProxyError` (503) once ``pause_timeout`` passed without a whole answer, 502 for an
+        error answer; cancellation closes the upstream request."""
+        deadline = time.monotonic() + self.pause_timeout
+        refusals = 0
+        while True:
+            if not await self._held_back(deadline):
+                self.m_resume_failed.inc(1, "refused")
+                raise ProxyError(
+                    503, f"an aborted call waited to be made again for over {self.pause_timeout:g}s"
+                )
+            if refusals:
+                await anyio.sleep(min(self.retry.backoff(refusals), max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
+                    self.m_resume_failed.inc(1, "refused")
+                    raise ProxyError(503, f"the backend kept aborting a call made again ({refusals} times)")
+                if self._gate is not None:
+                    continue
+            backend = self._pick(call.rollout_id, ())
+            if backend is None:
+                raise ProxyError(503, "no backends are configured")
+            try:
+                upstream = await self._send(backend, call)
+            except _Unreachable:
+                refusals += 1
+                continue
+            try:
+                if upstream.status in RETRY_STATUSES:
+                    refusals += 1
+                    continue
+                if (upstream.content_length or 0) > self.max_response_bytes:
+                    raise ProxyError(
+                        502, f"backend answer exceeds max_response_bytes={self.max_response_bytes}"
+                    )
+                raw = await upstream.read()
+                status, version = upstream.status, _reported_version(upstream.headers)
+            except TimeoutError:
+                raise ProxyError(504, self._timed_out(call)) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ProxyError(
+                    502, f"backend {call.backend} broke off the call made again: {exc!r}"
+                ) from exc
+            finally:
+                upstream.close()
+            if status >= 400:
+                raise ProxyError(
+                    502, f"backend {backend.url} refused the call made again: {status}: {_error_message(raw)}"
+                )
+            call.capture = _Capture(call.kind or "chat")
+            answer = self._capture_body(call, status, raw)
+            if answer is not None and call.capture.aborted:
+                refusals += 1
+                continue
+            if version is not None:
+                call.weight_version = call.weight_version_end = version
+            self.m_regenerated.inc()
+            return raw
+
     async def _continuation(self, call: _Call, state: _Resumption) -> aiohttp.ClientResponse:
         """Send the next continuation of ``state`` and return its response head (status < 400).
 
@@ -2011,7 +2096,8 @@ class LLMProxy:
                     upstream.close()
                 message = _error_message(body)
                 raise ProxyError(
-                    502, f"backend {backend.url} refused to continue the aborted generation: {upstream.status}: {message}"
+                    502,
+                    f"backend {backend.url} refused to continue the aborted generation: {upstream.status}: {message}",
                 )
             reported = _reported_version(upstream.headers)
             if reported is not None:
@@ -2112,9 +2198,13 @@ class LLMProxy:
                     continue
                 event = _json_object(data)
                 if event is None:
-                    raise ProxyError(502, f"backend {call.backend} sent a continuation event that is not JSON")
+                    raise ProxyError(
+                        502, f"backend {call.backend} sent a continuation event that is not JSON"
+                    )
                 if isinstance(event.get("error"), dict):
-                    raise ProxyError(502, f"backend failed while continuing: {_error_message(orjson.dumps(event))}")
+                    raise ProxyError(
+                        502, f"backend failed while continuing: {_error_message(orjson.dumps(event))}"
+                    )
                 converted, aborted = self._converted(call, state, event)
                 out.append(converted)
                 if aborted:

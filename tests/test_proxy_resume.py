@@ -388,20 +388,67 @@ async def test_a_continuation_held_longer_than_pause_timeout_ends_with_a_clear_e
     assert proxy.m_continuations.value() == 0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_an_aborted_call_with_n_above_1_is_refused_with_a_recorded_error_never_an_abort(
-    server: InferenceServer, stream: bool
+async def test_an_aborted_stream_with_n_above_1_is_refused_with_a_recorded_error_never_an_abort(
+    server: InferenceServer,
 ) -> None:
     async with proxying(server) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
         server.abort(reject=True)
-        async with http.post(base + "/chat/completions", json=body("chat", stream, n=2)) as reply:
+        async with http.post(base + "/chat/completions", json=body("chat", True, n=2)) as reply:
             status, raw = reply.status, await reply.read()
         calls = finish(store, rid, aid)
     assert b'"abort"' not in raw and b"n > 1 is not resumed" in raw
-    assert status == (200 if stream else 503)
+    assert status == 200  # the stream had begun: it ends with an error event
     assert calls and all(c.status == "failed" and "n > 1 is not resumed" in (c.error or "") for c in calls)
     assert proxy.m_resume_failed.value("unsupported") == 1 and proxy.m_continuations.value() == 0
+
+
+async def test_an_aborted_json_call_with_n_above_1_is_made_again_and_a_refusing_backend_ends_it_clearly(
+    server: InferenceServer,
+) -> None:
+    async with proxying(server, pause_timeout=0.5) as (proxy, store), aiohttp.ClientSession() as http:
+        rid, aid, base = claim(proxy, store)
+        server.abort(reject=True)  # every answer, the first and those made again, comes back aborted
+        async with http.post(base + "/chat/completions", json=body("chat", False, n=2)) as reply:
+            status, raw = reply.status, await reply.read()
+        calls = finish(store, rid, aid)
+    assert status == 503 and b'"abort"' not in raw and b"kept aborting" in raw
+    assert calls and all(c.status == "failed" for c in calls)
+    assert proxy.m_resume_failed.value("refused") == 1 and proxy.m_regenerated.value() == 0
+
+
+async def test_an_aborted_json_call_with_tools_is_made_again_under_the_new_weights(paired: InferenceServer) -> None:
+    """A completion cannot continue a call whose output the backend parses as a whole (tool calls): the
+    agent has seen none of a JSON answer, so the proxy makes the call again once the hold ends."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    async with proxying(paired) as (proxy, store), aiohttp.ClientSession() as http:
+        rid, aid, base = claim(proxy, store)
+        whole: list[Any] = []
+
+        async def tool_call() -> None:
+            request = body("chat", stream=False, seed=12, tools=tools, tool_choice="auto")
+            async with http.post(base + "/chat/completions", json=request) as reply:
+                whole.append((reply.status, await reply.json()))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(tool_call)
+                async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
+                    stream = Stream(reply)
+                    await stream.until_first_token()  # both run now: the batch started with the two of them
+                    proxy.hold()
+                    assert len(await anyio.to_thread.run_sync(paired.abort)) == 2
+                    await reload(paired, 1)
+                    paired.resume()
+                    proxy.resume(1)
+                    await stream.rest()
+        calls = finish(store, rid, aid)
+    status, answer = whole[0]
+    choice = answer["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "length" and len(choice["token_ids"]) == LONG
+    [record] = [c for c in calls if c.response_token_ids == choice["token_ids"]]
+    assert (record.weight_version, record.weight_version_end) == (1, 1)  # all of it under the new weights
+    assert proxy.m_regenerated.value() == 1 and proxy.m_resume_failed.value("unsupported") == 0
 
 
 # ---------------------------------------------------------------------------------------------- hold
