@@ -156,16 +156,18 @@ class _Recovered:
 
 def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
     """A step's aglverl metrics from its groups: rollouts, failures, reward over every finished rollout
-    (failures at their failure reward), rows, the batch builder's counts summed, and the version span."""
+    (failures at their failure reward; absent without a rollout), rows, the batch builder's counts summed,
+    and the version span."""
     n = sum(s.n_rollouts for s in stats)
     counts: dict[str, float] = defaultdict(float)
     for s in stats:
         for key, value in s.counts.items():
             counts[key] += value
     metrics = {key: value for key, value in counts.items() if "/n_" in key}
+    if n:
+        metrics["training/reward"] = sum(s.reward_sum for s in stats) / n
     metrics.update(
         {
-            "training/reward": sum(s.reward_sum for s in stats) / n if n else 0.0,
             "step/n_groups": float(len(stats)),
             "step/n_groups_uniform": float(sum(s.uniform for s in stats)),
             "step/n_rollouts": float(n),

@@ -732,6 +732,9 @@ def _step_metrics(trainer: Any, run: _Run, uids: list[str], timing: Mapping[str,
 
     stats, counters, generating, tokens = run.on_loop(on_loop)
     metrics = aggregate_stats(stats)
+    # groups a resumed run found in verl's TransferQueue checkpoint were answered by the previous process:
+    # their stats died with it (verl's own critic/score/* still covers their rows)
+    metrics["step/n_groups_restored"] = float(len(set(uids) - {s.uid for s in stats} - {"pad"}))
     metrics.update(counters)
     computing = [(max(a, start), min(b, stop)) for a, b in trainer._computing if b > start]
     shares = overlap_shares(start, stop, generating, computing)
