@@ -55,8 +55,10 @@ of its first and last tokens (each the backend's ``X-Weight-Version`` when it se
 version). A backend that keeps aborting (or refusing) a continuation, or a hold longer than
 ``pause_timeout`` after the last token, ends the call with a 503 error saying so (an SSE error event once
 the stream started), recorded as failed. Calls with ``n > 1``, tools, a ``response_format``, vLLM guided
-decoding or ``prompt_logprobs`` are not resumed (a completion cannot carry their state on): their abort ends
-them the same way, with the reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
+decoding or ``prompt_logprobs`` are not continued (a completion cannot carry their state on): a JSON answer
+of theirs, which the agent has not seen, is made again from the start under the new weights
+(``proxy/regenerated``); a stream of theirs, already partly sent, ends the same way as above, with the
+reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
 
 Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
 (4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
