@@ -16,6 +16,17 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture(autouse=True)
+def children_take_ctrl_c():  # type: ignore[no-untyped-def]
+    """A test run started in the background of a shell without job control (``cmd &``, ``nohup``) inherits
+    SIGINT ignored, and so would the servers it starts (Python keeps an inherited SIG_IGN, as a shell's
+    background jobs expect). Ctrl-C is what these tests send, so the children start with it at its default:
+    a Python handler in this process is reset to SIG_DFL across ``exec``."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize(
     ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["ctrl-c", "sigterm"]
 )
