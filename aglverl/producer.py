@@ -163,7 +163,13 @@ def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
     for s in stats:
         for key, value in s.counts.items():
             counts[key] += value
-    metrics = {key: value for key, value in counts.items() if "/n_" in key}
+    # The producer drops nothing (rejection sampling is the sampler's: verl counts its evictions as
+    # ``training/filter_groups/evicted_samples``), so the batch builder's ``rejection/*_dropped`` are left out.
+    metrics = {
+        key: value
+        for key, value in counts.items()
+        if "/n_" in key and not (key.startswith("rejection/") and key.endswith("_dropped"))
+    }
     if n:
         metrics["training/reward"] = sum(s.reward_sum for s in stats) / n
     metrics.update(

@@ -169,6 +169,10 @@ async def test_a_group_whose_scores_are_all_equal_is_flagged_for_the_sampler() -
         assert producer.uniform("same") and not producer.uniform("differ")
         taken = producer.take_stats(["same"])
         assert [s.uid for s in taken] == ["same"]
+        metrics = aggregate_stats(taken)
+        # The producer dropped nothing: the sampler's evictions are verl's to count, not rejection/*_dropped.
+        assert metrics["step/n_groups_uniform"] == 1.0 and metrics["rejection/n_groups_uniform"] == 1.0
+        assert not [key for key in metrics if key.startswith("rejection/") and key.endswith("_dropped")]
         producer.evicted(["differ"])
         assert [s.uid for s in producer.take_stats([])] == ["differ"]  # evicted groups still count once
 
