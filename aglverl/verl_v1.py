@@ -595,9 +595,16 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
     def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
         rollout = self.config.actor_rollout_ref.rollout
         correction = self.config.algorithm.get("rollout_correction", None)
-        if not rollout.calculate_log_probs or (
-            correction is not None and correction.get("bypass_mode", False)
-        ):
+        if not rollout.calculate_log_probs:
+            return super()._compute_old_log_prob(batch, metrics)
+        if correction is not None and correction.get("bypass_mode", False):
+            # verl's bypass copies rollout_log_probs into old_log_probs without reading which rows have them:
+            # a row without the engine's log-probs would train against log-probs of 0. Such rows get the
+            # trainer's first (as in the decoupled path), then verl copies.
+            if _rows_missing_logprobs(batch):
+                batch = _old_log_probs(self, batch, metrics)
+            else:
+                metrics["logprobs/n_rows_missing"] = 0.0
             return super()._compute_old_log_prob(batch, metrics)
         return _old_log_probs(self, batch, metrics)
 
@@ -636,6 +643,14 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
         super()._update_actor(_for_workers(batch), metrics)
         return batch
+
+
+def _rows_missing_logprobs(batch: Any) -> bool:
+    """Whether any row of the batch came without the engine's log-probs (``rollout_log_probs_valid = 0``)."""
+    import transfer_queue as tq
+
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs_valid"])
+    return bool((data["rollout_log_probs_valid"] == 0).any())
 
 
 def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
