@@ -768,6 +768,20 @@ async def _drain(content: aiohttp.StreamReader) -> None:
         pass
 
 
+async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
+    whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
+    if (upstream.content_length or 0) > limit:
+        raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
+    parts, size = [], 0
+    while chunk := await upstream.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class _Resumption:
     """An aborted generation on its way to its end: what its continuations need and what they did."""
 
@@ -1962,10 +1976,7 @@ class LLMProxy:
                 break
             upstream = await self._continuation(call, state)
             try:
-                if (upstream.content_length or 0) > self.max_response_bytes:
-                    limit = self.max_response_bytes
-                    raise ProxyError(502, f"backend continuation exceeds max_response_bytes={limit}")
-                raw = await upstream.read()
+                raw = await _read_bounded(upstream, self.max_response_bytes, "backend continuation")
             except TimeoutError:
                 raise ProxyError(504, self._timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
@@ -2018,11 +2029,7 @@ class LLMProxy:
                 if upstream.status in RETRY_STATUSES:
                     refusals += 1
                     continue
-                if (upstream.content_length or 0) > self.max_response_bytes:
-                    raise ProxyError(
-                        502, f"backend answer exceeds max_response_bytes={self.max_response_bytes}"
-                    )
-                raw = await upstream.read()
+                raw = await _read_bounded(upstream, self.max_response_bytes, "backend answer")
                 status, version = upstream.status, _reported_version(upstream.headers)
             except TimeoutError:
                 raise ProxyError(504, self._timed_out(call)) from None
