@@ -943,7 +943,13 @@ def sampling_parameters(config: Any, *, validation: bool = False) -> dict[str, A
 
 
 def close_trainer(trainer: Any) -> None:
-    """Stop the trainer's Ray actors and free its placement groups (blocking; for a shared Ray session)."""
+    """Stop the trainer's Ray actors and free its placement groups (blocking; for a shared Ray session).
+
+    That is the trainer's worker groups, every rollout replica's servers and workers, and the pools of both:
+    a standalone replica (separate_async's rollout pool) makes its own pool and worker group
+    (``RolloutReplica.init_standalone``), which the trainer's ``resource_pool_manager`` does not list; left
+    behind in a Ray session the caller keeps, they hold its resources and the next run waits for them forever.
+    """
     import ray
     from ray.util import remove_placement_group
 
@@ -952,12 +958,16 @@ def close_trainer(trainer: Any) -> None:
         group = getattr(trainer, name, None)
         if group is not None:
             actors += list(group.workers)
+    pools = list((getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}).values())
     for manager_name in ("llm_server_manager", "standalone_server_manager"):
         manager = getattr(trainer, manager_name, None)
-        if manager is not None:
-            actors += [h for replica in manager.get_replicas() for h in replica.servers]
-            if getattr(manager, "global_load_balancer", None) is not None:
-                actors.append(manager.global_load_balancer)
+        if manager is None:
+            continue
+        for replica in manager.get_replicas():
+            actors += list(replica.servers) + list(getattr(replica, "workers", None) or [])
+            pools.append(getattr(replica, "resource_pool", None))
+        if getattr(manager, "global_load_balancer", None) is not None:
+            actors.append(manager.global_load_balancer)
     actors += list(
         getattr(getattr(trainer, "reward_loop_manager", None), "reward_loop_worker_handles", None) or []
     )
@@ -966,10 +976,10 @@ def close_trainer(trainer: Any) -> None:
             ray.kill(actor)
         except Exception as exc:  # already gone: nothing to stop
             logger.debug("ray.kill(%s): %s", actor, exc)
-    pools = getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}
-    for pool in pools.values():
-        for pg in getattr(pool, "pgs", None) or []:
-            remove_placement_group(pg)
+    # a hybrid replica shares the trainer's pool: each placement group is removed once
+    groups = {pg.id: pg for pool in pools if pool is not None for pg in getattr(pool, "pgs", None) or []}
+    for pg in groups.values():
+        remove_placement_group(pg)
 
 
 @asynccontextmanager
