@@ -511,6 +511,7 @@ def main() -> None:
                     "benchmark": "LLMProxy added latency, this tree vs --against",
                     "machine": machine,
                     "against": os.path.abspath(args.against),
+                    "modules": {"new": new.info["module"], "old": old.info["module"]},
                     **result,
                 },
                 indent=2,
