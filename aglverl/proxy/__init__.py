@@ -105,7 +105,10 @@ from .pool import (
     UPSTREAM_KEEPALIVE,
     RetryPolicy,
 )
+from .pool import _Backend as _Backend
 from .resume import CONTINUED_FIELDS
+from .resume import _resume_blocker as _resume_blocker
+from .resume import _Resumption as _Resumption
 
 __all__ = [
     "CAPTURED_PATHS",

@@ -1,8 +1,8 @@
 """The proxy's application: routes, admission, authentication, body limits, the gate, and its life cycle.
 
 :class:`LLMProxy` assembles the parts: :class:`_Admission` (here), :class:`~aglverl.proxy.relay._Relay`, and
-below it :class:`~aglverl.proxy.resume._Resumer`, :class:`~aglverl.proxy.capture._Recorder` and
-:class:`~aglverl.proxy.pool._Pool`. It owns the state they share (set in ``__init__``), the metrics, and:
+below it :class:`~aglverl.proxy.resume._StreamResumer`, :class:`~aglverl.proxy.resume._Resumer`,
+:class:`~aglverl.proxy.capture._Recorder` and :class:`~aglverl.proxy.pool._Pool`. It owns the state they share (set in ``__init__``), the metrics, and:
 
 - Routes: ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` (attributed, recorded), ``/v1/{path}``
   (unattributed), anything else a 404. Every handler counts its call once and tracks it for shutdown.
@@ -266,7 +266,7 @@ class _Admission:
 
 
 class LLMProxy(_Admission, _Relay):
-    """Token-recording reverse proxy in front of OpenAI-compatible backends (see the module docstring).
+    """Token-recording reverse proxy in front of OpenAI-compatible backends (see :mod:`aglverl.proxy`).
 
     Serve it with ``await tg.start(proxy.serve)``; :attr:`url` is valid once ``start`` returns.
     ``token``: when set, every request needs ``Authorization: Bearer <token>`` (an OpenAI client's
@@ -282,7 +282,7 @@ class LLMProxy(_Admission, _Relay):
     ask the backend for the sampled tokens' logprobs on every recorded call whose agent did not set
     ``logprobs`` itself (a trainer's behaviour log-probs); the agent then receives them in its answers too.
     ``sampling_of(rollout_id)``: the sampling parameters the rollout's trainer expects (``None``: unchecked);
-    ``sampling_mismatch``: what happens to a call that sets other ones (see the module docstring).
+    ``sampling_mismatch``: what happens to a call that sets other ones (see :mod:`aglverl.proxy`).
     :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
     """
 
