@@ -90,17 +90,20 @@ async def _run_mock() -> None:
 
 
 @asynccontextmanager
-async def serving_proxy(backend: str) -> AsyncIterator[tuple[str, list[str]]]:
-    """An LLMProxy in front of ``backend`` with ROLLOUTS claimed rollouts; yields its URL and their base URLs."""
+async def serving_proxy(
+    backend: str, rollouts: int = ROLLOUTS, **options: Any
+) -> AsyncIterator[tuple[str, list[str]]]:
+    """An LLMProxy (``options``) in front of ``backend`` with ``rollouts`` claimed rollouts; yields its URL and
+    their base URLs."""
     from aglverl.proxy import LLMProxy
     from aglverl.store import TaskStore
 
     store = TaskStore(lease_seconds=3600)
-    proxy = LLMProxy(store, backends=[backend])
+    proxy = LLMProxy(store, backends=[backend], **options)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         bases = []
-        for i in range(ROLLOUTS):
+        for i in range(rollouts):
             store.enqueue({"i": i})
             task = store.try_claim()
             assert task is not None and task.attempt_id is not None

@@ -58,6 +58,7 @@ from _common import (
     stdin_commands,
     summary_ms,
 )
+from proxy import call as _json_call  # benchmarks/proxy.py: one JSON call, its latency
 
 #: The added latency p99 (ms) that ends a sweep.
 LIMIT_MS = 5.0
@@ -88,23 +89,12 @@ async def _run_mock(cfg: dict[str, Any]) -> None:
 
 
 async def _run_proxy(cfg: dict[str, Any]) -> None:
+    from proxy import serving_proxy  # benchmarks/proxy.py: a proxy with its store and claimed rollouts
     from pyinstrument import Profiler
     from pyinstrument.stack_sampler import get_stack_sampler
 
-    from aglverl.proxy import LLMProxy
-    from aglverl.store import TaskStore
-
-    store = TaskStore(lease_seconds=3600)
-    proxy = LLMProxy(store, backends=[cfg["backend"]], request_logprobs=True)
-    async with anyio.create_task_group() as tg:
-        await tg.start(proxy.serve)
-        bases = []
-        for i in range(ROLLOUTS):
-            store.enqueue({"i": i})
-            task = store.try_claim()
-            assert task is not None and task.attempt_id is not None
-            bases.append(proxy.llm_resource("mock").get_base_url(task.rollout_id, task.attempt_id))
-        emit({"url": proxy.url, "bases": bases, "pid": os.getpid()})
+    async with serving_proxy(cfg["backend"], ROLLOUTS, request_logprobs=True) as (url, bases):
+        emit({"url": url, "bases": bases, "pid": os.getpid()})
         profiler: Profiler | None = None
         async for cmd in stdin_commands():
             if cmd.get("profile") == "start":
@@ -119,8 +109,7 @@ async def _run_proxy(cfg: dict[str, Any]) -> None:
                 emit(_profile_summary(profiler))
                 profiler = None
             else:
-                emit({"calls": proxy.m_calls.value("ok"), "in_flight": proxy.in_flight})
-        tg.cancel_scope.cancel()
+                emit({"error": f"unknown command {cmd!r}"})
 
 
 #: Where a sample's self time is idle: the event loop waiting in epoll for something to do (on the CPU clock,
@@ -180,15 +169,6 @@ def _child_main(role: str, cfg: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- load
-async def _json_call(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
-    started = time.perf_counter()
-    async with session.post(url, data=body, headers=HEADERS) as response:
-        await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{url} answered {response.status}")
-    return time.perf_counter() - started
-
-
 async def _stream_call(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
     started = time.perf_counter()
     async with session.post(url, data=body, headers=HEADERS) as response:

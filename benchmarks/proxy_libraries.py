@@ -105,6 +105,45 @@ async def _per_call_us(run: Callable[[], Awaitable[object]], calls: int = CALLS)
     return round(best / calls * 1e6, 3)
 
 
+def _with_stamina(
+    try_once: Callable[[], Awaitable[int]], policy: RetryPolicy
+) -> Callable[[], Awaitable[int]]:
+    import stamina
+
+    async def run() -> int:
+        async for attempt in stamina.retry_context(
+            on=_Unreachable,
+            attempts=policy.attempts,
+            timeout=policy.total_timeout,
+            wait_initial=0.0,
+            wait_max=policy.backoff_max,
+            wait_jitter=0.0,
+        ):
+            with attempt:
+                return await try_once()
+        raise AssertionError("unreachable")
+
+    return run
+
+
+def _with_tenacity(
+    try_once: Callable[[], Awaitable[int]], policy: RetryPolicy
+) -> Callable[[], Awaitable[int]]:
+    import tenacity
+
+    async def run() -> int:
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(_Unreachable),
+            stop=tenacity.stop_after_attempt(policy.attempts),
+            reraise=True,
+        ):
+            with attempt:
+                return await try_once()
+        raise AssertionError("unreachable")
+
+    return run
+
+
 async def retry() -> dict[str, Any]:
     policy = RetryPolicy()
     failures = {"left": 0}
@@ -138,62 +177,25 @@ async def retry() -> dict[str, Any]:
         failures["left"] = 1
         return await run()
 
-    out: dict[str, Any] = {}
     base = await _per_call_us(bare)
-    out["bare_try_us"] = base
-    out["proxy_loop"] = {
-        "us_added_per_call": round(await _per_call_us(ours) - base, 3),
-        "us_added_per_call_one_failure": round(await _per_call_us(lambda: fail_once(ours)) - base, 3),
-    }
-    try:
-        import stamina
-    except ImportError:
-        out["stamina"] = "not installed"
-    else:
 
-        async def with_stamina() -> int:
-            async for attempt in stamina.retry_context(
-                on=_Unreachable,
-                attempts=policy.attempts,
-                timeout=policy.total_timeout,
-                wait_initial=0.0,
-                wait_max=policy.backoff_max,
-                wait_jitter=0.0,
-            ):
-                with attempt:
-                    return await try_once()
-            raise AssertionError("unreachable")
-
-        out["stamina"] = {
-            "version": importlib.metadata.version("stamina"),
-            "us_added_per_call": round(await _per_call_us(with_stamina) - base, 3),
-            "us_added_per_call_one_failure": round(
-                await _per_call_us(lambda: fail_once(with_stamina)) - base, 3
-            ),
+    async def row(package: str | None, run: Callable[[], Awaitable[int]]) -> dict[str, Any]:
+        """What ``run`` adds to the bare try, when it succeeds and when one try fails first."""
+        version = {"version": importlib.metadata.version(package)} if package else {}
+        return {
+            **version,
+            "us_added_per_call": round(await _per_call_us(run) - base, 3),
+            "us_added_per_call_one_failure": round(await _per_call_us(lambda: fail_once(run)) - base, 3),
         }
-    try:
-        import tenacity
-    except ImportError:
-        out["tenacity"] = "not installed"
-    else:
 
-        async def with_tenacity() -> int:
-            async for attempt in tenacity.AsyncRetrying(
-                retry=tenacity.retry_if_exception_type(_Unreachable),
-                stop=tenacity.stop_after_attempt(policy.attempts),
-                reraise=True,
-            ):
-                with attempt:
-                    return await try_once()
-            raise AssertionError("unreachable")
-
-        out["tenacity"] = {
-            "version": importlib.metadata.version("tenacity"),
-            "us_added_per_call": round(await _per_call_us(with_tenacity) - base, 3),
-            "us_added_per_call_one_failure": round(
-                await _per_call_us(lambda: fail_once(with_tenacity)) - base, 3
-            ),
-        }
+    out: dict[str, Any] = {"bare_try_us": base, "proxy_loop": await row(None, ours)}
+    for package, wrap in (("stamina", _with_stamina), ("tenacity", _with_tenacity)):
+        try:
+            run = wrap(try_once, policy)
+        except ImportError:
+            out[package] = "not installed"
+        else:
+            out[package] = await row(package, run)
     return out
 
 
