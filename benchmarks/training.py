@@ -383,9 +383,7 @@ def main() -> None:
             f"fastest async mode >= {TARGET_ASYNC_SPEEDUP}x sooner to 0.9 than legacy and V1 sync; "
             "no async mode slower than either"
         )
-        result["met_async"] = min(
-            speedup(best, "legacy"), speedup(best, "sync")
-        ) >= TARGET_ASYNC_SPEEDUP and all(
+        result["met_async"] = min(speedup(best, "legacy"), speedup(best, "sync")) >= TARGET_ASYNC_SPEEDUP and all(
             speedup(v, base) >= 1.0 for v in asyncs for base in ("legacy", "sync")
         )
         result["fastest_async"] = best
