@@ -453,7 +453,7 @@ def _rollout_log_probs(
     where: Callable[[int], str],
 ) -> tuple[np.ndarray, np.ndarray]:
     """The engine's logprobs of the rows' generated ids (float32, zeros elsewhere), and per row whether every
-    call of it brought logprobs aligned with its response (only those calls' values are converted)."""
+    call of it brought finite logprobs aligned with its response (only aligned calls' values are converted)."""
     aligned = np.fromiter(
         (
             turn_logprobs[call] is not None and len(turn_logprobs[call]) == n
@@ -476,7 +476,7 @@ def _rollout_log_probs(
         "logprobs must be numbers",
         "d",
     )
-    rows_aligned = np.bincount(row_of[~aligned], minlength=shape[0]) == 0
+    rows_aligned = (np.bincount(row_of[~aligned], minlength=shape[0]) == 0) & np.isfinite(values).all(axis=1)
     return values.astype(np.float32), rows_aligned
 
 

@@ -143,7 +143,9 @@ async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whol
     producer, store = run.daemon.producer, run.daemon.store
     long_prompt = list(range(1, 21))  # 20 ids > max_prompt_length 16: the row is kept for its group, masked
     plan = {
-        ("ga", 0): (1.0, [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6])]),  # two turns: two rows, one member
+        # the second call continues the first (one merged row, [5] between them masked); the third is a branch:
+        # two rows, one member
+        ("ga", 0): (1.0, [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6]), ([7], [8])]),
         ("ga", 1): (0.0, [([1, 2], [7, 8, 9])]),
         ("ga", 2): (0.5, [(long_prompt, [5])]),
         ("gb", 0): (1.0, [([1], [2])]),
@@ -175,8 +177,9 @@ async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whol
     # group ga by hand: one member per rollout, scores (1, 0, 0.5): mean 0.5, unbiased std 0.5
     mean, std = 0.5, math.sqrt(((1 - 0.5) ** 2 + (0 - 0.5) ** 2 + 0.0) / 2)
     high, low = (1 - mean) / (std + 1e-6), (0 - mean) / (std + 1e-6)
-    assert got["ga_0_0"] == pytest.approx([high] * 2, rel=1e-6)
-    assert got["ga_0_1"] == pytest.approx([high], rel=1e-6)  # the second turn gets its rollout's advantage
+    assert masks["ga_0_0"] == [1, 1, 0, 1]
+    assert got["ga_0_0"] == pytest.approx([high, high, 0.0, high], rel=1e-6)
+    assert got["ga_0_2"] == pytest.approx([high], rel=1e-6)  # the branch gets its rollout's advantage
     assert got["ga_1_0"] == pytest.approx([low] * 3, rel=1e-6)
     assert masks["ga_2_0"] == [0] and got["ga_2_0"] == [0.0]  # counted in the statistics, not in the loss
     assert got["gb_0_0"] == [0.0] and got["gb_1_0"] == [0.0]
