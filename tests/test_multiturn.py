@@ -35,7 +35,10 @@ async def tool_agent(task_input: dict[str, Any], llm: LLM) -> float:
     try:
         for turn in range(TURNS):
             reply = await client.chat.completions.create(
-                model=llm.model, messages=messages, max_tokens=6, temperature=1.0  # type: ignore[arg-type]
+                model=llm.model,
+                messages=messages,
+                max_tokens=6,
+                temperature=1.0,  # type: ignore[arg-type]
             )
             # the engine's ids, which the proxy asked for on the agent's behalf (vLLM's return_token_ids)
             seen.append((reply.model_extra["prompt_token_ids"], reply.choices[0].model_extra["token_ids"]))

@@ -14,7 +14,7 @@ import aiohttp
 import anyio
 import pytest
 import ray
-from helpers.v1 import live_trainer
+from helpers.v1 import assert_rows_are_the_engines_chains, live_trainer, multi_turn_agents
 
 from aglverl.models import Rollout, Triplet
 from aglverl.producer import Prompt
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.anyio
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONFIG = {
-    "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 8, "shuffle": False},
+    # responses wide enough for a merged three-call chat of the tiny model (calls of 3 ids, template between)
+    "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 48, "shuffle": False},
     "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
     "algorithm": {"adv_estimator": "grpo"},
     "trainer": {"total_training_steps": 2, "val_before_train": False, "test_freq": -1, "save_freq": -1},
@@ -134,6 +135,36 @@ async def test_a_training_batch_is_filed_and_sampled_the_way_verls_agent_loop_do
     await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
     taken = run.daemon.producer.take_stats(sorted(uids))
     assert sum(s.n_rollouts for s in taken) == 4
+
+
+async def test_a_multi_turn_agents_calls_are_filed_as_one_row_per_chain(live: Any) -> None:
+    """Agents chat three turns through the proxy; the tiny model's chat template renders each call's history.
+    Each chain of calls is one TransferQueue key in verl's agent-loop layout (calls that drifted: a new key)."""
+    run, trainer = live
+    async with anyio.create_task_group() as tg:
+        await anyio.to_thread.run_sync(trainer._add_batch_to_generate)
+        seen = {}
+
+        async def agents() -> None:
+            seen.update(await multi_turn_agents(run, 4, 3))
+
+        tg.start_soon(agents)
+        with anyio.fail_after(120):
+            batch, _ = await anyio.to_thread.run_sync(trainer.replay_buffer.sample, 1, "train", 2)
+    data = _tq_get(batch.keys)
+    assert len(seen) == 4
+    merged = assert_rows_are_the_engines_chains(batch.keys, data, seen)
+    assert merged >= 1 and len(batch) < 12  # fewer rows than calls
+    for tag in batch.tags:
+        assert tag["min_global_steps"] == tag["max_global_steps"] == 0
+        assert tag["seq_len"] == tag["prompt_len"] + tag["response_len"]
+    uids = sorted({key.split("_")[0] for key in batch.keys})
+    stats = run.daemon.producer.take_stats(uids)
+    counts = {k: sum(s.counts.get(k, 0.0) for s in stats) for k in ("batch/n_calls", "batch/n_rows")}
+    assert counts == {"batch/n_calls": 12.0, "batch/n_rows": float(len(batch))}
+    import transfer_queue as tq
+
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
 
 
 async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whole_group_advantages(
