@@ -175,6 +175,11 @@ def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
     }
     if n:
         metrics["training/reward"] = sum(s.reward_sum for s in stats) / n
+        # what the trainer reads per rollout: merged rows, and what one row per call would have cost
+        metrics["step/trainer_tokens_per_rollout"] = counts.get("batch/n_trainer_tokens", 0.0) / n
+        metrics["step/trainer_tokens_per_rollout_per_call"] = (
+            counts.get("batch/n_trainer_tokens_per_call", 0.0) / n
+        )
     metrics.update(
         {
             "step/n_groups": float(len(stats)),

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.anyio
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONFIG = {
-    # responses wide enough for a merged three-call chat of the tiny model (calls of 3 ids, template between)
-    "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 48, "shuffle": False},
+    # wide enough for a merged three-call chat of the tiny model (calls of 3 ids, the template between), and for
+    # the full prompt of a call that drifted (it starts a row of its own)
+    "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 48, "shuffle": False},
     "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
     "algorithm": {"adv_estimator": "grpo"},
     "trainer": {"total_training_steps": 2, "val_before_train": False, "test_freq": -1, "save_freq": -1},
@@ -172,7 +173,7 @@ async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whol
 ) -> None:
     run, trainer = live
     producer, store = run.daemon.producer, run.daemon.store
-    long_prompt = list(range(1, 21))  # 20 ids > max_prompt_length 16: the row is kept for its group, masked
+    long_prompt = list(range(1, 71))  # 70 ids > max_prompt_length 64: the row is kept for its group, masked
     plan = {
         # the second call continues the first (one merged row, [5] between them masked); the third is a branch:
         # two rows, one member
