@@ -4,14 +4,16 @@ Two parts, each variant a child process that trains with ``AsyncVERL`` and repor
 
 - **Cost** (``--turns``, default 2 4 8): a tool agent whose conversation has a ~256-token system prompt (tool
   descriptions), then per turn a call (answers of at most 8 tokens) and a ~64-token tool result; reward: the
-  demo's word reward averaged over the answers. ``trajectory: merge`` and ``per_call`` run the same work
+  demo's word reward averaged over the answers. The agent keeps its conversation as token ids (verl's agent
+  loop's way, see :func:`tool_agent`), so what is measured is the layouts' cost, not the drift. ``trajectory: merge`` and ``per_call`` run the same work
   (``--cost-steps`` steps, ``--prompts`` prompts x ``--n`` samples). Per variant: trainer tokens per rollout
   (the rows' prompt + response ids, ``step/trainer_tokens_per_rollout``), rows per step, seconds per step
   (median over the steps after the first), generated tokens per step, and the drift rate (calls that began
   with their chain's last prompt but not with its exact answer ids, over all calls) with the tiny model's chat
   template.
-- **Learning** (``--learn-steps``, 0 to skip): ``aglverl demo --task multiturn`` (3 turns) under each
-  trajectory: the reward per step and the time to ``--target``.
+- **Learning** (``--learn-steps``, 0 to skip): ``aglverl demo --task multiturn`` (3 turns, chat messages the
+  tiny model's chat template renders) under each trajectory: the reward per step, the time to ``--target``, and
+  the drift rate with that template (early and late in training).
 
 Targets (8 turns): at least 4x fewer trainer tokens and at least 2x less time per step with ``merge``.
 """
@@ -55,27 +57,35 @@ def _text_of(tokenizer: Any, pieces: tuple[str, ...], tokens: int) -> str:
     return text
 
 
-def tool_agent(turns: int, system: str, tool_result: str) -> Any:
-    """An agent of ``turns`` calls: system prompt, the question, then per turn an answer and a tool result."""
+def tool_agent(turns: int, tokenizer: Any, system: str, tool_result: str) -> Any:
+    """An agent of ``turns`` calls that keeps its conversation as token ids, as verl's own agent loop does: the
+    chat template renders the system prompt and the question once; each call sends the ids so far on the
+    completions route, appends the engine's ids as they came back, then the template's ids of a tool result.
+    Nothing is re-tokenized, so no call drifts (the chat runs of the learning part measure drift)."""
     from aglverl.demo import _openai_client, word_reward
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def rendered(messages: list[dict[str, str]]) -> list[int]:
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
 
     async def agent(task: dict[str, Any], llm: Any) -> float:
         client = _openai_client().with_options(base_url=llm.endpoint)
-        messages: list[Any] = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": task["prompt"]},
-        ]
+        ids = rendered([{"role": "system", "content": system}, {"role": "user", "content": task["prompt"]}])
         rewards = []
         for turn in range(turns):
-            reply = await client.chat.completions.create(
-                model=llm.model, messages=messages, max_tokens=ANSWER_TOKENS, temperature=1.0
+            reply = await client.completions.create(
+                model=llm.model, prompt=ids, max_tokens=ANSWER_TOKENS, temperature=1.0
             )
-            answer = reply.choices[0].message.content or ""
-            rewards.append(word_reward(answer, task["word"]))
-            messages += [
-                {"role": "assistant", "content": answer},
-                {"role": "user", "content": f"Result {turn}: {tool_result}"},
-            ]
+            answer = list(reply.choices[0].model_extra["token_ids"])
+            rewards.append(word_reward(tokenizer.decode(answer, skip_special_tokens=True), task["word"]))
+            closing = [] if answer and answer[-1] == end else [end]
+            message = f"<|im_start|>user\nResult {turn}: {tool_result}<|im_end|>\n<|im_start|>assistant\n"
+            ids = ids + answer + closing + tokenizer("\n" + message, add_special_tokens=False)["input_ids"]
         return sum(rewards) / len(rewards)
 
     return agent
@@ -108,7 +118,7 @@ def child(kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: i
         )
         config["actor_rollout_ref"]["rollout"]["n"] = n
         config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = prompts
-        agent = tool_agent(turns, system, result)
+        agent = tool_agent(turns, tokenizer, system, result)
     algo = AsyncVERL(config, agent=agent, progress=False)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -183,6 +193,14 @@ def summarize_learning(rows: list[dict[str, Any]], target: float) -> dict[str, A
             statistics.mean(r["metrics"]["step/trainer_tokens_per_rollout"] for r in rows), 1
         ),
         "drift_rate": round(_sum(rows, "batch/n_calls_drifted") / max(_sum(rows, "batch/n_calls"), 1), 4),
+        "drift_rate_per_step": [
+            round(
+                r["metrics"].get("batch/n_calls_drifted", 0.0)
+                / max(r["metrics"].get("batch/n_calls", 0.0), 1),
+                3,
+            )
+            for r in rows
+        ],
     }
 
 
