@@ -157,10 +157,11 @@ def demo_config(
     mode: str = "sync",
     task: str = "one_word",
     trajectory: str = "merge",
+    prompts: int = 16,
 ) -> dict[str, Any]:
-    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, 16 prompts x 8 samples per step, verl's
-    trainer ``mode`` (the CPU defaults fill in what an asynchronous mode needs), the ``task``'s response width,
-    ``trajectory`` (``aglverl.signal.trajectory``)."""
+    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, ``prompts`` (16) prompts x 8 samples per step
+    (one actor update), verl's trainer ``mode`` (the CPU defaults fill in what an asynchronous mode needs), the
+    ``task``'s widths, ``trajectory`` (``aglverl.signal.trajectory``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if task not in TASKS:
@@ -172,14 +173,14 @@ def demo_config(
         rollout["calculate_log_probs"] = False
     return {
         "data": {
-            "train_batch_size": 16,
+            "train_batch_size": prompts,
             "max_prompt_length": TASKS[task][1],
             "max_response_length": TASKS[task][2],
         },
         "actor_rollout_ref": {
             "model": {"path": model},
             "rollout": rollout,
-            "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}, "use_kl_loss": False},
+            "actor": {"ppo_mini_batch_size": prompts, "optim": {"lr": 5e-3}, "use_kl_loss": False},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {
@@ -214,6 +215,7 @@ async def run_demo(
     library_log: Path | None = None,
     task: str = "one_word",
     trajectory: str = "merge",
+    prompts: int = 16,
 ) -> dict[str, Any]:
     """Run the demo; returns the summary (also written as the last stdout line by the CLI).
 
@@ -225,7 +227,7 @@ async def run_demo(
     started = time.monotonic()
     await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     rewards: list[float] = []
-    config = demo_config(steps, model, agents, rejection_sampling, mode, task, trajectory)
+    config = demo_config(steps, model, agents, rejection_sampling, mode, task, trajectory, prompts)
     first_step_at: list[float] = []
     walls: list[float] = []
 
