@@ -242,9 +242,9 @@ def build_rows(
         )
     n_empty = np.count_nonzero(~plan.masked[turn_rollout] & (response_len == 0))
 
-    # The kept calls, row-major: rows in the order of their first calls, a row's calls in call order. Plans
-    # keep or drop whole rollouts (masking, rejection and group sizes act on rollouts and their groups), so a
-    # row's calls are kept or dropped together.
+    # The kept calls, row-major: rows in the order of their first calls, a row's calls in call order. A merged
+    # row's calls are kept or dropped together: masking and group sizes act on whole rollouts, and rejection on
+    # whole groups, which are rollouts' (per_step's per-turn groups only exist with per_call rows).
     order = np.argsort(chains.row[plan.rows], kind="stable")
     calls = plan.rows[order]
     row_of = np.unique(chains.row[calls], return_inverse=True)[1].reshape(-1)
@@ -260,8 +260,9 @@ def build_rows(
     gap = np.where(first, 0, prompt_len[calls] - chains.gap_from[calls])
     full_piece = gap + response_len[calls]
     full_response_len = np.bincount(row_of, weights=full_piece, minlength=n_rows).astype(np.int64)
-    row_start = np.cumsum(full_piece) - full_piece  # where each call's gap starts, counted from the row's
-    offset_in_row = row_start - row_start[first][row_of]
+    # where each call's gap starts in its row: its offset in all rows' pieces laid end to end, less its row's
+    starts = np.cumsum(full_piece) - full_piece
+    offset_in_row = starts - starts[first][row_of]
     response_start = offset_in_row + gap
     call_response_len = np.minimum(response_len[calls], R - response_start)
 
