@@ -35,7 +35,7 @@ import anyio
 import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 
-from .batch import BatchConfig, build_batch
+from .batch import BatchConfig, build_rows
 from .collector import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
 from .metrics import Registry
 from .models import Mode
@@ -102,19 +102,22 @@ class GroupStats:
 @dataclass(frozen=True, slots=True)
 class FinishedGroup:
     """A group whose rollouts are all terminal: its rows (``data``, a verl ``DataProto`` built by
-    :func:`aglverl.batch.build_batch`, one row per trainable turn, in session then turn order) and what a
-    sink needs to file them: each row's session (the rollout's place in the group), turn index, the weight
-    version of its call, its rollout's oldest / newest call version, and the engine's logprobs of its
-    response tokens (float32, as long as the row's response; ``None`` where the call brought none)."""
+    :func:`aglverl.batch.build_rows`, one row per chain of calls, or per call with ``trajectory="per_call"``,
+    in session then first-call order) and what a sink needs to file them: each row's session (the rollout's
+    place in the group), the turn index of its first call, its number of calls, the weight version of its
+    first call, the oldest / newest weight version of its calls (a call's first token's and last token's),
+    and the engine's logprobs of its response (float32, as long as the row's response, 0 between calls;
+    ``None`` unless every call of the row brought them)."""
 
     prompt: Prompt
     status: GroupStatus
     data: Any
     sessions: np.ndarray
     turns: np.ndarray
+    n_calls: np.ndarray
     versions: np.ndarray
-    rollout_min_versions: np.ndarray
-    rollout_max_versions: np.ndarray
+    row_min_versions: np.ndarray
+    row_max_versions: np.ndarray
     logprobs: list[np.ndarray | None]
     stats: GroupStats
     records: list[RolloutRecord]
@@ -172,6 +175,11 @@ def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
     }
     if n:
         metrics["training/reward"] = sum(s.reward_sum for s in stats) / n
+        # what the trainer reads per rollout: merged rows, and what one row per call would have cost
+        metrics["step/trainer_tokens_per_rollout"] = counts.get("batch/n_trainer_tokens", 0.0) / n
+        metrics["step/trainer_tokens_per_rollout_per_call"] = (
+            counts.get("batch/n_trainer_tokens_per_call", 0.0) / n
+        )
     metrics.update(
         {
             "step/n_groups": float(len(stats)),
@@ -370,27 +378,24 @@ class TrajectoryProducer:
         prompt = group.prompt
         trajectories = [trajectory_of(record) for record in records]
         rollouts = [finished_rollout(r, t, prompt.uid) for r, t in zip(records, trajectories, strict=True)]
-        data, counts = build_batch(rollouts, self.batch_config, self._build_signal)
-        session_of = {record.rollout_id: i for i, record in enumerate(records)}
-        row_rollouts = data.non_tensor_batch["rollout_id_list"]
-        sessions = np.fromiter((session_of[r] for r in row_rollouts), np.int64, count=len(row_rollouts))
-        turns = data.non_tensor_batch["turn_index_list"].astype(np.int64)
+        built = build_rows(rollouts, self.batch_config, self._build_signal)
+        data, counts = built.data, built.metrics
+        sessions = built.row_rollout.astype(np.int64)  # rollouts are in session order
+        turns = np.fromiter((calls[0] for calls in built.row_calls), np.int64, count=len(sessions))
         now = self.weight_version()
         # a turn's first token's version and its last's (they differ when an update cut its generation)
         per_turn = [[now if v is None else v for v in t.versions] for t in trajectories]
         per_turn_end = [[now if v is None else v for v in t.end_versions] for t in trajectories]
         low = np.array([min(v, default=now) for v in per_turn], np.int64)
         high = np.array([max(v, default=now) for v in per_turn_end], np.int64)
-        versions = np.fromiter(
-            (per_turn[s][t] for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)),
-            np.int64,
-            count=len(sessions),
+        rows = list(zip(sessions.tolist(), built.row_calls, strict=True))
+        versions = np.fromiter((per_turn[s][calls[0]] for s, calls in rows), np.int64, count=len(rows))
+        row_low = np.fromiter(
+            (min(per_turn[s][c] for c in calls) for s, calls in rows), np.int64, count=len(rows)
         )
-        width = self.batch_config.max_response_length
-        logprobs = [
-            _row_logprobs(trajectories[s].logprobs[t], trajectories[s].turns[t][1], width)
-            for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)
-        ]
+        row_high = np.fromiter(
+            (max(per_turn_end[s][c] for c in calls) for s, calls in rows), np.int64, count=len(rows)
+        )
         n_completed = sum(r.state == "completed" for r in records)
         reward_sum = sum(
             (r.reward if r.reward is not None else self.batch_config.reward_fill_value or 0.0)
@@ -420,10 +425,11 @@ class TrajectoryProducer:
             data=data,
             sessions=sessions,
             turns=turns,
+            n_calls=np.fromiter(map(len, built.row_calls), np.int64, count=len(rows)),
             versions=versions,
-            rollout_min_versions=low[sessions] if len(sessions) else low[:0],
-            rollout_max_versions=high[sessions] if len(sessions) else high[:0],
-            logprobs=logprobs,
+            row_min_versions=row_low,
+            row_max_versions=row_high,
+            logprobs=built.logprobs,
             stats=stats,
             records=records,
         )
@@ -571,15 +577,3 @@ def _group_record(prompt: Prompt, rollout_ids: list[str]) -> dict[str, Any]:
         "n": prompt.n,
         "rollout_ids": rollout_ids,
     }
-
-
-def _row_logprobs(values: Sequence[float] | None, response: Sequence[int], width: int) -> np.ndarray | None:
-    """A row's engine logprobs (its first ``width`` response tokens, float32); ``None`` unless the call brought
-    one finite logprob per response token."""
-    if values is None or len(values) != len(response):
-        return None
-    try:
-        array = np.asarray(values[:width], dtype=np.float32)
-    except (TypeError, ValueError):
-        return None
-    return array if np.isfinite(array).all() else None

@@ -8,9 +8,10 @@ plugs into its extension points and adds what only it can (agents it does not co
   go to the daemon's :class:`~aglverl.producer.TrajectoryProducer` (``n`` tasks each) and the call returns at
   once, as verl's ``AgentLoopManagerTQ`` does.
 - :class:`TransferQueueSink` — the producer's sink: each finished group's rows go into TransferQueue the way
-  verl's ``AgentLoopWorkerTQ`` files them (key ``{uid}_{session}_{turn}``, verl's fields, the tags ``status``,
-  lengths, ``global_steps``, ``min_global_steps`` / ``max_global_steps`` from the weight versions the proxy
-  recorded), then the prompt's group status (``running`` at dispatch, ``finished`` / ``failure``).
+  verl's ``AgentLoopWorkerTQ`` files them (one key per row, ``{uid}_{session}_{turn}`` with the turn of the
+  row's first call: a merged chain of calls is one row; verl's fields, the tags ``status``, lengths,
+  ``global_steps``, ``min_global_steps`` / ``max_global_steps`` over the weight versions the proxy recorded for
+  the row's calls), then the prompt's group status (``running`` at dispatch, ``finished`` / ``failure``).
 - :class:`EventReplayBuffer` / :class:`EventReplayBufferAsync` — verl's replay buffers, installed through
   ``trainer.v1.sampler.custom_sampler``, that wait for the producer's next finished group (an event) where
   verl's sleep ``poll_interval`` seconds (``replay_buffer.py:144``); aglverl's rejection sampling is verl's
@@ -260,10 +261,11 @@ class TransferQueueSink:
     thread, slowed the agents' event loop down by ~15% of the generation phase). A failed write raises in
     :meth:`flush`.
 
-    Rows carry verl's fields (``prompts``, ``responses``, ``response_mask`` = ``loss_mask``, ``input_ids``,
-    ``position_ids``, ``rm_scores``, ``num_turns``, ``uid``) and aglverl's (``advantage_weights``, the
-    ``weight_version`` of the row's call); validation rows also ``data_source``. ``logprobs``: every row
-    carries ``rollout_log_probs``, so the column stays whole; a row whose call came back without the engine's
+    Rows carry verl's fields (``prompts``, ``responses``, ``response_mask`` = ``loss_mask``: 1 on generated
+    ids, 0 between a merged row's calls, ``input_ids``, ``position_ids``, ``rm_scores``, ``num_turns`` as
+    verl's tool agent loop counts them, ``uid``) and aglverl's (``advantage_weights``, the ``weight_version`` of
+    the row's first call); validation rows also ``data_source``. ``logprobs``: every row carries
+    ``rollout_log_probs``, so the column stays whole; a row one of whose calls came back without the engine's
     logprobs (or whose agent posted triplets without them) is marked ``rollout_log_probs_valid = 0`` and the
     trainer counts it as on-policy (its recomputed log-probs stand in, see ``_compute_old_log_prob``).
     """
@@ -318,11 +320,11 @@ class TransferQueueSink:
         batch = data.batch
         width = batch["prompts"].shape[1]
         prompt_len = batch["attention_mask"][:, :width].sum(-1).tolist()
-        response_len = batch["response_mask"].sum(-1).tolist()
+        # a merged row's response holds the ids between its calls too: its length is its attention's
+        response_len = batch["attention_mask"][:, width:].sum(-1).tolist()
         trains = (~batch["is_drop_mask"]).tolist()
         uids = data.non_tensor_batch["uid"].tolist()
         weights = batch["advantage_weights"].tolist() if "advantage_weights" in batch.keys() else None
-        n_turns = Counter(group.sessions.tolist())
         validation = prompt.partition == "val"
         keys, fields, tags = [], [], []
         for i in range(len(data)):
@@ -330,7 +332,8 @@ class TransferQueueSink:
             session, turn = int(group.sessions[i]), int(group.turns[i])
             prompts = batch["prompts"][i, width - plen :]
             responses = batch["responses"][i, :rlen]
-            mask = torch.full((rlen,), 1 if trains[i] else 0, dtype=torch.int64)
+            # 1 on the ids the engine generated for on-policy calls, 0 between calls (verl's agent-loop layout)
+            mask = batch["response_mask"][i, :rlen] * int(trains[i])
             row: dict[str, Any] = {
                 "prompts": prompts.clone(),
                 "responses": responses.clone(),
@@ -341,7 +344,9 @@ class TransferQueueSink:
                 "rm_scores": batch["token_level_scores"][i, :rlen].clone(),
                 "advantage_weights": torch.tensor(weights[i] if weights is not None else 1.0),
                 "weight_version": torch.tensor(int(group.versions[i])),
-                "num_turns": n_turns[session],  # an int, as in verl's rows (its padding rows put 0)
+                # an int, as verl's tool agent loop counts: the first prompt, then each call and each message
+                # between two calls (2 for one call; verl's padding rows put 0)
+                "num_turns": 2 * int(group.n_calls[i]),
                 "uid": uids[i],
             }
             if validation:
@@ -360,8 +365,8 @@ class TransferQueueSink:
                     "response_len": rlen,
                     "seq_len": plen + rlen,
                     "global_steps": prompt.global_steps,
-                    "min_global_steps": int(group.rollout_min_versions[i]),
-                    "max_global_steps": int(group.rollout_max_versions[i]),
+                    "min_global_steps": int(group.row_min_versions[i]),
+                    "max_global_steps": int(group.row_max_versions[i]),
                 }
             )
         return keys, fields, tags

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 import ray
-from helpers.v1 import live_trainer
+from helpers.v1 import assert_rows_are_the_engines_chains, live_trainer, multi_turn_agents
 
 from aglverl import run_agents
 from aglverl.models import Rollout, Triplet
@@ -162,7 +162,33 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
     versions = data["weight_version"].tolist()
     assert versions[0] == 0 and versions[2] == 2 and len(set(versions)) == 2  # generated under two versions
     tags = (await anyio.to_thread.run_sync(tq.kv_list, "train"))["train"]
-    assert {(tags[k]["min_global_steps"], tags[k]["max_global_steps"]) for k in keys} == {(0, 2)}
+    # the three calls are branches (the same messages each time): three rows, each over its own call's versions
+    spans = {k: (tags[k]["min_global_steps"], tags[k]["max_global_steps"]) for k in keys}
+    assert spans["span_0_0"] == (0, 0) and spans["span_0_2"] == (2, 2) and spans["span_0_1"][1] == 2
     assert daemon.proxy_counters()["proxy/held_calls"] + daemon.proxy_counters()["proxy/resumed"] >= 1
     await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=[*keys, "span"], partition_id="train"))
     producer.take_stats(["span"])
+
+
+async def test_a_multi_turn_agents_chains_are_one_row_each_under_colocate_async(live: tuple[Any, Any]) -> None:
+    """Two agents chat two turns each through the proxy: each chain of calls is one TransferQueue row in verl's
+    agent-loop layout, the ids between calls masked."""
+    import transfer_queue as tq
+
+    from aglverl.producer import Prompt
+
+    run, _ = live
+    producer = run.daemon.producer
+    before = producer.version
+    producer.dispatch([Prompt("chat", {"prompt": "Say yes."}, 2, global_steps=2)], resources_id=run.resources["train"])
+    with anyio.fail_after(120):
+        seen = await multi_turn_agents(run, 2, 2)
+        await producer.wait_changed(before, 1)
+        await producer.flush()
+    tags = (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {})
+    keys = sorted(key for key in tags if key.startswith("chat_"))
+    data = await anyio.to_thread.run_sync(lambda: tq.kv_batch_get(keys=keys, partition_id="train"))
+    assert assert_rows_are_the_engines_chains(keys, data, seen) >= 1 and len(keys) < 4
+    assert all(tags[k]["seq_len"] == tags[k]["prompt_len"] + tags[k]["response_len"] for k in keys)
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=[*keys, "chat"], partition_id="train"))
+    producer.take_stats(["chat"])

@@ -14,7 +14,7 @@ import aiohttp
 import anyio
 import pytest
 import ray
-from helpers.v1 import live_trainer
+from helpers.v1 import assert_rows_are_the_engines_chains, live_trainer, multi_turn_agents
 
 from aglverl.models import Rollout, Triplet
 from aglverl.producer import Prompt
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.anyio
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONFIG = {
-    "data": {"train_batch_size": 2, "max_prompt_length": 16, "max_response_length": 8, "shuffle": False},
+    # wide enough for a merged three-call chat of the tiny model (calls of 3 ids, the template between), and for
+    # the full prompt of a call that drifted (it starts a row of its own)
+    "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 48, "shuffle": False},
     "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
     "algorithm": {"adv_estimator": "grpo"},
     "trainer": {"total_training_steps": 2, "val_before_train": False, "test_freq": -1, "save_freq": -1},
@@ -136,14 +138,46 @@ async def test_a_training_batch_is_filed_and_sampled_the_way_verls_agent_loop_do
     assert sum(s.n_rollouts for s in taken) == 4
 
 
+async def test_a_multi_turn_agents_calls_are_filed_as_one_row_per_chain(live: Any) -> None:
+    """Agents chat three turns through the proxy; the tiny model's chat template renders each call's history.
+    Each chain of calls is one TransferQueue key in verl's agent-loop layout (calls that drifted: a new key)."""
+    run, trainer = live
+    async with anyio.create_task_group() as tg:
+        await anyio.to_thread.run_sync(trainer._add_batch_to_generate)
+        seen = {}
+
+        async def agents() -> None:
+            seen.update(await multi_turn_agents(run, 4, 3))
+
+        tg.start_soon(agents)
+        with anyio.fail_after(120):
+            batch, _ = await anyio.to_thread.run_sync(trainer.replay_buffer.sample, 1, "train", 2)
+    data = _tq_get(batch.keys)
+    assert len(seen) == 4
+    merged = assert_rows_are_the_engines_chains(batch.keys, data, seen)
+    assert merged >= 1 and len(batch) < 12  # fewer rows than calls
+    for tag in batch.tags:
+        assert tag["min_global_steps"] == tag["max_global_steps"] == 0
+        assert tag["seq_len"] == tag["prompt_len"] + tag["response_len"]
+    uids = sorted({key.split("_")[0] for key in batch.keys})
+    stats = run.daemon.producer.take_stats(uids)
+    counts = {k: sum(s.counts.get(k, 0.0) for s in stats) for k in ("batch/n_calls", "batch/n_rows")}
+    assert counts == {"batch/n_calls": 12.0, "batch/n_rows": float(len(batch))}
+    import transfer_queue as tq
+
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
+
+
 async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whole_group_advantages(
     live: Any,
 ) -> None:
     run, trainer = live
     producer, store = run.daemon.producer, run.daemon.store
-    long_prompt = list(range(1, 21))  # 20 ids > max_prompt_length 16: the row is kept for its group, masked
+    long_prompt = list(range(1, 71))  # 70 ids > max_prompt_length 64: the row is kept for its group, masked
     plan = {
-        ("ga", 0): (1.0, [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6])]),  # two turns: two rows, one member
+        # the second call continues the first (one merged row, [5] between them masked); the third is a branch:
+        # two rows, one member
+        ("ga", 0): (1.0, [([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6]), ([7], [8])]),
         ("ga", 1): (0.0, [([1, 2], [7, 8, 9])]),
         ("ga", 2): (0.5, [(long_prompt, [5])]),
         ("gb", 0): (1.0, [([1], [2])]),
@@ -175,8 +209,9 @@ async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whol
     # group ga by hand: one member per rollout, scores (1, 0, 0.5): mean 0.5, unbiased std 0.5
     mean, std = 0.5, math.sqrt(((1 - 0.5) ** 2 + (0 - 0.5) ** 2 + 0.0) / 2)
     high, low = (1 - mean) / (std + 1e-6), (0 - mean) / (std + 1e-6)
-    assert got["ga_0_0"] == pytest.approx([high] * 2, rel=1e-6)
-    assert got["ga_0_1"] == pytest.approx([high], rel=1e-6)  # the second turn gets its rollout's advantage
+    assert masks["ga_0_0"] == [1, 1, 0, 1]
+    assert got["ga_0_0"] == pytest.approx([high, high, 0.0, high], rel=1e-6)
+    assert got["ga_0_2"] == pytest.approx([high], rel=1e-6)  # the branch gets its rollout's advantage
     assert got["ga_1_0"] == pytest.approx([low] * 3, rel=1e-6)
     assert masks["ga_2_0"] == [0] and got["ga_2_0"] == [0.0]  # counted in the statistics, not in the loss
     assert got["gb_0_0"] == [0.0] and got["gb_1_0"] == [0.0]
