@@ -140,6 +140,33 @@ async def test_killed_daemon_process_recovers_its_step(tmp_path: Path) -> None:
             await process.wait()
 
 
+async def test_a_batch_waiting_for_the_trainer_survives_a_restart(tmp_path: Path) -> None:
+    """The step is finished and its batch built, but the trainer has not received it when the daemon dies:
+    the step is still open in the journal and the restarted daemon delivers the same rollouts."""
+    path = tmp_path / "waiting.journal"
+    async with (
+        AgentDaemon(journal_path=path, batch=BATCH) as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        step = await daemon.submit([{"i": i} for i in range(3)])
+        while (task := await client.next_task(wait=0.2)) is not None:
+            await client.post_rollout(_rollout(task))
+        with anyio.fail_after(10):
+            report = await step.wait()  # built; the batch now waits in the stream
+        assert report.metrics["step/n_completed"] == 3
+        assert all(daemon.store.knows(rid) for rid in step.rollout_ids)
+        assert "step_done" not in [r["kind"] for r in read_records(path)]
+    async with AgentDaemon(journal_path=path, batch=BATCH) as daemon:
+        (recovered,) = daemon.recovered_steps
+        assert recovered.rollout_ids == step.rollout_ids
+        with anyio.fail_after(10):
+            batch = await daemon.batches.receive()
+        assert sorted(batch.data.non_tensor_batch["rollout_id_list"].tolist()) == sorted(step.rollout_ids)
+        assert batch.metrics["step/n_completed"] == 3
+    kinds = [r["kind"] for r in read_records(path)]
+    assert kinds.count("step_done") == 1 or "result" not in kinds  # handed over: done (or compacted away)
+
+
 def test_torn_last_line_ends_replay_without_losing_earlier_records(tmp_path: Path) -> None:
     path = tmp_path / "torn.journal"
     journal = Journal(path)
