@@ -221,6 +221,8 @@ class AgentDaemon:
 
     async def _start(self, tg: TaskGroup) -> None:
         self._open_journal()
+        if self.journal is not None:
+            await tg.start(self.journal.serve)  # compactions in a worker thread
         await tg.start(self.store.serve)
         await tg.start(self.server.serve)
         await tg.start(self.proxy.serve)

@@ -142,6 +142,8 @@ class _Group:
     started: anyio.Event
     journaled: bool
     finished: bool = False
+    #: the trainer step whose checkpoint save began once this group was finished (it may be in that checkpoint)
+    covered_at: int | None = None
 
 
 @dataclass(eq=False)
@@ -152,6 +154,7 @@ class _Recovered:
     raw: list[Mapping[str, Any]]
     rollouts: dict[str, RolloutRecord | None]  # rollout id -> terminal record, or None (redo it)
     input: Any
+    covered_at: int | None = None  # see _Group.covered_at
 
 
 def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
@@ -330,7 +333,7 @@ class TrajectoryProducer:
                 )
         journaled = self.journal and prompt.partition == "train"
         if journaled:
-            self.store.journal_write(_group_record(prompt, rollout_ids))
+            self.store.journal_write(_group_record(prompt, rollout_ids, None))
         group = _Group(prompt, rollout_ids, time.monotonic(), started, journaled)
         self._groups[prompt.uid] = group
         return group
@@ -457,9 +460,26 @@ class TrajectoryProducer:
                 self._evicted.append(stats)
 
     # ------------------------------------------------------------------ journal and restart
-    def checkpointed(self) -> int:
-        """A trainer checkpoint now covers every finished group: drop them from the journal; returns how many."""
-        done = [g for g in self._groups.values() if g.finished]
+    def covering(self, global_steps: int) -> list[str]:
+        """The trainer is about to save the checkpoint of ``global_steps``: the finished groups (flushed to the
+        sink before this call) are in it. Journaled, so that after a kill at any moment of the save a recovered
+        group is never attached to a prompt of a step the checkpoint covers (it may already be trained);
+        returns their uids, for :meth:`checkpointed` once the save is done."""
+        uids = [uid for uid, g in self._groups.items() if g.finished and g.journaled and g.covered_at is None]
+        for uid in uids:
+            self._groups[uid].covered_at = global_steps
+        if uids:
+            self.store.journal_write({"kind": "covered", "global_steps": global_steps, "uids": uids})
+        return uids
+
+    def checkpointed(self, uids: Sequence[str] | None = None) -> int:
+        """A trainer checkpoint now covers these finished groups (default: every finished group): drop them
+        from the journal; returns how many. Groups that finished after :meth:`covering` are not in the
+        checkpoint (a mode's sampler went on during the save): they stay."""
+        if uids is None:
+            done = [g for g in self._groups.values() if g.finished]
+        else:
+            done = [g for uid in uids if (g := self._groups.get(uid)) is not None and g.finished]
         for group in done:
             self._forget(group)
         return len(done)
@@ -471,9 +491,14 @@ class TrajectoryProducer:
         their tasks would be handed out with the previous run's resources).
         """
         groups = {r["uid"]: r for r in records if r.get("kind") == "group"}
+        covered: dict[str, int] = {
+            uid: r["covered_at"] for uid, r in groups.items() if r.get("covered_at") is not None
+        }
         for r in records:
             if r.get("kind") == "group_done":
                 groups.pop(r["uid"], None)
+            elif r.get("kind") == "covered":
+                covered.update(dict.fromkeys(r["uids"], r["global_steps"]))
         owned = {
             r["rollout_id"]
             for r in records
@@ -493,7 +518,9 @@ class TrajectoryProducer:
                     inputs.append(snapshot.input)
                 rollouts[rid] = snapshot if snapshot is not None and snapshot.state in TERMINAL else None
             raw = [r for r in mine if r.get("rollout_id") in rollouts]
-            self._recovered[uid] = _Recovered(record, raw, rollouts, inputs[0] if inputs else None)
+            self._recovered[uid] = _Recovered(
+                record, raw, rollouts, inputs[0] if inputs else None, covered.get(uid)
+            )
         if self._recovered:
             n_done = sum(r is not None for g in self._recovered.values() for r in g.rollouts.values())
             logger.info(
@@ -519,6 +546,16 @@ class TrajectoryProducer:
             if same:
                 recovered = self._recovered.pop(same[0])
         if recovered is None:
+            return None
+        if recovered.covered_at is not None and prompt.global_steps >= recovered.covered_at:
+            # The group was finished when the checkpoint of step covered_at was being saved; the trainer now
+            # asks at that step or later, so that save completed and may have trained the group: redo it.
+            logger.info(
+                "prompt %s: the journal's group %s may be in the checkpoint of step %d; redone, not reused",
+                prompt.uid,
+                recovered.record["uid"],
+                recovered.covered_at,
+            )
             return None
         if len(recovered.rollouts) != prompt.n:
             logger.warning(
@@ -555,14 +592,15 @@ class TrajectoryProducer:
         groups not yet adopted (their rollouts' records with them)."""
         for group in self._groups.values():
             if group.journaled:
-                yield _group_record(group.prompt, group.rollout_ids)
+                yield _group_record(group.prompt, group.rollout_ids, group.covered_at)
         for recovered in self._recovered.values():
-            yield dict(recovered.record)
+            yield {**recovered.record, "covered_at": recovered.covered_at}
             yield from (dict(r) for r in recovered.raw)
 
 
-def _group_record(prompt: Prompt, rollout_ids: list[str]) -> dict[str, Any]:
+def _group_record(prompt: Prompt, rollout_ids: list[str], covered_at: int | None) -> dict[str, Any]:
     return {
+        "covered_at": covered_at,
         "kind": "group",
         "uid": prompt.uid,
         "partition": prompt.partition,

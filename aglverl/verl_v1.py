@@ -494,6 +494,8 @@ class _EventWaits:
             self._rejected += dapo
             producer = self._aglverl.producer
             self._aglverl.on_loop(producer.evicted, sorted(evicted))
+            if int(self._aglverl.config.trainer.save_freq) <= 0:  # never trained: out of the journal too
+                self._aglverl.on_loop(producer.checkpointed, sorted(evicted))
         return evicted, stale, dapo, metrics
 
 
@@ -555,9 +557,15 @@ class _Hooks:
 
     def _save_checkpoint(self) -> None:
         run = self._aglverl
+        assert run.daemon is not None
         run.await_on_loop(run.producer.flush)  # finished groups into TransferQueue before verl snapshots it
+        # Exactly these groups are in the checkpoint: groups finishing during the save (the async modes'
+        # agents go on) are not, and stay journaled. The record is written before the save starts, so a
+        # kill at any moment of it never lets a restart reuse a group the checkpoint may have trained.
+        covered = run.on_loop(run.producer.covering, int(self.global_steps))  # type: ignore[attr-defined]
+        run.await_on_loop(run.daemon.store.commit)
         super()._save_checkpoint()  # type: ignore[misc]
-        run.on_loop(run.producer.checkpointed)
+        run.on_loop(run.producer.checkpointed, covered)
 
     def _validate(self) -> dict[str, float]:
         metrics = super()._validate()  # type: ignore[misc]
@@ -575,6 +583,10 @@ class _Hooks:
         run = self._aglverl
         uids = [key.split("_", 1)[0] for key in batch.keys]
         metrics.update(_step_metrics(self, run, uids, timing_raw))
+        if int(self.config.trainer.save_freq) <= 0:  # type: ignore[attr-defined]
+            # Nothing checkpoints: a restart begins again at step 1, so a trained group is never needed
+            # again; the journal keeps only the groups not trained yet (bounded by the work in flight).
+            run.on_loop(run.producer.checkpointed, sorted(set(uids)))
         clean = {k: float(v) for k, v in metrics.items() if _finite_number(v)}
         if run.bar is not None:
             run.bar.set_postfix(

@@ -199,6 +199,41 @@ async def test_journal_is_compacted_to_the_work_in_flight(tmp_path: Path) -> Non
         assert step.number == 5
 
 
+async def test_compaction_runs_in_a_worker_thread_and_keeps_records_written_meanwhile(tmp_path: Path) -> None:
+    path = tmp_path / "offloop.journal"
+    journal = Journal(path, fsync=True, compact_bytes=1024)
+    journal.open()
+    live = [{"kind": "live", "i": i, "pad": "x" * 64} for i in range(20_000)]
+    snapshotted = anyio.Event()
+
+    def live_records():
+        snapshotted.set()
+        return live
+
+    journal.live_records = live_records
+    async with anyio.create_task_group() as tg:
+        await tg.start(journal.serve)
+        for i in range(40):
+            journal.write({"kind": "old", "i": i, "pad": "y" * 64})
+        journal.maybe_compact()  # returns at once: the rewrite is the worker thread's
+        assert journal.compactions == 0
+        await snapshotted.wait()
+        # the thread is writing the snapshot now; these land in the old file and must reach the new one
+        assert journal._tail is not None
+        for i in range(5):
+            journal.write({"kind": "during", "i": i})
+        tg.start_soon(journal.commit)  # an fsync of the old descriptor, racing the rename
+        with anyio.fail_after(30):
+            await journal.wait_compacted(0)
+        journal.write({"kind": "after", "i": 0})
+        await journal.commit()
+        assert journal._synced == journal._written
+        tg.cancel_scope.cancel()
+    journal.close()
+    kinds = [r["kind"] for r in read_records(path)]
+    assert kinds == ["live"] * len(live) + ["during"] * 5 + ["after"]
+
+
 async def test_fsync_commit_is_shared_by_concurrent_posts(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "sync.journal", fsync=True)
     journal.open()
