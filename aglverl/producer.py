@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -42,13 +43,49 @@ from .models import Mode
 from .signals import SignalConfig
 from .store import TERMINAL, RolloutRecord, TaskStore
 
-__all__ = ["FinishedGroup", "GroupSink", "GroupStats", "Prompt", "TrajectoryProducer", "aggregate_stats"]
+__all__ = [
+    "AgentsFailing",
+    "FinishedGroup",
+    "GroupSink",
+    "GroupStats",
+    "Prompt",
+    "TrajectoryProducer",
+    "aggregate_stats",
+    "rollout_error",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Owner prefix of the store's tasks that belong to producer groups.
 OWNER_PREFIX = "group:"
 GroupStatus = Literal["finished", "failure"]
+_ATTEMPT_SUFFIX = re.compile(r" \(attempt \d+ of \d+\)$")
+
+
+class AgentsFailing(RuntimeError):
+    """Agents keep failing: so many training groups in a row had every rollout fail that training stops.
+
+    The message says how many groups and rollouts failed and the agents' most frequent errors; ``errors``
+    holds ``(error, count)`` pairs, most frequent first.
+    """
+
+    def __init__(self, groups: int, rollouts: int, errors: Counter[str]) -> None:
+        self.groups, self.rollouts, self.errors = groups, rollouts, errors.most_common()
+        top = "; ".join(f"{count}x {error}" for error, count in self.errors[:3]) or "no error recorded"
+        super().__init__(
+            f"agents keep failing: every rollout of the last {groups} training groups failed "
+            f"({rollouts} rollouts); most frequent errors: {top}. Fix the agent, or raise "
+            f"aglverl.max_failed_groups (0: never stop)"
+        )
+
+
+def rollout_error(record: RolloutRecord) -> str:
+    """Why a rollout failed, as one line: the agent's error (its type and message) when it posted one, else
+    the store's reason (lease expired, deadline passed); a completed rollout without trainable turns says so."""
+    if record.state == "completed":
+        return "completed without a trainable turn (no recorded call with token ids, no triplets)"
+    error = _ATTEMPT_SUFFIX.sub("", record.error or "failed without a recorded error")
+    return error.removeprefix("agent reported failure: ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +237,8 @@ class TrajectoryProducer:
     groups' ``uniform`` flag: rows are always written). ``group_timeout``: seconds after dispatch at which a
     group's unfinished rollouts are failed (``None``: leases and attempts alone bound it). ``weight_version``
     tells the version served now (for rows whose calls the proxy did not see). ``journal``: training groups
-    stay in the store's journal until :meth:`checkpointed`.
+    stay in the store's journal until :meth:`checkpointed`. ``max_failed_groups``: after this many training
+    groups in a row whose every rollout failed, :meth:`check_agents` raises :class:`AgentsFailing` (0: never).
     """
 
     def __init__(
@@ -214,6 +252,7 @@ class TrajectoryProducer:
         weight_version: Callable[[], int] = lambda: 0,
         journal: bool = False,
         registry: Registry | None = None,
+        max_failed_groups: int = 0,
     ) -> None:
         self.store = store
         self.sink = sink
@@ -231,6 +270,11 @@ class TrajectoryProducer:
         self._version = 0
         self._changed = anyio.Event()
         self._tg: TaskGroup | None = None
+        self.max_failed_groups = max_failed_groups
+        self._failed_streak = 0  # training groups in a row whose every rollout failed
+        self._failed_rollouts = 0
+        self._failed_errors: Counter[str] = Counter()
+        self.failed_groups_total = 0
         r = registry or Registry()
         self._m_groups = r.counter("aglverl_groups_total", "Prompt groups finished.", ["status"])
         r.gauge("aglverl_groups_in_flight", "Prompt groups dispatched and not finished.", self.in_flight)
@@ -363,6 +407,8 @@ class TrajectoryProducer:
         self._m_groups.inc(1, finished.status)
         group.finished = True
         self._stats[prompt.uid] = finished.stats
+        if prompt.partition == "train":
+            self._count_failures(finished)
         if not group.journaled:
             self._forget(group)
         self._version += 1
@@ -430,6 +476,26 @@ class TrajectoryProducer:
             stats=stats,
             records=records,
         )
+
+    def _count_failures(self, group: FinishedGroup) -> None:
+        """Keep the streak of training groups whose every rollout failed (or left no trainable row)."""
+        if group.stats.n_completed and len(group.data):
+            self._failed_streak, self._failed_rollouts = 0, 0
+            self._failed_errors.clear()
+            return
+        self.failed_groups_total += 1
+        self._failed_streak += 1
+        self._failed_rollouts += len(group.records)
+        self._failed_errors.update(rollout_error(r) for r in group.records)
+
+    def check_agents(self) -> None:
+        """Raise :class:`AgentsFailing` once ``max_failed_groups`` training groups in a row failed entirely."""
+        if self.max_failed_groups > 0 and self._failed_streak >= self.max_failed_groups:
+            raise self.agents_error()
+
+    def agents_error(self) -> AgentsFailing:
+        """The :class:`AgentsFailing` describing the current streak of failed training groups."""
+        return AgentsFailing(self._failed_streak, self._failed_rollouts, self._failed_errors)
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.prompt.uid, None)
