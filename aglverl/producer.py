@@ -613,9 +613,11 @@ class TrajectoryProducer:
                 recovered = self._recovered.pop(same[0])
         if recovered is None:
             return None
-        if recovered.covered_at is not None and prompt.global_steps >= recovered.covered_at:
-            # The group was finished when the checkpoint of step covered_at was being saved; the trainer now
-            # asks at that step or later, so that save completed and may have trained the group: redo it.
+        if recovered.covered_at is not None and prompt.global_steps > recovered.covered_at:
+            # The group was finished when the checkpoint of step covered_at was being saved. verl resumed from
+            # a checkpoint k asks at steps k + 1 and later (trainer_base.fit increments global_steps before any
+            # dispatch), so a prompt of a later step means that save completed: the group may be trained in
+            # it (or filed in its TransferQueue snapshot). Redo it rather than train it twice.
             logger.info(
                 "prompt %s: the journal's group %s may be in the checkpoint of step %d; redone, not reused",
                 prompt.uid,
