@@ -377,7 +377,8 @@ class RolloutCollector:
     def live_records(self) -> list[dict[str, Any]]:
         """Journal records describing the open steps (used to compact the journal)."""
         records: list[dict[str, Any]] = [{"kind": "steps", "next": self._next_number}]
-        records += [self._step_record(step) for step in self.steps.values() if not step.done]
+        # a done step whose batch waits for the trainer is still open (it leaves self.steps once handed over)
+        records += [self._step_record(step) for step in self.steps.values()]
         return records
 
     def restore(self, records: Sequence[Mapping[str, Any]]) -> None:

@@ -156,6 +156,12 @@ async def test_a_batch_waiting_for_the_trainer_survives_a_restart(tmp_path: Path
         assert report.metrics["step/n_completed"] == 3
         assert all(daemon.store.knows(rid) for rid in step.rollout_ids)
         assert "step_done" not in [r["kind"] for r in read_records(path)]
+        # a compaction meanwhile keeps the waiting step (it is done, but not handed over)
+        assert daemon.journal is not None
+        daemon.journal.compact_bytes = 0
+        daemon.journal.maybe_compact()
+        with anyio.fail_after(10):
+            await daemon.journal.wait_compacted(0)
     async with AgentDaemon(journal_path=path, batch=BATCH) as daemon:
         (recovered,) = daemon.recovered_steps
         assert recovered.rollout_ids == step.rollout_ids
