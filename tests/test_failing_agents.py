@@ -18,6 +18,7 @@ import ray
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL, compose_config, verl_runtime
 from aglverl.demo import one_word_agent
+from aglverl.journal import read_records
 from aglverl.producer import AgentsFailing
 
 pytestmark = pytest.mark.anyio
@@ -72,9 +73,12 @@ def _agents_failing(exc: BaseException) -> AgentsFailing | None:
     return _agents_failing(exc.__cause__) if exc.__cause__ is not None else None
 
 
-async def test_a_step_whose_every_rollout_raises_is_replaced_by_fresh_prompts_sync(shared_ray: None) -> None:
+async def test_a_step_whose_every_rollout_raises_is_replaced_by_fresh_prompts_sync(
+    shared_ray: None, tmp_path: Path
+) -> None:
     """Step 1's two samples (ids 0 and 1) fail in every rollout; verl's sync sampler would stop with its own
-    'no materializable trajectories'. Their groups are evicted, fresh prompts replace them, training goes on."""
+    'no materializable trajectories'. Their groups are evicted, fresh prompts replace them, training goes on.
+    An explicit journal with nothing checkpointing (save_freq -1) keeps no trained or evicted group."""
     answered: list[int] = []
 
     async def agent(task: Mapping[str, Any], llm: LLM) -> float:
@@ -83,7 +87,8 @@ async def test_a_step_whose_every_rollout_raises_is_replaced_by_fresh_prompts_sy
         answered.append(int(task["id"]))
         return await one_word_agent(task, llm)
 
-    algo = AsyncVERL(_config("sync", 2, max_failed_groups=3), agent=agent)
+    journal = tmp_path / "run.journal"
+    algo = AsyncVERL(_config("sync", 2, max_failed_groups=3, journal=str(journal)), agent=agent)
     steps: list[dict[str, float]] = []
     algo.on_step.append(lambda step, metrics: steps.append(dict(metrics)))
     await algo.run(TRAIN, None)
@@ -92,6 +97,10 @@ async def test_a_step_whose_every_rollout_raises_is_replaced_by_fresh_prompts_sy
     # the evicted groups' rollouts are counted as failed (in the step that evicted them), never trained
     assert sum(m["step/n_completed"] for m in steps) == 8 and sum(m["step/n_failed"] for m in steps) == 4
     assert 0 not in answered and 1 not in answered and len(answered) == 8
+    records = list(read_records(journal))
+    dispatched = {r["uid"] for r in records if r["kind"] == "group"}
+    assert len(dispatched) >= 6  # 2 failed + 4 trained
+    assert dispatched == {r["uid"] for r in records if r["kind"] == "group_done"}  # none left in the journal
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
