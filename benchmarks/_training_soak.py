@@ -40,7 +40,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _common import emit, machine_info, status_kib
+from _common import machine_info, status_kib
 
 SCRIPT = os.path.abspath(__file__)
 
@@ -68,6 +68,14 @@ def trainer_config(directory: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 async def run_trainer(cfg: dict[str, Any]) -> None:
     from aglverl import LLM, AsyncVERL
     from aglverl.demo import demo_samples, one_word_agent
+
+    # verl and Ray print to stdout: the lines for the orchestrator get a descriptor of their own
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+
+    def emit(record: dict[str, Any]) -> None:
+        out.write(orjson.dumps(record) + b"\n")
+        out.flush()
 
     directory = Path(cfg["dir"])
     run = cfg["run"]
