@@ -18,10 +18,10 @@ import pytest
 HELPER = Path(__file__).parent / "helpers" / "train_until_killed.py"
 
 
-def _run(directory: Path, run: int, mode: str = "sync") -> int:
+def _run(directory: Path, run: int, mode: str = "sync", *extra: str, helper: Path = HELPER) -> int:
     """Run the helper in a session of its own; whatever it leaves behind (Ray's processes) is ended."""
     process = subprocess.Popen(
-        [sys.executable, str(HELPER), str(directory), str(run), mode],
+        [sys.executable, str(helper), str(directory), str(run), mode, *extra],
         start_new_session=True,
         stdout=(directory / f"run{run}.log").open("wb"),
         stderr=subprocess.STDOUT,
@@ -115,19 +115,6 @@ def _no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
 KILL_LOOP = Path(__file__).parent / "helpers" / "train_kill_loop.py"
 
 
-def _kill_loop_run(directory: Path, run: int, mode: str, moment: str) -> int:
-    process = subprocess.Popen(
-        [sys.executable, str(KILL_LOOP), str(directory), str(run), mode, moment],
-        start_new_session=True,
-        stdout=(directory / f"run{run}.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        return process.wait(timeout=900)
-    finally:
-        _end_session(process.pid)
-
-
 def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_sample_n_times(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -145,7 +132,7 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
         if moment == "save":  # the next checkpoint this run will save
             resumed = int(latest.read_text()) if (latest := tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").exists() else 0
             moment = f"save:{resumed + 3}"
-        code = _kill_loop_run(tmp_path, run, "colocate_async", moment)
+        code = _run(tmp_path, run, "colocate_async", moment, helper=KILL_LOOP)
         log = (tmp_path / f"run{run}.log").read_text()[-3000:]
         assert code == (0 if moment == "none" else -signal.SIGKILL), f"seed {seed}, run {run} ({moment}):\n{log}"
 
