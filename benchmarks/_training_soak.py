@@ -27,6 +27,7 @@ import argparse
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -202,27 +203,37 @@ async def training_soak(args: argparse.Namespace) -> dict[str, Any]:
         lines = BufferedByteReceiveStream(process.stdout)
         info: dict[str, Any] = {"run": run, "killed_after_step": None, "steps": 0}
         finished = False
+
+        async def kill_later(pid: int, delay: float) -> None:
+            await anyio.sleep(delay)  # a random moment of the next step: the kill lands anywhere in it
+            os.killpg(pid, signal.SIGKILL)
+
         try:
             with anyio.fail_after(max(60.0, args.max_seconds - (time.monotonic() - started))):
-                while True:
-                    try:
-                        line = orjson.loads(await lines.receive_until(b"\n", 1 << 24))
-                    except (anyio.EndOfStream, anyio.IncompleteRead):
-                        break
-                    if line["kind"] == "start":
-                        info["resumed_from"] = line["resumed_from"]
-                    elif line["kind"] == "step":
-                        steps.append(line)
-                        info["steps"] += 1
-                        print(f"[soak] run {run} step {line['step']} rss={line['rss_kib'] // 1024}MB journal={line['journal_bytes']}B", file=sys.stderr, flush=True)
-                        if line["step"] % args.kill_every == 0 and line["step"] < args.steps:
-                            # a random moment of the next step: the kill lands anywhere in it
-                            await anyio.sleep(rng.uniform(0.0, 3.0))
-                            info["killed_after_step"] = line["step"]
+                async with anyio.create_task_group() as tg:
+                    last = None
+                    while True:  # every line the trainer wrote before it died is read
+                        try:
+                            line = orjson.loads(await lines.receive_until(b"\n", 1 << 24))
+                        except (anyio.EndOfStream, anyio.IncompleteRead):
                             break
-                    elif line["kind"] == "done":
-                        finished = True
-                        break
+                        if line["kind"] == "start":
+                            info["resumed_from"] = line["resumed_from"]
+                        elif line["kind"] == "step":
+                            steps.append(line)
+                            info["steps"] += 1
+                            progress = f"run {run} step {line['step']}: rss {line['rss_kib'] // 1024} MB"
+                            print(f"[soak] {progress}, journal {line['journal_bytes']} B", file=sys.stderr, flush=True)
+                            took = line["t"] - last if last is not None else 2.0
+                            last = line["t"]
+                            kill = line["step"] % args.kill_every == 0 and line["step"] < args.steps
+                            if kill and info["killed_after_step"] is None:
+                                info["killed_after_step"] = line["step"]
+                                tg.start_soon(kill_later, process.pid, rng.uniform(0.0, took))
+                        elif line["kind"] == "done":
+                            finished = True
+                            break
+                    tg.cancel_scope.cancel()
         finally:
             _end_session(process.pid)
             await process.wait()
@@ -252,7 +263,7 @@ def summarize(
     # final lineage, newest run first: a run's steps after the checkpoint it resumed from, up to where the
     # next run of the lineage took over
     lineage: dict[int, dict[str, Any]] = {}
-    end = max((s["step"] for s in steps if s["run"] == runs[-1]["run"]), default=0)
+    end = args.steps
     for info in reversed(runs):
         start = resumed[info["run"]]
         for row in steps:
