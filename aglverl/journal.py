@@ -12,7 +12,8 @@ method returns, so it survives the process being killed (the data is in the kern
 record (group commit in a worker thread: one ``fsync`` for every record written before it started). A torn
 last line (the process died mid-write) is ignored on replay.
 
-The file is compacted when it is opened and whenever it grows past ``compact_bytes``: it is rewritten with
+The file is compacted when it is opened and whenever it grows past ``compact_bytes`` (or past ``COMPACT_FLOOR``
+and ``COMPACT_RATIO`` times the size of the last compacted state): it is rewritten with
 only the records still needed (unfinished steps and owner-less rollouts, the latest resources), then renamed
 over the old one, so it stays proportional to the work in flight, not to the length of the run. While serving
 (:meth:`Journal.serve`) a compaction never blocks the event loop: the live state is snapshotted on the loop
@@ -40,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 #: Rewrite the journal with only live records once it grows past this many bytes.
 COMPACT_BYTES = 256 << 20
+#: ... or, once past ``COMPACT_FLOOR`` bytes, past ``COMPACT_RATIO`` times what the last rewrite kept: the file
+#: stays proportional to the live state (the work since the last checkpoint), at O(1) amortised cost per record.
+COMPACT_FLOOR = 1 << 20
+COMPACT_RATIO = 4.0
 
 
 def _encode(record: Mapping[str, Any]) -> bytes:
@@ -75,6 +80,7 @@ class Journal:
         self.live_records: Callable[[], Iterable[Mapping[str, Any]]] | None = None
         self._fd = -1
         self._size = 0
+        self._live_size = 0  # bytes the last rewrite kept
         self._written = 0
         self._synced = 0
         self._syncing: anyio.Event | None = None
@@ -132,6 +138,7 @@ class Journal:
         # the tail is in the new file but not yet fsynced there
         self._synced = min(self._synced, self._written - len(tail))
         self._size = os.fstat(fd).st_size
+        self._live_size = self._size
         if old >= 0:
             if self._syncing is not None:
                 self._retired.append(old)  # an fsync is running on it
@@ -159,7 +166,7 @@ class Journal:
     def maybe_compact(self) -> None:
         """Compact once the file has grown past ``compact_bytes``: in :meth:`serve`'s worker thread while it
         runs (this returns at once), right here otherwise (before serving, in tests)."""
-        if self._size <= self.compact_bytes or self.live_records is None or self._tail is not None:
+        if not self._due() or self.live_records is None or self._tail is not None:
             return
         if self._compact_wanted is not None:
             self._compact_wanted.set()
@@ -168,6 +175,11 @@ class Journal:
         self._rewrite(self.live_records())
         self.compactions += 1
         logger.info("journal %s compacted: %d -> %d bytes", self.path, before, self._size)
+
+    def _due(self) -> bool:
+        if self._size > self.compact_bytes:
+            return True
+        return self._size > min(self.compact_bytes, COMPACT_FLOOR) and self._size > COMPACT_RATIO * self._live_size
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Compact off the event loop whenever :meth:`maybe_compact` asks, until cancelled (a rewrite in
@@ -178,7 +190,7 @@ class Journal:
             while True:
                 await self._compact_wanted.wait()
                 self._compact_wanted = anyio.Event()
-                if self._size > self.compact_bytes and self.live_records is not None:
+                if self._due() and self.live_records is not None:
                     await self._compact()
         finally:
             self._compact_wanted = None

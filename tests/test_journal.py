@@ -240,6 +240,23 @@ async def test_compaction_runs_in_a_worker_thread_and_keeps_records_written_mean
     assert kinds == ["live"] * len(live) + ["during"] * 5 + ["after"]
 
 
+def test_the_file_stays_proportional_to_the_live_state_far_below_compact_bytes(tmp_path: Path) -> None:
+    """Groups dropped at every checkpoint leave "forget" records behind: past the floor, a file four times the
+    size of what the last rewrite kept is rewritten, so a long run's journal stays flat."""
+    journal = Journal(tmp_path / "flat.journal")  # compact_bytes: the 256 MB default
+    live = [{"kind": "live", "i": i} for i in range(100)]
+    journal.live_records = lambda: live
+    journal.open(live)
+    sizes = []
+    for i in range(40_000):
+        journal.write({"kind": "forget", "rollout_ids": [f"rollout-{i:08d}"]})
+        journal.maybe_compact()
+        sizes.append(journal.size)
+    journal.close()
+    assert journal.compactions >= 2 and max(sizes) <= (1 << 20) + 100
+    assert [r["kind"] for r in read_records(tmp_path / "flat.journal")][:100] == ["live"] * 100
+
+
 async def test_fsync_commit_is_shared_by_concurrent_posts(tmp_path: Path) -> None:
     journal = Journal(tmp_path / "sync.journal", fsync=True)
     journal.open()
