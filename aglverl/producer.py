@@ -12,11 +12,14 @@ finished group with :meth:`TrajectoryProducer.wait_changed` (an event, never a p
 leaves :class:`GroupStats` behind for the trainer's metrics (:meth:`TrajectoryProducer.take_stats`).
 
 Restart: with a journal, a training group's dispatch is journaled next to its rollouts' records and stays
-there until a checkpoint covers the group (:meth:`TrajectoryProducer.checkpointed`). A producer started on
+there until a checkpoint covers the group: the finished groups a checkpoint save will contain are journaled as
+covered before it starts (:meth:`TrajectoryProducer.covering`) and dropped once it is done
+(:meth:`TrajectoryProducer.checkpointed`); groups finishing during the save stay. A producer started on
 that journal holds the groups that were in flight (:meth:`TrajectoryProducer.restore`), hands none of their
 tasks out, and adopts one when the trainer dispatches the same prompt again: by its uid (verl re-issues
 in-flight prompts of its checkpoint under their uid) or by dataset index and input, the same step first (a
-replayed data loader). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
+replayed data loader) — never a covered group for a prompt of a later step than its checkpoint (that save
+completed, so the group may be trained already). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
 rollout ids with the live resources (this run's proxy URL), so no sample is answered more often than ``n``
 times. Groups no dispatch adopts are dropped by :meth:`TrajectoryProducer.end_recovery`.
 """
