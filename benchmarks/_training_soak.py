@@ -12,7 +12,7 @@ Processes:
   RSS and the journal's size. It logs every training group's rollout ids when dispatched and every answer it
   gave (the producer's ``dispatch`` / ``take_stats`` are observed, not changed);
 - this process: starts the trainer, reads its lines, SIGKILLs its whole session at a random moment of the
-  step after every ``--kill-every``-th, starts it again until ``--steps`` steps are trained, then works out the
+  step after the ``--kill-every``-th it trained, starts it again until ``--steps`` steps are trained, then works out the
   final lineage (each run continues from the checkpoint it found) and checks it.
 
 Figures: steps trained in the final lineage (every step 1..steps exactly once), rollouts lost (a trained
@@ -226,7 +226,8 @@ async def training_soak(args: argparse.Namespace) -> dict[str, Any]:
                             print(f"[soak] {progress}, journal {line['journal_bytes']} B", file=sys.stderr, flush=True)
                             took = line["t"] - last if last is not None else 2.0
                             last = line["t"]
-                            kill = line["step"] % args.kill_every == 0 and line["step"] < args.steps
+                            # every kill_every steps this run trained (the step numbers repeat after a resume)
+                            kill = info["steps"] % args.kill_every == 0 and line["step"] < args.steps
                             if kill and info["killed_after_step"] is None:
                                 info["killed_after_step"] = line["step"]
                                 tg.start_soon(kill_later, process.pid, rng.uniform(0.0, took))
@@ -324,7 +325,7 @@ def summarize(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="training steps (the final lineage's)")
-    p.add_argument("--kill-every", type=int, default=50, help="SIGKILL the trainer in the step after every k-th")
+    p.add_argument("--kill-every", type=int, default=50, help="SIGKILL the trainer in the step after its k-th")
     p.add_argument("--save-freq", type=int, default=10, help="verl's trainer.save_freq")
     p.add_argument("--mode", default="colocate_async", choices=["sync", "colocate_async", "separate_async"])
     p.add_argument("--fail-rate", type=float, default=0.10, help="fraction of agent attempts that raise")
