@@ -194,6 +194,7 @@ async def training_soak(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     run = 0
+    start_failures = 0
     while True:
         run += 1
         command = [sys.executable, SCRIPT, orjson.dumps({**cfg, "run": run}).decode()]
@@ -243,6 +244,10 @@ async def training_soak(args: argparse.Namespace) -> dict[str, Any]:
         if finished or time.monotonic() - started > args.max_seconds:
             break
         if info["killed_after_step"] is None:
+            if info["steps"] == 0 and start_failures < 3:  # e.g. Ray timed out starting on a loaded machine
+                start_failures += 1
+                info["start_failed"] = True
+                continue
             raise RuntimeError(f"run {run} ended without finishing; see {directory / f'run{run}.log'}")
     return summarize(args, runs, steps, directory, time.monotonic() - started, finished)
 
@@ -265,7 +270,7 @@ def summarize(
     # next run of the lineage took over
     lineage: dict[int, dict[str, Any]] = {}
     end = args.steps
-    for info in reversed(runs):
+    for info in reversed([info for info in runs if not info.get("start_failed")]):
         start = resumed[info["run"]]
         for row in steps:
             if row["run"] == info["run"] and start < row["step"] <= end and row["step"] not in lineage:
