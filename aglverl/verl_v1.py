@@ -459,7 +459,13 @@ class _EventWaits:
             version, in_flight = run.on_loop(run.producer.progress, partition_id)
             if min(batch_size, in_flight):
                 run.await_on_loop(run.producer.wait_changed, version, min(batch_size, in_flight))
-        return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+        try:
+            return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+        except RuntimeError as exc:
+            if "no materializable trajectories" not in str(exc):
+                raise
+            # sync_refill_failed_groups turned off and a whole batch failed: say what the agents did
+            raise self._aglverl.on_loop(self._aglverl.producer.agents_error) from None
 
     def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int) -> Any:
         self._want = target_count
@@ -468,6 +474,9 @@ class _EventWaits:
     def _sync_metadata_from_transfer_queue(self) -> None:
         # Every group counted in the version is written before the look; one finishing later wakes the next wait.
         self._seen = self._aglverl.await_on_loop(self._aglverl.producer.flush)
+        # Failed groups are evicted and replaced (both modes); agents that fail every time stop the run here,
+        # with their errors, instead of replacing prompts forever.
+        self._aglverl.on_loop(self._aglverl.producer.check_agents)
         super()._sync_metadata_from_transfer_queue()  # type: ignore[misc]
 
     def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
@@ -499,6 +508,8 @@ class _EventWaits:
             self._rejected += dapo
             producer = self._aglverl.producer
             self._aglverl.on_loop(producer.evicted, sorted(evicted))
+            if int(self._aglverl.config.trainer.save_freq) <= 0:  # never trained: out of the journal too
+                self._aglverl.on_loop(producer.checkpointed, sorted(evicted))
         return evicted, stale, dapo, metrics
 
 
@@ -514,6 +525,8 @@ class EventReplayBufferAsync(_EventWaits, _ReplayBufferAsync):  # type: ignore[v
 class _Hooks:
     """What aglverl adds around verl's trainer of the configured mode (mixed in before it): the proxy held
     around sleeping replicas and weight updates, the journal trimmed at checkpoints, aglverl's metrics.
+    While the proxy is held (up to ``aglverl.hold_timeout``) the store's lease clock is stopped, so an agent
+    waiting for a held call keeps its task however long the trainer's update takes.
 
     ``sync``: at the end of sampling the proxy holds new calls and drains those in flight (nothing is left
     queued in an engine), then verl puts the replicas to sleep; calls go on after the weight update.
@@ -537,6 +550,8 @@ class _Hooks:
         run = self._aglverl
         assert run.daemon is not None
         mode = self.trainer_mode  # type: ignore[attr-defined]
+        if mode != "separate_async":
+            run.on_loop(run.daemon.store.freeze_leases)  # an agent's held call must not cost it its lease
         if mode == "sync":
             run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
         elif mode == "colocate_async":
@@ -550,19 +565,27 @@ class _Hooks:
         run = self._aglverl
         assert run.daemon is not None
         if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
+            run.on_loop(run.daemon.store.freeze_leases)
             run.on_loop(run.daemon.proxy.hold)  # the update aborts the standalone engines' generations
         try:
             super().on_step_end()  # type: ignore[misc]
         finally:
             version = int(self.global_steps)  # type: ignore[attr-defined]
             run.on_loop(run.daemon.proxy.resume, version)
+            run.on_loop(run.daemon.store.thaw_leases)
             self._computing.append((self._compute_from, time.monotonic()))
 
     def _save_checkpoint(self) -> None:
         run = self._aglverl
+        assert run.daemon is not None
         run.await_on_loop(run.producer.flush)  # finished groups into TransferQueue before verl snapshots it
+        # Exactly these groups are in the checkpoint: groups finishing during the save (the async modes'
+        # agents go on) are not, and stay journaled. The record is written before the save starts, so a
+        # kill at any moment of it never lets a restart reuse a group the checkpoint may have trained.
+        covered = run.on_loop(run.producer.covering, int(self.global_steps))  # type: ignore[attr-defined]
+        run.await_on_loop(run.daemon.store.commit)
         super()._save_checkpoint()  # type: ignore[misc]
-        run.on_loop(run.producer.checkpointed)
+        run.on_loop(run.producer.checkpointed, covered)
 
     def _validate(self) -> dict[str, float]:
         metrics = super()._validate()  # type: ignore[misc]
@@ -580,6 +603,10 @@ class _Hooks:
         run = self._aglverl
         uids = [key.split("_", 1)[0] for key in batch.keys]
         metrics.update(_step_metrics(self, run, uids, timing_raw))
+        if int(self.config.trainer.save_freq) <= 0:  # type: ignore[attr-defined]
+            # Nothing checkpoints: a restart begins again at step 1, so a trained group is never needed
+            # again; the journal keeps only the groups not trained yet (bounded by the work in flight).
+            run.on_loop(run.producer.checkpointed, sorted(set(uids)))
         clean = {k: float(v) for k, v in metrics.items() if _finite_number(v)}
         if run.bar is not None:
             run.bar.set_postfix(
@@ -1024,6 +1051,9 @@ async def running(
             async with AgentDaemon(**kwargs) as daemon:
                 run.daemon = daemon
                 daemon.proxy.weight_version = int(trainer.global_steps)
+                assert daemon.producer is not None
+                bound = options.max_failed_groups  # default: a whole batch's worth of failed groups in a row
+                daemon.producer.max_failed_groups = int(config.data.train_batch_size) if bound is None else bound
                 # validation's first, so that the latest resources (what agents get by default) are training's
                 validation = sampling_parameters(config, validation=True)
                 run.resources["val"] = daemon.update_resources({"main_llm": daemon.main_llm(validation)})

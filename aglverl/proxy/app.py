@@ -275,6 +275,8 @@ class LLMProxy(_Admission, _Relay):
     ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
     event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused or held,
     and how long an aborted generation may go without a new token (held, or refused) before it gives up;
+    ``hold_timeout`` (default: ``pause_timeout``) bounds instead how long a call, or an aborted generation,
+    waits while the proxy is paused or held (a trainer's update: minutes to hours on GPUs);
     ``shutdown_grace`` how long in-flight calls may finish on shutdown. ``upstream_keepalive``: seconds an idle
     pooled connection to a backend is kept; it must stay below the backends' own keep-alive (vLLM's
     ``--timeout-keep-alive``, 5 s by default). Raise both together to keep connections warm across trainer
@@ -302,6 +304,7 @@ class LLMProxy(_Admission, _Relay):
         max_response_bytes: int = 256 << 20,
         eject_seconds: float = 5.0,
         pause_timeout: float = 600.0,
+        hold_timeout: float | None = None,
         shutdown_grace: float = 5.0,
         backend_api_key: str | None = None,
         upstream_keepalive: float = UPSTREAM_KEEPALIVE,
@@ -321,6 +324,7 @@ class LLMProxy(_Admission, _Relay):
         self.max_response_bytes = max_response_bytes
         self.eject_seconds = eject_seconds
         self.pause_timeout = pause_timeout
+        self.hold_timeout = pause_timeout if hold_timeout is None else hold_timeout
         self.shutdown_grace = shutdown_grace
         self.upstream_keepalive = upstream_keepalive
         self.request_logprobs = request_logprobs
@@ -599,11 +603,16 @@ class LLMProxy(_Admission, _Relay):
     async def _wait_resumed(self) -> None:
         self.m_held.inc()
         if not await self._released(time.monotonic() + self.pause_timeout):
-            raise ProxyError(503, f"the proxy is paused for a weight update for over {self.pause_timeout:g}s")
+            raise ProxyError(503, f"the proxy is paused for a weight update for over {self.hold_timeout:g}s")
 
     async def _released(self, deadline: float) -> bool:
-        """Wait until the proxy is neither paused nor held; ``False`` if ``deadline`` (monotonic) came first."""
+        """Wait until the proxy is neither paused nor held; ``False`` if ``deadline`` (monotonic) came first.
+
+        The trainer holds the proxy for as long as its update takes: while held, the wait lasts up to
+        ``hold_timeout`` from now even when ``deadline`` (a ``pause_timeout`` bound) comes earlier."""
         self._waiting += 1
+        if self._gate is not None:
+            deadline = max(deadline, time.monotonic() + self.hold_timeout)
         try:
             with anyio.move_on_after(deadline - time.monotonic()):
                 while self._gate is not None:  # a new hold may close a new gate before this task runs again
