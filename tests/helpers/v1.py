@@ -40,9 +40,13 @@ async def live_trainer(
 
 
 async def multi_turn_agents(run: Any, count: int, turns: int) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """``count`` agents claim a task each and hold a ``turns``-call chat through the proxy with the openai SDK
-    (each call: the history, the model's answer, a tool message), then post reward 1. Returns, per rollout,
-    each call's (prompt ids, response ids) as the engine returned them (the proxy asks on the agent's behalf)."""
+    """``count`` agents claim a task each and hold a ``turns``-call conversation through the proxy with the
+    openai SDK, then post reward 1. The first call is a chat call (the model's chat template); each later one
+    is a completion whose prompt is the previous call's prompt + answer ids + a tool message's ids, the way
+    verl's own agent loop keeps a conversation as token ids, so every call extends the one before exactly (an
+    agent that re-renders its history as text can drift: the tiny random model's answers often do not survive
+    decode + re-encode, see tests/test_multiturn.py). Returns, per rollout, each call's (prompt ids, response
+    ids) as the engine returned them (the proxy asks on the agent's behalf)."""
     import openai
 
     from aglverl.client import AgentClient
@@ -56,15 +60,17 @@ async def multi_turn_agents(run: Any, count: int, turns: int) -> dict[str, list[
             assert task is not None
             llm = (await agent.resources(task.resources_id)).resources["main_llm"]
             sdk = client.with_options(base_url=llm.get_base_url(task.rollout_id, task.attempt_id))
-            messages: list[Any] = [{"role": "user", "content": task.input["prompt"]}]
             calls = seen.setdefault(task.rollout_id, [])
-            for turn in range(turns):
-                answer = await sdk.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
-                calls.append((answer.model_extra["prompt_token_ids"], answer.choices[0].model_extra["token_ids"]))
-                messages += [
-                    {"role": "assistant", "content": answer.choices[0].message.content or ""},
-                    {"role": "user", "content": f"ok {turn}"},
-                ]
+            chat = await sdk.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": task.input["prompt"]}], max_tokens=3
+            )
+            calls.append((chat.model_extra["prompt_token_ids"], chat.choices[0].model_extra["token_ids"]))
+            for turn in range(1, turns):
+                prompt, response = calls[-1]
+                tool = [7, 8, 9 + turn]  # a tool result's ids
+                answer = await sdk.completions.create(model=llm.model, prompt=prompt + response + tool, max_tokens=3)
+                choice = answer.choices[0].model_extra
+                calls.append((choice["prompt_token_ids"], choice["token_ids"]))
             await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
         await client.close()
     return seen
