@@ -654,6 +654,15 @@ def _resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completio
     return None
 
 
+def _token_limit(request: Mapping[str, Any]) -> int | None:
+    """The call's limit on generated tokens: ``max_completion_tokens``, else ``max_tokens`` (a ``null`` one
+    counts as omitted, as the backend reads it); ``None`` when the call sets none."""
+    limit = request.get("max_completion_tokens")
+    if limit is None:
+        limit = request.get("max_tokens")
+    return limit if type(limit) is int else None
+
+
 def _reported_version(headers: CIMultiDictProxy[str]) -> int | None:
     """The weight version a backend reports for an answer, if it reports a valid one."""
     value = headers.get(WEIGHT_VERSION_HEADER)
@@ -1393,8 +1402,7 @@ class LLMProxy:
         call.headers["Accept-Encoding"] = "identity"
         empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
-        call.max_tokens = max_tokens if type(max_tokens) is int else None
+        call.max_tokens = _token_limit(obj)
         if "return_token_ids" not in obj:
             fill["return_token_ids"] = True
         if self.request_logprobs and "logprobs" not in obj:
@@ -1645,9 +1653,11 @@ class LLMProxy:
             content_type = upstream.headers.get("Content-Type", "")
             call.sse = content_type.startswith(_SSE)
             if call.capture is not None:
+                # A backend that reports no version (vLLM): the proxy's when the answer's head arrives, not
+                # when the call came in: a call admitted before a hold that reached a paused engine waited
+                # there and was generated under the weights that came after.
                 version = _reported_version(upstream.headers)
-                if version is not None:
-                    call.weight_version = version
+                call.weight_version = self.weight_version if version is None else version
             if call.sse or (
                 upstream.content_length is None
                 and upstream.status not in (204, 304)
@@ -1905,13 +1915,13 @@ class LLMProxy:
             message = f"the backend aborted the generation (a weight update), and {why} is not resumed"
             raise ProxyError(503, message)
         assert choice is not None and prompt is not None
-        limit = request.get("max_completion_tokens", request.get("max_tokens"))
+        limit = _token_limit(request)
         return _Resumption(
             list(prompt),
             list(
                 choice.ids or ()
             ),  # no ids and no output (ids_missing unset): aborted before its first token
-            limit if type(limit) is int else None,
+            limit,
             time.monotonic() + self.pause_timeout,
             head or {},
             choice.chars,
@@ -2041,8 +2051,8 @@ class LLMProxy:
             if answer is not None and call.capture.aborted:
                 refusals += 1
                 continue
-            if version is not None:
-                call.weight_version = call.weight_version_end = version
+            # Made again wholly after the hold: the proxy's current version when the backend reports none.
+            call.weight_version = call.weight_version_end = self.weight_version if version is None else version
             self.m_regenerated.inc()
             return raw
 
@@ -2129,8 +2139,9 @@ class LLMProxy:
         generated = len(state.ids)
         body = {key: request[key] for key in CONTINUED_FIELDS if request.get(key) is not None}
         body["prompt"] = state.prompt + state.ids
-        if state.left is not None:
-            body["max_tokens"] = state.left
+        # No limit: an explicit null, which means the rest of the context as the call's own omission did;
+        # omitted, a completion gets vLLM's default of 16 tokens.
+        body["max_tokens"] = state.left
         min_tokens = request.get("min_tokens")
         if type(min_tokens) is int and min_tokens > generated:
             body["min_tokens"] = min_tokens - generated
