@@ -780,7 +780,7 @@ async def _drain(content: aiohttp.StreamReader) -> None:
 class _Resumption:
     """An aborted generation on its way to its end: what its continuations need and what they did."""
 
-    __slots__ = ("chars", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
+    __slots__ = ("chars", "context", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
 
     def __init__(
         self,
@@ -800,11 +800,16 @@ class _Resumption:
         self.refusals = 0  # continuations in a row that brought no token
         self.ready = 0.0  # when the current continuation was free to go (for the resume latency)
         self.version = 0  # the weight version of the current continuation
+        self.context: int | None = None  # the backend's context window (max_model_len), for a call without a limit
 
     @property
     def left(self) -> int | None:
-        """Tokens the call may still generate (``None``: up to the context window)."""
-        return None if self.limit is None else max(0, self.limit - len(self.ids))
+        """Tokens the call may still generate (``None``: up to a context window not known)."""
+        if self.limit is not None:
+            return max(0, self.limit - len(self.ids))
+        if self.context is not None:
+            return max(0, self.context - len(self.prompt) - len(self.ids))
+        return None
 
     def usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
         """A backend's usage counts, for the call's own prompt and the whole generation."""
@@ -2087,6 +2092,10 @@ class LLMProxy:
             backend = self._pick(call.rollout_id, ())
             if backend is None:
                 raise ProxyError(503, "no backends are configured")
+            if state.limit is None and state.context is None:
+                # The call had the rest of the context; a completion without max_tokens (or with a null one)
+                # gets vLLM's default of 16 tokens, so the continuation asks for the rest explicitly.
+                state.context = await self._context_window(backend, call.model)
             state.ready = time.monotonic()
             state.version = self.weight_version
             self.m_continuations.inc()
@@ -2116,6 +2125,29 @@ class LLMProxy:
                 state.version = reported
             return upstream
 
+    async def _context_window(self, backend: _Backend, model: str | None) -> int | None:
+        """The backend's context window for ``model`` (``max_model_len`` of its ``/v1/models`` card, as vLLM
+        and the embedded server report it); ``None`` (logged) when it does not say."""
+        assert self._session is not None
+        try:
+            async with self._session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
+                cards = (await response.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+            cards, error = [], repr(exc)
+        else:
+            error = "no max_model_len in its /v1/models"
+        for card in cards:
+            if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
+                continue
+            window = card.get("max_model_len")
+            if type(window) is int:
+                return window
+        logger.warning(
+            "backend %s did not tell its context window (%s): the continuation of an aborted call without "
+            "max_tokens gets the backend's default limit", backend.url, error
+        )
+        return None
+
     async def _held_back(self, deadline: float) -> bool:
         """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``)."""
         if self._gate is None:
@@ -2139,9 +2171,8 @@ class LLMProxy:
         generated = len(state.ids)
         body = {key: request[key] for key in CONTINUED_FIELDS if request.get(key) is not None}
         body["prompt"] = state.prompt + state.ids
-        # No limit: an explicit null, which means the rest of the context as the call's own omission did;
-        # omitted, a completion gets vLLM's default of 16 tokens.
-        body["max_tokens"] = state.left
+        if state.left is not None:  # a call without a limit: the rest of the context (see _continuation)
+            body["max_tokens"] = state.left
         min_tokens = request.get("min_tokens")
         if type(min_tokens) is int and min_tokens > generated:
             body["min_tokens"] = min_tokens - generated

