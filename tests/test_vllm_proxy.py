@@ -9,16 +9,20 @@ vLLM gives uninterrupted (greedy). vLLM sends no ``X-Weight-Version``: the versi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import anyio
 import pytest
+from aiohttp import web
 from helpers.vllm_server import MAX_MODEL_LEN, vllm_server
 from test_proxy_resume import Stream
 from test_translate import anthropic_sdk, claim, finish, openai_sdk, proxied
+
+from aglverl._net import bind_listener, url_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
@@ -182,28 +186,56 @@ async def test_an_aborted_json_call_without_a_limit_continues_to_the_end_of_the_
 
 
 # ---------------------------------------------------------------------------------------------- versions
+@asynccontextmanager
+async def relay(target: str, reached: anyio.Event) -> AsyncIterator[str]:
+    """A loopback HTTP hop in front of ``target`` that sets ``reached`` when a request comes through it (the
+    proxy forwards a call only once it admitted it); yields its base URL."""
+
+    async def forward(request: web.Request) -> web.Response:
+        reached.set()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(request.method, target + request.path_qs, data=await request.read(),
+                         headers={"Content-Type": "application/json"}) as answer,
+        ):  # fmt: skip
+            return web.Response(body=await answer.read(), status=answer.status, content_type=answer.content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = bind_listener("127.0.0.1", 0)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    try:
+        yield url_of(sock)
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_call_admitted_before_a_hold_that_waits_in_the_paused_engine_has_the_new_version(
     vllm: str,
 ) -> None:
     body = chat(False, max_tokens=LONG)
-    async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
+    reached = anyio.Event()
+    async with relay(vllm, reached) as hop, proxied(hop) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
         await control(vllm, "pause?mode=abort")  # the engine is paused for an update
-        async with anyio.create_task_group() as tg:
-            answers: list[Any] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                answers: list[Any] = []
 
-            async def call_json() -> None:
-                async with http.post(f"{base}/chat/completions", json=body) as r:
-                    answers.append(await r.json())
+                async def call_json() -> None:
+                    async with http.post(f"{base}/chat/completions", json=body) as r:
+                        answers.append(await r.json())
 
-            tg.start_soon(call_json)
-            # Every task of this loop blocked: the proxy admitted the call and waits for vLLM's answer, which
-            # vLLM holds while paused.
-            await anyio.wait_all_tasks_blocked()
-            assert proxy.in_flight == 1
-            proxy.hold()
-            await control(vllm, "resume")
-            proxy.resume(1)
+                tg.start_soon(call_json)
+                await reached.wait()  # admitted (version 0) and on its way to the paused engine
+                proxy.hold()
+                await control(vllm, "resume")
+                proxy.resume(1)
+        finally:
+            await control(vllm, "resume")  # whatever happened, the next test's engine runs
         [call] = finish(store, rid, aid)
     assert answers[0]["choices"][0]["finish_reason"] == "length"
     assert (call.weight_version, call.weight_version_end) == (1, 1)
