@@ -82,7 +82,8 @@ class LongAnswers:
                 extra_body={"ignore_eos": True},
             )
         self.answers.append(reply)
-        return float("yes" in (reply.choices[0].message.content or ""))
+        # a reward that differs within a group (the random model never says the demo's "yes"): GRPO learns
+        return float((reply.choices[0].message.content or "").count("e") % 2)
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
@@ -96,9 +97,10 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
     algo.on_step.append(lambda step, metrics: steps.__setitem__(step, dict(metrics)))
     await algo.run(TRAIN, None)
     assert sorted(steps) == [1, 2, 3]
+    assert any(m["actor/grad_norm"] > 0 for m in steps.values())
     for metrics in steps.values():
         assert metrics["step/n_completed"] == 4 and metrics["step/n_rows"] == 4
-        assert metrics["logprobs/n_rows_missing"] == 0.0 and metrics["actor/grad_norm"] > 0
+        assert metrics["logprobs/n_rows_missing"] == 0.0
     last = steps[3]
     failures = ("calls_failed", "calls_upstream_error", "resume_failures_unsupported", "resume_failures_refused")
     assert {key: last[f"proxy/{key}"] for key in failures} == dict.fromkeys(failures, 0)
@@ -108,5 +110,6 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
     assert {a.choices[0].finish_reason for a in agent.answers} == {"length"}
     assert {a.usage.completion_tokens for a in agent.answers} == {RESPONSE}
     # The rows hold vLLM's ids and log-probs: at step 1 (weights synced once, nothing stale) the trainer's
-    # recomputation of the rows' log-probs agrees with vLLM's to float32 rounding.
+    # recomputation of the rows' log-probs agrees with vLLM's to float32 rounding. vLLM starts from dummy
+    # weights (load_format: dummy), so this also says verl's weight sync reached its CPU layers (W2).
     assert steps[1]["logprobs/abs_diff_mean"] < 1e-5, steps[1]["logprobs/abs_diff_mean"]
