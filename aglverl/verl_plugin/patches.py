@@ -375,7 +375,7 @@ def _vllm_cpu_plain_weights() -> None:
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         weight = layer.weight
         if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not weight.is_meta:
-            layer.cpu_linear = torch.nn.functional.linear
+            layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]
             return
         original(layer, remove_weight)
 
@@ -414,4 +414,4 @@ def _vllm_pause_keyword() -> None:
         await original(self, **kwargs)
 
     pause_generation.__aglverl_patch__ = True  # type: ignore[attr-defined]
-    AsyncLLM.pause_generation = pause_generation  # type: ignore[method-assign]
+    AsyncLLM.pause_generation = pause_generation
