@@ -58,8 +58,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def shared_ray(tiny_model: Path) -> Iterator[None]:
-    """One Ray session for the module's runs (each run joins it instead of starting its own)."""
-    composed, _ = compose_config(config("sync"))
+    """One Ray session for the module's runs (each run joins it instead of starting its own), sized for the
+    largest: separate_async's standalone rollout pool needs a (fake) GPU of its own."""
+    composed, _ = compose_config(config("separate_async"))
     with ExitStack() as stack:
         stack.enter_context(verl_runtime(composed))
         yield
