@@ -150,6 +150,13 @@ class DaemonOptions:
     - ``sampling_mismatch``: a call that sets other sampling parameters than the trainer's (temperature,
       top_p, top_k; others at non-neutral values) is refused with a 400 naming them (``"refuse"``) or kept
       out of the loss (``"mask"``); parameters a call omits are filled in with the trainer's either way.
+    - ``hold_timeout``: how long an agent's LLM call may wait while the trainer holds the proxy for its update
+      (old/ref log-probs, actor and critic updates, checkpoint save, weight sync); the default, 4 hours, fits
+      hour-long steps. Leases do not run meanwhile: no agent loses its task for time spent in a held call.
+    - ``max_failed_groups``: a training group whose every rollout failed is replaced by a fresh prompt (verl's
+      refill, in every mode); after this many such groups in a row the run stops with
+      :class:`~aglverl.producer.AgentsFailing`, naming the agents' most frequent errors. ``None`` (default):
+      ``data.train_batch_size``, a whole batch's worth; ``0``: never stop.
     """
 
     host: str = "127.0.0.1"
@@ -165,6 +172,8 @@ class DaemonOptions:
     platform: Literal["auto", "cpu", "gpu"] = "auto"
     signal: SignalConfig = dataclasses.field(default_factory=SignalConfig)
     sampling_mismatch: Literal["refuse", "mask"] = "refuse"
+    max_failed_groups: int | None = None
+    hold_timeout: float = 4 * 3600.0
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -187,6 +196,12 @@ class DaemonOptions:
             raise ConfigError(f"aglverl.agents must be >= 1, got {options.agents}")
         if options.max_attempts < 1:
             raise ConfigError(f"aglverl.max_attempts must be >= 1, got {options.max_attempts}")
+        if not options.hold_timeout > 0:
+            raise ConfigError(f"aglverl.hold_timeout must be > 0 seconds, got {options.hold_timeout!r}")
+        if options.max_failed_groups is not None and (
+            type(options.max_failed_groups) is not int or options.max_failed_groups < 0
+        ):
+            raise ConfigError(f"aglverl.max_failed_groups must be an int >= 0, got {options.max_failed_groups!r}")
         if options.sampling_mismatch not in ("refuse", "mask"):
             raise ConfigError(
                 f"aglverl.sampling_mismatch must be 'refuse' or 'mask', got {options.sampling_mismatch!r}"
@@ -364,12 +379,19 @@ def _connect_to_verl(config: Any, options: DaemonOptions, user: Mapping[str, Any
       here; ``run``'s datasets or these files are the task inputs);
     - behaviour log-probs: ``rollout.calculate_log_probs`` and ``aglverl.signal.request_logprobs`` mean the
       same thing (the engine's log-probs ride along in every row), so either turns both on;
+    - failed groups are replaced in sync mode too (``trainer.v1.sampler.sync_refill_failed_groups``, unless the
+      user sets it);
     - rejection sampling is verl's DAPO group filter (``algorithm.filter_groups``) on aglverl's scores: a
       uniform group is evicted and a fresh prompt takes its place, at most ``max_num_gen_batches`` batches'
       worth per step (aglverl's default: 4; after that the step trains on what it has).
     """
     from .verl_v1 import MODULE_PATH, sampler_name
 
+    user_sampler = ((user.get("trainer") or {}).get("v1") or {}).get("sampler") or {}
+    if "sync_refill_failed_groups" not in user_sampler:
+        # a group whose every rollout failed is replaced by a fresh prompt in sync mode too (the async modes
+        # always do); agents that keep failing stop the run (aglverl.max_failed_groups), not verl's sampler
+        config.trainer.v1.sampler.sync_refill_failed_groups = True
     sampler = config.trainer.v1.sampler.custom_sampler
     if not sampler.get("path"):
         sampler.path = MODULE_PATH
@@ -798,6 +820,7 @@ def _daemon_kwargs(config: Any, options: DaemonOptions, trainer: Any) -> dict[st
         "model": served_model_name(backends[0]),
         "llm_resource": options.llm_resource,
         "lease_seconds": options.lease_seconds,
+        "hold_timeout": options.hold_timeout,
         "max_attempts": options.max_attempts,
         "step_timeout": options.step_timeout,
         "vocab_size": len(trainer.tokenizer),

@@ -1,6 +1,23 @@
 """Turn finished rollouts into one padded verl :class:`~verl.DataProto`: pure, vectorised, no I/O.
 
-Each triplet (one LLM call) of a rollout becomes one row::
+Rows are chains of calls (``SignalConfig.trajectory``, ``"merge"`` by default): a rollout's calls, in the
+order they were made, form chains; call b continues a chain whose last call is a when b's prompt ids start with
+exactly a's prompt ids + a's response ids. A chain is one row in verl's own agent-loop layout: ``prompts`` is its
+first call's prompt, ``responses`` is ``r1 + d2 + r2 + ... + rk`` where ``r_i`` are the ids the engine generated
+(``response_mask`` 1, their logprobs in ``rollout_log_probs``) and ``d_i`` the ids between two calls (tool
+results, user turns, template tokens: ``response_mask`` 0, logprob 0), and the reward sits on the last generated
+token. A call that continues no chain (a branch, a parallel call, a rewritten history) starts a new chain; one
+whose prompt starts with a chain's last prompt but not with its exact response ids (retokenization drift: the
+chat template re-rendered the answer, the agent edited it) too, and is counted as drifted. A chain whose merged
+response would be longer than ``max_response_length`` is split at a call boundary: the later calls start a new
+row with their own full prompt, so no generated id is lost to the width; only a single call longer than the
+width is truncated. Every call with a response is in exactly one row. A call recorded off-policy (its sampling
+parameters were masked) keeps ``response_mask`` 0 on its tokens; a row with no on-policy call is marked
+``is_drop_mask``. ``trajectory="per_call"`` (and no :class:`~aglverl.signals.SignalConfig` at all) makes every
+call its own row, as batches always were: the layout below is then one call per row, and an off-policy call's
+row keeps its response mask and is marked ``is_drop_mask``.
+
+The rows::
 
     prompts         [B, P]    left-padded; a longer prompt keeps its LAST P ids and is marked is_drop_mask
     responses       [B, R]    right-padded; a longer response keeps its FIRST R ids
@@ -11,8 +28,8 @@ Each triplet (one LLM call) of a rollout becomes one row::
     token_level_scores [B, R] float32: the rollout's final reward on the last real response token
 
 and the non-tensor batch carries ``data_id_list`` / ``uid`` (the GRPO group), ``rollout_id_list`` and
-``turn_index_list``. A triplet with an empty response has no token to carry its reward, so it is dropped and
-counted rather than silently losing the reward.
+``turn_index_list`` (the row's first call). A triplet with an empty response has no token to carry its reward,
+so it is dropped and counted rather than silently losing the reward (a merged chain simply continues past it).
 
 Given a :class:`~aglverl.signals.SignalConfig` (the collector always passes one), the training-signal controls
 decide which rollouts and turns become rows, each row's score and ``uid`` (see :mod:`aglverl.signals`), and
@@ -24,9 +41,10 @@ the batch also carries::
                                every row has them (``logprobs/present``), the key verl's rollout correction reads
 
 No Python code runs per token. The only Python-level loops run once per rollout or per triplet: reading
-rewards and lengths, and unboxing each row's ids, which ``struct`` packs in C straight to the row's
-destination offset (computed for the whole batch); padding, truncation lengths, masks, positions and reward
-placement are whole-batch numpy index arithmetic, and the tensors are ``torch.from_numpy`` views (no copies).
+rewards and lengths, finding the chains (one C-level prefix comparison per call and open chain), and unboxing
+each call's ids, which ``struct`` packs in C straight to their destination offset in the row (computed for the
+whole batch); padding, truncation lengths, masks, positions and reward placement are whole-batch numpy index
+arithmetic, and the tensors are ``torch.from_numpy`` views (no copies).
 Importing this module imports verl (about 4 s), which is why the daemon imports it when it starts rather
 than on the first batch.
 """
@@ -38,7 +56,7 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -47,7 +65,7 @@ from verl import DataProto
 
 from .signals import FAILURE_REASONS, RowPlan, SignalConfig, plan_rows, reason_flags, turn_layout
 
-__all__ = ["BatchConfig", "FinishedRollout", "MissingRewardError", "build_batch"]
+__all__ = ["BatchConfig", "BuiltBatch", "FinishedRollout", "MissingRewardError", "build_batch", "build_rows"]
 
 _ID_BYTES = 8  # int64 (and float64, for logprobs)
 
@@ -131,12 +149,30 @@ class FinishedRollout:
     off_policy: Sequence[bool] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class BuiltBatch:
+    """:func:`build_rows`' result: the batch, its metrics, and which calls make each row.
+
+    Per row (batch order): ``row_rollout`` (index into the rollouts given), ``row_calls`` (the turn indices of
+    the row's calls, in order; the first is the row's ``turn_index_list``), ``logprobs`` (the engine's
+    logprobs over the row's response, float32, 0 between calls; ``None`` unless every call of the row brought
+    one finite logprob per response id).
+    """
+
+    data: DataProto
+    metrics: dict[str, float]
+    row_rollout: np.ndarray
+    row_calls: list[list[int]]
+    logprobs: list[np.ndarray | None]
+
+
 def build_batch(
     rollouts: Sequence[FinishedRollout], config: BatchConfig, signal: SignalConfig | None = None
 ) -> tuple[DataProto, dict[str, float]]:
-    """Build the training batch for ``rollouts`` (one row per triplet) and its ``batch/*`` metrics.
+    """Build the training batch for ``rollouts`` (one row per chain of calls, see the module docstring) and
+    its ``batch/*`` metrics.
 
-    Rows follow the order of ``rollouts`` and, within a rollout, of its turns. Triplets with an empty
+    Rows follow the order of ``rollouts`` and, within a rollout, of their first calls. Triplets with an empty
     response are dropped (``batch/n_empty_responses_dropped``); a rollout without triplets contributes no
     rows (``batch/n_rollouts_without_triplets``); a missing reward is replaced by
     ``config.reward_fill_value`` (``batch/n_rewards_filled``) or raises :class:`MissingRewardError` naming
@@ -144,10 +180,15 @@ def build_batch(
     raises ``ValueError`` naming the rollout and turn. When no row is left the DataProto still has every
     tensor, with a leading dimension of 0. The inputs are never modified; every tensor has its own storage.
 
-    Metrics (floats): counts of completed rollouts, those without triplets, rows (``n_triplets``, always the
-    batch's length), dropped empty responses, truncated prompts and responses, off-policy rows (those two
-    are the rows marked ``is_drop_mask``), filled rewards; the mean final reward over completed rollouts after filling; mean prompt / response
-    length of the rows after truncation (each 0.0 when there is nothing to average).
+    Metrics (floats): counts of completed rollouts, those without triplets, rows (``n_triplets`` and
+    ``n_rows``, always the batch's length), the calls in them (``n_calls``), calls that continued a row
+    (``n_calls_merged``), chains split at a call boundary for the width (``n_chains_split_width``), calls
+    that drifted (``n_calls_drifted``, counted in either mode), the trainer tokens of the rows
+    (``n_trainer_tokens``: prompt + response, after truncation) and what one row per call would have cost
+    (``n_trainer_tokens_per_call``), dropped empty responses, truncated prompts and responses, off-policy
+    rows (those two are the rows marked ``is_drop_mask``), filled rewards; the mean final reward over
+    completed rollouts after filling; mean prompt / response length of the rows after truncation (each 0.0
+    when there is nothing to average).
 
     Without ``signal``, failed rollouts (``completed=False``) are left out and every other turn with a
     response is a row, as plain GRPO batches always were. With it, :func:`aglverl.signals.plan_rows` picks the
@@ -155,10 +196,19 @@ def build_batch(
     ``advantage_weights`` and ``group_weights``, and ``rollout_log_probs`` when every row has the engine's
     logprobs (``logprobs/present``, ``logprobs/n_rows_missing``).
     """
+    built = build_rows(rollouts, config, signal)
+    return built.data, built.metrics
+
+
+def build_rows(
+    rollouts: Sequence[FinishedRollout], config: BatchConfig, signal: SignalConfig | None = None
+) -> BuiltBatch:
+    """:func:`build_batch`, and which calls make each row (what a sink filing rows one by one needs)."""
     if signal is None:
         rollouts = [r for r in rollouts if r.completed]
     else:
         _check_per_turn(rollouts)
+    merge = signal is not None and signal.trajectory == "merge"
     P, R = config.max_prompt_length, config.max_response_length
     completed = np.fromiter((r.completed for r in rollouts), bool, count=len(rollouts))
     rewards, n_filled = _final_rewards(rollouts, config.reward_fill_value, signal)
@@ -170,6 +220,7 @@ def build_batch(
     response_len = np.fromiter(map(len, responses), np.int64, count=len(turns))
     turn_rollout, turn_index = turn_layout(n_turns)
     data_ids = np.fromiter((r.data_id for r in rollouts), object, count=len(rollouts))
+    chains = _chains(rollouts, R, merge)
 
     if signal is None:
         kept = np.flatnonzero(response_len > 0)
@@ -187,57 +238,128 @@ def build_batch(
             turn_rewards=_turn_rewards(rollouts, len(turns)),
             max_response_length=R,
             config=signal,
+            row_starts=chains.head,
         )
     n_empty = np.count_nonzero(~plan.masked[turn_rollout] & (response_len == 0))
-    kept = plan.rows
-    row_rollout, row_turn = turn_rollout[kept], turn_index[kept]
-    prompt_len, full_response_len = prompt_len[kept], response_len[kept]
+
+    # The kept calls, row-major: rows in the order of their first calls, a row's calls in call order. A merged
+    # row's calls are kept or dropped together: masking and group sizes act on whole rollouts, and rejection on
+    # whole groups, which are rollouts' (per_step's per-turn groups only exist with per_call rows).
+    order = np.argsort(chains.row[plan.rows], kind="stable")
+    calls = plan.rows[order]
+    row_of = np.unique(chains.row[calls], return_inverse=True)[1].reshape(-1)
+    n_rows = int(row_of[-1]) + 1 if len(calls) else 0
+    first = np.ones(len(calls), bool)
+    first[1:] = row_of[1:] != row_of[:-1]
+    heads = calls[first]
+    off_policy_call = _off_policy(rollouts, len(turns))[calls]
+    on_policy_rows = np.bincount(row_of[~off_policy_call], minlength=n_rows) > 0
+
+    # Each call adds the ids between it and the row's previous call (none for a row's first call) and its
+    # response; a lone call longer than the width is the only thing ever truncated.
+    gap = np.where(first, 0, prompt_len[calls] - chains.gap_from[calls])
+    full_piece = gap + response_len[calls]
+    full_response_len = np.bincount(row_of, weights=full_piece, minlength=n_rows).astype(np.int64)
+    # where each call's gap starts in its row: its offset in all rows' pieces laid end to end, less its row's
+    starts = np.cumsum(full_piece) - full_piece
+    offset_in_row = starts - starts[first][row_of]
+    response_start = offset_in_row + gap
+    call_response_len = np.minimum(response_len[calls], R - response_start)
+
+    call_prompt_len = prompt_len[calls]
+    prompt_len = prompt_len[heads]
     prompt_cut, response_cut = prompt_len > P, full_response_len > R
-    off_policy = _off_policy(rollouts, len(turns))[kept]
-    prompt_len, response_len = np.minimum(prompt_len, P), np.minimum(full_response_len, R)
+    prompt_len, row_response_len = np.minimum(prompt_len, P), np.minimum(full_response_len, R)
 
     def where(turn: int) -> str:
         return f"rollout {rollouts[turn_rollout[turn]].rollout_id!r} turn {turn_index[turn]}"
 
     pad = config.pad_token_id
-    prompt_ids = _pack(prompts, kept, prompt_len, P, pad, keep_last=True, where=where)
-    response_ids = _pack(responses, kept, response_len, R, pad, keep_last=False, where=where)
-    prompt_mask, response_mask, position_ids = _layout(prompt_len, response_len, P, R)
-    scores = np.zeros((len(kept), R), np.float32)
-    scores[np.arange(len(kept)), response_len - 1] = plan.scores
+    prompt_ids = _pack(prompts, heads, prompt_len, P, pad, keep_last=True, where=where)
+    row_base = row_of * R
+    response_ids = np.full((n_rows, R), pad, np.int64)
+    gap_calls = np.flatnonzero(gap > 0)
+    _place(
+        response_ids,
+        prompts,
+        calls[gap_calls],
+        chains.gap_from[calls[gap_calls]],
+        gap[gap_calls],
+        row_base[gap_calls] + offset_in_row[gap_calls],
+        where,
+        "prompt token ids must be int64 integers",
+    )
+    _place(
+        response_ids,
+        responses,
+        calls,
+        np.zeros(len(calls), np.int64),
+        call_response_len,
+        row_base + response_start,
+        where,
+        "response token ids must be int64 integers",
+    )
+    prompt_mask, real_response, position_ids = _layout(prompt_len, row_response_len, P, R)
+    generated = ~off_policy_call if merge else np.ones(len(calls), bool)
+    response_mask = _runs((n_rows, R), (row_base + response_start)[generated], call_response_len[generated])
+    scores = np.zeros((n_rows, R), np.float32)
+    scores[np.arange(n_rows), row_response_len - 1] = plan.scores[order][first]
+    off_policy = ~on_policy_rows
 
     tensors = {
         "prompts": prompt_ids,
         "responses": response_ids,
         "input_ids": np.concatenate([prompt_ids, response_ids], axis=1),
-        "attention_mask": np.concatenate([prompt_mask, response_mask], axis=1, dtype=np.int64),
+        "attention_mask": np.concatenate([prompt_mask, real_response], axis=1, dtype=np.int64),
         "response_mask": response_mask.astype(np.int64),
         "position_ids": position_ids,
         "is_drop_mask": prompt_cut | off_policy,
         "token_level_scores": scores,
     }
     metrics = dict(plan.metrics)
+    row_logprobs: list[np.ndarray | None] = [None] * n_rows
     if signal is not None:
-        tensors["advantage_weights"] = plan.advantage_weights
-        tensors["group_weights"] = plan.group_weights
+        tensors["advantage_weights"] = plan.advantage_weights[order][first]
+        tensors["group_weights"] = plan.group_weights[order][first]
         turn_logprobs = list(itertools.chain.from_iterable(_logprobs_of(r) for r in rollouts))
-        logprobs, metrics["logprobs/n_rows_missing"] = _rollout_log_probs(
-            turn_logprobs, kept, full_response_len, response_len, R, where
+        logprobs, aligned = _rollout_log_probs(
+            turn_logprobs,
+            calls,
+            response_len[calls],
+            call_response_len,
+            row_base + response_start,
+            (n_rows, R),
+            row_of,
+            where,
         )
-        metrics["logprobs/present"] = float(logprobs is not None)
-        if logprobs is not None:
+        metrics["logprobs/n_rows_missing"] = float(n_rows - np.count_nonzero(aligned))
+        metrics["logprobs/present"] = float(bool(n_rows) and bool(aligned.all()))
+        if metrics["logprobs/present"]:
             tensors["rollout_log_probs"] = logprobs
+        row_logprobs = [
+            logprobs[i, :n] if ok else None
+            for i, (n, ok) in enumerate(zip(row_response_len.tolist(), aligned.tolist(), strict=True))
+        ]
     rollout_ids = np.fromiter((r.rollout_id for r in rollouts), object, count=len(rollouts))
+    row_rollout = turn_rollout[heads]
     non_tensors = {
         "data_id_list": data_ids[row_rollout],
-        "uid": plan.uid.astype(object),
+        "uid": plan.uid[order][first].astype(object),
         "rollout_id_list": rollout_ids[row_rollout],
-        "turn_index_list": row_turn.astype(object),
+        "turn_index_list": turn_index[heads].astype(object),
     }
+    per_call_tokens = np.minimum(call_prompt_len, P) + np.minimum(response_len[calls], R)
     metrics |= {
         "batch/n_rollouts": float(np.count_nonzero(completed)),
         "batch/n_rollouts_without_triplets": float(np.count_nonzero(completed & (n_turns == 0))),
-        "batch/n_triplets": float(len(kept)),
+        "batch/n_triplets": float(n_rows),
+        "batch/n_rows": float(n_rows),
+        "batch/n_calls": float(len(calls)),
+        "batch/n_calls_merged": float(np.count_nonzero(~first)),
+        "batch/n_chains_split_width": float(np.count_nonzero(chains.split[calls])),
+        "batch/n_calls_drifted": float(np.count_nonzero(chains.drifted[calls])),
+        "batch/n_trainer_tokens": float(prompt_len.sum() + row_response_len.sum()),
+        "batch/n_trainer_tokens_per_call": float(per_call_tokens.sum()),
         "batch/n_empty_responses_dropped": float(n_empty),
         "batch/n_prompts_truncated": float(np.count_nonzero(prompt_cut)),
         "batch/n_rows_off_policy": float(np.count_nonzero(off_policy)),
@@ -245,12 +367,13 @@ def build_batch(
         "batch/n_rewards_filled": float(n_filled),
         "batch/reward_mean": _mean(rewards[completed]),
         "batch/prompt_length_mean": _mean(prompt_len),
-        "batch/response_length_mean": _mean(response_len),
+        "batch/response_length_mean": _mean(row_response_len),
     }
     batch = DataProto.from_dict(
         tensors={k: torch.from_numpy(v) for k, v in tensors.items()}, non_tensors=non_tensors, meta_info={}
     )
-    return batch, metrics
+    row_calls = np.split(turn_index[calls], np.flatnonzero(first)[1:]) if n_rows else []
+    return BuiltBatch(batch, metrics, row_rollout, [c.tolist() for c in row_calls], row_logprobs)
 
 
 def _final_rewards(
@@ -277,7 +400,11 @@ def _final_rewards(
 def _check_per_turn(rollouts: Sequence[FinishedRollout]) -> None:
     """Raise ``ValueError`` naming the first rollout whose per-turn rewards or logprobs are not one per turn."""
     for r in rollouts:
-        for name, values in (("turn_rewards", r.turn_rewards), ("logprobs", r.logprobs), ("off_policy", r.off_policy)):
+        for name, values in (
+            ("turn_rewards", r.turn_rewards),
+            ("logprobs", r.logprobs),
+            ("off_policy", r.off_policy),
+        ):
             if values is not None and len(values) != len(r.turns):
                 raise ValueError(
                     f"rollout {r.rollout_id!r} has {len(r.turns)} turns but {len(values)} {name}"
@@ -318,37 +445,139 @@ def _logprobs_of(rollout: FinishedRollout) -> Sequence[Sequence[float] | None]:
 
 def _rollout_log_probs(
     turn_logprobs: Sequence[Sequence[float] | None],
-    rows: np.ndarray,
+    calls: np.ndarray,
     full_len: np.ndarray,
     kept_len: np.ndarray,
-    width: int,
+    flat_dst: np.ndarray,
+    shape: tuple[int, int],
+    row_of: np.ndarray,
     where: Callable[[int], str],
-) -> tuple[np.ndarray | None, float]:
-    """``rollout_log_probs`` for ``rows`` (float32, zeros on pads), or ``None`` unless every row has logprobs
-    aligned with its response (and there is a row); and how many rows lack them."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's logprobs of the rows' generated ids (float32, zeros elsewhere), and per row whether every
+    call of it brought finite logprobs aligned with its response (only aligned calls' values are converted)."""
     aligned = np.fromiter(
         (
-            turn_logprobs[row] is not None and len(turn_logprobs[row]) == n
-            for row, n in zip(rows.tolist(), full_len.tolist(), strict=True)
+            turn_logprobs[call] is not None and len(turn_logprobs[call]) == n
+            for call, n in zip(calls.tolist(), full_len.tolist(), strict=True)
         ),
         bool,
-        count=len(rows),
+        count=len(calls),
     )
-    missing = float(len(rows) - np.count_nonzero(aligned))
-    if missing or not len(rows):
-        return None, missing
-    values = _pack(
+    values = np.zeros(shape, np.float64)
+    at = np.flatnonzero(aligned)
+    zero = np.zeros(len(at), np.int64)
+    _place(
+        values,
         turn_logprobs,
-        rows,
-        kept_len,
-        width,
-        0,
-        keep_last=False,
-        where=where,
-        fmt="d",
-        what="logprobs must be numbers",
+        calls[at],
+        zero,
+        kept_len[at],
+        flat_dst[at],
+        where,
+        "logprobs must be numbers",
+        "d",
     )
-    return values.astype(np.float32), missing
+    rows_aligned = (np.bincount(row_of[~aligned], minlength=shape[0]) == 0) & np.isfinite(values).all(axis=1)
+    return values.astype(np.float32), rows_aligned
+
+
+def _chains(rollouts: Sequence[FinishedRollout], width: int, merge: bool) -> _Chains:
+    """Which row each call (with a response) goes to: see the module docstring. One Python iteration per call
+    and open chain of its rollout, each a C-level comparison of id lists."""
+    n = sum(len(r.turns) for r in rollouts)
+    chains = _Chains(
+        head=np.zeros(n, bool),
+        row=np.full(n, -1, np.int64),
+        gap_from=np.zeros(n, np.int64),
+        split=np.zeros(n, bool),
+        drifted=np.zeros(n, bool),
+    )
+    call, n_rows = 0, 0
+    for rollout in rollouts:
+        # per open chain: its last call's prompt and response ids, its current row, that row's response length
+        open_chains: list[list[Any]] = []
+        for prompt, response in rollout.turns:
+            if len(response):
+                prompt, response = _ids(prompt), _ids(response)
+                chain, drift = None, False
+                for candidate in reversed(open_chains):
+                    last_prompt, last_response = candidate[0], candidate[1]
+                    n_prompt = len(last_prompt)
+                    if len(prompt) > n_prompt and prompt[:n_prompt] == last_prompt:
+                        if prompt[n_prompt : n_prompt + len(last_response)] == last_response:
+                            chain = candidate
+                            break
+                        drift = True
+                if chain is None:
+                    chains.drifted[call] = drift
+                    chain = [prompt, response, -1, width + 1]
+                    open_chains.append(chain)
+                else:
+                    chains.gap_from[call] = len(chain[0]) + len(chain[1])
+                grow = len(prompt) - chains.gap_from[call] + len(response)
+                if merge and chain[3] + grow <= width:
+                    chain[3] += grow
+                else:
+                    chains.split[call] = merge and chain[2] >= 0
+                    chains.head[call] = True
+                    chain[2], chain[3] = n_rows, len(response)
+                    n_rows += 1
+                chain[0], chain[1] = prompt, response
+                chains.row[call] = chain[2]
+            call += 1
+    return chains
+
+
+class _Chains(NamedTuple):
+    """Per turn (rollout-major): whether it starts a row, its row (-1: no response), where in its prompt the ids
+    after the previous call of its chain begin, whether it continued a chain but started a row for the width,
+    whether it drifted (began with a chain's last prompt, but not with that call's exact response ids)."""
+
+    head: np.ndarray
+    row: np.ndarray
+    gap_from: np.ndarray
+    split: np.ndarray
+    drifted: np.ndarray
+
+
+def _ids(seq: Sequence[int]) -> list[int]:
+    """Ids as a list, so prefixes compare in C whatever sequence type they came in."""
+    if type(seq) is list:
+        return seq
+    return seq.tolist() if isinstance(seq, np.ndarray) else list(seq)
+
+
+def _place(
+    out: np.ndarray,
+    seqs: Sequence[Any],
+    calls: np.ndarray,
+    src_start: np.ndarray,
+    lengths: np.ndarray,
+    flat_dst: np.ndarray,
+    where: Callable[[int], str],
+    what: str,
+    fmt: Literal["q", "d"] = "q",
+) -> None:
+    """Copy ``seqs[calls[i]][src_start[i]:][:lengths[i]]`` to flat offset ``flat_dst[i]`` of ``out`` (C-contiguous,
+    int64 for ``"q"``, float64 for ``"d"``). Raises ``ValueError`` naming the turn and ``what`` was wrong."""
+    buffer = out.reshape(-1).view(np.uint8).data
+    for call, start, n_ids, offset in zip(
+        calls.tolist(), src_start.tolist(), lengths.tolist(), (flat_dst * _ID_BYTES).tolist(), strict=True
+    ):
+        seq = seqs[call]
+        if start or len(seq) != n_ids:
+            seq = seq[start : start + n_ids]
+        try:
+            struct.pack_into(f"{n_ids}{fmt}", buffer, offset, *seq)
+        except struct.error as exc:
+            raise ValueError(f"{where(call)}: {what} ({exc})") from None
+
+
+def _runs(shape: tuple[int, int], starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """A bool array of ``shape`` that is true on ``lengths[i]`` elements from flat offset ``starts[i]``."""
+    out = np.zeros(shape[0] * shape[1], bool)
+    out[np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))] = True
+    return out.reshape(shape)
 
 
 def _pack(

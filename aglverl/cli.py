@@ -171,6 +171,18 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         choices=["sync", "colocate_async", "separate_async"],
         help="verl's trainer mode (trainer.v1.trainer_mode; default: sync)",
     )
+    p.add_argument(
+        "--task",
+        default="one_word",
+        choices=["one_word", "multiturn"],
+        help="one_word: one call per rollout; multiturn: three calls with a tool message between (default: one_word)",
+    )
+    p.add_argument(
+        "--trajectory",
+        default="merge",
+        choices=["merge", "per_call"],
+        help="a conversation's calls as one merged row, or one row per call (aglverl.signal.trajectory)",
+    )
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -193,6 +205,8 @@ async def _demo(args: argparse.Namespace) -> None:
         rejection_sampling=args.rejection_sampling,
         mode=args.mode,
         library_log=library_log,
+        task=args.task,
+        trajectory=args.trajectory,
     )
     print(f"verl's, Ray's and TransferQueue's output: {library_log}", file=sys.stderr, flush=True)
     print(orjson.dumps(summary).decode(), flush=True)

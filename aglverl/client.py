@@ -30,7 +30,7 @@ import anyio
 import orjson
 from pydantic import ValidationError
 
-from .models import LLM, ProxyLLM, ResourcesUpdate, Rollout, Task, TaskIfAny, dumps
+from .models import INSTANCE_HEADER, LLM, ProxyLLM, ResourcesUpdate, Rollout, Task, TaskIfAny, dumps
 
 __all__ = ["AgentClient", "AgentFn", "TaskServerError", "run_agents"]
 
@@ -67,6 +67,7 @@ class AgentClient:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         )
         self._resources: dict[str, ResourcesUpdate] = {}
+        self._server_instance: str | None = None
 
     async def __aenter__(self) -> AgentClient:
         return self
@@ -83,6 +84,11 @@ class AgentClient:
         headers = {"Content-Type": "application/json"} if body is not None else None
         async with self._session.request(method, self.server_url + path, data=body, headers=headers) as resp:
             payload = await resp.read()
+            instance = resp.headers.get(INSTANCE_HEADER)
+            if instance is not None and instance != self._server_instance:
+                # A restarted daemon rebinds recovered resources (same ids) to its new proxy: forget them all.
+                self._resources.clear()
+                self._server_instance = instance
             if resp.status >= 400:
                 try:
                     detail = str(orjson.loads(payload).get("detail", payload[:500]))
@@ -97,7 +103,11 @@ class AgentClient:
         return TaskIfAny.model_validate(data).task
 
     async def resources(self, resources_id: str | None = None) -> ResourcesUpdate | None:
-        """A resources version (cached: versions never change), or the latest; ``None`` if there is none."""
+        """A resources version, or the latest; ``None`` if there is none.
+
+        Versions are cached for as long as the task server is the same instance: a daemon restarted on the
+        same address (``X-Aglverl-Instance`` changed) may have pointed a version's LLM at its new proxy.
+        """
         if resources_id is not None and resources_id in self._resources:
             return self._resources[resources_id]
         try:

@@ -7,8 +7,9 @@ otherwise the proxy's recorded calls of the winning attempt, in call order), gat
 (the store's, the agent's and the proxy's recorded reasons), builds the batch with the step's training-signal
 controls (:class:`~aglverl.signals.SignalConfig`) in a worker thread and sends it into the bounded batch
 stream. The batch may be empty (every group filtered out): it is sent all the same, with its metrics.
-Validation steps produce metrics instead of a batch. Once a step's result is handed over its rollouts are
-dropped from the store, so memory stays flat over a long run.
+Validation steps produce metrics instead of a batch. Once a step's result is handed over (the trainer received
+the batch) its rollouts are dropped from the store, so memory stays flat over a long run; until then the step
+stays open in the journal.
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ def _mean(values: Sequence[float]) -> float:
 class RolloutCollector:
     """Runs steps over the store and feeds training batches into a bounded stream.
 
-    ``max_buffered_batches`` bounds the stream: it is how many finished batches may wait for the trainer (the
-    staleness the trainer accepts); a step whose batch does not fit waits for the trainer to take one.
+    Each finished batch waits in its step's task until the trainer receives it from :attr:`batches`; only then
+    is the step marked done in the journal and its rollouts forgotten, so a process killed while batches wait
+    recovers them. ``max_buffered_batches`` is kept for compatibility (finished steps never waited on it).
     ``step_timeout`` (seconds, ``None`` for none) is the default deadline after which a step's unfinished
     rollouts are failed, counted and (by default) masked; without it leases and ``max_attempts`` still bound
     every step. ``signal`` holds the training-signal controls applied to every training batch.
@@ -242,7 +244,10 @@ class RolloutCollector:
         self.batch_config = batch or BatchConfig()
         self.signal = signal or SignalConfig()
         self.step_timeout = step_timeout
-        self._send, self._receive = anyio.create_memory_object_stream[TrainingBatch](max_buffered_batches)
+        # A rendezvous stream: a batch is handed over only when the trainer receives it, and the step's
+        # rollouts are forgotten then, not before (a kill while a batch waits must lose nothing).
+        self.max_buffered_batches = max_buffered_batches
+        self._send, self._receive = anyio.create_memory_object_stream[TrainingBatch](0)
         self._tg: TaskGroup | None = None
         self._next_number = 0
         self.steps: dict[int, Step] = {}
@@ -328,15 +333,17 @@ class RolloutCollector:
             metrics.update(_step_counts(records, timed_out))
             metrics["step/seconds"] = time.monotonic() - step.submitted_at
             report = StepReport(step.number, step.mode, metrics, step.rollout_ids, metrics["step/seconds"])
-            self.steps.pop(step.number, None)  # no longer open: a journal compaction must not keep it
-            self.store.journal_write({"kind": "step_done", "number": step.number})
-            self.store.forget(step.rollout_ids)
             self._m_turnaround.observe(time.monotonic() - finished_at)
             self._m_steps.inc(1, step.mode)
             step._report = report
             step._done.set()
             if data is not None:
+                # The stream has no buffer: this returns once the trainer has received the batch. Until
+                # then the step stays open in the journal, so a kill while the batch waits loses nothing.
                 await self._send.send(TrainingBatch(step.number, data, metrics, report))
+            self.steps.pop(step.number, None)  # no longer open: a journal compaction must not keep it
+            self.store.journal_write({"kind": "step_done", "number": step.number})
+            self.store.forget(step.rollout_ids)
         except BaseException as exc:
             if not step.done:
                 step._error = exc
@@ -370,7 +377,8 @@ class RolloutCollector:
     def live_records(self) -> list[dict[str, Any]]:
         """Journal records describing the open steps (used to compact the journal)."""
         records: list[dict[str, Any]] = [{"kind": "steps", "next": self._next_number}]
-        records += [self._step_record(step) for step in self.steps.values() if not step.done]
+        # a done step whose batch waits for the trainer is still open (it leaves self.steps once handed over)
+        records += [self._step_record(step) for step in self.steps.values()]
         return records
 
     def restore(self, records: Sequence[Mapping[str, Any]]) -> None:

@@ -63,10 +63,11 @@ class AgentDaemon:
       termination reason, rejection sampling, step-wise advantage, turn weighting, and whether the proxy
       asks the backends for behaviour logprobs); ``SignalConfig.from_dict`` reads an ``aglverl:`` section.
     - ``retry``, ``request_timeout``, ``connect_timeout``, ``eject_seconds``, ``pause_timeout``,
-      ``backend_api_key``, ``upstream_keepalive``: the LLM proxy's policy (see :class:`~aglverl.proxy.LLMProxy`):
-      retries before the first byte, the bound on one upstream try, how long a failing backend stays out, how
-      long calls wait during a weight update, the key the backends expect, and how long idle connections to
-      them are kept (below the backends' own keep-alive).
+      ``hold_timeout``, ``backend_api_key``, ``upstream_keepalive``: the LLM proxy's policy (see
+      :class:`~aglverl.proxy.LLMProxy`): retries before the first byte, the bound on one upstream try, how long
+      a failing backend stays out, how long an aborted generation may go without a token, how long calls wait
+      while a trainer holds the proxy for its update, the key the backends expect, and how long idle
+      connections to them are kept (below the backends' own keep-alive).
     - ``token``: bearer token required by the task server and the proxy.
     - ``freeze_gc``: at start, move every object that exists (the imported libraries) out of the cyclic garbage
       collector's reach (``gc.freeze()``), so full collections no longer stall the loop for ~0.4 s; it affects
@@ -107,6 +108,7 @@ class AgentDaemon:
         connect_timeout: float = 5.0,
         eject_seconds: float = 5.0,
         pause_timeout: float = 600.0,
+        hold_timeout: float | None = None,
         backend_api_key: str | None = None,
         upstream_keepalive: float = UPSTREAM_KEEPALIVE,
         journal_path: str | os.PathLike[str] | None = None,
@@ -140,6 +142,7 @@ class AgentDaemon:
             connect_timeout=connect_timeout,
             eject_seconds=eject_seconds,
             pause_timeout=pause_timeout,
+            hold_timeout=hold_timeout,
             backend_api_key=backend_api_key,
             upstream_keepalive=upstream_keepalive,
             request_logprobs=signal.request_logprobs,
@@ -221,6 +224,8 @@ class AgentDaemon:
 
     async def _start(self, tg: TaskGroup) -> None:
         self._open_journal()
+        if self.journal is not None:
+            await tg.start(self.journal.serve)  # compactions in a worker thread
         await tg.start(self.store.serve)
         await tg.start(self.server.serve)
         await tg.start(self.proxy.serve)

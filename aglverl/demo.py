@@ -10,6 +10,10 @@ inference server is the embedded one inside verl's actor worker. Output, in ``--
   and aglverl's step metrics);
 - ``DIR/reward.png``: the mean training reward per step;
 - as the last line of stdout, a JSON summary ``{"first_reward", "final_reward", "steps", "wall_s", ...}``.
+
+``--task multiturn`` is the same word over a conversation (:func:`multiturn_agent`): the agent asks, then after
+each answer sends a tool result and asks again, three calls in all, and the reward is the mean of the three
+answers' :func:`word_reward`. Each conversation trains as one merged row (``aglverl.signal.trajectory``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ import orjson
 
 from .models import LLM
 
-__all__ = ["MODES", "TARGET_WORD", "demo_config", "demo_samples", "one_word_agent", "run_demo", "word_reward"]
+__all__ = [
+    "MODES",
+    "MULTITURN_TURNS",
+    "TARGET_WORD",
+    "TASKS",
+    "demo_config",
+    "demo_samples",
+    "multiturn_agent",
+    "one_word_agent",
+    "run_demo",
+    "word_reward",
+]
 
 #: The word the model is taught to answer with.
 TARGET_WORD = "yes"
@@ -93,6 +108,43 @@ async def one_word_agent(task: Mapping[str, Any], llm: LLM) -> float:
     return word_reward(reply.choices[0].message.content or "", task["word"])
 
 
+#: How many calls the multi-turn task's agent makes per rollout, and the tokens each answer may have.
+MULTITURN_TURNS = 3
+_MULTITURN_ANSWER_TOKENS = 8
+
+
+async def multiturn_agent(task: Mapping[str, Any], llm: LLM) -> float:
+    """The demo's word over a conversation: ask, then after each answer a tool message and the question again
+    (:data:`MULTITURN_TURNS` calls, each with the whole history); the reward is the answers' mean
+    :func:`word_reward`, so every turn counts."""
+    params = dict(llm.sampling_parameters)
+    client = _openai_client().with_options(base_url=llm.endpoint)
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    rewards = []
+    for turn in range(MULTITURN_TURNS):
+        reply = await client.chat.completions.create(
+            model=llm.model,
+            messages=messages,
+            max_tokens=min(params.get("max_tokens", _MULTITURN_ANSWER_TOKENS), _MULTITURN_ANSWER_TOKENS),
+            temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0),
+        )
+        answer = reply.choices[0].message.content or ""
+        rewards.append(word_reward(answer, task["word"]))
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"Tool: noted {turn + 1}. {task['prompt']}"},
+        ]
+    return sum(rewards) / len(rewards)
+
+
+#: The demo's tasks: the agent, and the prompt and response widths its rows need (a merged conversation's
+#: response holds its three answers and the messages between them; a per-call row's prompt, the history).
+TASKS: Mapping[str, tuple[Any, int, int]] = {
+    "one_word": (one_word_agent, 64, 8),
+    "multiturn": (multiturn_agent, 128, 128),
+}
+
 #: verl's V1 trainer modes the demo runs (``trainer.v1.trainer_mode``).
 MODES = ("sync", "colocate_async", "separate_async")
 
@@ -103,22 +155,32 @@ def demo_config(
     agents: int | None = None,
     rejection_sampling: bool = False,
     mode: str = "sync",
+    task: str = "one_word",
+    trajectory: str = "merge",
+    prompts: int = 16,
 ) -> dict[str, Any]:
-    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, 16 prompts x 8 samples per step, verl's
-    trainer ``mode`` (the CPU defaults fill in what an asynchronous mode needs)."""
+    """The demo's ``AsyncVERL`` config: GRPO on the CPU defaults, ``prompts`` (16) prompts x 8 samples per step
+    (one actor update), verl's trainer ``mode`` (the CPU defaults fill in what an asynchronous mode needs), the
+    ``task``'s widths, ``trajectory`` (``aglverl.signal.trajectory``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {tuple(TASKS)}, got {task!r}")
     rollout: dict[str, Any] = {"n": 8, "temperature": 1.0}
     if mode == "sync":
         # on-policy lockstep training: the engine's log-probs would only feed a diagnostic (verl's default
         # computes and compares them on every row); the asynchronous modes need them for off-policy correction
         rollout["calculate_log_probs"] = False
     return {
-        "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
+        "data": {
+            "train_batch_size": prompts,
+            "max_prompt_length": TASKS[task][1],
+            "max_response_length": TASKS[task][2],
+        },
         "actor_rollout_ref": {
             "model": {"path": model},
             "rollout": rollout,
-            "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}, "use_kl_loss": False},
+            "actor": {"ppo_mini_batch_size": prompts, "optim": {"lr": 5e-3}, "use_kl_loss": False},
         },
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {
@@ -133,7 +195,11 @@ def demo_config(
             "experiment_name": "demo",
         },
         "ray_kwargs": {"ray_init": {"log_to_driver": False}},
-        "aglverl": {"journal": None, "agents": agents, "signal": {"rejection_sampling": rejection_sampling}},
+        "aglverl": {
+            "journal": None,
+            "agents": agents,
+            "signal": {"rejection_sampling": rejection_sampling, "trajectory": trajectory},
+        },
     }
 
 
@@ -147,6 +213,9 @@ async def run_demo(
     rejection_sampling: bool = False,
     mode: str = "sync",
     library_log: Path | None = None,
+    task: str = "one_word",
+    trajectory: str = "merge",
+    prompts: int = 16,
 ) -> dict[str, Any]:
     """Run the demo; returns the summary (also written as the last stdout line by the CLI).
 
@@ -158,13 +227,13 @@ async def run_demo(
     started = time.monotonic()
     await anyio.Path(out).mkdir(parents=True, exist_ok=True)
     rewards: list[float] = []
-    config = demo_config(steps, model, agents, rejection_sampling, mode)
+    config = demo_config(steps, model, agents, rejection_sampling, mode, task, trajectory, prompts)
     first_step_at: list[float] = []
     walls: list[float] = []
 
     with _open_log(out / "metrics.jsonl") as log, _libraries_to(library_log):
         # the bar goes to the console's stderr as it was before the libraries' output was redirected
-        algo = AsyncVERL(config, agent=one_word_agent, progress=False if json_lines else _CONSOLE_ERR)
+        algo = AsyncVERL(config, agent=TASKS[task][0], progress=False if json_lines else _CONSOLE_ERR)
 
         def on_step(step: int, metrics: Mapping[str, float]) -> None:
             if not first_step_at:
@@ -205,6 +274,8 @@ async def run_demo(
         "first_step_reaching_0.9": next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None),
         "seconds_to_0.9": next((round(w, 2) for w, r in zip(walls, rewards, strict=True) if r >= 0.9), None),
         "mode": mode,
+        "task": task,
+        "trajectory": trajectory,
         "out": str(out),
         "log": str(library_log) if library_log is not None else None,
     }

@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, fiel
 
 __all__ = [
     "DECLARABLE_TERMINATIONS",
+    "INSTANCE_HEADER",
     "LLM",
     "TERMINATION_KEY",
     "TERMINATION_REASONS",
@@ -36,6 +37,10 @@ __all__ = [
     "checked_token_ids",
     "dumps",
 ]
+
+#: Header on every task server answer naming the server instance (a new id at every start): a client that
+#: sees it change knows a restarted daemon may have rebound the resources it cached to its new proxy.
+INSTANCE_HEADER = "X-Aglverl-Instance"
 
 Mode = Literal["train", "val", "test"]
 

@@ -12,11 +12,14 @@ finished group with :meth:`TrajectoryProducer.wait_changed` (an event, never a p
 leaves :class:`GroupStats` behind for the trainer's metrics (:meth:`TrajectoryProducer.take_stats`).
 
 Restart: with a journal, a training group's dispatch is journaled next to its rollouts' records and stays
-there until a checkpoint covers the group (:meth:`TrajectoryProducer.checkpointed`). A producer started on
+there until a checkpoint covers the group: the finished groups a checkpoint save will contain are journaled as
+covered before it starts (:meth:`TrajectoryProducer.covering`) and dropped once it is done
+(:meth:`TrajectoryProducer.checkpointed`); groups finishing during the save stay. A producer started on
 that journal holds the groups that were in flight (:meth:`TrajectoryProducer.restore`), hands none of their
 tasks out, and adopts one when the trainer dispatches the same prompt again: by its uid (verl re-issues
 in-flight prompts of its checkpoint under their uid) or by dataset index and input, the same step first (a
-replayed data loader). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
+replayed data loader) — never a covered group for a prompt of a later step than its checkpoint (that save
+completed, so the group may be trained already). Its finished rollouts are reused as they are; its unfinished ones are queued again under their own
 rollout ids with the live resources (this run's proxy URL), so no sample is answered more often than ``n``
 times. Groups no dispatch adopts are dropped by :meth:`TrajectoryProducer.end_recovery`.
 """
@@ -25,8 +28,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -35,20 +39,56 @@ import anyio
 import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 
-from .batch import BatchConfig, build_batch
+from .batch import BatchConfig, build_rows
 from .collector import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
 from .metrics import Registry
 from .models import Mode
 from .signals import SignalConfig
 from .store import TERMINAL, RolloutRecord, TaskStore
 
-__all__ = ["FinishedGroup", "GroupSink", "GroupStats", "Prompt", "TrajectoryProducer", "aggregate_stats"]
+__all__ = [
+    "AgentsFailing",
+    "FinishedGroup",
+    "GroupSink",
+    "GroupStats",
+    "Prompt",
+    "TrajectoryProducer",
+    "aggregate_stats",
+    "rollout_error",
+]
 
 logger = logging.getLogger(__name__)
 
 #: Owner prefix of the store's tasks that belong to producer groups.
 OWNER_PREFIX = "group:"
 GroupStatus = Literal["finished", "failure"]
+_ATTEMPT_SUFFIX = re.compile(r" \(attempt \d+ of \d+\)$")
+
+
+class AgentsFailing(RuntimeError):
+    """Agents keep failing: so many training groups in a row had every rollout fail that training stops.
+
+    The message says how many groups and rollouts failed and the agents' most frequent errors; ``errors``
+    holds ``(error, count)`` pairs, most frequent first.
+    """
+
+    def __init__(self, groups: int, rollouts: int, errors: Counter[str]) -> None:
+        self.groups, self.rollouts, self.errors = groups, rollouts, errors.most_common()
+        top = "; ".join(f"{count}x {error}" for error, count in self.errors[:3]) or "no error recorded"
+        super().__init__(
+            f"agents keep failing: every rollout of the last {groups} training groups failed "
+            f"({rollouts} rollouts); most frequent errors: {top}. Fix the agent, or raise "
+            f"aglverl.max_failed_groups (0: never stop)"
+        )
+
+
+def rollout_error(record: RolloutRecord) -> str:
+    """Why a rollout failed, as one line: the agent's error (its type and message) when it posted one, else
+    the store's reason (lease expired, deadline passed); a completed rollout without trainable turns says so."""
+    if record.state == "completed":
+        return "completed without a trainable turn (no recorded call with token ids, no triplets)"
+    error = _ATTEMPT_SUFFIX.sub("", record.error or "failed without a recorded error")
+    return error.removeprefix("agent reported failure: ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,19 +142,22 @@ class GroupStats:
 @dataclass(frozen=True, slots=True)
 class FinishedGroup:
     """A group whose rollouts are all terminal: its rows (``data``, a verl ``DataProto`` built by
-    :func:`aglverl.batch.build_batch`, one row per trainable turn, in session then turn order) and what a
-    sink needs to file them: each row's session (the rollout's place in the group), turn index, the weight
-    version of its call, its rollout's oldest / newest call version, and the engine's logprobs of its
-    response tokens (float32, as long as the row's response; ``None`` where the call brought none)."""
+    :func:`aglverl.batch.build_rows`, one row per chain of calls, or per call with ``trajectory="per_call"``,
+    in session then first-call order) and what a sink needs to file them: each row's session (the rollout's
+    place in the group), the turn index of its first call, its number of calls, the weight version of its
+    first call, the oldest / newest weight version of its calls (a call's first token's and last token's),
+    and the engine's logprobs of its response (float32, as long as the row's response, 0 between calls;
+    ``None`` unless every call of the row brought them)."""
 
     prompt: Prompt
     status: GroupStatus
     data: Any
     sessions: np.ndarray
     turns: np.ndarray
+    n_calls: np.ndarray
     versions: np.ndarray
-    rollout_min_versions: np.ndarray
-    rollout_max_versions: np.ndarray
+    row_min_versions: np.ndarray
+    row_max_versions: np.ndarray
     logprobs: list[np.ndarray | None]
     stats: GroupStats
     records: list[RolloutRecord]
@@ -142,6 +185,8 @@ class _Group:
     started: anyio.Event
     journaled: bool
     finished: bool = False
+    #: the trainer step whose checkpoint save began once this group was finished (it may be in that checkpoint)
+    covered_at: int | None = None
 
 
 @dataclass(eq=False)
@@ -152,6 +197,7 @@ class _Recovered:
     raw: list[Mapping[str, Any]]
     rollouts: dict[str, RolloutRecord | None]  # rollout id -> terminal record, or None (redo it)
     input: Any
+    covered_at: int | None = None  # see _Group.covered_at
 
 
 def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
@@ -172,6 +218,11 @@ def aggregate_stats(stats: Sequence[GroupStats]) -> dict[str, float]:
     }
     if n:
         metrics["training/reward"] = sum(s.reward_sum for s in stats) / n
+        # what the trainer reads per rollout: merged rows, and what one row per call would have cost
+        metrics["step/trainer_tokens_per_rollout"] = counts.get("batch/n_trainer_tokens", 0.0) / n
+        metrics["step/trainer_tokens_per_rollout_per_call"] = (
+            counts.get("batch/n_trainer_tokens_per_call", 0.0) / n
+        )
     metrics.update(
         {
             "step/n_groups": float(len(stats)),
@@ -197,7 +248,8 @@ class TrajectoryProducer:
     groups' ``uniform`` flag: rows are always written). ``group_timeout``: seconds after dispatch at which a
     group's unfinished rollouts are failed (``None``: leases and attempts alone bound it). ``weight_version``
     tells the version served now (for rows whose calls the proxy did not see). ``journal``: training groups
-    stay in the store's journal until :meth:`checkpointed`.
+    stay in the store's journal until :meth:`checkpointed`. ``max_failed_groups``: after this many training
+    groups in a row whose every rollout failed, :meth:`check_agents` raises :class:`AgentsFailing` (0: never).
     """
 
     def __init__(
@@ -211,6 +263,7 @@ class TrajectoryProducer:
         weight_version: Callable[[], int] = lambda: 0,
         journal: bool = False,
         registry: Registry | None = None,
+        max_failed_groups: int = 0,
     ) -> None:
         self.store = store
         self.sink = sink
@@ -228,6 +281,11 @@ class TrajectoryProducer:
         self._version = 0
         self._changed = anyio.Event()
         self._tg: TaskGroup | None = None
+        self.max_failed_groups = max_failed_groups
+        self._failed_streak = 0  # training groups in a row whose every rollout failed
+        self._failed_rollouts = 0
+        self._failed_errors: Counter[str] = Counter()
+        self.failed_groups_total = 0
         r = registry or Registry()
         self._m_groups = r.counter("aglverl_groups_total", "Prompt groups finished.", ["status"])
         r.gauge("aglverl_groups_in_flight", "Prompt groups dispatched and not finished.", self.in_flight)
@@ -330,7 +388,7 @@ class TrajectoryProducer:
                 )
         journaled = self.journal and prompt.partition == "train"
         if journaled:
-            self.store.journal_write(_group_record(prompt, rollout_ids))
+            self.store.journal_write(_group_record(prompt, rollout_ids, None))
         group = _Group(prompt, rollout_ids, time.monotonic(), started, journaled)
         self._groups[prompt.uid] = group
         return group
@@ -360,6 +418,8 @@ class TrajectoryProducer:
         self._m_groups.inc(1, finished.status)
         group.finished = True
         self._stats[prompt.uid] = finished.stats
+        if prompt.partition == "train":
+            self._count_failures(finished)
         if not group.journaled:
             self._forget(group)
         self._version += 1
@@ -370,27 +430,24 @@ class TrajectoryProducer:
         prompt = group.prompt
         trajectories = [trajectory_of(record) for record in records]
         rollouts = [finished_rollout(r, t, prompt.uid) for r, t in zip(records, trajectories, strict=True)]
-        data, counts = build_batch(rollouts, self.batch_config, self._build_signal)
-        session_of = {record.rollout_id: i for i, record in enumerate(records)}
-        row_rollouts = data.non_tensor_batch["rollout_id_list"]
-        sessions = np.fromiter((session_of[r] for r in row_rollouts), np.int64, count=len(row_rollouts))
-        turns = data.non_tensor_batch["turn_index_list"].astype(np.int64)
+        built = build_rows(rollouts, self.batch_config, self._build_signal)
+        data, counts = built.data, built.metrics
+        sessions = built.row_rollout.astype(np.int64)  # rollouts are in session order
+        turns = np.fromiter((calls[0] for calls in built.row_calls), np.int64, count=len(sessions))
         now = self.weight_version()
         # a turn's first token's version and its last's (they differ when an update cut its generation)
         per_turn = [[now if v is None else v for v in t.versions] for t in trajectories]
         per_turn_end = [[now if v is None else v for v in t.end_versions] for t in trajectories]
         low = np.array([min(v, default=now) for v in per_turn], np.int64)
         high = np.array([max(v, default=now) for v in per_turn_end], np.int64)
-        versions = np.fromiter(
-            (per_turn[s][t] for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)),
-            np.int64,
-            count=len(sessions),
+        rows = list(zip(sessions.tolist(), built.row_calls, strict=True))
+        versions = np.fromiter((per_turn[s][calls[0]] for s, calls in rows), np.int64, count=len(rows))
+        row_low = np.fromiter(
+            (min(per_turn[s][c] for c in calls) for s, calls in rows), np.int64, count=len(rows)
         )
-        width = self.batch_config.max_response_length
-        logprobs = [
-            _row_logprobs(trajectories[s].logprobs[t], trajectories[s].turns[t][1], width)
-            for s, t in zip(sessions.tolist(), turns.tolist(), strict=True)
-        ]
+        row_high = np.fromiter(
+            (max(per_turn_end[s][c] for c in calls) for s, calls in rows), np.int64, count=len(rows)
+        )
         n_completed = sum(r.state == "completed" for r in records)
         reward_sum = sum(
             (r.reward if r.reward is not None else self.batch_config.reward_fill_value or 0.0)
@@ -420,13 +477,34 @@ class TrajectoryProducer:
             data=data,
             sessions=sessions,
             turns=turns,
+            n_calls=np.fromiter(map(len, built.row_calls), np.int64, count=len(rows)),
             versions=versions,
-            rollout_min_versions=low[sessions] if len(sessions) else low[:0],
-            rollout_max_versions=high[sessions] if len(sessions) else high[:0],
-            logprobs=logprobs,
+            row_min_versions=row_low,
+            row_max_versions=row_high,
+            logprobs=built.logprobs,
             stats=stats,
             records=records,
         )
+
+    def _count_failures(self, group: FinishedGroup) -> None:
+        """Keep the streak of training groups whose every rollout failed (or left no trainable row)."""
+        if group.stats.n_completed and len(group.data):
+            self._failed_streak, self._failed_rollouts = 0, 0
+            self._failed_errors.clear()
+            return
+        self.failed_groups_total += 1
+        self._failed_streak += 1
+        self._failed_rollouts += len(group.records)
+        self._failed_errors.update(rollout_error(r) for r in group.records)
+
+    def check_agents(self) -> None:
+        """Raise :class:`AgentsFailing` once ``max_failed_groups`` training groups in a row failed entirely."""
+        if self.max_failed_groups > 0 and self._failed_streak >= self.max_failed_groups:
+            raise self.agents_error()
+
+    def agents_error(self) -> AgentsFailing:
+        """The :class:`AgentsFailing` describing the current streak of failed training groups."""
+        return AgentsFailing(self._failed_streak, self._failed_rollouts, self._failed_errors)
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.prompt.uid, None)
@@ -457,9 +535,26 @@ class TrajectoryProducer:
                 self._evicted.append(stats)
 
     # ------------------------------------------------------------------ journal and restart
-    def checkpointed(self) -> int:
-        """A trainer checkpoint now covers every finished group: drop them from the journal; returns how many."""
-        done = [g for g in self._groups.values() if g.finished]
+    def covering(self, global_steps: int) -> list[str]:
+        """The trainer is about to save the checkpoint of ``global_steps``: the finished groups (flushed to the
+        sink before this call) are in it. Journaled, so that after a kill at any moment of the save a recovered
+        group is never attached to a prompt of a step the checkpoint covers (it may already be trained);
+        returns their uids, for :meth:`checkpointed` once the save is done."""
+        uids = [uid for uid, g in self._groups.items() if g.finished and g.journaled and g.covered_at is None]
+        for uid in uids:
+            self._groups[uid].covered_at = global_steps
+        if uids:
+            self.store.journal_write({"kind": "covered", "global_steps": global_steps, "uids": uids})
+        return uids
+
+    def checkpointed(self, uids: Sequence[str] | None = None) -> int:
+        """A trainer checkpoint now covers these finished groups (default: every finished group): drop them
+        from the journal; returns how many. Groups that finished after :meth:`covering` are not in the
+        checkpoint (a mode's sampler went on during the save): they stay."""
+        if uids is None:
+            done = [g for g in self._groups.values() if g.finished]
+        else:
+            done = [g for uid in uids if (g := self._groups.get(uid)) is not None and g.finished]
         for group in done:
             self._forget(group)
         return len(done)
@@ -471,9 +566,14 @@ class TrajectoryProducer:
         their tasks would be handed out with the previous run's resources).
         """
         groups = {r["uid"]: r for r in records if r.get("kind") == "group"}
+        covered: dict[str, int] = {
+            uid: r["covered_at"] for uid, r in groups.items() if r.get("covered_at") is not None
+        }
         for r in records:
             if r.get("kind") == "group_done":
                 groups.pop(r["uid"], None)
+            elif r.get("kind") == "covered":
+                covered.update(dict.fromkeys(r["uids"], r["global_steps"]))
         owned = {
             r["rollout_id"]
             for r in records
@@ -493,7 +593,9 @@ class TrajectoryProducer:
                     inputs.append(snapshot.input)
                 rollouts[rid] = snapshot if snapshot is not None and snapshot.state in TERMINAL else None
             raw = [r for r in mine if r.get("rollout_id") in rollouts]
-            self._recovered[uid] = _Recovered(record, raw, rollouts, inputs[0] if inputs else None)
+            self._recovered[uid] = _Recovered(
+                record, raw, rollouts, inputs[0] if inputs else None, covered.get(uid)
+            )
         if self._recovered:
             n_done = sum(r is not None for g in self._recovered.values() for r in g.rollouts.values())
             logger.info(
@@ -519,6 +621,18 @@ class TrajectoryProducer:
             if same:
                 recovered = self._recovered.pop(same[0])
         if recovered is None:
+            return None
+        if recovered.covered_at is not None and prompt.global_steps > recovered.covered_at:
+            # The group was finished when the checkpoint of step covered_at was being saved. verl resumed from
+            # a checkpoint k asks at steps k + 1 and later (trainer_base.fit increments global_steps before any
+            # dispatch), so a prompt of a later step means that save completed: the group may be trained in
+            # it (or filed in its TransferQueue snapshot). Redo it rather than train it twice.
+            logger.info(
+                "prompt %s: the journal's group %s may be in the checkpoint of step %d; redone, not reused",
+                prompt.uid,
+                recovered.record["uid"],
+                recovered.covered_at,
+            )
             return None
         if len(recovered.rollouts) != prompt.n:
             logger.warning(
@@ -555,14 +669,15 @@ class TrajectoryProducer:
         groups not yet adopted (their rollouts' records with them)."""
         for group in self._groups.values():
             if group.journaled:
-                yield _group_record(group.prompt, group.rollout_ids)
+                yield _group_record(group.prompt, group.rollout_ids, group.covered_at)
         for recovered in self._recovered.values():
-            yield dict(recovered.record)
+            yield {**recovered.record, "covered_at": recovered.covered_at}
             yield from (dict(r) for r in recovered.raw)
 
 
-def _group_record(prompt: Prompt, rollout_ids: list[str]) -> dict[str, Any]:
+def _group_record(prompt: Prompt, rollout_ids: list[str], covered_at: int | None) -> dict[str, Any]:
     return {
+        "covered_at": covered_at,
         "kind": "group",
         "uid": prompt.uid,
         "partition": prompt.partition,
@@ -571,15 +686,3 @@ def _group_record(prompt: Prompt, rollout_ids: list[str]) -> dict[str, Any]:
         "n": prompt.n,
         "rollout_ids": rollout_ids,
     }
-
-
-def _row_logprobs(values: Sequence[float] | None, response: Sequence[int], width: int) -> np.ndarray | None:
-    """A row's engine logprobs (its first ``width`` response tokens, float32); ``None`` unless the call brought
-    one finite logprob per response token."""
-    if values is None or len(values) != len(response):
-        return None
-    try:
-        array = np.asarray(values[:width], dtype=np.float32)
-    except (TypeError, ValueError):
-        return None
-    return array if np.isfinite(array).all() else None

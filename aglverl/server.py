@@ -9,6 +9,10 @@ Routes (JSON via orjson; errors are ``{"detail": "..."}`` like the FastAPI serve
 - ``POST /rollout/{rollout_id}/heartbeat`` (body ``{"attempt_id": ...}`` optional) extends the claim's lease.
 - ``GET /healthz`` (never needs the token, reveals nothing) and ``GET /metrics`` (Prometheus text).
 
+Every answer carries ``X-Aglverl-Instance``, an id drawn when the server is made: a daemon restarted on the same
+address (its journal recovered) answers with a new one, which tells agents that resources they cached may have
+been rebound to the new daemon's proxy (:class:`~aglverl.client.AgentClient` drops its cache then).
+
 Bad input gets a 4xx whose message names what was wrong (400 malformed JSON or query, 401 token, 404 unknown
 id, 409 step already ended, 413 body too large, 422 invalid field); a rejected request changes nothing.
 """
@@ -19,6 +23,7 @@ import asyncio
 import hmac
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ._net import bind_listener, url_of
-from .models import GenericResponse, Rollout, TaskIfAny, dumps
+from .models import INSTANCE_HEADER, GenericResponse, Rollout, TaskIfAny, dumps
 from .store import StoreError, TaskStore
 
 __all__ = ["TaskServer", "validation_message"]
@@ -162,6 +167,7 @@ class TaskServer:
         self.max_body_bytes = max_body_bytes
         self._token = token.encode() if token else None
         self._url: str | None = None
+        self.instance_id = uuid.uuid4().hex
         r = store.registry
         self._requests = r.counter(
             "aglverl_http_requests_total", "Task server requests.", ["route", "status"]
@@ -208,6 +214,7 @@ class TaskServer:
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
             date_header=False,
             server_header=False,
+            headers=[(INSTANCE_HEADER, self.instance_id)],
         )
         config.load()
         config.http_protocol_class = _HttpProtocol

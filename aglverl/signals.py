@@ -66,6 +66,7 @@ GRPO_EPSILON = 1e-6
 _CHOICES: Mapping[str, tuple[str, ...]] = {
     "advantage": ("broadcast", "per_step"),
     "turn_weighting": ("per_turn", "per_rollout"),
+    "trajectory": ("merge", "per_call"),
 }
 _FLOATS = ("gamma", "solve_threshold", "failure_reward")
 
@@ -76,6 +77,9 @@ class SignalConfig:
 
     - ``advantage``: ``"broadcast"`` or ``"per_step"``; ``gamma``: per_step's discount across turns, in [0, 1].
     - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"``.
+    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see :mod:`aglverl.batch`)
+      or ``"per_call"`` (every call its own row). ``advantage="per_step"`` groups rows by turn, which a merged
+      row spans several of: it needs ``"per_call"`` (``ValueError`` otherwise).
     - ``rejection_sampling``: drop GRPO groups whose scores are all equal. ``min_group_size``: drop samples
       with fewer usable rollouts (1: keep every sample). ``solve_threshold``: a rollout whose final reward is
       at least this counts as solved in the ``rejection/solve_*_rate`` metrics (reporting only).
@@ -93,6 +97,7 @@ class SignalConfig:
     advantage: Literal["broadcast", "per_step"] = "broadcast"
     gamma: float = 1.0
     turn_weighting: Literal["per_turn", "per_rollout"] = "per_turn"
+    trajectory: Literal["merge", "per_call"] = "merge"
     rejection_sampling: bool = False
     min_group_size: int = 1
     solve_threshold: float = 1.0
@@ -128,6 +133,11 @@ class SignalConfig:
                 raise TypeError(f"SignalConfig.{f.name} must be a bool, got {type(value).__name__}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"SignalConfig.gamma must be in [0, 1], got {self.gamma}")
+        if self.advantage == "per_step" and self.trajectory != "per_call":
+            raise ValueError(
+                "SignalConfig.advantage='per_step' scores and groups every turn on its own, which a merged row "
+                "(several turns) cannot carry: set trajectory='per_call' with it"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SignalConfig:
@@ -192,13 +202,16 @@ def plan_rows(
     turn_rewards: np.ndarray,
     max_response_length: int,
     config: SignalConfig,
+    row_starts: np.ndarray | None = None,
 ) -> RowPlan:
     """Apply compact filtering, the advantage mode, rejection sampling and turn weighting to a batch's turns.
 
     Per rollout (``N``): ``data_ids`` (its sample, object), ``rewards`` (final reward, float64, already
     filled), ``flags`` (int64 :data:`REASON_BITS` recorded for it), ``n_turns``. Per turn (``T = sum(n_turns)``,
-    rollout-major): ``response_len`` (before truncation) and ``turn_rewards`` (float64, NaN where the agent
-    gave none). Returns the :class:`RowPlan` and its ``filter/*`` and ``rejection/*`` metrics. Turns with an
+    rollout-major): ``response_len`` (before truncation), ``turn_rewards`` (float64, NaN where the agent
+    gave none) and ``row_starts`` (bool: the turn starts a row, for merged trajectories; ``None``: every turn
+    is a row of its own), which only decides how many rows a rollout weighs in ``per_rollout``. Plans are
+    made per turn and keep or drop a rollout's turns together (so a merged row is whole). Returns the :class:`RowPlan` and its ``filter/*`` and ``rejection/*`` metrics. Turns with an
     empty response never become rows (the batch builder counts them). Nothing here loops per token; the only
     Python loop runs once per turn depth, for the discounted returns.
     """
@@ -208,7 +221,8 @@ def plan_rows(
     flags = flags | np.where(cut, REASON_BITS["truncated"], 0)
     masked = (flags & config.mask_bits) != 0
     candidate = np.flatnonzero((response_len > 0) & ~masked[turn_rollout])
-    rows_per_rollout = np.bincount(turn_rollout[candidate], minlength=n_rollouts)
+    starts = candidate if row_starts is None else candidate[row_starts[candidate]]
+    rows_per_rollout = np.bincount(turn_rollout[starts], minlength=n_rollouts)
 
     if config.advantage == "broadcast":
         scores = rewards[turn_rollout[candidate]]

@@ -286,6 +286,7 @@ class TaskStore:
         self._leases: list[tuple[float, int, str, str]] = []
         self._lease_seq = 0
         self._rearm = anyio.Event()
+        self._frozen_at: float | None = None  # monotonic: since when the lease clock is stopped
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._resources: dict[str, ResourcesUpdate] = {}
         self._latest_resources: str | None = None
@@ -328,7 +329,8 @@ class TaskStore:
         try:
             while True:
                 self._rearm = anyio.Event()
-                delay = self._leases[0][0] - time.monotonic() if self._leases else math.inf
+                frozen = self._frozen_at is not None  # no lease expires: wait for thaw_leases
+                delay = self._leases[0][0] - time.monotonic() if self._leases and not frozen else math.inf
                 if delay > 0:
                     with anyio.move_on_after(delay):
                         await self._rearm.wait()
@@ -513,7 +515,31 @@ class TaskStore:
         self._set_lease(entry, time.monotonic() + self.lease_seconds)
         return self.lease_seconds
 
+    def freeze_leases(self) -> None:
+        """Stop the lease clock: a trainer holds the agents' LLM calls for its update (minutes to hours), and
+        time an agent spends waiting for a held call must not cost it its lease. Idempotent."""
+        if self._frozen_at is None:
+            self._frozen_at = time.monotonic()
+
+    def thaw_leases(self) -> float:
+        """Restart the lease clock: every claimed lease is extended by the time it was stopped (returned)."""
+        if self._frozen_at is None:
+            return 0.0
+        frozen = time.monotonic() - self._frozen_at
+        self._frozen_at = None
+        for entry in self._entries.values():
+            if entry.state == "claimed" and math.isfinite(entry.lease_deadline):
+                self._set_lease(entry, entry.lease_deadline + frozen)
+        self._rearm.set()
+        return frozen
+
+    @property
+    def leases_frozen(self) -> bool:
+        return self._frozen_at is not None
+
     def _expire_due(self, now: float) -> None:
+        if self._frozen_at is not None:
+            return
         while self._leases and self._leases[0][0] <= now:
             deadline, _, rollout_id, attempt_id = heapq.heappop(self._leases)
             entry = self._entries.get(rollout_id)

@@ -8,9 +8,10 @@ plugs into its extension points and adds what only it can (agents it does not co
   go to the daemon's :class:`~aglverl.producer.TrajectoryProducer` (``n`` tasks each) and the call returns at
   once, as verl's ``AgentLoopManagerTQ`` does.
 - :class:`TransferQueueSink` — the producer's sink: each finished group's rows go into TransferQueue the way
-  verl's ``AgentLoopWorkerTQ`` files them (key ``{uid}_{session}_{turn}``, verl's fields, the tags ``status``,
-  lengths, ``global_steps``, ``min_global_steps`` / ``max_global_steps`` from the weight versions the proxy
-  recorded), then the prompt's group status (``running`` at dispatch, ``finished`` / ``failure``).
+  verl's ``AgentLoopWorkerTQ`` files them (one key per row, ``{uid}_{session}_{turn}`` with the turn of the
+  row's first call: a merged chain of calls is one row; verl's fields, the tags ``status``, lengths,
+  ``global_steps``, ``min_global_steps`` / ``max_global_steps`` over the weight versions the proxy recorded for
+  the row's calls), then the prompt's group status (``running`` at dispatch, ``finished`` / ``failure``).
 - :class:`EventReplayBuffer` / :class:`EventReplayBufferAsync` — verl's replay buffers, installed through
   ``trainer.v1.sampler.custom_sampler``, that wait for the producer's next finished group (an event) where
   verl's sleep ``poll_interval`` seconds (``replay_buffer.py:144``); aglverl's rejection sampling is verl's
@@ -260,10 +261,11 @@ class TransferQueueSink:
     thread, slowed the agents' event loop down by ~15% of the generation phase). A failed write raises in
     :meth:`flush`.
 
-    Rows carry verl's fields (``prompts``, ``responses``, ``response_mask`` = ``loss_mask``, ``input_ids``,
-    ``position_ids``, ``rm_scores``, ``num_turns``, ``uid``) and aglverl's (``advantage_weights``, the
-    ``weight_version`` of the row's call); validation rows also ``data_source``. ``logprobs``: every row
-    carries ``rollout_log_probs``, so the column stays whole; a row whose call came back without the engine's
+    Rows carry verl's fields (``prompts``, ``responses``, ``response_mask`` = ``loss_mask``: 1 on generated
+    ids, 0 between a merged row's calls, ``input_ids``, ``position_ids``, ``rm_scores``, ``num_turns`` as
+    verl's tool agent loop counts them, ``uid``) and aglverl's (``advantage_weights``, the ``weight_version`` of
+    the row's first call); validation rows also ``data_source``. ``logprobs``: every row carries
+    ``rollout_log_probs``, so the column stays whole; a row one of whose calls came back without the engine's
     logprobs (or whose agent posted triplets without them) is marked ``rollout_log_probs_valid = 0`` and the
     trainer counts it as on-policy (its recomputed log-probs stand in, see ``_compute_old_log_prob``).
     """
@@ -318,11 +320,11 @@ class TransferQueueSink:
         batch = data.batch
         width = batch["prompts"].shape[1]
         prompt_len = batch["attention_mask"][:, :width].sum(-1).tolist()
-        response_len = batch["response_mask"].sum(-1).tolist()
+        # a merged row's response holds the ids between its calls too: its length is its attention's
+        response_len = batch["attention_mask"][:, width:].sum(-1).tolist()
         trains = (~batch["is_drop_mask"]).tolist()
         uids = data.non_tensor_batch["uid"].tolist()
         weights = batch["advantage_weights"].tolist() if "advantage_weights" in batch.keys() else None
-        n_turns = Counter(group.sessions.tolist())
         validation = prompt.partition == "val"
         keys, fields, tags = [], [], []
         for i in range(len(data)):
@@ -330,7 +332,8 @@ class TransferQueueSink:
             session, turn = int(group.sessions[i]), int(group.turns[i])
             prompts = batch["prompts"][i, width - plen :]
             responses = batch["responses"][i, :rlen]
-            mask = torch.full((rlen,), 1 if trains[i] else 0, dtype=torch.int64)
+            # 1 on the ids the engine generated for on-policy calls, 0 between calls (verl's agent-loop layout)
+            mask = batch["response_mask"][i, :rlen] * int(trains[i])
             row: dict[str, Any] = {
                 "prompts": prompts.clone(),
                 "responses": responses.clone(),
@@ -341,7 +344,9 @@ class TransferQueueSink:
                 "rm_scores": batch["token_level_scores"][i, :rlen].clone(),
                 "advantage_weights": torch.tensor(weights[i] if weights is not None else 1.0),
                 "weight_version": torch.tensor(int(group.versions[i])),
-                "num_turns": n_turns[session],  # an int, as in verl's rows (its padding rows put 0)
+                # an int, as verl's tool agent loop counts: the first prompt, then each call and each message
+                # between two calls (2 for one call; verl's padding rows put 0)
+                "num_turns": 2 * int(group.n_calls[i]),
                 "uid": uids[i],
             }
             if validation:
@@ -360,8 +365,8 @@ class TransferQueueSink:
                     "response_len": rlen,
                     "seq_len": plen + rlen,
                     "global_steps": prompt.global_steps,
-                    "min_global_steps": int(group.rollout_min_versions[i]),
-                    "max_global_steps": int(group.rollout_max_versions[i]),
+                    "min_global_steps": int(group.row_min_versions[i]),
+                    "max_global_steps": int(group.row_max_versions[i]),
                 }
             )
         return keys, fields, tags
@@ -454,7 +459,13 @@ class _EventWaits:
             version, in_flight = run.on_loop(run.producer.progress, partition_id)
             if min(batch_size, in_flight):
                 run.await_on_loop(run.producer.wait_changed, version, min(batch_size, in_flight))
-        return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+        try:
+            return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+        except RuntimeError as exc:
+            if "no materializable trajectories" not in str(exc):
+                raise
+            # sync_refill_failed_groups turned off and a whole batch failed: say what the agents did
+            raise self._aglverl.on_loop(self._aglverl.producer.agents_error) from None
 
     def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int) -> Any:
         self._want = target_count
@@ -463,6 +474,9 @@ class _EventWaits:
     def _sync_metadata_from_transfer_queue(self) -> None:
         # Every group counted in the version is written before the look; one finishing later wakes the next wait.
         self._seen = self._aglverl.await_on_loop(self._aglverl.producer.flush)
+        # Failed groups are evicted and replaced (both modes); agents that fail every time stop the run here,
+        # with their errors, instead of replacing prompts forever.
+        self._aglverl.on_loop(self._aglverl.producer.check_agents)
         super()._sync_metadata_from_transfer_queue()  # type: ignore[misc]
 
     def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
@@ -494,6 +508,8 @@ class _EventWaits:
             self._rejected += dapo
             producer = self._aglverl.producer
             self._aglverl.on_loop(producer.evicted, sorted(evicted))
+            if int(self._aglverl.config.trainer.save_freq) <= 0:  # never trained: out of the journal too
+                self._aglverl.on_loop(producer.checkpointed, sorted(evicted))
         return evicted, stale, dapo, metrics
 
 
@@ -509,6 +525,8 @@ class EventReplayBufferAsync(_EventWaits, _ReplayBufferAsync):  # type: ignore[v
 class _Hooks:
     """What aglverl adds around verl's trainer of the configured mode (mixed in before it): the proxy held
     around sleeping replicas and weight updates, the journal trimmed at checkpoints, aglverl's metrics.
+    While the proxy is held (up to ``aglverl.hold_timeout``) the store's lease clock is stopped, so an agent
+    waiting for a held call keeps its task however long the trainer's update takes.
 
     ``sync``: at the end of sampling the proxy holds new calls and drains those in flight (nothing is left
     queued in an engine), then verl puts the replicas to sleep; calls go on after the weight update.
@@ -532,6 +550,8 @@ class _Hooks:
         run = self._aglverl
         assert run.daemon is not None
         mode = self.trainer_mode  # type: ignore[attr-defined]
+        if mode != "separate_async":
+            run.on_loop(run.daemon.store.freeze_leases)  # an agent's held call must not cost it its lease
         if mode == "sync":
             run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
         elif mode == "colocate_async":
@@ -545,19 +565,27 @@ class _Hooks:
         run = self._aglverl
         assert run.daemon is not None
         if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
+            run.on_loop(run.daemon.store.freeze_leases)
             run.on_loop(run.daemon.proxy.hold)  # the update aborts the standalone engines' generations
         try:
             super().on_step_end()  # type: ignore[misc]
         finally:
             version = int(self.global_steps)  # type: ignore[attr-defined]
             run.on_loop(run.daemon.proxy.resume, version)
+            run.on_loop(run.daemon.store.thaw_leases)
             self._computing.append((self._compute_from, time.monotonic()))
 
     def _save_checkpoint(self) -> None:
         run = self._aglverl
+        assert run.daemon is not None
         run.await_on_loop(run.producer.flush)  # finished groups into TransferQueue before verl snapshots it
+        # Exactly these groups are in the checkpoint: groups finishing during the save (the async modes'
+        # agents go on) are not, and stay journaled. The record is written before the save starts, so a
+        # kill at any moment of it never lets a restart reuse a group the checkpoint may have trained.
+        covered = run.on_loop(run.producer.covering, int(self.global_steps))  # type: ignore[attr-defined]
+        run.await_on_loop(run.daemon.store.commit)
         super()._save_checkpoint()  # type: ignore[misc]
-        run.on_loop(run.producer.checkpointed)
+        run.on_loop(run.producer.checkpointed, covered)
 
     def _validate(self) -> dict[str, float]:
         metrics = super()._validate()  # type: ignore[misc]
@@ -575,6 +603,10 @@ class _Hooks:
         run = self._aglverl
         uids = [key.split("_", 1)[0] for key in batch.keys]
         metrics.update(_step_metrics(self, run, uids, timing_raw))
+        if int(self.config.trainer.save_freq) <= 0:  # type: ignore[attr-defined]
+            # Nothing checkpoints: a restart begins again at step 1, so a trained group is never needed
+            # again; the journal keeps only the groups not trained yet (bounded by the work in flight).
+            run.on_loop(run.producer.checkpointed, sorted(set(uids)))
         clean = {k: float(v) for k, v in metrics.items() if _finite_number(v)}
         if run.bar is not None:
             run.bar.set_postfix(
@@ -595,9 +627,16 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
     def _compute_old_log_prob(self, batch: Any, metrics: dict[str, Any]) -> Any:
         rollout = self.config.actor_rollout_ref.rollout
         correction = self.config.algorithm.get("rollout_correction", None)
-        if not rollout.calculate_log_probs or (
-            correction is not None and correction.get("bypass_mode", False)
-        ):
+        if not rollout.calculate_log_probs:
+            return super()._compute_old_log_prob(batch, metrics)
+        if correction is not None and correction.get("bypass_mode", False):
+            # verl's bypass copies rollout_log_probs into old_log_probs without reading which rows have them:
+            # a row without the engine's log-probs would train against log-probs of 0. Such rows get the
+            # trainer's first (as in the decoupled path), then verl copies.
+            if _rows_missing_logprobs(batch):
+                batch = _old_log_probs(self, batch, metrics)
+            else:
+                metrics["logprobs/n_rows_missing"] = 0.0
             return super()._compute_old_log_prob(batch, metrics)
         return _old_log_probs(self, batch, metrics)
 
@@ -636,6 +675,14 @@ class _Phases(_PPOTrainer):  # type: ignore[valid-type,misc]
     def _update_actor(self, batch: Any, metrics: dict[str, Any]) -> Any:
         super()._update_actor(_for_workers(batch), metrics)
         return batch
+
+
+def _rows_missing_logprobs(batch: Any) -> bool:
+    """Whether any row of the batch came without the engine's log-probs (``rollout_log_probs_valid = 0``)."""
+    import transfer_queue as tq
+
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs_valid"])
+    return bool((data["rollout_log_probs_valid"] == 0).any())
 
 
 def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
@@ -928,7 +975,13 @@ def sampling_parameters(config: Any, *, validation: bool = False) -> dict[str, A
 
 
 def close_trainer(trainer: Any) -> None:
-    """Stop the trainer's Ray actors and free its placement groups (blocking; for a shared Ray session)."""
+    """Stop the trainer's Ray actors and free its placement groups (blocking; for a shared Ray session).
+
+    That is the trainer's worker groups, every rollout replica's servers and workers, and the pools of both:
+    a standalone replica (separate_async's rollout pool) makes its own pool and worker group
+    (``RolloutReplica.init_standalone``), which the trainer's ``resource_pool_manager`` does not list; left
+    behind in a Ray session the caller keeps, they hold its resources and the next run waits for them forever.
+    """
     import ray
     from ray.util import remove_placement_group
 
@@ -937,12 +990,16 @@ def close_trainer(trainer: Any) -> None:
         group = getattr(trainer, name, None)
         if group is not None:
             actors += list(group.workers)
+    pools = list((getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}).values())
     for manager_name in ("llm_server_manager", "standalone_server_manager"):
         manager = getattr(trainer, manager_name, None)
-        if manager is not None:
-            actors += [h for replica in manager.get_replicas() for h in replica.servers]
-            if getattr(manager, "global_load_balancer", None) is not None:
-                actors.append(manager.global_load_balancer)
+        if manager is None:
+            continue
+        for replica in manager.get_replicas():
+            actors += list(replica.servers) + list(getattr(replica, "workers", None) or [])
+            pools.append(getattr(replica, "resource_pool", None))
+        if getattr(manager, "global_load_balancer", None) is not None:
+            actors.append(manager.global_load_balancer)
     actors += list(
         getattr(getattr(trainer, "reward_loop_manager", None), "reward_loop_worker_handles", None) or []
     )
@@ -951,10 +1008,10 @@ def close_trainer(trainer: Any) -> None:
             ray.kill(actor)
         except Exception as exc:  # already gone: nothing to stop
             logger.debug("ray.kill(%s): %s", actor, exc)
-    pools = getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}
-    for pool in pools.values():
-        for pg in getattr(pool, "pgs", None) or []:
-            remove_placement_group(pg)
+    # a hybrid replica shares the trainer's pool: each placement group is removed once
+    groups = {pg.id: pg for pool in pools if pool is not None for pg in getattr(pool, "pgs", None) or []}
+    for pg in groups.values():
+        remove_placement_group(pg)
 
 
 @asynccontextmanager
@@ -994,6 +1051,9 @@ async def running(
             async with AgentDaemon(**kwargs) as daemon:
                 run.daemon = daemon
                 daemon.proxy.weight_version = int(trainer.global_steps)
+                assert daemon.producer is not None
+                bound = options.max_failed_groups  # default: a whole batch's worth of failed groups in a row
+                daemon.producer.max_failed_groups = int(config.data.train_batch_size) if bound is None else bound
                 # validation's first, so that the latest resources (what agents get by default) are training's
                 validation = sampling_parameters(config, validation=True)
                 run.resources["val"] = daemon.update_resources({"main_llm": daemon.main_llm(validation)})

@@ -1,6 +1,7 @@
 """Latency, throughput and CPU cost the LLM proxy adds over calling the backend directly.
 
-Run: ``python benchmarks/proxy.py [--quick] [--proxy-uvloop]``. Prints ONE JSON object on stdout.
+Run: ``python benchmarks/proxy.py [--quick] [--proxy-uvloop] [--against DIR]``. Prints ONE JSON object on
+stdout.
 
 Separate processes, so each CPU figure belongs to one program:
 - a :class:`~aglverl.testing.MockVLLM` backend (zero latency, 16 completion tokens, nothing recorded);
@@ -16,6 +17,11 @@ Added latency is ``percentile(proxied) - percentile(direct)`` (sequential calls 
 see the same machine state); time to first byte is measured to the first body chunk of a streamed chat
 completion. CPU is read from ``/proc/<pid>/stat`` (utime + stime) around each phase. All processes use the
 default asyncio loop unless ``--proxy-uvloop`` (then the proxy and the floor run on uvloop).
+
+``--against DIR`` measures only this proxy against another version of it, in the same run: a second proxy
+child imports ``aglverl`` from ``DIR`` (e.g. ``git archive <rev> aglverl | tar -x -C DIR``), and sequential calls
+and streams' first bytes go to the mock, this proxy and that one in turn, in blocks, so both proxies see the
+same machine state; the spread between blocks is the noise the difference is judged against.
 """
 
 from __future__ import annotations
@@ -84,17 +90,20 @@ async def _run_mock() -> None:
 
 
 @asynccontextmanager
-async def serving_proxy(backend: str) -> AsyncIterator[tuple[str, list[str]]]:
-    """An LLMProxy in front of ``backend`` with ROLLOUTS claimed rollouts; yields its URL and their base URLs."""
+async def serving_proxy(
+    backend: str, rollouts: int = ROLLOUTS, **options: Any
+) -> AsyncIterator[tuple[str, list[str]]]:
+    """An LLMProxy (``options``) in front of ``backend`` with ``rollouts`` claimed rollouts; yields its URL and
+    their base URLs."""
     from aglverl.proxy import LLMProxy
     from aglverl.store import TaskStore
 
     store = TaskStore(lease_seconds=3600)
-    proxy = LLMProxy(store, backends=[backend])
+    proxy = LLMProxy(store, backends=[backend], **options)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         bases = []
-        for i in range(ROLLOUTS):
+        for i in range(rollouts):
             store.enqueue({"i": i})
             task = store.try_claim()
             assert task is not None and task.attempt_id is not None
@@ -104,8 +113,10 @@ async def serving_proxy(backend: str) -> AsyncIterator[tuple[str, list[str]]]:
 
 
 async def _run_proxy(backend: str) -> None:
+    import aglverl.proxy
+
     async with serving_proxy(backend) as (url, bases):
-        print(json.dumps({"url": url, "bases": bases}), flush=True)
+        print(json.dumps({"url": url, "bases": bases, "module": aglverl.proxy.__file__}), flush=True)
         await _until_terminated()
 
 
@@ -155,9 +166,10 @@ def _child_main(role: str, backend: str | None, use_uvloop: bool) -> None:
 class Child:
     """A benchmark server in its own process; its first stdout line is a JSON object describing it."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, pythonpath: str | None = None) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -394,6 +406,56 @@ async def measure_translated(
     }
 
 
+async def measure_against(mock: Child, new: Child, old: Child, quick: bool) -> dict[str, Any]:
+    """Added latency of two proxy versions, interleaved call by call, in blocks (see the module docstring)."""
+    direct_url = f"{mock.info['url']}/v1/chat/completions"
+    new_url, old_url = (f"{c.info['bases'][0]}/chat/completions" for c in (new, old))
+    blocks, seq_n, ttfb_n = (3, 200, 100) if quick else (6, 500, 200)
+    per_block: dict[str, list[dict[str, float]]] = {"new": [], "old": []}
+    per_block_ttfb: dict[str, list[dict[str, float]]] = {"new": [], "old": []}
+    cpu = {"new": 0.0, "old": 0.0}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        json_targets = [lambda url=url: call(session, url) for url in (direct_url, new_url, old_url)]
+        ttfb_targets = [lambda url=url: first_byte(session, url) for url in (direct_url, new_url, old_url)]
+        await alternating(200, *json_targets, *ttfb_targets)  # warm-up
+        for _ in range(blocks):
+            c0 = new.cpu_seconds(), old.cpu_seconds()
+            d, n, o = (summary_ms(x) for x in await alternating(seq_n, *json_targets))
+            fd, fn, fo = (summary_ms(x) for x in await alternating(ttfb_n, *ttfb_targets))
+            c1 = new.cpu_seconds(), old.cpu_seconds()
+            cpu["new"] += c1[0] - c0[0]
+            cpu["old"] += c1[1] - c0[1]
+            per_block["new"].append(added_ms(d, n))
+            per_block["old"].append(added_ms(d, o))
+            per_block_ttfb["new"].append(added_ms(fd, fn))
+            per_block_ttfb["old"].append(added_ms(fd, fo))
+
+    def spread(blocks_ms: list[dict[str, float]]) -> dict[str, Any]:
+        return {
+            q: {
+                "median": round(statistics.median(b[q] for b in blocks_ms), 3),
+                "min": min(b[q] for b in blocks_ms),
+                "max": max(b[q] for b in blocks_ms),
+            }
+            for q in ("p50", "p99")
+        }
+
+    calls = blocks * (seq_n + ttfb_n)
+    return {
+        "what": "added latency of this proxy (new) and the one imported from --against (old), same run, "
+        "calls interleaved direct/new/old; per block of calls, then median/min/max over blocks",
+        "blocks": blocks,
+        "calls_per_block": {"json": seq_n, "stream_first_byte": ttfb_n},
+        "added_ms": {"new": spread(per_block["new"]), "old": spread(per_block["old"])},
+        "stream_first_byte_added_ms": {
+            "new": spread(per_block_ttfb["new"]),
+            "old": spread(per_block_ttfb["old"]),
+        },
+        "proxy_cpu_ms_per_call": {k: round(v / calls * 1e3, 4) for k, v in cpu.items()},
+        "per_block_added_p50_ms": {k: [b["p50"] for b in v] for k, v in per_block.items()},
+    }
+
+
 def report(results: dict[str, Any], use_uvloop: bool) -> dict[str, Any]:
     one = results["one_process"]
     measured = {
@@ -427,6 +489,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     parser.add_argument("--proxy-uvloop", action="store_true", help="run the proxy child on uvloop")
+    parser.add_argument("--against", metavar="DIR", help="compare with the aglverl package found in DIR")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -434,6 +497,30 @@ def main() -> None:
         return
     mock = Child("mock")
     children = [mock]
+    if args.against:
+        try:
+            new = Child("proxy", mock.info["url"])
+            children.append(new)
+            old = Child("proxy", mock.info["url"], pythonpath=os.path.abspath(args.against))
+            children.append(old)
+            result = asyncio.run(measure_against(mock, new, old, args.quick))
+        finally:
+            for child in reversed(children):
+                child.stop()
+        machine = {"cpus": os.cpu_count(), "loadavg_1_5_15": list(os.getloadavg())}
+        print(
+            json.dumps(
+                {
+                    "benchmark": "LLMProxy added latency, this tree vs --against",
+                    "machine": machine,
+                    "against": os.path.abspath(args.against),
+                    "modules": {"new": new.info["module"], "old": old.info["module"]},
+                    **result,
+                },
+                indent=2,
+            )
+        )
+        return
     try:
         extra = ["--proxy-uvloop"] if args.proxy_uvloop else []
         proxy = Child("proxy", mock.info["url"], *extra)

@@ -3,6 +3,11 @@
 Run: ``python benchmarks/soak.py [--rollouts 10000 --agents 300 --max-seconds 600]`` (``--help`` for the rest).
 Prints ONE JSON object on stdout; progress goes to stderr.
 
+``python benchmarks/soak.py --training [--steps 200 --kill-every 50]`` runs the training soak instead:
+``AsyncVERL`` on CPU with agents failing 10% and hanging past their lease 2% of the time, SIGKILLed and
+restarted every 50 steps (see ``benchmarks/_training_soak.py``): steps trained, rollouts lost and duplicated,
+journal size and RSS per step.
+
 Processes (each figure belongs to one program):
 
 - ``mock``: a :class:`~aglverl.testing.MockVLLM` answering 8 tokens after ``latency + U(0, jitter)`` seconds,
@@ -753,6 +758,18 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child_main(sys.argv[2], json.loads(sys.argv[3]))
+        return
+    if "--training" in sys.argv[1:]:
+        import _training_soak
+
+        t = argparse.ArgumentParser(description=_training_soak.__doc__.split("\n\n")[0])
+        t.add_argument("--training", action="store_true", help="run the training soak (this one)")
+        t.add_argument("--max-seconds", type=float, default=6 * 3600.0, help="bound on the whole run")
+        t.add_argument("--seed", type=int, default=0)
+        _training_soak.add_arguments(t)
+        targs = t.parse_args()
+        _training_soak.prepare(targs)
+        print(json.dumps(anyio.run(_training_soak.training_soak, targs), indent=1))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(

@@ -101,12 +101,22 @@ def test_aglverl_section_configures_the_daemon() -> None:
         ({"aglverl": {"prot": 1}}, "'aglverl.prot'; did you mean 'port'"),
         ({"aglverl": {"llm_resource": "fancy"}}, "aglverl.llm_resource"),
         ({"aglverl": {"agents": 0}}, "aglverl.agents"),
+        ({"aglverl": {"max_failed_groups": -1}}, "aglverl.max_failed_groups"),
+        ({"aglverl": {"hold_timeout": 0}}, "aglverl.hold_timeout"),
     ],
 )
 def test_unknown_keys_and_bad_values_are_errors_naming_the_key(overrides: dict, named: str) -> None:
     with pytest.raises(ConfigError) as info:
         compose_config({**SMALL, **overrides})
     assert named in str(info.value)
+
+
+def test_failed_groups_are_refilled_in_sync_mode_unless_the_user_says_otherwise() -> None:
+    config, options = compose_config(SMALL)
+    assert config.trainer.v1.sampler.sync_refill_failed_groups is True
+    assert options.max_failed_groups is None and options.hold_timeout == 4 * 3600.0
+    config, _ = compose_config({**SMALL, "trainer.v1.sampler.sync_refill_failed_groups": False})
+    assert config.trainer.v1.sampler.sync_refill_failed_groups is False
 
 
 def test_free_form_mappings_accept_any_key() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 import ray
-from helpers.v1 import live_trainer
+from helpers.v1 import assert_rows_are_the_engines_chains, live_trainer, multi_turn_agents
 
 from aglverl import run_agents
 from aglverl.models import Rollout, Triplet
@@ -162,7 +162,95 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
     versions = data["weight_version"].tolist()
     assert versions[0] == 0 and versions[2] == 2 and len(set(versions)) == 2  # generated under two versions
     tags = (await anyio.to_thread.run_sync(tq.kv_list, "train"))["train"]
-    assert {(tags[k]["min_global_steps"], tags[k]["max_global_steps"]) for k in keys} == {(0, 2)}
+    # the three calls are branches (the same messages each time): three rows, each over its own call's versions
+    spans = {k: (tags[k]["min_global_steps"], tags[k]["max_global_steps"]) for k in keys}
+    assert spans["span_0_0"] == (0, 0) and spans["span_0_2"] == (2, 2) and spans["span_0_1"][1] == 2
     assert daemon.proxy_counters()["proxy/held_calls"] + daemon.proxy_counters()["proxy/resumed"] >= 1
     await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=[*keys, "span"], partition_id="train"))
     producer.take_stats(["span"])
+
+
+async def test_a_multi_turn_agents_chains_are_one_row_each_under_colocate_async(live: tuple[Any, Any]) -> None:
+    """Two agents chat two turns each through the proxy: each chain of calls is one TransferQueue row in verl's
+    agent-loop layout, the ids between calls masked."""
+    import transfer_queue as tq
+
+    from aglverl.producer import Prompt
+
+    run, _ = live
+    producer = run.daemon.producer
+    before = producer.version
+    producer.dispatch([Prompt("chat", {"prompt": "Say yes."}, 2, global_steps=2)], resources_id=run.resources["train"])
+    with anyio.fail_after(120):
+        seen = await multi_turn_agents(run, 2, 2)
+        await producer.wait_changed(before, 1)
+        await producer.flush()
+    tags = (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {})
+    keys = sorted(key for key in tags if key.startswith("chat_"))
+    data = await anyio.to_thread.run_sync(lambda: tq.kv_batch_get(keys=keys, partition_id="train"))
+    assert assert_rows_are_the_engines_chains(keys, data, seen) >= 1 and len(keys) < 4
+    assert all(tags[k]["seq_len"] == tags[k]["prompt_len"] + tags[k]["response_len"] for k in keys)
+    await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=[*keys, "chat"], partition_id="train"))
+    producer.take_stats(["chat"])
+
+
+async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_answer_and_keeps_its_lease(
+    live: tuple[Any, Any],
+) -> None:
+    """The update phase outlasts what a call could wait and what a lease lasted the old way (here shortened to
+    1 s each); the held call waits for the trainer (up to aglverl.hold_timeout), and its lease did not run."""
+    import openai
+
+    from aglverl.client import AgentClient
+    from aglverl.producer import Prompt
+
+    run, trainer = live
+    daemon, producer = run.daemon, run.daemon.producer
+    proxy, store = daemon.proxy, daemon.store
+    assert proxy.hold_timeout == 4 * 3600.0  # AsyncVERL's default (aglverl.hold_timeout)
+    old = (proxy.pause_timeout, store.lease_seconds)
+    proxy.pause_timeout, store.lease_seconds = 1.0, 1.0
+    before = producer.version
+    expired = store.m_requeued.value("lease_expired") + store.m_failed.value()
+    producer.dispatch([Prompt("held", {"prompt": "Say yes."}, 1, global_steps=3)], resources_id=run.resources["train"])
+    claimed, holding = anyio.Event(), anyio.Event()
+    answers: list[str] = []
+    try:
+
+        async def agent() -> None:
+            async with AgentClient(daemon.server_url) as client:
+                task = await client.next_task(wait=10)
+                assert task is not None
+                claimed.set()
+                await holding.wait()
+                llm = (await client.resources(task.resources_id)).resources["main_llm"]
+                sdk = openai.AsyncOpenAI(base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0)
+                answer = await sdk.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "Say yes."}])
+                answers.append(answer.choices[0].finish_reason)
+                await sdk.close()
+                await client.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+
+        async def update() -> None:
+            await claimed.wait()
+            trainer.global_steps = 3
+            await anyio.to_thread.run_sync(trainer.on_step_begin)
+            await anyio.to_thread.run_sync(trainer.on_sample_end)  # hold, abort, sleep
+            holding.set()
+            # the update phase (log-probs, actor, checkpoint save...) outlasting both old limits
+            await anyio.sleep(3 * max(proxy.pause_timeout, store.lease_seconds))
+            assert proxy.held and store.leases_frozen
+            await anyio.to_thread.run_sync(trainer.on_step_end)  # weights of step 3, generation resumed
+            assert not store.leases_frozen
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(agent)
+                tg.start_soon(update)
+            await producer.wait_changed(before, 1)
+    finally:
+        proxy.pause_timeout, store.lease_seconds = old
+    assert answers and answers[0] in {"length", "stop"}  # the agent got its answer, not a 503
+    (stats,) = producer.take_stats(["held"])
+    assert stats.n_completed == 1 and stats.n_rollouts == 1
+    assert store.m_requeued.value("lease_expired") + store.m_failed.value() == expired  # the lease never expired
+    assert daemon.proxy_counters()["proxy/held_calls"] >= 1

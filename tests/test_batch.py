@@ -3,6 +3,7 @@ Python-list reference built from the description in DESIGN.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Sequence
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl import DataProto
 
-from aglverl.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
+from aglverl.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch, build_rows
 from aglverl.signals import SignalConfig
 
 TENSOR_DTYPES = {
@@ -270,6 +271,13 @@ def test_metrics_of_a_mixed_batch() -> None:
         "batch/n_rollouts": 3.0,
         "batch/n_rollouts_without_triplets": 1.0,
         "batch/n_triplets": 2.0,
+        "batch/n_rows": 2.0,
+        "batch/n_calls": 2.0,
+        "batch/n_calls_merged": 0.0,
+        "batch/n_chains_split_width": 0.0,
+        "batch/n_calls_drifted": 0.0,
+        "batch/n_trainer_tokens": 4.0 + 3 + 2 + 1,
+        "batch/n_trainer_tokens_per_call": 4.0 + 3 + 2 + 1,
         "batch/n_empty_responses_dropped": 1.0,
         "batch/n_prompts_truncated": 1.0,
         "batch/n_rows_off_policy": 0.0,
@@ -371,17 +379,58 @@ def test_batch_survives_pickling_and_groups_by_uid_in_verl_grpo_advantage() -> N
 # --- property test against a per-row reference -------------------------------------------------------
 
 
+def reference_rows(
+    turns: Sequence[tuple[Sequence[int], Sequence[int]]], width: int, merge: bool
+) -> tuple[list[tuple[list[int], list[tuple[int, list[int], list[int]]]]], dict[str, int]]:
+    """DESIGN.md's chains for one rollout, in plain Python: rows as (prompt, [(turn, ids between, response)])
+    in the order they start, and the counts (merged, split for width, drifted)."""
+    chains: list[dict] = []
+    rows: list[tuple[list[int], list[tuple[int, list[int], list[int]]]]] = []
+    counts = {"merged": 0, "split": 0, "drifted": 0}
+    for turn, (prompt_ids, response_ids) in enumerate(turns):
+        prompt, response = list(prompt_ids), list(response_ids)
+        if not response:
+            continue
+        extended, drift = None, False
+        for chain in reversed(chains):
+            last_prompt, last_response = chain["last"]
+            if prompt[: len(last_prompt) + len(last_response)] == last_prompt + last_response:
+                extended = chain
+                break
+            if len(prompt) > len(last_prompt) and prompt[: len(last_prompt)] == last_prompt:
+                drift = True
+        if extended is None:
+            counts["drifted"] += drift
+            row: tuple[list[int], list] = (prompt, [(turn, [], response)])
+            chains.append({"last": (prompt, response), "row": row})
+            rows.append(row)
+            continue
+        last_prompt, last_response = extended["last"]
+        between = prompt[len(last_prompt) + len(last_response) :]
+        used = sum(len(g) + len(r) for _, g, r in extended["row"][1])
+        if merge and used + len(between) + len(response) <= width:
+            extended["row"][1].append((turn, between, response))
+            counts["merged"] += 1
+        else:
+            counts["split"] += merge
+            extended["row"] = (prompt, [(turn, [], response)])
+            rows.append(extended["row"])
+        extended["last"] = (prompt, response)
+    return rows, counts
+
+
 def reference_build(
-    rollouts: Sequence[FinishedRollout], config: BatchConfig
+    rollouts: Sequence[FinishedRollout], config: BatchConfig, merge: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[object]], dict[str, float]]:
-    """DESIGN.md's batch rules, one row at a time, with plain Python lists."""
+    """DESIGN.md's batch rules, one row at a time, with plain Python lists (``merge``: chains of calls)."""
     P, R, pad = config.max_prompt_length, config.max_response_length, config.pad_token_id
     rows: dict[str, list] = {key: [] for key in TENSOR_DTYPES}
     lists: dict[str, list[object]] = {key: [] for key in NON_TENSOR_KEYS}
     rewards: list[float] = []
     prompt_lengths: list[int] = []
     response_lengths: list[int] = []
-    n_filled = n_dropped = n_cut_responses = n_without_triplets = 0
+    n_filled = n_dropped = n_cut_responses = n_without_triplets = n_calls = per_call_tokens = 0
+    totals = {"merged": 0, "split": 0, "drifted": 0}
     for r in rollouts:
         reward = r.reward
         if reward is None:
@@ -390,19 +439,25 @@ def reference_build(
             reward, n_filled = config.reward_fill_value, n_filled + 1
         rewards.append(reward)
         n_without_triplets += len(r.turns) == 0
-        for turn_index, (prompt, response) in enumerate(r.turns):
-            if len(response) == 0:
-                n_dropped += 1
-                continue
+        n_dropped += sum(len(response) == 0 for _, response in r.turns)
+        chained, counts = reference_rows(r.turns, R, merge)
+        totals = {k: totals[k] + counts[k] for k in totals}
+        for prompt, pieces in chained:
+            response, generated = [], []
+            for _, between, ids in pieces:
+                response += between + ids
+                generated += [0] * len(between) + [1] * len(ids)
+                n_calls += 1
+            per_call_tokens += sum(min(len(r.turns[t][0]), P) + min(len(ids), R) for t, _, ids in pieces)
             rows["is_drop_mask"].append(len(prompt) > P)
             n_cut_responses += len(response) > R
-            prompt, response = list(prompt)[-P:], list(response)[:R]
+            prompt, response, generated = prompt[-P:], response[:R], generated[:R]
             prompt_lengths.append(len(prompt))
             response_lengths.append(len(response))
             prompt_mask = [0] * (P - len(prompt)) + [1] * len(prompt)
-            response_mask = [1] * len(response) + [0] * (R - len(response))
+            real = [1] * len(response) + [0] * (R - len(response))
             positions, seen = [], 0
-            for m in prompt_mask + response_mask:
+            for m in prompt_mask + real:
                 seen += m
                 positions.append(max(seen - 1, 0))
             scores = [0.0] * R
@@ -410,12 +465,12 @@ def reference_build(
             rows["prompts"].append([pad] * (P - len(prompt)) + prompt)
             rows["responses"].append(response + [pad] * (R - len(response)))
             rows["input_ids"].append(rows["prompts"][-1] + rows["responses"][-1])
-            rows["attention_mask"].append(prompt_mask + response_mask)
-            rows["response_mask"].append(response_mask)
+            rows["attention_mask"].append(prompt_mask + real)
+            rows["response_mask"].append(generated + [0] * (R - len(generated)))
             rows["position_ids"].append(positions)
             rows["token_level_scores"].append(scores)
             for key, value in zip(
-                NON_TENSOR_KEYS, (r.data_id, r.data_id, r.rollout_id, turn_index), strict=True
+                NON_TENSOR_KEYS, (r.data_id, r.data_id, r.rollout_id, pieces[0][0]), strict=True
             ):
                 lists[key].append(value)
     row_shape: dict[str, tuple[int, ...]] = {
@@ -438,6 +493,13 @@ def reference_build(
         "batch/n_rollouts": float(len(rollouts)),
         "batch/n_rollouts_without_triplets": float(n_without_triplets),
         "batch/n_triplets": float(len(prompt_lengths)),
+        "batch/n_rows": float(len(prompt_lengths)),
+        "batch/n_calls": float(n_calls),
+        "batch/n_calls_merged": float(totals["merged"]),
+        "batch/n_chains_split_width": float(totals["split"]),
+        "batch/n_calls_drifted": float(totals["drifted"]),
+        "batch/n_trainer_tokens": float(sum(prompt_lengths) + sum(response_lengths)),
+        "batch/n_trainer_tokens_per_call": float(per_call_tokens),
         "batch/n_empty_responses_dropped": float(n_dropped),
         "batch/n_prompts_truncated": float(sum(rows["is_drop_mask"])),
         "batch/n_rows_off_policy": 0.0,
@@ -453,71 +515,263 @@ def reference_build(
 
 
 token_ids = st.lists(st.integers(0, 1_000), max_size=7)
+small_ids = st.lists(st.integers(0, 2), max_size=3)
 rewards = st.none() | st.floats(-10.0, 10.0, allow_nan=False)
 
 
 @st.composite
-def rollout_batches(draw: st.DrawFn) -> tuple[list[FinishedRollout], BatchConfig]:
+def conversation(draw: st.DrawFn) -> list[tuple[list[int], list[int]]]:
+    """Calls of one rollout: each one continues an earlier call (its prompt + response + new ids, sometimes with
+    the response re-rendered), or starts afresh; small ids, so that prefixes also match by chance."""
+    turns: list[tuple[list[int], list[int]]] = []
+    for _ in range(draw(st.integers(0, 5))):
+        how = draw(st.sampled_from(["fresh", "extend", "extend", "drift"])) if turns else "fresh"
+        if how == "fresh":
+            prompt = draw(st.lists(st.integers(0, 2), max_size=4))
+        else:
+            prompt_ids, response_ids = draw(st.sampled_from(turns))
+            answer = response_ids if how == "extend" else draw(small_ids)
+            prompt = prompt_ids + answer + draw(small_ids)
+        turns.append((prompt, draw(small_ids)))
+    return turns
+
+
+@st.composite
+def rollout_batches(draw: st.DrawFn, chained: bool = False) -> tuple[list[FinishedRollout], BatchConfig]:
     config = BatchConfig(
         max_prompt_length=draw(st.integers(1, 5)),
-        max_response_length=draw(st.integers(1, 5)),
+        max_response_length=draw(st.integers(1, 5 if not chained else 9)),
         pad_token_id=draw(st.integers(0, 3)),
         reward_fill_value=draw(st.none() | st.floats(-1.0, 1.0)),
     )
+    turns = conversation() if chained else st.lists(st.tuples(token_ids, token_ids), max_size=4)
     rollouts = [
         FinishedRollout(
             rollout_id=f"r{i}",
             data_id=f"g{draw(st.integers(0, 2))}",
             reward=draw(rewards),
-            turns=draw(st.lists(st.tuples(token_ids, token_ids), max_size=4)),
+            turns=draw(turns),
         )
         for i in range(draw(st.integers(0, 5)))
     ]
     return rollouts, config
 
 
-@settings(max_examples=150, deadline=None)
-@given(rollout_batches())
-def test_build_batch_matches_per_row_reference(case: tuple[list[FinishedRollout], BatchConfig]) -> None:
+def check_against_reference(
+    case: tuple[list[FinishedRollout], BatchConfig], signal: SignalConfig | None, merge: bool
+) -> None:
     rollouts, config = case
     try:
-        expected_tensors, expected_lists, expected_metrics = reference_build(rollouts, config)
+        expected_tensors, expected_lists, expected_metrics = reference_build(rollouts, config, merge)
     except MissingRewardError as exc:
         with pytest.raises(MissingRewardError, match=exc.rollout_id):
-            build_batch(rollouts, config)
+            build_batch(rollouts, config, signal)
         return
 
-    batch, metrics = build_batch(rollouts, config)
+    batch, metrics = build_batch(rollouts, config, signal)
 
-    assert set(batch.batch.keys()) == set(TENSOR_DTYPES)
+    extra = set() if signal is None else {"advantage_weights", "group_weights"}
+    assert set(batch.batch.keys()) == set(TENSOR_DTYPES) | extra
     for key, expected_tensor in expected_tensors.items():
         assert_tensor(tensor(batch, key), expected_tensor)
     for key, expected_list in expected_lists.items():
         assert column(batch, key) == expected_list
-    assert metrics == pytest.approx(expected_metrics)
+    assert {k: v for k, v in metrics.items() if k.startswith("batch/")} == pytest.approx(expected_metrics)
+    if signal is not None:
+        assert tensor(batch, "advantage_weights").tolist() == [1.0] * len(batch)
+        assert tensor(batch, "group_weights").tolist() == [1.0] * len(batch)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rollout_batches())
+def test_build_batch_matches_per_row_reference(case: tuple[list[FinishedRollout], BatchConfig]) -> None:
+    check_against_reference(case, None, merge=False)
 
 
 @settings(max_examples=100, deadline=None)
-@given(rollout_batches())
-def test_default_signal_config_builds_the_plain_batch(
+@given(rollout_batches(chained=True))
+def test_per_call_signal_config_builds_the_plain_batch(
     case: tuple[list[FinishedRollout], BatchConfig],
 ) -> None:
-    """The collector always passes a SignalConfig; its defaults must not change a plain batch."""
+    """``trajectory="per_call"`` is the plain batch (one row per call), whatever the calls' prefixes."""
+    check_against_reference(case, SignalConfig(trajectory="per_call"), merge=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rollout_batches(chained=True))
+def test_merged_batch_matches_the_chain_reference(case: tuple[list[FinishedRollout], BatchConfig]) -> None:
+    """The default config merges chains: rows, masks, positions, scores and counts as the plain-Python chains
+    give them, for conversations that extend, branch, drift and outgrow the width."""
+    check_against_reference(case, SignalConfig(), merge=True)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rollout_batches(chained=True))
+def test_every_generated_id_is_trained_exactly_once_in_call_order(
+    case: tuple[list[FinishedRollout], BatchConfig],
+) -> None:
+    """Merged or not, the ids under ``response_mask`` of a rollout's rows are its calls' responses (each cut to
+    the width only when it alone is longer), each once, in call order."""
     rollouts, config = case
-    try:
-        plain, plain_metrics = build_batch(rollouts, config)
-    except MissingRewardError as exc:
-        with pytest.raises(MissingRewardError, match=exc.rollout_id):
-            build_batch(rollouts, config, SignalConfig())
-        return
+    rollouts = [dataclasses.replace(r, reward=0.0) for r in rollouts]
+    built = build_rows(rollouts, config, SignalConfig())
+    responses, mask = tensor(built.data, "responses"), tensor(built.data, "response_mask").bool()
+    seen: dict[int, list[int]] = {}
+    for i, (rollout_index, calls) in enumerate(zip(built.row_rollout.tolist(), built.row_calls, strict=True)):
+        assert calls == sorted(calls) and calls[0] == column(built.data, "turn_index_list")[i]
+        turns = rollouts[rollout_index].turns
+        expected = [t for c in calls for t in list(turns[c][1])][: config.max_response_length]
+        assert responses[i][mask[i]].tolist() == expected
+        seen.setdefault(rollout_index, []).extend(calls)
+    for i, r in enumerate(rollouts):
+        assert sorted(seen.get(i, [])) == [t for t, (_, resp) in enumerate(r.turns) if len(resp)]
 
-    batch, metrics = build_batch(rollouts, config, SignalConfig())
 
-    assert set(batch.batch.keys()) == set(TENSOR_DTYPES) | {"advantage_weights", "group_weights"}
-    for key in TENSOR_DTYPES:
-        assert_tensor(tensor(batch, key), tensor(plain, key))
-    for key in NON_TENSOR_KEYS:
-        assert column(batch, key) == column(plain, key)
-    assert tensor(batch, "advantage_weights").tolist() == [1.0] * len(batch)
-    assert tensor(batch, "group_weights").tolist() == [1.0] * len(batch)
-    assert {k: v for k, v in metrics.items() if k.startswith("batch/")} == plain_metrics
+# --- merged trajectories: hand-built call chains ----------------------------------------------------------
+
+WIDE = BatchConfig(max_prompt_length=4, max_response_length=8, pad_token_id=0)
+
+
+def merged(
+    *rollouts: FinishedRollout, config: BatchConfig = WIDE, **signal: object
+) -> tuple[DataProto, dict]:
+    return build_batch(list(rollouts), config, SignalConfig(**signal))  # type: ignore[arg-type]
+
+
+def test_linear_chain_is_one_row_with_the_ids_between_calls_masked() -> None:
+    # call 2's prompt = call 1's prompt + response + a tool result [9]; call 3 adds [8, 8] after call 2
+    r = FinishedRollout(
+        "r0",
+        "g0",
+        0.5,
+        [([1, 2], [3, 4]), ([1, 2, 3, 4, 9], [5]), ([1, 2, 3, 4, 9, 5, 8, 8], [6, 7])],
+        logprobs=[[-0.1, -0.2], [-0.3], [-0.4, -0.5]],
+    )
+    batch, metrics = merged(r)
+
+    assert_tensor(tensor(batch, "prompts"), torch.tensor([[0, 0, 1, 2]]))
+    assert_tensor(tensor(batch, "responses"), torch.tensor([[3, 4, 9, 5, 8, 8, 6, 7]]))
+    assert_tensor(tensor(batch, "response_mask"), torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1]]))
+    assert_tensor(tensor(batch, "attention_mask"), torch.tensor([[0, 0] + [1] * 10]))
+    assert_tensor(tensor(batch, "position_ids"), torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]))
+    assert_tensor(tensor(batch, "token_level_scores"), torch.tensor([[0.0] * 7 + [0.5]]))
+    assert_tensor(
+        tensor(batch, "rollout_log_probs"),
+        torch.tensor([[-0.1, -0.2, 0.0, -0.3, 0.0, 0.0, -0.4, -0.5]], dtype=torch.float32),
+    )
+    assert_tensor(tensor(batch, "is_drop_mask"), torch.tensor([False]))
+    assert column(batch, "turn_index_list") == [0]
+    assert metrics["batch/n_calls"] == 3.0 and metrics["batch/n_rows"] == 1.0
+    assert metrics["batch/n_calls_merged"] == 2.0 and metrics["batch/n_calls_drifted"] == 0.0
+    assert metrics["batch/n_trainer_tokens"] == 2 + 8
+    assert metrics["batch/n_trainer_tokens_per_call"] == (2 + 2) + (4 + 1) + (4 + 2)  # prompts cut to 4
+
+
+def test_branch_starts_a_new_chain_and_a_later_call_continues_its_own_chain() -> None:
+    # calls 0 and 1 are parallel (same history, different questions); call 2 continues call 0, call 3 call 1
+    r = rollout(
+        "r0",
+        ([1], [5]),
+        ([2], [6]),
+        ([1, 5, 9], [7]),
+        ([2, 6, 9], [8]),
+        reward=1.0,
+    )
+    batch, metrics = merged(r)
+
+    assert_tensor(tensor(batch, "prompts"), torch.tensor([[0, 0, 0, 1], [0, 0, 0, 2]]))
+    assert_tensor(
+        tensor(batch, "responses"), torch.tensor([[5, 9, 7, 0, 0, 0, 0, 0], [6, 9, 8, 0, 0, 0, 0, 0]])
+    )
+    assert_tensor(
+        tensor(batch, "response_mask"), torch.tensor([[1, 0, 1, 0, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0, 0]])
+    )
+    assert tensor(batch, "token_level_scores")[:, 2].tolist() == [1.0, 1.0]
+    assert column(batch, "turn_index_list") == [0, 1]
+    assert column(batch, "uid") == ["g0", "g0"]  # still one GRPO member per rollout's group
+    assert metrics["batch/n_calls_merged"] == 2.0 and metrics["batch/n_calls_drifted"] == 0.0
+
+
+def test_drifted_call_starts_a_new_row_and_is_counted() -> None:
+    # call 2's prompt starts with call 1's prompt, but the answer was re-rendered: [4, 3] instead of [3, 4]
+    r = rollout("r0", ([1, 2], [3, 4]), ([1, 2, 4, 3, 9], [5]), reward=1.0)
+    batch, metrics = merged(r)
+
+    assert_tensor(tensor(batch, "prompts"), torch.tensor([[0, 0, 1, 2], [2, 4, 3, 9]]))
+    assert_tensor(tensor(batch, "responses"), torch.tensor([[3, 4] + [0] * 6, [5] + [0] * 7]))
+    assert_tensor(tensor(batch, "response_mask"), torch.tensor([[1, 1] + [0] * 6, [1] + [0] * 7]))
+    assert tensor(batch, "is_drop_mask").tolist() == [False, True]  # the new row's prompt was cut to 4
+    assert metrics["batch/n_calls_drifted"] == 1.0 and metrics["batch/n_calls_merged"] == 0.0
+
+
+def test_chain_wider_than_the_response_width_splits_at_a_call_boundary() -> None:
+    config = BatchConfig(max_prompt_length=8, max_response_length=4)
+    # merged, call 2 would make [3, 4, 9, 5, 6] (5 > 4): it starts a row with its own full prompt;
+    # call 3 continues that row; call 4 (alone longer than the width) is the only one truncated
+    r = rollout(
+        "r0",
+        ([1], [3, 4]),
+        ([1, 3, 4, 9], [5, 6]),
+        ([1, 3, 4, 9, 5, 6], [7]),
+        ([1, 3, 4, 9, 5, 6, 7], [1, 2, 3, 4, 5]),
+        reward=2.0,
+    )
+    batch, metrics = merged(r, config=config)
+
+    assert_tensor(
+        tensor(batch, "prompts"),
+        torch.tensor([[0, 0, 0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 1, 3, 4, 9], [0, 1, 3, 4, 9, 5, 6, 7]]),
+    )
+    assert_tensor(tensor(batch, "responses"), torch.tensor([[3, 4, 0, 0], [5, 6, 7, 0], [1, 2, 3, 4]]))
+    assert_tensor(tensor(batch, "response_mask"), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]))
+    assert_tensor(
+        tensor(batch, "token_level_scores"), torch.tensor([[0, 2.0, 0, 0], [0, 0, 2.0, 0], [0, 0, 0, 2.0]])
+    )
+    assert column(batch, "turn_index_list") == [0, 1, 3]
+    assert metrics["batch/n_chains_split_width"] == 2.0 and metrics["batch/n_calls_merged"] == 1.0
+    assert metrics["batch/n_responses_truncated"] == 1.0
+
+
+def test_masked_call_in_the_middle_keeps_its_place_with_response_mask_zero() -> None:
+    r = FinishedRollout(
+        "r0",
+        "g0",
+        1.0,
+        [([1], [3]), ([1, 3, 9], [4, 4]), ([1, 3, 9, 4, 4, 9], [5])],
+        logprobs=[[-0.1], [-0.2, -0.3], [-0.4]],
+        off_policy=[False, True, False],
+    )
+    batch, metrics = merged(r)
+
+    assert_tensor(tensor(batch, "responses"), torch.tensor([[3, 9, 4, 4, 9, 5, 0, 0]]))
+    assert_tensor(tensor(batch, "response_mask"), torch.tensor([[1, 0, 0, 0, 0, 1, 0, 0]]))
+    assert_tensor(tensor(batch, "attention_mask")[:, 4:], torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]))
+    assert tensor(batch, "is_drop_mask").tolist() == [False]
+    assert metrics["batch/n_rows_off_policy"] == 0.0
+    # a row whose every call is off-policy must not train at all
+    alone = dataclasses.replace(r, off_policy=[True, True, True])
+    assert tensor(merged(alone)[0], "is_drop_mask").tolist() == [True]
+
+
+def test_a_row_lacking_one_calls_logprobs_has_none_and_the_key_is_left_out() -> None:
+    r = FinishedRollout("r0", "g0", 1.0, [([1], [3]), ([1, 3, 9], [4])], logprobs=[[-0.1], None])
+    built = build_rows([r], WIDE, SignalConfig())
+    assert "rollout_log_probs" not in built.data.batch.keys()
+    assert built.logprobs == [None] and built.row_calls == [[0, 1]]
+    assert built.metrics["logprobs/n_rows_missing"] == 1.0
+
+
+def test_per_rollout_weighting_counts_merged_rows_not_calls() -> None:
+    linear = rollout("r0", ([1], [3]), ([1, 3, 9], [4]), reward=1.0)
+    branched = rollout("r1", ([1], [3]), ([2], [4]), reward=0.0)
+    batch, _ = merged(linear, branched, turn_weighting="per_rollout")
+    assert tensor(batch, "advantage_weights").tolist() == [1.0, 0.5, 0.5]
+    assert tensor(batch, "group_weights").tolist() == [1.0, 0.5, 0.5]
+
+
+def test_per_step_advantage_needs_per_call_rows() -> None:
+    with pytest.raises(ValueError, match="trajectory='per_call'"):
+        SignalConfig(advantage="per_step")
+    assert SignalConfig(advantage="per_step", trajectory="per_call").trajectory == "per_call"
+    with pytest.raises(ValueError, match="trajectory"):
+        SignalConfig(trajectory="chains")  # type: ignore[arg-type]

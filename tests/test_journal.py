@@ -140,6 +140,39 @@ async def test_killed_daemon_process_recovers_its_step(tmp_path: Path) -> None:
             await process.wait()
 
 
+async def test_a_batch_waiting_for_the_trainer_survives_a_restart(tmp_path: Path) -> None:
+    """The step is finished and its batch built, but the trainer has not received it when the daemon dies:
+    the step is still open in the journal and the restarted daemon delivers the same rollouts."""
+    path = tmp_path / "waiting.journal"
+    async with (
+        AgentDaemon(journal_path=path, batch=BATCH) as daemon,
+        AgentClient(daemon.server_url) as client,
+    ):
+        step = await daemon.submit([{"i": i} for i in range(3)])
+        while (task := await client.next_task(wait=0.2)) is not None:
+            await client.post_rollout(_rollout(task))
+        with anyio.fail_after(10):
+            report = await step.wait()  # built; the batch now waits in the stream
+        assert report.metrics["step/n_completed"] == 3
+        assert all(daemon.store.knows(rid) for rid in step.rollout_ids)
+        assert "step_done" not in [r["kind"] for r in read_records(path)]
+        # a compaction meanwhile keeps the waiting step (it is done, but not handed over)
+        assert daemon.journal is not None
+        daemon.journal.compact_bytes = 0
+        daemon.journal.maybe_compact()
+        with anyio.fail_after(10):
+            await daemon.journal.wait_compacted(0)
+    async with AgentDaemon(journal_path=path, batch=BATCH) as daemon:
+        (recovered,) = daemon.recovered_steps
+        assert recovered.rollout_ids == step.rollout_ids
+        with anyio.fail_after(10):
+            batch = await daemon.batches.receive()
+        assert sorted(batch.data.non_tensor_batch["rollout_id_list"].tolist()) == sorted(step.rollout_ids)
+        assert batch.metrics["step/n_completed"] == 3
+    kinds = [r["kind"] for r in read_records(path)]
+    assert kinds.count("step_done") == 1 or "result" not in kinds  # handed over: done (or compacted away)
+
+
 def test_torn_last_line_ends_replay_without_losing_earlier_records(tmp_path: Path) -> None:
     path = tmp_path / "torn.journal"
     journal = Journal(path)
@@ -170,6 +203,58 @@ async def test_journal_is_compacted_to_the_work_in_flight(tmp_path: Path) -> Non
         assert again.recovered_steps == []
         step = await again.submit([{"i": 0}])
         assert step.number == 5
+
+
+async def test_compaction_runs_in_a_worker_thread_and_keeps_records_written_meanwhile(tmp_path: Path) -> None:
+    path = tmp_path / "offloop.journal"
+    journal = Journal(path, fsync=True, compact_bytes=1024)
+    journal.open()
+    live = [{"kind": "live", "i": i, "pad": "x" * 64} for i in range(20_000)]
+    snapshotted = anyio.Event()
+
+    def live_records():
+        snapshotted.set()
+        return live
+
+    journal.live_records = live_records
+    async with anyio.create_task_group() as tg:
+        await tg.start(journal.serve)
+        for i in range(40):
+            journal.write({"kind": "old", "i": i, "pad": "y" * 64})
+        journal.maybe_compact()  # returns at once: the rewrite is the worker thread's
+        assert journal.compactions == 0
+        await snapshotted.wait()
+        # the thread is writing the snapshot now; these land in the old file and must reach the new one
+        assert journal._tail is not None
+        for i in range(5):
+            journal.write({"kind": "during", "i": i})
+        tg.start_soon(journal.commit)  # an fsync of the old descriptor, racing the rename
+        with anyio.fail_after(30):
+            await journal.wait_compacted(0)
+        journal.write({"kind": "after", "i": 0})
+        await journal.commit()
+        assert journal._synced == journal._written
+        tg.cancel_scope.cancel()
+    journal.close()
+    kinds = [r["kind"] for r in read_records(path)]
+    assert kinds == ["live"] * len(live) + ["during"] * 5 + ["after"]
+
+
+def test_the_file_stays_proportional_to_the_live_state_far_below_compact_bytes(tmp_path: Path) -> None:
+    """Groups dropped at every checkpoint leave "forget" records behind: past the floor, a file four times the
+    size of what the last rewrite kept is rewritten, so a long run's journal stays flat."""
+    journal = Journal(tmp_path / "flat.journal")  # compact_bytes: the 256 MB default
+    live = [{"kind": "live", "i": i} for i in range(100)]
+    journal.live_records = lambda: live
+    journal.open(live)
+    sizes = []
+    for i in range(40_000):
+        journal.write({"kind": "forget", "rollout_ids": [f"rollout-{i:08d}"]})
+        journal.maybe_compact()
+        sizes.append(journal.size)
+    journal.close()
+    assert journal.compactions >= 2 and max(sizes) <= (1 << 20) + 100
+    assert [r["kind"] for r in read_records(tmp_path / "flat.journal")][:100] == ["live"] * 100
 
 
 async def test_fsync_commit_is_shared_by_concurrent_posts(tmp_path: Path) -> None:

@@ -12,6 +12,11 @@ from aglverl.demo import run_demo
 
 pytestmark = pytest.mark.anyio
 
+#: The multi-turn task's run (8 prompts x 8 samples a step, to keep CI short): its steps, and a mean reward over
+#: the last three that no untrained model meets (it answers "yes" about 1% of the time).
+MULTITURN_STEPS = 12
+MULTITURN_END = 0.15
+
 
 async def test_the_demo_task_learns_in_fifteen_steps(tmp_path: Path, tiny_model: Path) -> None:
     summary = await run_demo(steps=15, out=tmp_path, json_lines=True)
@@ -28,3 +33,20 @@ def _rows(path: Path) -> list[dict]:
     import orjson
 
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+async def test_the_multiturn_task_learns_with_merged_conversations(tmp_path: Path, tiny_model: Path) -> None:
+    """``aglverl demo --task multiturn``: three calls per rollout, a tool message between them, the reward from
+    every answer; each conversation trains as one merged row (fewer trainer tokens than one row per call)."""
+    summary = await run_demo(steps=MULTITURN_STEPS, out=tmp_path, json_lines=True, task="multiturn", prompts=8)
+    rows = _rows(tmp_path / "metrics.jsonl")
+    rewards = [row["reward"] for row in rows]
+    assert len(rewards) == MULTITURN_STEPS
+    start, end = max(rewards[:2]), sum(rewards[-3:]) / 3
+    assert start < 0.1, rewards
+    assert end > MULTITURN_END, rewards
+    assert summary["task"] == "multiturn" and summary["trajectory"] == "merge"
+    for row in rows:
+        assert 0 < row["batch/n_calls"] <= 3 * row["step/n_rollouts"]
+        assert row["batch/n_rows"] < row["batch/n_calls"]  # conversations merged (a drifted call: a row more)
+        assert row["step/trainer_tokens_per_rollout"] < row["step/trainer_tokens_per_rollout_per_call"]

@@ -310,3 +310,50 @@ async def test_recovered_collector_tasks_point_at_the_live_proxy(tmp_path: Path)
             assert daemon.proxy_url != old
             assert report.metrics["step/n_completed"] == 1  # its call reached the live proxy and was recorded
             assert report.metrics["step/n_rollouts_with_proxy_triplets"] == 1
+
+
+async def _answer_group(daemon: AgentDaemon, sink: RecordingSink, prompt: Prompt) -> str:
+    """Dispatch ``prompt`` and answer all its sessions through the proxy; returns its uid once finished."""
+    assert daemon.producer is not None
+    before = len(sink.groups)
+    daemon.producer.dispatch([prompt], resources_id=None)
+    await _finish_some(daemon, prompt.n)
+    await sink.wait_for(before + 1)
+    return prompt.uid
+
+
+@pytest.mark.parametrize("killed_during_save", [False, True])
+async def test_a_checkpoint_covers_exactly_the_groups_finished_before_its_save(
+    tmp_path: Path, killed_during_save: bool
+) -> None:
+    """Group "a" finished before verl's save of step 3 began, "b" during it. After the save only "a" leaves the
+    journal; killed during the save (both still journaled), "a" is never reused by a prompt of a step that
+    checkpoint covers (it may be trained already), "b" always is."""
+    journal = tmp_path / "j.journal"
+    async with MockVLLM(completion_tokens=3) as mock:
+        async with _daemon(journal, mock) as (daemon, sink):
+            producer = daemon.producer
+            assert producer is not None
+            await _answer_group(daemon, sink, Prompt("a", {"q": 1}, 2, global_steps=3, index=5))
+            a_ids = list(producer._groups["a"].rollout_ids)
+            covered = producer.covering(3)  # verl's save of step 3 starts
+            assert covered == ["a"]
+            await _answer_group(daemon, sink, Prompt("b", {"q": 2}, 2, global_steps=3, index=6))
+            b_ids = list(producer._groups["b"].rollout_ids)
+            if not killed_during_save:
+                assert producer.checkpointed(covered) == 1
+        async with _daemon(journal, mock) as (daemon, sink):
+            producer = daemon.producer
+            assert producer is not None
+            assert producer.recovered == (2 if killed_during_save else 1)
+            # the resumed trainer (from step 3's checkpoint) asks both samples again at step 4
+            producer.dispatch(
+                [Prompt("a2", {"q": 1}, 2, global_steps=4, index=5), Prompt("b2", {"q": 2}, 2, global_steps=4, index=6)],
+                resources_id=None,
+            )
+            assert producer.recovered == 0
+            assert producer._groups["b2"].rollout_ids == b_ids  # reused as they were
+            assert not set(producer._groups["a2"].rollout_ids) & set(a_ids + b_ids)  # "a" is redone
+            (b2,) = await sink.wait_for(1)  # "b2" finished at once; "a2" is new work for agents
+            assert b2.prompt.uid == "b2" and b2.stats.n_completed == 2
+            assert daemon.store.try_claim() is not None

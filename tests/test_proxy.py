@@ -671,6 +671,30 @@ async def test_call_held_longer_than_pause_timeout_gets_503(http: aiohttp.Client
     assert mock.generation_requests() == []
 
 
+async def test_a_call_held_by_the_trainer_waits_up_to_hold_timeout_not_pause_timeout(
+    http: aiohttp.ClientSession,
+) -> None:
+    store = TaskStore()
+    async with MockVLLM() as mock:
+        proxy = make_proxy(store, [mock.url], pause_timeout=0.1, hold_timeout=60)
+        async with serving(proxy), anyio.create_task_group() as tg:
+            proxy.hold()
+            rid, aid = claim(store)
+            statuses: list[int] = []
+
+            async def call() -> None:
+                async with http.post(base_url(proxy, rid, aid) + "/chat/completions", json=chat_body()) as r:
+                    statuses.append(r.status)
+                    await r.read()
+
+            tg.start_soon(call)
+            await anyio.sleep(0.5)  # the trainer's update: five times pause_timeout
+            assert statuses == [] and proxy.held
+            proxy.resume()
+        assert statuses == [200]
+        finish(store, rid, aid)
+
+
 # ---------------------------------------------------------------------------------------------- rejections
 def assert_openai_error(payload: dict[str, Any], status: int, *words: str) -> None:
     error = payload["error"]

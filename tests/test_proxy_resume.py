@@ -560,3 +560,82 @@ async def test_the_embedded_server_reads_a_prompt_ending_inside_a_character_with
             assert choice["text"] == tokenizer.decode(
                 [first_byte, *choice["token_ids"]], skip_special_tokens=True
             )
+
+
+# ---------------------------------------------------------------------------------------------- size bounds
+class _AbortingThenFlooding:
+    """A backend whose first answer is aborted after two tokens and whose next answer (the continuation, or
+    the call made again) comes in chunks with no declared length and never fits ``max_response_bytes``."""
+
+    FLOOD = 64 << 10
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def answer(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        from aiohttp import web
+
+        self.paths.append(request.path)
+        if len(self.paths) == 1:
+            return web.json_response(
+                {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "model": "tiny",
+                    "prompt_token_ids": [1, 2, 3],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ab"},
+                            "finish_reason": "abort",
+                            "token_ids": [5, 6],
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                }
+            )
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'{"id": "x", "choices": [{"index": 0, "text": "')
+        for _ in range(self.FLOOD // 1024):
+            await response.write(b"a" * 1024)
+        await response.write(b'", "finish_reason": "length", "token_ids": [7]}]}')
+        await response.write_eof()
+        return response
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["continued", "made-again"])
+async def test_a_chunked_answer_read_whole_after_an_abort_is_bounded_by_max_response_bytes(tools: bool) -> None:
+    from aiohttp import web
+
+    backend = _AbortingThenFlooding()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", backend.answer)
+    app.router.add_post("/v1/completions", backend.answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    store = TaskStore(vocab_size=1000)
+    proxy = LLMProxy(store, backends=[url], registry=Registry(), retry=FAST_RETRY, max_response_bytes=8 << 10)
+    try:
+        async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+            await tg.start(proxy.serve)
+            rid, aid, base = claim(proxy, store)
+            request: dict[str, Any] = {"model": "tiny", "messages": CHAT, "max_tokens": 50}
+            if tools:  # a completion cannot continue it token-exactly: the whole call is made again
+                request["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            with anyio.fail_after(10):
+                async with http.post(base + "/chat/completions", json=request) as reply:
+                    status, raw = reply.status, await reply.read()
+            [call] = finish(store, rid, aid)
+            tg.cancel_scope.cancel()
+    finally:
+        await runner.cleanup()
+    assert len(backend.paths) == 2
+    assert status == 502, raw[:200]
+    message = orjson.loads(raw)["error"]["message"]
+    assert "exceeds max_response_bytes=8192" in message
+    assert call.status == "failed" and call.error == message

@@ -495,3 +495,52 @@ async def test_run_agents_keeps_serving_across_a_task_server_restart() -> None:
                 report = await step.wait()
         tg.cancel_scope.cancel()
     assert report.metrics["step/n_completed"] == 1
+
+
+async def test_agent_outliving_a_daemon_restart_finishes_its_recovered_rollout_through_the_live_proxy(
+    tmp_path: Any,
+) -> None:
+    """The restarted daemon rebinds the journal's resources to its new proxy in place (same resources id); an
+    agent that cached them before the restart must not keep calling the dead proxy."""
+    with refused_port() as reserved:
+        port = reserved.getsockname()[1]
+    journal = tmp_path / "restart.journal"
+    first_call_done = anyio.Event()
+    seen_endpoints: list[str] = []
+
+    async def agent(task_input: Any, llm: LLM) -> float:
+        seen_endpoints.append(llm.endpoint)
+        client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="x", max_retries=0)
+        try:
+            await client.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        finally:
+            await client.close()
+        if len(seen_endpoints) == 1:  # the attempt in flight when the daemon goes away never returns
+            first_call_done.set()
+            await anyio.sleep_forever()
+        return 1.0
+
+    async with anyio.create_task_group() as tg:
+        async with MockVLLM(completion_tokens=4) as mock, daemon_for(
+            [mock.url], port=port, journal_path=journal, max_attempts=2
+        ) as first:
+            step = await first.submit([{"q": 0}])
+            tg.start_soon(functools.partial(run_agents, first.server_url, agent, concurrency=2))
+            with anyio.fail_after(STEP_TIMEOUT):
+                await first_call_done.wait()
+            first_proxy = first.proxy.url
+        async with MockVLLM(completion_tokens=4) as mock, daemon_for(
+            [mock.url], port=port, journal_path=journal, max_attempts=2
+        ) as second:
+            (recovered,) = second.recovered_steps
+            assert recovered.rollout_ids == step.rollout_ids
+            assert second.proxy.url != first_proxy
+            with anyio.fail_after(STEP_TIMEOUT):
+                report = await recovered.wait()
+        tg.cancel_scope.cancel()
+    assert report.metrics["step/n_completed"] == 1, report.metrics
+    assert report.metrics["step/n_failed"] == 0
+    assert len(seen_endpoints) == 2
+    assert seen_endpoints[1].startswith(second.proxy.url)

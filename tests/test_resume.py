@@ -18,10 +18,10 @@ import pytest
 HELPER = Path(__file__).parent / "helpers" / "train_until_killed.py"
 
 
-def _run(directory: Path, run: int, mode: str = "sync") -> int:
+def _run(directory: Path, run: int, mode: str = "sync", *extra: str, helper: Path = HELPER) -> int:
     """Run the helper in a session of its own; whatever it leaves behind (Ray's processes) is ended."""
     process = subprocess.Popen(
-        [sys.executable, str(HELPER), str(directory), str(run), mode],
+        [sys.executable, str(helper), str(directory), str(run), mode, *extra],
         start_new_session=True,
         stdout=(directory / f"run{run}.log").open("wb"),
         stderr=subprocess.STDOUT,
@@ -110,3 +110,66 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_without_losing_or_repeat
 @pytest.fixture(autouse=True)
 def _no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # each run starts (and ends) a Ray of its own
+
+
+KILL_LOOP = Path(__file__).parent / "helpers" / "train_kill_loop.py"
+
+
+def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_sample_n_times(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """10 steps, a checkpoint every 3 (colocate_async: rollouts run ahead of the trainer, across steps and
+    checkpoints), SIGKILL at a random agent answer, in the middle of a checkpoint save, and at another random
+    answer; restarted each time with resume_mode: auto. Over the final lineage (each run continues from the
+    checkpoint it found), every step is trained once and every trained sample was answered exactly n = 2 times
+    (by rollouts that were answered once each: reused across a kill, never redone after an answer)."""
+    import random
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    moments = [f"answer:{rng.randint(6, 24)}", "save", f"answer:{rng.randint(4, 16)}", "none"]
+    for run, moment in enumerate(moments, 1):
+        if moment == "save":  # the next checkpoint this run will save
+            resumed = int(latest.read_text()) if (latest := tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").exists() else 0
+            moment = f"save:{resumed + 3}"
+        code = _run(tmp_path, run, "colocate_async", moment, helper=KILL_LOOP)
+        log = (tmp_path / f"run{run}.log").read_text()[-3000:]
+        assert code == (0 if moment == "none" else -signal.SIGKILL), f"seed {seed}, run {run} ({moment}):\n{log}"
+
+    runs = {row["run"]: row for row in _lines(tmp_path / "runs.jsonl")}
+    steps = _lines(tmp_path / "steps.jsonl")
+    groups = {row["uid"]: row["rollout_ids"] for row in _lines(tmp_path / "groups.jsonl")}
+    answers = _lines(tmp_path / "answers.jsonl")
+    context = f"seed {seed}, moments {moments}, runs {runs}"
+    assert max(Counter(a["rollout_id"] for a in answers).values()) == 1, f"a rollout was answered twice ({context})"
+    sample_of = {a["rollout_id"]: a["sample"] for a in answers}
+
+    # The final lineage: the last run's steps after the checkpoint it resumed from, and before that, the steps
+    # of the run that saved that checkpoint, back to the checkpoint that run resumed from, and so on.
+    lineage: dict[int, dict] = {}
+    end, run = 10, len(moments)
+    while end > 0:
+        start = runs[run]["resumed_from"]
+        trained = [row for row in steps if row["run"] == run]
+        numbers = [row["step"] for row in trained]
+        assert numbers == sorted(set(numbers)), f"run {run} trained a step twice: {numbers} ({context})"
+        mine = {row["step"]: row for row in trained if start < row["step"] <= end}
+        # verl saves a step's checkpoint before logging it: a kill between the two leaves its last step unlogged
+        assert set(mine) in ({*range(start + 1, end + 1)}, {*range(start + 1, end)}), (run, sorted(mine), context)
+        lineage.update(mine)
+        if start == 0:
+            break
+        # the run that saved checkpoint `start`: the latest earlier run that resumed before it and got there
+        run = max(r for r in range(1, run) if runs[r]["resumed_from"] < start and any(
+            row["run"] == r and row["step"] >= start - 1 for row in steps
+        ))
+        end = start
+    answered_in: Counter[int] = Counter()
+    for number, row in sorted(lineage.items()):
+        for uid in row["uids"]:
+            for rollout_id in groups[uid]:
+                assert rollout_id in sample_of, f"step {number} trained an unanswered rollout ({context})"
+                answered_in[sample_of[rollout_id]] += 1
+    assert answered_in and set(answered_in.values()) == {2}, (answered_in, context)
+    samples = [sample_of[groups[uid][0]] for row in lineage.values() for uid in row["uids"]]
+    assert len(samples) == len(set(samples)), f"a sample was trained in two steps ({context})"

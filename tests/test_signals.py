@@ -96,7 +96,9 @@ def test_config_rejects_bad_values_naming_the_field(field: str, value: object, e
 def test_config_from_dict_names_unknown_keys_and_takes_yaml_ints_for_floats() -> None:
     with pytest.raises(ValueError, match=r"\['mask_timeout', 'rejection'\]"):
         SignalConfig.from_dict({"rejection": True, "mask_timeout": False, "gamma": 0.5})
-    config = SignalConfig.from_dict({"gamma": 1, "failure_reward": -1, "advantage": "per_step"})
+    config = SignalConfig.from_dict(
+        {"gamma": 1, "failure_reward": -1, "advantage": "per_step", "trajectory": "per_call"}
+    )
     assert config.gamma == 1.0 and type(config.gamma) is float and config.failure_reward == -1.0
     assert SignalConfig.from_dict(config.to_dict()) == config
     assert SignalConfig.from_dict(None) == SignalConfig() == SignalConfig.from_dict({})
@@ -197,8 +199,8 @@ GROUPS = [
 def test_rejection_sampling_drops_uniform_and_single_member_groups() -> None:
     batch, metrics = build_batch(GROUPS, SMALL, SignalConfig(rejection_sampling=True))
 
-    assert rows(batch) == ["c1", "c1", "c2"]
-    assert batch.batch["token_level_scores"].sum(-1).tolist() == [1.0, 1.0, 0.0]
+    assert rows(batch) == ["c1", "c2"]  # c1's second call continues its first: one merged row
+    assert batch.batch["token_level_scores"].sum(-1).tolist() == [1.0, 0.0]
     assert {k: v for k, v in metrics.items() if k.startswith("rejection/")} == {
         "rejection/n_samples": 4.0,
         "rejection/n_samples_too_small": 0.0,
@@ -210,13 +212,13 @@ def test_rejection_sampling_drops_uniform_and_single_member_groups() -> None:
         "rejection/n_rows_dropped": 5.0,
         "rejection/n_rollouts_dropped": 5.0,
     }
-    assert metrics["batch/n_triplets"] == 3.0 and metrics["batch/n_rollouts"] == 7.0
+    assert metrics["batch/n_triplets"] == 2.0 and metrics["batch/n_rollouts"] == 7.0
 
 
 def test_without_rejection_sampling_uniform_groups_are_counted_and_kept() -> None:
     batch, metrics = build_batch(GROUPS, SMALL, SignalConfig())
 
-    assert len(batch) == 8
+    assert len(batch) == 7
     assert metrics["rejection/n_groups_uniform"] == 3.0 and metrics["rejection/n_groups_dropped"] == 0.0
     assert metrics["rejection/solve_all_rate"] == 0.5
 
@@ -294,7 +296,7 @@ def test_broadcast_per_rollout_counts_each_rollout_once() -> None:
 
 
 def test_per_step_discounts_turn_rewards_and_groups_by_turn_index() -> None:
-    config = SignalConfig(advantage="per_step", gamma=0.5)
+    config = SignalConfig(advantage="per_step", trajectory="per_call", gamma=0.5)
     batch, metrics = build_batch(
         [
             # G2 = 1.0 (final reward); G1 = 0.4 + 0.5 * 1.0 = 0.9 (empty response: no row); G0 = 0.2 + 0.5 * 0.9.
@@ -319,7 +321,7 @@ def test_per_step_discounts_turn_rewards_and_groups_by_turn_index() -> None:
 
 
 def test_per_step_rejection_drops_single_member_turn_groups() -> None:
-    config = SignalConfig(advantage="per_step", gamma=0.5, rejection_sampling=True)
+    config = SignalConfig(advantage="per_step", trajectory="per_call", gamma=0.5, rejection_sampling=True)
     batch, metrics = build_batch(
         [
             rollout("a", ([1], [5]), ([1, 5, 6], [7]), reward=1.0, turn_rewards=[0.2, None]),
@@ -338,7 +340,7 @@ def test_per_step_gamma_zero_scores_each_turn_with_its_own_reward() -> None:
     batch, _ = build_batch(
         [rollout("a", ([1], [5]), ([1], [6]), ([1], [7]), reward=1.0, turn_rewards=[0.25, None, 0.75])],
         SMALL,
-        SignalConfig(advantage="per_step", gamma=0.0),
+        SignalConfig(advantage="per_step", trajectory="per_call", gamma=0.0),
     )
 
     # The last turn's score is the final reward, whatever its own triplet reward said.
@@ -347,7 +349,9 @@ def test_per_step_gamma_zero_scores_each_turn_with_its_own_reward() -> None:
 
 def test_per_step_per_rollout_weights_the_loss_but_not_the_turn_groups() -> None:
     batch, _ = build_batch(
-        TWO_AND_ONE, SMALL, SignalConfig(advantage="per_step", turn_weighting="per_rollout")
+        TWO_AND_ONE,
+        SMALL,
+        SignalConfig(advantage="per_step", trajectory="per_call", turn_weighting="per_rollout"),
     )
 
     assert batch.batch["advantage_weights"].tolist() == [0.5, 0.5, 1.0]
@@ -360,7 +364,9 @@ def test_per_step_per_rollout_weights_the_loss_but_not_the_turn_groups() -> None
 @pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")  # verl's trainer import, on CPU
 def test_other_estimators_are_verls_times_the_loss_weights() -> None:
     batch, _ = build_batch(
-        TWO_AND_ONE, SMALL, SignalConfig(advantage="per_step", turn_weighting="per_rollout")
+        TWO_AND_ONE,
+        SMALL,
+        SignalConfig(advantage="per_step", trajectory="per_call", turn_weighting="per_rollout"),
     )
     batch = with_rewards(batch)
     stock, _ = compute_rloo_outcome_advantage(

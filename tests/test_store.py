@@ -60,6 +60,28 @@ async def test_expired_lease_requeues_with_new_attempt_and_same_rollout_id() -> 
         tg.cancel_scope.cancel()
 
 
+async def test_no_lease_runs_while_frozen_and_thawing_adds_the_frozen_time() -> None:
+    """A trainer holds the agents' calls for its update: the lease clock stops, then resumes where it was."""
+    store = TaskStore(lease_seconds=0.1, max_attempts=3)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        rid = store.enqueue("x")
+        task = store.try_claim()
+        assert task is not None
+        store.freeze_leases()
+        with anyio.move_on_after(0.5):  # five leases' worth of frozen time: nobody gets the task
+            await store.claim(wait=5)
+            raise AssertionError("a frozen lease expired")
+        assert store.state(rid) == "claimed"
+        assert store.thaw_leases() >= 0.5
+        assert store.heartbeat(rid, task.attempt_id) == 0.1  # still this attempt's
+        with anyio.fail_after(2):
+            again = await store.claim(wait=5)  # the clock runs again: the lease expires
+        assert again is not None and again.rollout_id == rid and again.attempt_id != task.attempt_id
+        assert store.m_requeued.value("lease_expired") == 1
+        tg.cancel_scope.cancel()
+
+
 async def test_max_attempts_exhausted_fails_rollout_and_step_completes() -> None:
     store = TaskStore(lease_seconds=0.03, max_attempts=2)
     async with anyio.create_task_group() as tg:

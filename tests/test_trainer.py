@@ -55,7 +55,8 @@ def _config(steps: int, checkpoints: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def shared_ray(tiny_model: Path) -> Iterator[None]:
     """One Ray session for both runs (each run joins it instead of starting its own)."""
-    config, _ = compose_config(_config(1, Path("/tmp")))
+    # two (fake) GPUs: separate_async's standalone rollout pool takes the second
+    config, _ = compose_config({**_config(1, Path("/tmp")), "ray_kwargs": {"ray_init": {"num_gpus": 2}}})
     with ExitStack() as stack:
         stack.enter_context(verl_runtime(config))
         yield
@@ -219,3 +220,29 @@ async def test_rejection_sampling_replaces_uniform_groups_with_fresh_prompts(
     for metrics in steps:
         assert metrics["critic/score/mean"] == pytest.approx(0.5)  # only the (1, 0) groups were trained
     assert any(i % 2 == 0 for i in answered) and any(i % 2 == 1 for i in answered)
+
+
+async def test_two_separate_async_runs_in_one_caller_started_ray_session_both_train(
+    shared_ray: None, tmp_path: Path
+) -> None:
+    """A run leaves nothing behind in a Ray session the caller keeps: the standalone rollout replica's workers
+    and placement group go too, or the second run would wait for their (fake) GPU forever."""
+    overrides = {
+        **_config(1, tmp_path),
+        "trainer.save_freq": -1,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": -1,
+        "trainer.v1.trainer_mode": "separate_async",
+        "algorithm": {"adv_estimator": "grpo"},
+        "aglverl": {"journal": None},
+    }
+    trained: list[list[int]] = []
+    for run in range(2):
+        algo = AsyncVERL(overrides, agent=one_word_agent)
+        trained.append([])
+        algo.on_step.append(lambda step, metrics, run=run: trained[run].append(step))
+        with anyio.fail_after(300):
+            await algo.run(TRAIN, None)
+    assert trained == [[1], [1]]
+    assert ray.is_initialized()  # the caller's session, still up
+    assert ray.available_resources().get("GPU", 0) == 2  # every bundle given back

@@ -37,3 +37,63 @@ async def live_trainer(
             trainer.global_steps = 1
             trainer.curr_step_profile, trainer.timing_raw = False, {}  # what verl's fit() sets for a step
             yield run, trainer, runtime
+
+
+async def multi_turn_agents(run: Any, count: int, turns: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """``count`` agents claim a task each and hold a ``turns``-call chat through the proxy with the openai SDK
+    (each call: the history, the model's answer, a tool message), then post reward 1. Returns, per rollout,
+    each call's (prompt ids, response ids) as the engine returned them (the proxy asks on the agent's behalf)."""
+    import openai
+
+    from aglverl.client import AgentClient
+    from aglverl.models import Rollout
+
+    seen: dict[str, list[tuple[list[int], list[int]]]] = {}
+    async with AgentClient(run.daemon.server_url) as agent:
+        client = openai.AsyncOpenAI(api_key="-", max_retries=0)
+        for _ in range(count):
+            task = await agent.next_task(wait=30)
+            assert task is not None
+            llm = (await agent.resources(task.resources_id)).resources["main_llm"]
+            sdk = client.with_options(base_url=llm.get_base_url(task.rollout_id, task.attempt_id))
+            messages: list[Any] = [{"role": "user", "content": task.input["prompt"]}]
+            calls = seen.setdefault(task.rollout_id, [])
+            for turn in range(turns):
+                answer = await sdk.chat.completions.create(model=llm.model, messages=messages, max_tokens=3)
+                calls.append((answer.model_extra["prompt_token_ids"], answer.choices[0].model_extra["token_ids"]))
+                messages += [
+                    {"role": "assistant", "content": answer.choices[0].message.content or ""},
+                    {"role": "user", "content": f"ok {turn}"},
+                ]
+            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+        await client.close()
+    return seen
+
+
+def assert_rows_are_the_engines_chains(
+    keys: list[str], data: Any, seen: dict[str, list[tuple[list[int], list[int]]]]
+) -> int:
+    """Each TransferQueue row is a chain of one rollout's calls: its ids are its last call's prompt + response,
+    its ids under ``response_mask`` those the engine generated for its calls, in order, ``num_turns`` twice its
+    calls; every call is in exactly one row. Returns how many rows hold more than one call."""
+    covered: dict[str, list[int]] = {rid: [] for rid in seen}
+    merged = 0
+    for i, key in enumerate(keys):
+        prompt, response = data["prompts"][i].tolist(), data["responses"][i].tolist()
+        mask = data["response_mask"][i].tolist()
+        assert data["input_ids"][i].tolist() == prompt + response
+        assert data["loss_mask"][i].tolist() == mask
+        owners = [
+            (rid, c) for rid, calls in seen.items() for c, (p, r) in enumerate(calls) if p + r == prompt + response
+        ]
+        assert len(owners) == 1, key
+        rid, last = owners[0]
+        first = next(c for c, (p, _) in enumerate(seen[rid]) if p == prompt)
+        assert int(key.rsplit("_", 1)[1]) == first
+        generated = [t for _, r in seen[rid][first : last + 1] for t in r]
+        assert [t for t, m in zip(response, mask, strict=True) if m] == generated
+        assert int(data["num_turns"][i]) == 2 * (last - first + 1)
+        covered[rid] += range(first, last + 1)
+        merged += last > first
+    assert all(sorted(c) == list(range(len(seen[rid]))) for rid, c in covered.items())
+    return merged

@@ -1,0 +1,135 @@
+"""The LLM proxy: agents' OpenAI calls go through it to the inference backends, and it records their token ids.
+
+:class:`LLMProxy` is an aiohttp application served inside the caller's anyio task group. Two route families,
+every HTTP method:
+
+- ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` — attributed calls. The attempt is checked against
+  the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
+  ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and, with
+  ``request_logprobs``, ``"logprobs"`` too (``true`` for chat, ``0`` for completions: the sampled tokens' own
+  logprobs), and are recorded in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact
+  prompt/response ids, logprobs, finish reason, the limit that ended the response (``max_tokens`` or the
+  backend's context window, told apart by the request's ``max_tokens``; a prompt refused as too long is a
+  ``context`` limit too), weight version, backend, latency.
+- ``/v1/{path}`` — unattributed calls: forwarded verbatim and counted, never recorded.
+
+Sampling parameters (attributed calls, when the rollout's ``main_llm`` resource names them, as a trainer's
+does): a parameter the call omits is filled in with the trainer's value (``temperature``, ``top_p``,
+``top_k``; and ``max_tokens`` when the call sets no limit), so the tokens are drawn from the distribution the
+trainer recomputes log-probs for. A call that sets a different value (or a non-neutral ``min_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` or ``logit_bias``) is off-policy; the
+``sampling_mismatch`` rule decides: ``"refuse"`` answers 400 naming the parameter and both values,
+``"mask"`` forwards it and records it ``off_policy`` (its rows are kept out of the loss). Every call records
+the values it used; ``aglverl_proxy_sampling_total{action}`` counts fills, refusals and masked calls.
+
+``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
+family, are translated by :mod:`aglverl.translate`: the body becomes a chat completion before anything else
+looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
+agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
+gets, the proxy's own included, is in that API's shape; Anthropic's ``x-api-key`` is accepted as the token.
+
+The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
+chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the
+SSE events; bodies with a ``Content-Length`` are read whole (bounded), parsed once and sent unchanged.
+
+Routing: every call of a rollout goes to the backend its first call went to while that backend is healthy
+(vLLM's prefix cache then holds the conversation); a new rollout goes to the healthy backend with the fewest
+calls in flight. Before any byte has reached the agent, connection failures, 5xx and 429 are retried on
+another backend with capped exponential backoff and jitter (:class:`RetryPolicy`; ``Retry-After`` honoured
+within the budget). A backend that refuses connections is ejected for ``eject_seconds`` and then probed
+(``GET /health``) by a task that sleeps until that deadline; it takes traffic again only once a probe passes.
+
+Weight updates: :meth:`LLMProxy.pause` holds new calls and drains those in flight (lockstep training);
+:meth:`LLMProxy.hold` holds new calls and lets those in flight go on (verl's asynchronous modes, which abort
+the engines' generations to swap weights); :meth:`LLMProxy.resume` ends either. An agent never sees an
+abort: when a backend answers a recorded call with ``finish_reason: "abort"`` (a JSON body, or an SSE choice
+that ends so), the proxy keeps the partial output, waits while it is held (at once when it is not), and
+continues the generation token-exactly on the rollout's backend with a token-in ``/v1/completions`` call:
+the prompt ids and the ids so far as ``prompt``, what is left of the call's ``max_tokens``, the call's own
+sampling parameters (``seed`` moved on by the tokens generated), ``return_token_ids``, logprobs if the call
+had them; a continuation aborted in its turn is continued again. The agent gets one answer: a JSON body
+covering the whole generation (text, ``token_ids``, logprobs, finish reason, usage), or a stream that goes
+on in its own chunk shape (same ``id``) to its final chunk, usage and ``[DONE]``; a Responses / Messages call
+gets the same through its translator. The call is recorded once, with all its ids and the weight versions
+of its first and last tokens (each the backend's ``X-Weight-Version`` when it sends one, else the proxy's
+version). A backend that keeps aborting (or refusing) a continuation, or a hold longer than
+``pause_timeout`` after the last token, ends the call with a 503 error saying so (an SSE error event once
+the stream started), recorded as failed. Calls with ``n > 1``, tools, a ``response_format``, vLLM guided
+decoding or ``prompt_logprobs`` are not continued (a completion cannot carry their state on): a JSON answer
+of theirs, which the agent has not seen, is made again from the start under the new weights
+(``proxy/regenerated``); a stream of theirs, already partly sent, ends the same way as above, with the
+reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
+
+Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
+(4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
+to close. Cancelling ``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds,
+cancels the rest (each cancelled upstream request closes its connection), then closes the server and the
+session: no task, socket or connection is left.
+
+Error handling: errors the proxy produces itself are OpenAI-shaped JSON, ``{"error": {"message", "type",
+"param": null, "code"}}``, with a message naming what was wrong. An agent that disconnects cancels its upstream
+request at once (aiohttp's ``handler_cancellation``); the call is recorded as failed. A stream that breaks
+after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` event (the OpenAI SDK raises
+it as ``APIError``) and recorded as failed.
+
+The package, one module per job (each module's docstring states its contract); dependencies run one way,
+``app`` → ``relay`` → ``resume`` → ``capture``, ``pool`` → ``call``, ``sse``:
+
+- :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: routes, admission, auth, body limits, sampling
+  reconciliation, the gate that :meth:`~LLMProxy.pause` / :meth:`~LLMProxy.hold` close, metrics, life cycle.
+- :mod:`~aglverl.proxy.relay` — the retry loop and relaying answers (JSON, SSE), disconnects, broken streams.
+- :mod:`~aglverl.proxy.resume` — aborted generations: holding, continuing token-exactly, making again.
+- :mod:`~aglverl.proxy.capture` — token ids, log-probs and stop reasons out of answers and streams, into
+  :class:`~aglverl.store.LLMCall` records.
+- :mod:`~aglverl.proxy.pool` — backends: picking, ejection, probes, sending a try, :class:`RetryPolicy`.
+- :mod:`~aglverl.proxy.sse` — SSE framing; :mod:`~aglverl.proxy.call` — the call, :class:`ProxyError`,
+  header forwarding. :mod:`aglverl.translate` (other APIs as chat completions) stays beside the package.
+"""
+
+from __future__ import annotations
+
+from .app import SAMPLING_NEUTRAL, TRAINER_SAMPLING, LLMProxy, SamplingMismatch, reconcile_sampling
+from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
+from .call import _Call as _Call  # private names re-exported (``as``): tests reach in for them
+from .call import _forward_headers as _forward_headers
+from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
+from .capture import _Capture as _Capture
+from .capture import _ChoiceCapture as _ChoiceCapture
+from .pool import (
+    COMPLETIONS_TARGET,
+    EJECT_AFTER_TIMEOUTS,
+    PROBE_PATH,
+    PROBE_READ_TIMEOUT,
+    RETRY_STATUSES,
+    STICKY_ROLLOUTS,
+    UPSTREAM_KEEPALIVE,
+    RetryPolicy,
+)
+from .pool import _Backend as _Backend
+from .resume import CONTINUED_FIELDS
+from .resume import _resume_blocker as _resume_blocker
+from .resume import _Resumption as _Resumption
+
+__all__ = [
+    "CAPTURED_PATHS",
+    "COMPLETIONS_TARGET",
+    "CONTEXT_REFUSAL",
+    "CONTINUED_FIELDS",
+    "EJECT_AFTER_TIMEOUTS",
+    "ERROR_BODY_LIMIT",
+    "HOP_BY_HOP",
+    "PROBE_PATH",
+    "PROBE_READ_TIMEOUT",
+    "RETRY_STATUSES",
+    "SAMPLING_NEUTRAL",
+    "STICKY_ROLLOUTS",
+    "TRAINER_SAMPLING",
+    "UPSTREAM_KEEPALIVE",
+    "WEIGHT_VERSION_HEADER",
+    "LLMProxy",
+    "Outcome",
+    "ProxyError",
+    "RetryPolicy",
+    "SamplingMismatch",
+    "reconcile_sampling",
+]

@@ -1,0 +1,212 @@
+"""One call on its way through the proxy, the errors the proxy answers itself, and header forwarding.
+
+The vocabulary every other module of :mod:`aglverl.proxy` shares, and depends on nothing of theirs:
+
+- :class:`_Call` — one agent request from admission to its records: what goes upstream (method, target,
+  end-to-end headers, body, the parsed request), what came back (backend, weight versions, timings), how it
+  ended (``outcome``, ``error``; :meth:`_Call.fail` keeps the first error and never touches a call whose agent
+  already has its whole answer).
+- :class:`ProxyError` — an answer the proxy makes itself: an HTTP status and a message naming what was wrong,
+  OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) or in a translated call's own API.
+  :class:`_Unreachable` — an upstream try that got no response at all, raised only while nothing has reached
+  the agent (so it is always safe to retry).
+- :func:`_forward_headers` — the end-to-end headers of a message (RFC 9110 hop-by-hop ones, ``Proxy-*``, those
+  named in ``Connection`` and a ``drop`` set removed); :func:`_error_message` — the message of an error body.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from ..store import LLMCall
+from ..translate import Translator
+
+if TYPE_CHECKING:
+    from .capture import _Capture
+
+HOP_BY_HOP: frozenset[str] = frozenset(
+    {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)
+#: Also dropped from requests: the backend's own Host and a recomputed length; the agent's credential (meant
+#: for this proxy, never for the backend: OpenAI SDKs send ``Authorization``, Anthropic's ``x-api-key``);
+#: ``Expect`` because the proxy has already read the whole body.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
+#: Also dropped from responses: the length, recomputed for the body actually sent.
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+
+#: Largest error body kept from a retried 5xx/429, to pass through if no retry succeeds.
+ERROR_BODY_LIMIT = 64 << 10
+
+_SSE = "text/event-stream"
+_JSON = "application/json"
+
+_ERROR_TYPES: Mapping[int, str] = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+Outcome = Literal["ok", "upstream_error", "failed", "cancelled", "rejected"]
+
+
+class ProxyError(Exception):
+    """A call the proxy answers itself, with an HTTP ``status`` and a message naming what was wrong (and the
+    offending request field, ``param``, when there is one)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self, translator: Translator | None = None) -> bytes:
+        """OpenAI-shaped, or in the API of a translated call."""
+        if translator is not None:
+            return translator.error(self.status, self.message, self.param)
+        return _error_body(self.status, self.message)
+
+    def response(self, translator: Translator | None = None) -> web.Response:
+        return web.Response(status=self.status, body=self.body(translator), content_type=_JSON)
+
+
+def _error_body(status: int, message: str) -> bytes:
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": None, "code": status}
+    return orjson.dumps({"error": error})
+
+
+class _Unreachable(Exception):
+    """An upstream try that got no response at all (connection refused, reset or closed before answering)."""
+
+
+class _Call:
+    """One agent request on its way through the proxy."""
+
+    __slots__ = (
+        "attempt_id",
+        "backend",
+        "body",
+        "capture",
+        "delivered",
+        "error",
+        "first_byte",
+        "headers",
+        "kind",
+        "limit",
+        "max_tokens",
+        "method",
+        "model",
+        "off_policy",
+        "outcome",
+        "path",
+        "records",
+        "request",
+        "response",
+        "rollout_id",
+        "sampling",
+        "seq",
+        "sse",
+        "started_at",
+        "t0",
+        "tail",
+        "target",
+        "translator",
+        "upstream_end",
+        "upstream_start",
+        "weight_version",
+        "weight_version_end",
+    )
+
+    def __init__(self, seq: int, t0: float, rollout_id: str | None, attempt_id: str | None) -> None:
+        self.seq = seq
+        self.t0 = t0
+        self.started_at = time.time()
+        self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
+        self.method = "GET"
+        self.path = ""
+        self.target = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.body = b""
+        self.kind: Literal["chat", "completion"] | None = None
+        self.model: str | None = None
+        self.capture: _Capture | None = None
+        # A Responses / Anthropic Messages call, relayed as a chat completion and answered in its own API.
+        self.translator: Translator | None = None
+        # The request's max_tokens tells a stop at max_tokens from a full context window; ``limit`` is set
+        # when the backend refuses the prompt as too long.
+        self.max_tokens: int | None = None
+        self.limit: Literal["context"] | None = None
+        self.sampling: dict[str, float] | None = None
+        self.off_policy = False
+        # The request body as the backend got it (sampling parameters filled in): what a continuation repeats.
+        self.request: dict[str, Any] | None = None
+        # The weight version of the call's first and last tokens: the backend's X-Weight-Version when it sends
+        # one, else the proxy's version when the answer (or the continuation) was asked for.
+        self.weight_version = 0
+        self.weight_version_end: int | None = None
+        self.backend = ""
+        self.response: web.StreamResponse | None = None
+        self.sse = False
+        self.tail = b""
+        self.first_byte = 0.0
+        self.upstream_start = 0.0
+        self.upstream_end = 0.0
+        self.outcome: Outcome = "ok"
+        self.error: str | None = None
+        self.records: list[LLMCall] | None = None  # what was put in the store, once it was
+        self.delivered = False  # the agent has the complete response: nothing can fail the call any more
+
+    def fail(self, error: str, outcome: Outcome = "failed") -> None:
+        """Mark the call failed with its first error; a call already delivered stays as it is."""
+        if self.error is None and not self.delivered:
+            self.error = error
+            self.outcome = outcome
+
+
+def _forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """The end-to-end headers of ``headers``: hop-by-hop ones, ``Proxy-*`` and those named in ``Connection``
+    removed, as well as ``drop``."""
+    out: CIMultiDict[str] = CIMultiDict(headers)  # copied in C; removals are by set intersection (hot path)
+    present = set(map(str.lower, headers.keys()))
+    remove = set(drop.intersection(present))
+    remove.update(name for name in present if name.startswith("proxy-"))
+    named = headers.get("Connection")
+    if named:
+        remove.update(token.strip() for token in named.split(","))
+    for name in remove:
+        out.popall(name, None)
+    return out
+
+
+def _error_message(body: bytes, limit: int = 500) -> str:
+    """The message of an OpenAI/vLLM error body, for the call record (bounded; the raw body otherwise)."""
+    try:
+        obj = orjson.loads(body)
+        error = obj.get("error", obj) if isinstance(obj, dict) else obj
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            return message[:limit]
+    except orjson.JSONDecodeError:
+        pass
+    return body[:limit].decode("utf-8", "replace")
+
+
+def _token_limit(request: Mapping[str, Any]) -> int | None:
+    """The call's limit on generated tokens: ``max_completion_tokens``, else ``max_tokens`` (a ``null`` one
+    counts as omitted, as the backend reads it); ``None`` when the call sets none."""
+    limit = request.get("max_completion_tokens")
+    if limit is None:
+        limit = request.get("max_tokens")
+    return limit if type(limit) is int else None

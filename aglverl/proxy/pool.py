@@ -1,0 +1,369 @@
+"""The backend pool: which backend a call goes to, how a try is sent, and when a backend is left alone.
+
+Picking (:meth:`_Pool._pick`): every call of a rollout goes to the backend its first call went to while that
+backend is healthy (vLLM's prefix cache then holds the conversation; the last ``STICKY_ROLLOUTS`` rollouts are
+remembered, LRU); a new rollout, a retry, or a rollout whose backend is ejected, removed or asked to wait by a
+429 goes to the healthy backend with the fewest calls in flight (then the fewest picks).
+
+Sending (:meth:`_Pool._send`): one upstream try, returning the response head. No response at all is
+:class:`~aglverl.proxy.call._Unreachable` (safe to retry: nothing reached the agent); a refused connection
+also ejects the backend. ``request_timeout`` before the head is a 504, and a backend that outlives it
+``EJECT_AFTER_TIMEOUTS`` calls in a row is ejected too (:meth:`_Pool._timed_out` moves the rollout off it at
+once). Retry policy (:class:`RetryPolicy`): how many tries, within what budget, with what capped exponential
+backoff and jitter; :meth:`_Pool._hold` keeps a retryable 5xx/429 answer (bounded) and notes a 429's
+``Retry-After``. The retry loop itself is the relay's (:meth:`~aglverl.proxy.relay._Relay._attempts`).
+
+Ejection and probes: an ejected backend takes no traffic for ``eject_seconds``; one task per ejected backend
+sleeps until that deadline and probes ``GET /health``; a 200 puts it back, anything else renews the
+ejection; a removed backend's probe stops. Connection pooling: :meth:`_Pool._make_session` (idle keep-alive
+below the backends' own). A part of :class:`~aglverl.proxy.LLMProxy`; depends only on
+:mod:`~aglverl.proxy.call`.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+import anyio
+from anyio.abc import TaskGroup
+from multidict import CIMultiDict
+from yarl import URL
+
+from ..metrics import Counter
+from .call import (
+    _JSON,
+    _RESPONSE_DROP,
+    ERROR_BODY_LIMIT,
+    ProxyError,
+    _Call,
+    _error_body,
+    _forward_headers,
+    _Unreachable,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Upstream statuses retried on another backend while no byte has reached the agent.
+RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
+
+#: Rollouts whose backend is remembered (LRU); far more than can be in flight at once.
+STICKY_ROLLOUTS = 100_000
+#: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
+EJECT_AFTER_TIMEOUTS = 3
+#: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
+#: drops an idle connection before the server does and never sends a request into one being closed.
+UPSTREAM_KEEPALIVE = 4.0
+#: What an ejected backend must answer 200 to before it takes traffic again (vLLM and the mock serve it).
+PROBE_PATH = "/health"
+#: Seconds a probe may take on top of ``connect_timeout``.
+PROBE_READ_TIMEOUT = 2.0
+
+#: Where an aborted generation is continued: token ids in, token ids out.
+COMPLETIONS_TARGET = "/v1/completions"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How hard the proxy tries before the first byte reaches the agent.
+
+    ``attempts`` upstream tries per call, across backends. ``total_timeout`` is the budget, from the call's
+    arrival, within which a retry may still start (a backoff or ``Retry-After`` that would end past it is not
+    waited for: the last failure is returned instead); a single try is bounded by the proxy's
+    ``request_timeout``, since a non-streamed generation sends nothing until it is done. Retry ``k`` (1-based)
+    waits ``min(backoff_max, backoff_initial * 2**(k-1))`` reduced by a random fraction up to ``jitter``.
+    """
+
+    attempts: int = 3
+    total_timeout: float = 30.0
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.total_timeout < 0 or self.backoff_initial < 0 or self.backoff_max < 0:
+            raise ValueError("RetryPolicy needs attempts >= 1 and non-negative times")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("RetryPolicy.jitter is a fraction in [0, 1]")
+
+    def backoff(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1-based)."""
+        delay = min(self.backoff_max, self.backoff_initial * 2 ** (retry - 1))
+        return delay * (1.0 - self.jitter * random.random())
+
+
+class _Backend:
+    """One inference server and what routing needs to know about it."""
+
+    __slots__ = (
+        "ejected",
+        "ejected_until",
+        "in_flight",
+        "not_before",
+        "picks",
+        "probing",
+        "removed",
+        "timeouts",
+        "url",
+    )
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.in_flight = 0
+        self.picks = 0
+        self.ejected = False
+        self.ejected_until = 0.0
+        self.not_before = 0.0  # a 429's Retry-After: do not send before this (monotonic seconds)
+        self.probing = False
+        self.removed = False
+        self.timeouts = 0  # calls in a row that outlived request_timeout
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A retryable upstream answer kept in case no retry does better."""
+
+    status: int
+    reason: str | None
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds asked by a ``Retry-After`` header (delta-seconds or HTTP date); 0 when absent or unreadable."""
+    if not value:
+        return 0.0
+    try:
+        seconds = float(value)
+        return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return 0.0
+
+
+def _normalise_backend(url: str) -> str:
+    parsed = URL(url)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"backend {url!r} must be an absolute http(s) URL such as 'http://host:8000'")
+    if parsed.path not in ("", "/") or parsed.query_string or parsed.fragment:
+        raise ValueError(
+            f"backend {url!r} must be 'http://host:port' with no path (no '/v1'), query or fragment"
+        )
+    return url.rstrip("/")
+
+
+class _Pool:
+    """The backends and how calls are sent to them (see the module docstring); a part of
+    :class:`~aglverl.proxy.LLMProxy`."""
+
+    if TYPE_CHECKING:  # the host's state (set by LLMProxy.__init__ and serve)
+        request_timeout: float
+        connect_timeout: float
+        eject_seconds: float
+        upstream_keepalive: float
+        _backends: list[_Backend]
+        _sticky: OrderedDict[str, _Backend]
+        _session: aiohttp.ClientSession | None
+        _tg: TaskGroup | None
+        m_ejections: Counter
+
+    @property
+    def backends(self) -> list[str]:
+        """The configured backend URLs, in order."""
+        return [b.url for b in self._backends]
+
+    @property
+    def healthy_backends(self) -> list[str]:
+        """The backends currently taking traffic (not ejected)."""
+        return [b.url for b in self._backends if not b.ejected]
+
+    def set_backends(self, urls: Sequence[str]) -> None:
+        """Replace the backends (``http://host:port``, no ``/v1``); raises ``ValueError`` for anything else.
+
+        A backend kept from the previous list keeps its health and load; calls already running on a removed
+        backend finish there, and rollouts pinned to it move on their next call.
+        """
+        wanted = list(dict.fromkeys(_normalise_backend(u) for u in urls))
+        old: dict[str, _Backend | None] = {b.url: b for b in self._backends}
+        self._backends = [old.pop(url, None) or _Backend(url) for url in wanted]
+        for gone in old.values():
+            if gone is not None:
+                gone.removed = True
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        """Drop the routing state of rollouts that are over (the store calls this when it forgets them)."""
+        for rollout_id in rollout_ids:
+            self._sticky.pop(rollout_id, None)
+
+    def _make_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # concurrency is bounded by the agents, and a pool cap would queue calls invisibly
+            keepalive_timeout=self.upstream_keepalive,
+        )
+        return aiohttp.ClientSession(
+            connector=connector,
+            # request_timeout bounds each upstream try, body included; aiohttp arms one timer per request anyway.
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=self.connect_timeout),
+            auto_decompress=False,  # bodies are relayed byte for byte; captured calls ask for identity
+            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),  # forward the agent's, add none
+            cookie_jar=aiohttp.DummyCookieJar(),  # a backend's cookie must not leak from one agent to another
+            trust_env=False,  # nothing but the configured backends is ever contacted
+        )
+
+    def _timed_out(self, call: _Call) -> str:
+        """Note a call that outlived ``request_timeout`` and describe it.
+
+        The rollout is moved off that backend at once (its next call or attempt goes elsewhere), and a backend
+        that times out ``EJECT_AFTER_TIMEOUTS`` calls in a row is ejected like one that refuses connections:
+        a hung server must not hold on to the rollouts pinned to it while a healthy one idles.
+        """
+        backend = next((b for b in self._backends if b.url == call.backend), None)
+        if backend is not None:
+            backend.timeouts += 1
+            if backend.timeouts >= EJECT_AFTER_TIMEOUTS:
+                self._eject(backend, TimeoutError(f"{backend.timeouts} calls in a row timed out"))
+            if call.rollout_id is not None and self._sticky.get(call.rollout_id) is backend:
+                others = [b for b in self._backends if b is not backend and not (b.ejected or b.removed)]
+                if others:
+                    self._sticky[call.rollout_id] = min(others, key=lambda b: (b.in_flight, b.picks))
+                else:
+                    del self._sticky[call.rollout_id]
+        return f"backend {call.backend} did not finish within request_timeout={self.request_timeout:g}s"
+
+    def _pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None:
+        """The backend for the next try: the rollout's own while healthy, else the least loaded healthy one."""
+        if not self._backends:
+            return None
+        first = not tried and rollout_id is not None
+        if first:
+            sticky = self._sticky.get(rollout_id)  # type: ignore[arg-type]
+            if sticky is not None and not (
+                sticky.ejected or sticky.removed or sticky.not_before > time.monotonic()
+            ):
+                self._sticky.move_to_end(rollout_id)  # type: ignore[arg-type]
+                return sticky
+        now = time.monotonic()
+        best = min(
+            self._backends,
+            key=lambda b: (b.ejected, b in tried, b.not_before > now, b.in_flight, b.picks),
+        )
+        best.picks += 1
+        if first:
+            self._sticky[rollout_id] = best  # type: ignore[index]
+            self._sticky.move_to_end(rollout_id)  # type: ignore[arg-type]
+            if len(self._sticky) > STICKY_ROLLOUTS:
+                self._sticky.popitem(last=False)
+        return best
+
+    async def _send(
+        self, backend: _Backend, call: _Call, continuation: bytes | None = None
+    ) -> aiohttp.ClientResponse:
+        """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came.
+
+        ``continuation``: send this ``/v1/completions`` body instead (an aborted generation's continuation).
+        """
+        assert self._session is not None
+        call.backend = backend.url
+        if continuation is None:
+            call.upstream_start = time.monotonic()
+            method, target, body = call.method, call.target, call.body or None
+        else:
+            method, target, body = "POST", COMPLETIONS_TARGET, continuation
+        try:
+            upstream = await self._session.request(
+                method,
+                URL(backend.url + target, encoded=True),
+                headers=call.headers,
+                data=body,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            self._eject(backend, exc)
+            raise _Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # Typically a pooled connection the server closed just as it was reused: worth another try.
+            raise _Unreachable(
+                f"backend {backend.url} closed the connection without answering: {exc!r}"
+            ) from exc
+        except TimeoutError:  # request_timeout (aiohttp's total timeout) before the response head
+            raise ProxyError(504, self._timed_out(call)) from None
+        except aiohttp.ClientError as exc:  # e.g. a malformed response head: the backend is not speaking HTTP
+            raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc!r}") from exc
+        backend.timeouts = 0
+        if backend.ejected:
+            self._restore(backend)
+        return upstream
+
+    async def _hold(self, backend: _Backend, upstream: aiohttp.ClientResponse) -> _Held:
+        """Keep a retryable answer (bounded) and free its connection; note a 429's ``Retry-After``."""
+        try:
+            if upstream.status == 429:
+                backend.not_before = time.monotonic() + _retry_after(upstream.headers.get("Retry-After"))
+            length = upstream.content_length
+            body = b""
+            if length is not None and length <= ERROR_BODY_LIMIT:
+                try:
+                    body = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError):
+                    body = b""
+            headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
+            if not body:
+                body = _error_body(upstream.status, f"backend {backend.url} answered {upstream.status}")
+                headers["Content-Type"] = _JSON
+            logger.debug("backend %s answered %d; retrying", backend.url, upstream.status)
+            return _Held(upstream.status, upstream.reason, headers, body)
+        finally:
+            upstream.close()
+
+    def _eject(self, backend: _Backend, exc: BaseException) -> None:
+        if backend.ejected or backend.removed:
+            return
+        backend.ejected = True
+        backend.ejected_until = time.monotonic() + self.eject_seconds
+        self.m_ejections.inc()
+        logger.warning("backend %s ejected for %gs: %s", backend.url, self.eject_seconds, exc)
+        if self._tg is not None and not backend.probing:
+            backend.probing = True
+            self._tg.start_soon(self._probe, backend)
+
+    def _restore(self, backend: _Backend) -> None:
+        if backend.ejected:
+            backend.ejected = False
+            logger.info("backend %s is back in rotation", backend.url)
+
+    async def _probe(self, backend: _Backend) -> None:
+        """Sleep until the ejection ends, probe; repeat until a probe passes or the backend is removed."""
+        try:
+            while backend.ejected and not backend.removed:
+                await anyio.sleep(max(0.0, backend.ejected_until - time.monotonic()))
+                if not backend.ejected or backend.removed:
+                    break
+                if await self._probe_once(backend):
+                    self._restore(backend)
+                else:
+                    backend.ejected_until = time.monotonic() + self.eject_seconds
+        finally:
+            backend.probing = False
+
+    async def _probe_once(self, backend: _Backend) -> bool:
+        session = self._session
+        if session is None:
+            return False
+        try:
+            with anyio.fail_after(self.connect_timeout + PROBE_READ_TIMEOUT):
+                async with session.get(URL(backend.url + PROBE_PATH), allow_redirects=False) as response:
+                    await response.read()
+                    return response.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False

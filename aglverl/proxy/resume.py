@@ -1,0 +1,724 @@
+"""Aborted generations: holding them, continuing them token-exactly, or making them again.
+
+A backend answers a recorded call with ``finish_reason: "abort"`` when the trainer swaps its weights. The agent
+never sees that. :class:`_Resumer` (whole answers, and what every continuation needs) and
+:class:`_StreamResumer` (streams), parts of :class:`~aglverl.proxy.LLMProxy`, take over from the relay:
+
+- :meth:`_StreamResumer._take_abort` takes the aborting event out of complete SSE events before the agent
+  gets any of it (the events before it go out unchanged, its last tokens without the finish reason).
+- :meth:`_Resumer._resumption` collects what a continuation needs (:class:`_Resumption`: the prompt and the ids
+  so far, the limit, the stream's head), or refuses a call no completion can carry on
+  (:func:`_resume_blocker`: ``n > 1``, tools, structured output, ``prompt_logprobs``...) with a 503.
+- :meth:`_Resumer._continuation` waits while the proxy is held (:meth:`_Resumer._held_back`: a call waiting
+  keeps no backend busy in ``activity``), then sends :meth:`_Resumer._continuation_body` (a token-in
+  ``/v1/completions`` call with the call's own sampling parameters, ``seed`` moved on) to the rollout's
+  backend; refusals are retried with the retry policy's backoff until ``pause_timeout`` has passed without a
+  new token (503).
+- A stream goes on in the agent's chunk shape (:meth:`_StreamResumer._resume_stream`,
+  :meth:`_StreamResumer._relay_continuation`, :meth:`_StreamResumer._converted`); a whole answer becomes
+  one body covering the whole generation (:meth:`_Resumer._resume_whole`, :func:`_merged`); a whole answer
+  that cannot be continued is made again from the start once the hold ends (:meth:`_Resumer._regenerate_whole`).
+  :meth:`_Resumer._progressed` moves the call's weight versions, the refusal budget and the resume latency.
+
+Below it: :mod:`~aglverl.proxy.capture` (it records through ``_capture_body`` and re-captures merged answers)
+and :mod:`~aglverl.proxy.pool` (``_pick``, ``_send``, ``_timed_out``). It needs two things from above, named in
+its classes' ``TYPE_CHECKING`` blocks and provided by the relay and the app: ``_forward`` / ``_end_broken``
+(write to the agent, end a started response with an error event) and ``_released`` (wait for the gate).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import aiohttp
+import anyio
+import orjson
+from aiohttp import web
+from yarl import URL
+
+from ..metrics import ActivityTimeline, Counter, Histogram
+from .call import _SSE, ERROR_BODY_LIMIT, ProxyError, _Call, _error_message, _token_limit, _Unreachable
+from .capture import _Capture, _Recorder, _reported_version
+from .pool import RETRY_STATUSES, RetryPolicy, _Backend, _Pool
+from .sse import (
+    _DONE_EVENT,
+    _EVENT_END,
+    _choices_of,
+    _drain,
+    _event_json,
+    _EventCut,
+    _json_object,
+    _payloads,
+    _sse_event,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Request fields a continuation repeats; on ``/v1/completions`` each means what it meant on the call.
+CONTINUED_FIELDS: tuple[str, ...] = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "bad_words",
+    "allowed_token_ids",
+    "cache_salt",
+    "user",
+    "stream_options",
+)
+#: vLLM fields whose state a continuation would start afresh (a grammar over the output, prompt logprobs).
+_UNRESUMABLE_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "prompt_logprobs",
+)
+_SEED_SPACE = 2**63
+
+#: The end of a generation aborted exactly at its limit (nothing is left to continue).
+_LENGTH_END: Mapping[str, Any] = {
+    "index": 0,
+    "text": "",
+    "logprobs": None,
+    "finish_reason": "length",
+    "stop_reason": None,
+    "token_ids": [],
+}
+
+
+def _resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completion"] | None) -> str | None:
+    """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can)."""
+    n, best_of = request.get("n"), request.get("best_of")
+    if (type(n) is int and n > 1) or (type(best_of) is int and best_of > 1):
+        return "a call with n > 1"
+    if kind == "chat":
+        if request.get("tools") and request.get("tool_choice") != "none":
+            return "a call with tools (the backend parses tool calls out of the whole output)"
+        response_format = request.get("response_format")
+        if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+            return "a call with a response_format"
+    elif request.get("echo"):
+        return "a call with echo"
+    for key in _UNRESUMABLE_FIELDS:
+        if request.get(key) is not None:
+            return f"a call with {key}"
+    return None
+
+
+def _text_of(choice: Mapping[str, Any], kind: Literal["chat", "completion"] | None) -> str:
+    if kind == "completion":
+        return choice.get("text") or ""
+    return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+
+
+def _unfinish(choice: dict[str, Any], kind: Literal["chat", "completion"] | None) -> None:
+    """An aborted choice's last piece as an ordinary one: no finish reason, and no trailing U+FFFD.
+
+    Those stand for the bytes of a character the output ended inside: the continuation, prompted with these
+    ids, renders that character whole (vLLM's detokenizer, and the embedded server's, start from the prompt's
+    last ids), so they must not also go out here.
+    """
+    choice["finish_reason"] = None
+    choice["stop_reason"] = None
+    if kind == "completion":
+        choice["text"] = (choice.get("text") or "").rstrip("\ufffd")
+        return
+    holder = choice.get("delta") or choice.get("message")
+    if isinstance(holder, dict) and isinstance(holder.get("content"), str):
+        holder["content"] = holder["content"].rstrip("\ufffd")
+
+
+async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
+    whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
+    if (upstream.content_length or 0) > limit:
+        raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
+    parts, size = [], 0
+    while chunk := await upstream.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+class _Resumption:
+    """An aborted generation on its way to its end: what its continuations need and what they did."""
+
+    __slots__ = ("chars", "context", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
+
+    def __init__(
+        self,
+        prompt: list[int],
+        ids: list[int],
+        limit: int | None,
+        deadline: float,
+        head: dict[str, Any],
+        chars: int,
+    ) -> None:
+        self.prompt = prompt  # the call's own prompt ids
+        self.ids = ids  # every response id so far
+        self.limit = limit  # the call's max_tokens (after filling); None: the rest of the context
+        self.deadline = deadline  # give up when no token came by then (monotonic)
+        self.head = head  # id, object, created, model of the call's stream
+        self.chars = chars  # characters of text so far (completions' text_offset)
+        self.refusals = 0  # continuations in a row that brought no token
+        self.ready = 0.0  # when the current continuation was free to go (for the resume latency)
+        self.version = 0  # the weight version of the current continuation
+        self.context: int | None = None  # the backend's context window (max_model_len), for a call without a limit
+
+    @property
+    def left(self) -> int | None:
+        """Tokens the call may still generate (``None``: up to a context window not known)."""
+        if self.limit is not None:
+            return max(0, self.limit - len(self.ids))
+        if self.context is not None:
+            return max(0, self.context - len(self.prompt) - len(self.ids))
+        return None
+
+    def usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
+        """A backend's usage counts, for the call's own prompt and the whole generation."""
+        prompt, completion = len(self.prompt), len(self.ids)
+        counts = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return {**usage, **counts}
+
+
+def _continued_choice(raw: bytes) -> dict[str, Any]:
+    """The choice of a whole continuation answer; :class:`ProxyError` (502) unless a completion with ids."""
+    choices = _choices_of(_json_object(raw))
+    if not choices or type(choices[0].get("token_ids")) is not list:
+        raise ProxyError(502, "the backend's continuation is not a completion with token ids")
+    return choices[0]
+
+
+def _merged(call: _Call, answer: Any, pieces: Sequence[dict[str, Any]], state: _Resumption) -> Any:
+    """A whole answer the backend aborted, extended by its continuations' ``pieces``: one body, in the call's
+    shape, whose text, token ids, logprobs, finish reason and usage cover the whole generation."""
+    choice = answer["choices"][0]
+    chat = call.kind == "chat"
+    if chat and not isinstance(choice.get("message"), dict):
+        choice["message"] = {"role": "assistant", "content": ""}
+    _unfinish(choice, call.kind)
+    holder, key = (choice["message"], "content") if chat else (choice, "text")
+    text = holder.get(key) or ""
+    logprobs = choice.get("logprobs")
+    top = (call.request or {}).get("top_logprobs") or 0
+    for piece in pieces:
+        if piece.get("finish_reason") == "abort":
+            _unfinish(piece, "completion")
+        if isinstance(logprobs, dict):
+            if chat:
+                logprobs.setdefault("content", []).extend(_chat_logprobs(piece.get("logprobs"), top))
+            else:
+                shifted = _offset_logprobs(piece.get("logprobs"), len(text)) or {}
+                for field in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                    logprobs.setdefault(field, []).extend(shifted.get(field) or ())
+        text += piece.get("text") or ""
+    holder[key] = text
+    last = pieces[-1]
+    choice["token_ids"] = state.ids
+    choice["finish_reason"], choice["stop_reason"] = last.get("finish_reason"), last.get("stop_reason")
+    if isinstance(answer.get("usage"), dict):
+        answer["usage"] = state.usage(answer["usage"])
+    return answer
+
+
+def _chat_logprobs(logprobs: Any, top: int) -> list[dict[str, Any]]:
+    """A completion's logprobs as chat ``logprobs.content`` entries, with at most ``top`` alternatives."""
+    if not isinstance(logprobs, dict):
+        return []
+    tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or []
+    out = []
+    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
+        alternatives = tops[i] if top and i < len(tops) and isinstance(tops[i], dict) else {}
+        best = sorted(alternatives.items(), key=lambda item: -item[1])[:top]
+        out.append(
+            {
+                "token": token,
+                "logprob": value,
+                "bytes": list(token.encode("utf-8", "replace")),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))} for t, v in best
+                ],
+            }
+        )
+    return out
+
+
+def _offset_logprobs(logprobs: Any, offset: int) -> Any:
+    """Completions logprobs whose ``text_offset`` counts from ``offset`` characters further on."""
+    if not isinstance(logprobs, dict) or not offset or not isinstance(logprobs.get("text_offset"), list):
+        return logprobs
+    return {**logprobs, "text_offset": [o + offset for o in logprobs["text_offset"]]}
+
+
+# ---------------------------------------------------------------------------------------------- the resumer
+class _Resumer(_Recorder, _Pool):
+    """Carries aborted generations to their end (see the module docstring); a part of
+    :class:`~aglverl.proxy.LLMProxy`."""
+
+    if TYPE_CHECKING:  # the host's state, and the gate's wait (the app's)
+        retry: RetryPolicy
+        pause_timeout: float
+        max_response_bytes: int
+        weight_version: int
+        activity: ActivityTimeline
+        _gate: anyio.Event | None
+        m_resumed: Counter
+        m_continuations: Counter
+        m_regenerated: Counter
+        m_resume_latency: Histogram
+
+        async def _released(self, deadline: float) -> bool: ...
+
+    def _resumption(self, call: _Call, head: dict[str, Any] | None = None) -> _Resumption:
+        """What the continuations of ``call``'s aborted answer need; :class:`ProxyError` (503) for a call the
+        proxy does not resume (counted as ``unsupported``)."""
+        capture, request = call.capture, call.request
+        assert capture is not None and request is not None
+        why = _resume_blocker(request, call.kind)
+        choice = next(iter(capture.choices.values()), None)
+        prompt = None if choice is None else choice.prompt_ids or capture.prompt_ids
+        if why is None and len(capture.choices) != 1:
+            why = "a call with several choices"
+        if why is None and (choice is None or choice.ids_missing or capture.broken or prompt is None):
+            why = "a call whose answer carries no token ids"
+        if why is not None:
+            self.m_resume_failed.inc(1, "unsupported")
+            message = f"the backend aborted the generation (a weight update), and {why} is not resumed"
+            raise ProxyError(503, message)
+        assert choice is not None and prompt is not None
+        limit = _token_limit(request)
+        return _Resumption(
+            list(prompt),
+            list(
+                choice.ids or ()
+            ),  # no ids and no output (ids_missing unset): aborted before its first token
+            limit,
+            time.monotonic() + self.pause_timeout,
+            head or {},
+            choice.chars,
+        )
+
+    async def _resume_whole(self, call: _Call, answer: Any) -> bytes:
+        """Continue a whole (JSON) answer the backend aborted; returns the one body, in the call's shape,
+        covering the whole generation (and captures it). Raises :class:`ProxyError` when it cannot be
+        continued (see :meth:`_resume_stream`); cancellation closes the continuation's upstream request."""
+        state = self._resumption(call)
+        pieces: list[dict[str, Any]] = []
+        while True:
+            if state.left == 0:
+                pieces.append(dict(_LENGTH_END))
+                break
+            upstream = await self._continuation(call, state)
+            try:
+                raw = await _read_bounded(upstream, self.max_response_bytes, "backend continuation")
+            except TimeoutError:
+                raise ProxyError(504, self._timed_out(call)) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
+            finally:
+                upstream.close()
+            piece = _continued_choice(raw)
+            pieces.append(piece)
+            aborted = piece.get("finish_reason") == "abort"
+            self._progressed(call, state, piece["token_ids"], aborted)
+            if not aborted:
+                break
+        merged = _merged(call, answer, pieces, state)
+        call.capture = _Capture(call.kind or "chat")
+        call.capture.apply(merged)
+        self.m_resumed.inc()
+        return orjson.dumps(merged)
+
+    async def _regenerate_whole(self, call: _Call) -> bytes:
+        """A whole (JSON) answer the backend aborted that a completion cannot continue token-exactly (tool
+        calls, ``n > 1``, structured output: :func:`_resume_blocker`): the agent has seen none of it, so once
+        the proxy is no longer held the call is made again from the start, and that answer (generated under
+        the new weights) is the call's, recorded with its own ids and version. An answer aborted again is made
+        again; :class:`ProxyError` (503) once ``pause_timeout`` passed without a whole answer, 502 for an
+        error answer; cancellation closes the upstream request."""
+        deadline = time.monotonic() + self.pause_timeout
+        refusals = 0
+        while True:
+            if not await self._held_back(deadline):
+                self.m_resume_failed.inc(1, "refused")
+                raise ProxyError(
+                    503, f"an aborted call waited to be made again for over {self.pause_timeout:g}s"
+                )
+            if refusals:
+                await anyio.sleep(min(self.retry.backoff(refusals), max(0.0, deadline - time.monotonic())))
+                if time.monotonic() >= deadline:
+                    self.m_resume_failed.inc(1, "refused")
+                    raise ProxyError(503, f"the backend kept aborting a call made again ({refusals} times)")
+                if self._gate is not None:
+                    continue
+            backend = self._pick(call.rollout_id, ())
+            if backend is None:
+                raise ProxyError(503, "no backends are configured")
+            try:
+                upstream = await self._send(backend, call)
+            except _Unreachable:
+                refusals += 1
+                continue
+            try:
+                if upstream.status in RETRY_STATUSES:
+                    refusals += 1
+                    continue
+                raw = await _read_bounded(upstream, self.max_response_bytes, "backend answer")
+                status, version = upstream.status, _reported_version(upstream.headers)
+            except TimeoutError:
+                raise ProxyError(504, self._timed_out(call)) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ProxyError(
+                    502, f"backend {call.backend} broke off the call made again: {exc!r}"
+                ) from exc
+            finally:
+                upstream.close()
+            if status >= 400:
+                raise ProxyError(
+                    502, f"backend {backend.url} refused the call made again: {status}: {_error_message(raw)}"
+                )
+            call.capture = _Capture(call.kind or "chat")
+            answer = self._capture_body(call, status, raw)
+            if answer is not None and call.capture.aborted:
+                refusals += 1
+                continue
+            # Made again wholly after the hold: the proxy's current version when the backend reports none.
+            call.weight_version = call.weight_version_end = self.weight_version if version is None else version
+            self.m_regenerated.inc()
+            return raw
+
+    async def _continuation(self, call: _Call, state: _Resumption) -> aiohttp.ClientResponse:
+        """Send the next continuation of ``state`` and return its response head (status < 400).
+
+        It goes once the proxy is neither paused nor held, to the rollout's backend (whose prefix cache holds
+        the prompt and the partial output). A refusal (no connection, a 5xx or 429, or an answer aborted again
+        without a token) is retried after the retry policy's backoff; :class:`ProxyError` (503) once
+        ``pause_timeout`` has passed since the last token (held, or refused), 502/504 for other failures.
+        """
+        while True:
+            if not await self._held_back(state.deadline):
+                self.m_resume_failed.inc(1, "refused")
+                raise ProxyError(
+                    503,
+                    f"an aborted generation waited to continue for over pause_timeout={self.pause_timeout:g}s "
+                    "while the proxy was held",
+                )
+            if state.refusals:
+                left = max(0.0, state.deadline - time.monotonic())
+                await anyio.sleep(min(self.retry.backoff(state.refusals), left))
+                if time.monotonic() >= state.deadline:
+                    self.m_resume_failed.inc(1, "refused")
+                    raise ProxyError(
+                        503,
+                        f"the backend aborted the generation and refused to continue it for pause_timeout="
+                        f"{self.pause_timeout:g}s ({state.refusals} continuations refused or aborted at once)",
+                    )
+                if self._gate is not None:
+                    continue  # held meanwhile: wait for the hold to end first
+            backend = self._pick(call.rollout_id, ())
+            if backend is None:
+                raise ProxyError(503, "no backends are configured")
+            if state.limit is None and state.context is None:
+                # The call had the rest of the context; a completion without max_tokens (or with a null one)
+                # gets vLLM's default of 16 tokens, so the continuation asks for the rest explicitly.
+                state.context = await self._context_window(backend, call.model)
+            state.ready = time.monotonic()
+            state.version = self.weight_version
+            self.m_continuations.inc()
+            try:
+                upstream = await self._send(backend, call, self._continuation_body(call, state))
+            except _Unreachable:
+                state.refusals += 1
+                continue
+            if upstream.status in RETRY_STATUSES:
+                upstream.close()
+                state.refusals += 1
+                continue
+            if upstream.status >= 400:
+                try:
+                    body = await upstream.content.read(ERROR_BODY_LIMIT)
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    body = b""
+                finally:
+                    upstream.close()
+                message = _error_message(body)
+                raise ProxyError(
+                    502,
+                    f"backend {backend.url} refused to continue the aborted generation: {upstream.status}: {message}",
+                )
+            reported = _reported_version(upstream.headers)
+            if reported is not None:
+                state.version = reported
+            return upstream
+
+    async def _context_window(self, backend: _Backend, model: str | None) -> int | None:
+        """The backend's context window for ``model`` (``max_model_len`` of its ``/v1/models`` card, as vLLM
+        and the embedded server report it); ``None`` (logged) when it does not say."""
+        assert self._session is not None
+        try:
+            async with self._session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
+                cards = (await response.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+            cards, error = [], repr(exc)
+        else:
+            error = "no max_model_len in its /v1/models"
+        for card in cards:
+            if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
+                continue
+            window = card.get("max_model_len")
+            if type(window) is int:
+                return window
+        logger.warning(
+            "backend %s did not tell its context window (%s): the continuation of an aborted call without "
+            "max_tokens gets the backend's default limit",
+            backend.url,
+            error,
+        )
+        return None
+
+    async def _held_back(self, deadline: float) -> bool:
+        """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``)."""
+        if self._gate is None:
+            return True
+        self.activity.end()
+        try:
+            return await self._released(deadline)
+        finally:
+            self.activity.begin()
+
+    def _continuation_body(self, call: _Call, state: _Resumption) -> bytes:
+        """The ``/v1/completions`` body that continues ``state`` token-exactly: the prompt ids and the ids so
+        far as the prompt, what is left of the call's limit, and the call's own sampling parameters.
+
+        Each part is sampled as the call asked, with two seams no completion can hide: a stop string split
+        across an abort is not matched, and vLLM's presence / frequency penalties (off-policy parameters the
+        trainer refuses or masks anyway) count only the part's own tokens.
+        """
+        request = call.request
+        assert request is not None
+        generated = len(state.ids)
+        body = {key: request[key] for key in CONTINUED_FIELDS if request.get(key) is not None}
+        body["prompt"] = state.prompt + state.ids
+        if state.left is not None:  # a call without a limit: the rest of the context (see _continuation)
+            body["max_tokens"] = state.left
+        min_tokens = request.get("min_tokens")
+        if type(min_tokens) is int and min_tokens > generated:
+            body["min_tokens"] = min_tokens - generated
+        seed = request.get("seed")
+        if type(seed) is int:
+            # Reproducible, and not the first tokens' random numbers over again (the same seed would replay them).
+            body["seed"] = (seed + generated) % _SEED_SPACE
+        if call.kind == "chat":
+            if request.get("logprobs"):
+                body["logprobs"] = request.get("top_logprobs") or 0
+        elif request.get("logprobs") is not None:
+            body["logprobs"] = request["logprobs"]
+        body["return_token_ids"] = True
+        if call.sse:
+            body["stream"] = True
+        else:
+            body.pop("stream_options", None)
+        return orjson.dumps(body)
+
+    def _progressed(self, call: _Call, state: _Resumption, ids: list[int], aborted: bool) -> None:
+        """Note a continuation's tokens: the call's versions, the refusal budget renewed, the resume latency.
+        An answer aborted without a token counts as a refusal (an engine that still refuses)."""
+        if not ids:
+            state.refusals += aborted
+            return
+        if not state.ids:
+            call.weight_version = state.version  # the aborted answer had no token: the first came from here
+        call.weight_version_end = state.version
+        state.ids.extend(ids)
+        now = time.monotonic()
+        if state.ready:
+            self.m_resume_latency.observe(now - state.ready)
+            state.ready = 0.0
+        state.refusals = 0
+        state.deadline = now + self.pause_timeout
+
+
+class _StreamResumer(_Resumer):
+    """Carries aborted streams to their end: the abort taken out of the agent's stream, the continuations' events
+    relayed in its chunk shape (see the module docstring); a part of :class:`~aglverl.proxy.LLMProxy`."""
+
+    if TYPE_CHECKING:  # what the relay provides: writing to the agent, ending a started response
+        _forward: Callable[
+            [_Call, web.StreamResponse, bytes, _Capture | None, bytearray | None], Awaitable[bool]
+        ]
+
+        async def _end_broken(self, call: _Call, status: int, message: str) -> None: ...
+
+    def _take_abort(self, call: _Call, chunk: bytes) -> tuple[bytes, dict[str, Any] | None]:
+        """Take an abort out of complete SSE events: ``(what the agent gets, the aborting event's head)``.
+
+        The head (``id``, ``object``, ``created``, ``model``) is ``None`` when no choice was aborted (the word
+        was text). Events before the aborting one go out unchanged; the aborting one goes out without its
+        finish reason when it carries the last tokens (dropped when it carries none); what follows it (usage,
+        ``[DONE]``) is dropped: the rest of the answer comes from the continuation.
+        """
+        out: list[bytes] = []
+        for raw in _EVENT_END.split(chunk):
+            if not raw:
+                continue
+            event = _event_json(raw) if b'"abort"' in raw else None
+            choices = _choices_of(event)
+            ended = [c for c in choices if c.get("finish_reason") == "abort"]
+            if not ended:
+                out.append(raw + b"\n\n")
+                continue
+            assert event is not None
+            for choice in ended:
+                _unfinish(choice, call.kind)
+            if any(c.get("token_ids") or _text_of(c, call.kind) for c in choices):
+                out.append(_sse_event(event))
+            head = {key: event.get(key) for key in ("id", "object", "created", "model")}
+            return b"".join(out), head
+        return chunk, None
+
+    async def _resume_stream(self, call: _Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
+        """Continue a streamed answer the backend aborted: the continuations' events go on in the agent's
+        stream, in its chunk shape, until one ends otherwise than aborted.
+
+        Returns ``True`` once that continuation's stream was relayed (its ``[DONE]`` included), ``False`` when
+        the response was ended otherwise: an error event (a call not resumed, a backend that kept refusing for
+        ``pause_timeout``, a broken continuation), or the agent left. Cancellation (the agent left, shutdown)
+        closes the continuation's upstream request.
+        """
+        try:
+            state = self._resumption(call, head)
+            while True:
+                if state.left == 0:  # cut exactly at the limit: nothing is left to generate
+                    end = {"choices": [dict(_LENGTH_END)]}
+                    events, _ = self._converted(call, state, end)
+                    if not await self._forward(call, response, events + _DONE_EVENT, call.capture, None):
+                        return False
+                    break
+                upstream = await self._continuation(call, state)
+                try:
+                    again = await self._relay_continuation(call, response, upstream, state)
+                finally:
+                    upstream.close()
+                if again is None:
+                    return False
+                if not again:
+                    break
+        except ProxyError as exc:
+            await self._end_broken(call, exc.status, exc.message)
+            return False
+        self.m_resumed.inc()
+        return True
+
+    async def _relay_continuation(
+        self, call: _Call, response: web.StreamResponse, upstream: aiohttp.ClientResponse, state: _Resumption
+    ) -> bool | None:
+        """Relay one continuation's stream in the call's chunk shape: ``True`` if it was aborted too (its
+        tokens went out), ``False`` once it ended, ``None`` if the agent left; :class:`ProxyError` if it broke."""
+        if not upstream.headers.get("Content-Type", "").startswith(_SSE):
+            raise ProxyError(502, f"backend {call.backend} answered the streamed continuation with no stream")
+        cut = _EventCut()
+        content = upstream.content
+        size, limit = 0, self.max_response_bytes
+        while True:
+            try:
+                chunk = await content.readany()
+            except TimeoutError:
+                raise ProxyError(504, self._timed_out(call)) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
+            if not chunk:
+                rest = cut.rest()
+                if not rest.strip():
+                    return False
+                chunk = rest + b"\n\n"  # a last event with no blank line after it
+            size += len(chunk)
+            if size > limit:
+                raise ProxyError(502, f"backend continuation exceeds max_response_bytes={limit}")
+            out: list[bytes] = []
+            aborted = False
+            for data in _payloads(cut.feed(chunk)):
+                if data == b"[DONE]":
+                    out.append(_DONE_EVENT)
+                    continue
+                event = _json_object(data)
+                if event is None:
+                    raise ProxyError(
+                        502, f"backend {call.backend} sent a continuation event that is not JSON"
+                    )
+                if isinstance(event.get("error"), dict):
+                    raise ProxyError(
+                        502, f"backend failed while continuing: {_error_message(orjson.dumps(event))}"
+                    )
+                converted, aborted = self._converted(call, state, event)
+                out.append(converted)
+                if aborted:
+                    break
+            if out and not await self._forward(call, response, b"".join(out), call.capture, None):
+                return None
+            if aborted:
+                await _drain(content)
+                return True
+
+    def _converted(self, call: _Call, state: _Resumption, event: dict[str, Any]) -> tuple[bytes, bool]:
+        """A continuation's (completions) event as an event of the call's stream: ``(bytes, aborted)``.
+
+        An aborted choice goes out without its finish reason (see :func:`_unfinish`); the usage chunk
+        counts the call's own prompt and the whole generation.
+        """
+        head = state.head
+        choices = _choices_of(event)
+        if not choices:
+            usage = event.get("usage")
+            if not isinstance(usage, dict):
+                return b"", False
+            return _sse_event({**head, "choices": [], "usage": state.usage(usage)}), False
+        c = choices[0]
+        ids = c.get("token_ids")
+        if type(ids) is not list:
+            raise ProxyError(502, f"backend {call.backend} sent no token ids for the continuation")
+        aborted = c.get("finish_reason") == "abort"
+        if aborted:
+            _unfinish(c, "completion")
+        self._progressed(call, state, ids, aborted)
+        text = c.get("text") or ""
+        request = call.request or {}
+        finish = c.get("finish_reason")
+        if call.kind == "chat":
+            logprobs = _chat_logprobs(c.get("logprobs"), request.get("top_logprobs") or 0)
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": {"content": logprobs} if request.get("logprobs") else None,
+                "finish_reason": finish,
+            }
+            if finish is not None:
+                choice["stop_reason"] = c.get("stop_reason")
+            choice["token_ids"] = ids
+        else:
+            choice = {**c, "index": 0, "prompt_token_ids": None}
+            choice["logprobs"] = _offset_logprobs(c.get("logprobs"), state.chars)
+            state.chars += len(text)
+        return _sse_event({**head, "choices": [choice]}), aborted

@@ -1,0 +1,214 @@
+"""What the proxy's hand-written retry loop and metrics registry cost next to the maintained libraries.
+
+Run: ``PYTHONPATH=<dir with stamina> python benchmarks/proxy_libraries.py``. Prints ONE JSON object on stdout.
+
+- Metrics: the updates one proxied call makes (``_finish``: the outcome counter, three latency histograms, the
+  generated-tokens counter) with :mod:`aglverl.metrics` and with ``prometheus_client`` (its own
+  ``CollectorRegistry``, the same names, labels and buckets), and rendering the proxy's series as ``/metrics``.
+- Retry: the cost per call of the retry machinery when the first try succeeds (the common case: it runs on
+  every call) — the proxy's own loop over :class:`~aglverl.proxy.RetryPolicy` and ``stamina.retry_context``
+  (and ``tenacity.AsyncRetrying``, which stamina wraps), each around the same awaited no-op try, on one asyncio
+  loop; and a call whose first try fails once (``wait_initial=0``: the machinery, not the backoff).
+
+Libraries that are not importable are reported as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import time
+import timeit
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aglverl.metrics import LATENCY_BUCKETS, Registry
+from aglverl.proxy import RetryPolicy
+
+CALLS = 20_000
+
+
+class _Unreachable(Exception):
+    pass
+
+
+def _best_us(fn: Callable[[], object], number: int = CALLS, repeat: int = 5) -> float:
+    return round(min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6, 3)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def metrics() -> dict[str, Any]:
+    r = Registry()
+    calls = r.counter("aglverl_proxy_calls_total", "calls", ["outcome"])
+    generated = r.counter("aglverl_proxy_generated_tokens_total", "tokens")
+    hists = [r.histogram(f"aglverl_proxy_{n}_seconds", n) for n in ("upstream", "first_byte", "added")]
+    for i in range(14):  # the proxy registers 20 series in all
+        r.counter(f"aglverl_proxy_other_{i}_total", "other")
+
+    def ours() -> None:
+        calls.inc(1, "ok")
+        for h in hists:
+            h.observe(0.0123)
+        generated.inc(256)
+
+    out: dict[str, Any] = {
+        "aglverl.metrics": {"us_per_call_updates": _best_us(ours), "us_per_render": _best_us(r.render, 2000)}
+    }
+    try:
+        import prometheus_client as pc
+    except ImportError:
+        out["prometheus_client"] = "not installed"
+        return out
+    reg = pc.CollectorRegistry()
+    p_calls = pc.Counter("aglverl_proxy_calls", "calls", ["outcome"], registry=reg)
+    p_generated = pc.Counter("aglverl_proxy_generated_tokens", "tokens", registry=reg)
+    p_hists = [
+        pc.Histogram(f"aglverl_proxy_{n}_seconds", n, buckets=LATENCY_BUCKETS, registry=reg)
+        for n in ("upstream", "first_byte", "added")
+    ]
+    for i in range(14):
+        pc.Counter(f"aglverl_proxy_other_{i}", "other", registry=reg)
+    ok = p_calls.labels("ok")
+
+    def theirs() -> None:
+        p_calls.labels("ok").inc()
+        for h in p_hists:
+            h.observe(0.0123)
+        p_generated.inc(256)
+
+    def theirs_bound() -> None:  # the label child looked up once, as a careful caller would
+        ok.inc()
+        for h in p_hists:
+            h.observe(0.0123)
+        p_generated.inc(256)
+
+    out["prometheus_client"] = {
+        "version": importlib.metadata.version("prometheus_client"),
+        "us_per_call_updates": _best_us(theirs),
+        "us_per_call_updates_label_bound_once": _best_us(theirs_bound),
+        "us_per_render": _best_us(lambda: pc.generate_latest(reg), 2000),
+    }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- retry
+async def _per_call_us(run: Callable[[], Awaitable[object]], calls: int = CALLS) -> float:
+    for _ in range(500):
+        await run()
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(calls):
+            await run()
+        best = min(best, time.perf_counter() - started)
+    return round(best / calls * 1e6, 3)
+
+
+def _with_stamina(
+    try_once: Callable[[], Awaitable[int]], policy: RetryPolicy
+) -> Callable[[], Awaitable[int]]:
+    import stamina
+
+    async def run() -> int:
+        async for attempt in stamina.retry_context(
+            on=_Unreachable,
+            attempts=policy.attempts,
+            timeout=policy.total_timeout,
+            wait_initial=0.0,
+            wait_max=policy.backoff_max,
+            wait_jitter=0.0,
+        ):
+            with attempt:
+                return await try_once()
+        raise AssertionError("unreachable")
+
+    return run
+
+
+def _with_tenacity(
+    try_once: Callable[[], Awaitable[int]], policy: RetryPolicy
+) -> Callable[[], Awaitable[int]]:
+    import tenacity
+
+    async def run() -> int:
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception_type(_Unreachable),
+            stop=tenacity.stop_after_attempt(policy.attempts),
+            reraise=True,
+        ):
+            with attempt:
+                return await try_once()
+        raise AssertionError("unreachable")
+
+    return run
+
+
+async def retry() -> dict[str, Any]:
+    policy = RetryPolicy()
+    failures = {"left": 0}
+
+    async def try_once() -> int:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise _Unreachable
+        return 200
+
+    async def bare() -> int:
+        return await try_once()
+
+    async def ours() -> int:  # the shape of LLMProxy._attempts, backend picking left out
+        deadline = time.monotonic() + policy.total_timeout
+        failure: Exception | None = None
+        for attempt in range(policy.attempts):
+            if attempt:
+                delay = 0.0 * policy.backoff(attempt)  # wait_initial=0 below: the machinery, not the wait
+                if time.monotonic() + delay > deadline:
+                    break
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            try:
+                return await try_once()
+            except _Unreachable as exc:
+                failure = exc
+        raise RuntimeError("all tries failed") from failure
+
+    async def fail_once(run: Callable[[], Awaitable[int]]) -> int:
+        failures["left"] = 1
+        return await run()
+
+    base = await _per_call_us(bare)
+
+    async def row(package: str | None, run: Callable[[], Awaitable[int]]) -> dict[str, Any]:
+        """What ``run`` adds to the bare try, when it succeeds and when one try fails first."""
+        version = {"version": importlib.metadata.version(package)} if package else {}
+        return {
+            **version,
+            "us_added_per_call": round(await _per_call_us(run) - base, 3),
+            "us_added_per_call_one_failure": round(await _per_call_us(lambda: fail_once(run)) - base, 3),
+        }
+
+    out: dict[str, Any] = {"bare_try_us": base, "proxy_loop": await row(None, ours)}
+    for package, wrap in (("stamina", _with_stamina), ("tenacity", _with_tenacity)):
+        try:
+            run = wrap(try_once, policy)
+        except ImportError:
+            out[package] = "not installed"
+        else:
+            out[package] = await row(package, run)
+    return out
+
+
+def main() -> None:
+    started = time.monotonic()
+    result = {
+        "benchmark": "the proxy's retry loop and metrics registry vs maintained libraries (per-call cost)",
+        "metrics": metrics(),
+        "retry": asyncio.run(retry()),
+        "run_seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
