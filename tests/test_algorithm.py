@@ -60,6 +60,28 @@ def test_user_overrides_beat_the_cpu_defaults() -> None:
     assert config.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
 
 
+def test_rollout_name_vllm_alone_selects_verls_vllm_rollout_with_its_cpu_defaults() -> None:
+    from aglverl.algorithm import VLLM_CPU_ROLLOUT
+
+    config, _ = compose_config(
+        {"actor_rollout_ref.rollout.name": "vllm", "data.max_prompt_length": 64, "data.max_response_length": 32}
+    )
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.name == "vllm" and rollout.mode == "async" and rollout.dtype == "float32"
+    assert {key: rollout[key] for key in VLLM_CPU_ROLLOUT if key != "max_model_len"} == {
+        key: value for key, value in VLLM_CPU_ROLLOUT.items() if key != "max_model_len"
+    }
+    assert rollout.max_model_len == 96  # the rollout's prompt + response
+    # each of them the user's where given
+    config, _ = compose_config(
+        {"actor_rollout_ref.rollout": {"name": "vllm", "max_num_seqs": 3, "max_model_len": 512}}
+    )
+    assert (config.actor_rollout_ref.rollout.max_num_seqs, config.actor_rollout_ref.rollout.max_model_len) == (3, 512)
+    # the embedded engine's config is untouched by them
+    embedded, _ = compose_config({})
+    assert embedded.actor_rollout_ref.rollout.max_num_seqs == 256
+
+
 def test_aglverl_section_configures_the_daemon() -> None:
     _, options = compose_config(
         {**SMALL, "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None}}

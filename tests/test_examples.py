@@ -65,3 +65,9 @@ def test_gpu_recipe_is_a_valid_verl_config() -> None:
     assert config.actor_rollout_ref.rollout.name == "vllm"
     assert config.trainer.n_gpus_per_node == 8 and config.trainer.device == "cuda"
     assert options.platform == "gpu"
+    # verl's GPU defaults for its vLLM rollout, none of the CPU platform's (aglverl.algorithm.VLLM_CPU_ROLLOUT)
+    rollout = config.actor_rollout_ref.rollout
+    assert "enable_sleep_mode" not in rollout  # verl's dataclass default, True, applies
+    assert (rollout.free_cache_engine, rollout.enforce_eager) == (True, False)
+    assert (rollout.gpu_memory_utilization, rollout.max_num_seqs, rollout.max_model_len) == (0.6, 256, None)
+    assert rollout.mode == "async" and config.actor_rollout_ref.actor.strategy == "fsdp"

@@ -43,7 +43,7 @@ from ..metrics import ActivityTimeline, Counter, Registry
 from ..models import ProxyLLM
 from ..store import StoreError, TaskStore
 from ..translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
-from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers
+from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
 from .capture import CAPTURED_PATHS, _Capture
 from .pool import UPSTREAM_KEEPALIVE, RetryPolicy, _Backend
 from .relay import _Relay
@@ -217,8 +217,7 @@ class _Admission:
         call.headers["Accept-Encoding"] = "identity"
         empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        max_tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
-        call.max_tokens = max_tokens if type(max_tokens) is int else None
+        call.max_tokens = _token_limit(obj)
         if "return_token_ids" not in obj:
             fill["return_token_ids"] = True
         if self.request_logprobs and "logprobs" not in obj:

@@ -201,3 +201,12 @@ def _error_message(body: bytes, limit: int = 500) -> str:
     except orjson.JSONDecodeError:
         pass
     return body[:limit].decode("utf-8", "replace")
+
+
+def _token_limit(request: Mapping[str, Any]) -> int | None:
+    """The call's limit on generated tokens: ``max_completion_tokens``, else ``max_tokens`` (a ``null`` one
+    counts as omitted, as the backend reads it); ``None`` when the call sets none."""
+    limit = request.get("max_completion_tokens")
+    if limit is None:
+        limit = request.get("max_tokens")
+    return limit if type(limit) is int else None

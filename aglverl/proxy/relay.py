@@ -57,6 +57,7 @@ class _Relay(_StreamResumer):
 
     if TYPE_CHECKING:  # the host's state (set by LLMProxy.__init__)
         m_retries: Counter
+        weight_version: int
 
     async def _attempts(self, request: web.Request, call: _Call) -> web.StreamResponse:
         policy = self.retry
@@ -113,9 +114,11 @@ class _Relay(_StreamResumer):
             content_type = upstream.headers.get("Content-Type", "")
             call.sse = content_type.startswith(_SSE)
             if call.capture is not None:
+                # A backend that reports no version (vLLM): the proxy's when the answer's head arrives, not
+                # when the call came in: a call admitted before a hold that reached a paused engine waited
+                # there and was generated under the weights that came after.
                 version = _reported_version(upstream.headers)
-                if version is not None:
-                    call.weight_version = version
+                call.weight_version = self.weight_version if version is None else version
             if call.sse or (
                 upstream.content_length is None
                 and upstream.status not in (204, 304)

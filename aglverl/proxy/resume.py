@@ -28,6 +28,7 @@ its classes' ``TYPE_CHECKING`` blocks and provided by the relay and the app: ``_
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,11 +37,12 @@ import aiohttp
 import anyio
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from ..metrics import ActivityTimeline, Counter, Histogram
-from .call import _SSE, ERROR_BODY_LIMIT, ProxyError, _Call, _error_message, _Unreachable
+from .call import _SSE, ERROR_BODY_LIMIT, ProxyError, _Call, _error_message, _token_limit, _Unreachable
 from .capture import _Capture, _Recorder, _reported_version
-from .pool import RETRY_STATUSES, RetryPolicy, _Pool
+from .pool import RETRY_STATUSES, RetryPolicy, _Backend, _Pool
 from .sse import (
     _DONE_EVENT,
     _EVENT_END,
@@ -52,6 +54,8 @@ from .sse import (
     _payloads,
     _sse_event,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Request fields a continuation repeats; on ``/v1/completions`` each means what it meant on the call.
 CONTINUED_FIELDS: tuple[str, ...] = (
@@ -157,7 +161,7 @@ async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str)
 class _Resumption:
     """An aborted generation on its way to its end: what its continuations need and what they did."""
 
-    __slots__ = ("chars", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
+    __slots__ = ("chars", "context", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
 
     def __init__(
         self,
@@ -177,11 +181,16 @@ class _Resumption:
         self.refusals = 0  # continuations in a row that brought no token
         self.ready = 0.0  # when the current continuation was free to go (for the resume latency)
         self.version = 0  # the weight version of the current continuation
+        self.context: int | None = None  # the backend's context window (max_model_len), for a call without a limit
 
     @property
     def left(self) -> int | None:
-        """Tokens the call may still generate (``None``: up to the context window)."""
-        return None if self.limit is None else max(0, self.limit - len(self.ids))
+        """Tokens the call may still generate (``None``: up to a context window not known)."""
+        if self.limit is not None:
+            return max(0, self.limit - len(self.ids))
+        if self.context is not None:
+            return max(0, self.context - len(self.prompt) - len(self.ids))
+        return None
 
     def usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
         """A backend's usage counts, for the call's own prompt and the whole generation."""
@@ -300,13 +309,13 @@ class _Resumer(_Recorder, _Pool):
             message = f"the backend aborted the generation (a weight update), and {why} is not resumed"
             raise ProxyError(503, message)
         assert choice is not None and prompt is not None
-        limit = request.get("max_completion_tokens", request.get("max_tokens"))
+        limit = _token_limit(request)
         return _Resumption(
             list(prompt),
             list(
                 choice.ids or ()
             ),  # no ids and no output (ids_missing unset): aborted before its first token
-            limit if type(limit) is int else None,
+            limit,
             time.monotonic() + self.pause_timeout,
             head or {},
             choice.chars,
@@ -396,8 +405,8 @@ class _Resumer(_Recorder, _Pool):
             if answer is not None and call.capture.aborted:
                 refusals += 1
                 continue
-            if version is not None:
-                call.weight_version = call.weight_version_end = version
+            # Made again wholly after the hold: the proxy's current version when the backend reports none.
+            call.weight_version = call.weight_version_end = self.weight_version if version is None else version
             self.m_regenerated.inc()
             return raw
 
@@ -432,6 +441,10 @@ class _Resumer(_Recorder, _Pool):
             backend = self._pick(call.rollout_id, ())
             if backend is None:
                 raise ProxyError(503, "no backends are configured")
+            if state.limit is None and state.context is None:
+                # The call had the rest of the context; a completion without max_tokens (or with a null one)
+                # gets vLLM's default of 16 tokens, so the continuation asks for the rest explicitly.
+                state.context = await self._context_window(backend, call.model)
             state.ready = time.monotonic()
             state.version = self.weight_version
             self.m_continuations.inc()
@@ -461,6 +474,31 @@ class _Resumer(_Recorder, _Pool):
                 state.version = reported
             return upstream
 
+    async def _context_window(self, backend: _Backend, model: str | None) -> int | None:
+        """The backend's context window for ``model`` (``max_model_len`` of its ``/v1/models`` card, as vLLM
+        and the embedded server report it); ``None`` (logged) when it does not say."""
+        assert self._session is not None
+        try:
+            async with self._session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
+                cards = (await response.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+            cards, error = [], repr(exc)
+        else:
+            error = "no max_model_len in its /v1/models"
+        for card in cards:
+            if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
+                continue
+            window = card.get("max_model_len")
+            if type(window) is int:
+                return window
+        logger.warning(
+            "backend %s did not tell its context window (%s): the continuation of an aborted call without "
+            "max_tokens gets the backend's default limit",
+            backend.url,
+            error,
+        )
+        return None
+
     async def _held_back(self, deadline: float) -> bool:
         """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``)."""
         if self._gate is None:
@@ -484,7 +522,7 @@ class _Resumer(_Recorder, _Pool):
         generated = len(state.ids)
         body = {key: request[key] for key in CONTINUED_FIELDS if request.get(key) is not None}
         body["prompt"] = state.prompt + state.ids
-        if state.left is not None:
+        if state.left is not None:  # a call without a limit: the rest of the context (see _continuation)
             body["max_tokens"] = state.left
         min_tokens = request.get("min_tokens")
         if type(min_tokens) is int and min_tokens > generated:

