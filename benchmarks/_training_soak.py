@@ -36,34 +36,25 @@ from typing import Any
 
 import anyio
 import orjson
-import psutil
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from _common import machine_info, status_kib
 
+from aglverl.testing.resumable import end_session, resumable_config
+
 SCRIPT = os.path.abspath(__file__)
 
 
 def trainer_config(directory: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 4, "shuffle": False},
-        "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
-        "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {
-            "v1": {"trainer_mode": cfg["mode"]},
-            "total_training_steps": cfg["steps"],
-            "save_freq": cfg["save_freq"],
-            "test_freq": -1,
-            "val_before_train": False,
-            "resume_mode": "auto",
-            "default_local_dir": str(directory / "checkpoints"),
-            "logger": [],
-        },
-        "ray_kwargs": {"ray_init": {"log_to_driver": False}},
-        "aglverl": {"journal": "auto", "lease_seconds": cfg["lease_seconds"], "max_attempts": 3},
-    }
+    return resumable_config(
+        directory,
+        mode=cfg["mode"],
+        steps=cfg["steps"],
+        save_freq=cfg["save_freq"],
+        aglverl={"lease_seconds": cfg["lease_seconds"], "max_attempts": 3},
+    )
 
 
 async def run_trainer(cfg: dict[str, Any]) -> None:
@@ -138,22 +129,6 @@ async def run_trainer(cfg: dict[str, Any]) -> None:
     algo.on_serving.append(observe)
     await algo.run(train_dataset=demo_samples(4 * cfg["steps"] + 64))
     emit({"kind": "done", "run": run})
-
-
-def _end_session(session: int) -> None:
-    survivors = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(proc.pid) == session:
-                survivors.append(proc)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    for proc in survivors:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(survivors, timeout=30)
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -237,7 +212,7 @@ async def training_soak(args: argparse.Namespace) -> dict[str, Any]:
                             break
                     tg.cancel_scope.cancel()
         finally:
-            _end_session(process.pid)
+            end_session(process.pid)
             await process.wait()
             log_file.close()
         runs.append(info)

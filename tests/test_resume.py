@@ -4,7 +4,6 @@ daemon's journal, trains the remaining steps, and over both runs every sample is
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,8 +11,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import orjson
-import psutil
 import pytest
+
+from aglverl.testing.resumable import end_session
 
 HELPER = Path(__file__).parent / "helpers" / "train_until_killed.py"
 
@@ -29,20 +29,7 @@ def _run(directory: Path, run: int, mode: str = "sync", *extra: str, helper: Pat
     try:
         return process.wait(timeout=900)
     finally:
-        _end_session(process.pid)
-
-
-def _end_session(session: int) -> None:
-    survivors = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(proc.pid) == session:
-                survivors.append(proc)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    for proc in survivors:
-        proc.kill()
-    psutil.wait_procs(survivors, timeout=30)
+        end_session(process.pid)
 
 
 def _lines(path: Path) -> list[dict]:

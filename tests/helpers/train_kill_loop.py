@@ -30,29 +30,14 @@ import orjson
 
 from aglverl import LLM, AsyncVERL
 from aglverl.demo import demo_samples, one_word_agent
+from aglverl.testing.resumable import resumable_config
 
 STEPS = 10
 SAVE_FREQ = 3
 
 
 def config(directory: Path, mode: str) -> dict[str, Any]:
-    return {
-        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 4, "shuffle": False},
-        "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
-        "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {
-            "v1": {"trainer_mode": mode},
-            "total_training_steps": STEPS,
-            "save_freq": SAVE_FREQ,
-            "test_freq": -1,
-            "val_before_train": False,
-            "resume_mode": "auto",
-            "default_local_dir": str(directory / "checkpoints"),
-            "logger": [],
-        },
-        "ray_kwargs": {"ray_init": {"log_to_driver": False}},
-        "aglverl": {"journal": "auto"},
-    }
+    return resumable_config(directory, mode=mode, steps=STEPS, save_freq=SAVE_FREQ)
 
 
 def _log(file: Any, record: dict[str, Any]) -> None:
