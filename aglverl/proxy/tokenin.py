@@ -44,7 +44,7 @@ then any failure relays the call as text instead (the proxy's ordinary path, a n
 ``aglverl_proxy_token_in_total{outcome}``: ``no_backend`` (render answered 404 / 403 "Scale-out endpoints are
 disabled": detected once per backend and warned about once, naming what is missing), ``render_error``,
 ``anchor_mismatch`` (a template whose anchor cannot be read), ``generate_refused``, ``derender_error``; a call
-generated from ids counts ``token_in``, and the calls never matched count their
+generated from ids counts ``generated``, and the calls never matched count their
 :data:`~aglverl.proxy.session.MISSES` cause. Past that point a failure ends the answer the way the relay ends
 a broken stream. Cancellation (the agent left, shutdown) closes every upstream request of the call.
 
@@ -82,7 +82,7 @@ GENERATE_TARGET = "/inference/v1/generate"
 DERENDER_TARGET = "/v1/chat/completions/derender"
 #: How a call ended up: generated from ids, or relayed as text for one of these reasons.
 OUTCOMES: tuple[str, ...] = (
-    "token_in",
+    "generated",
     *MISSES,
     "no_backend",
     "render_error",
@@ -321,7 +321,7 @@ class TokenIn:
         self._backends: dict[str, _BackendState] = {}
         self.m_calls = registry.counter(
             "aglverl_proxy_token_in_total",
-            "Recorded chat calls by how they were made: generated from the session's ids (token_in), or "
+            "Recorded chat calls by how they were made: generated from the session's ids (generated), or "
             "relayed as text for the reason named.",
             ["outcome"],
         )
@@ -371,7 +371,7 @@ class TokenIn:
         if state.supported is False:
             self.m_calls.inc(1, "no_backend")
             return None
-        outcome = "token_in"
+        outcome = "generated"
         backend.in_flight += 1
         try:
             gen = await self._prepare(backend, call, plan.match)

@@ -548,8 +548,9 @@ class MockVLLM:
 
     def abort_next(self, count: int = 1, *, after_tokens: int = 2, release: anyio.Event | None = None) -> None:
         """The next ``count`` generation calls are aborted (finish reason ``"abort"``, as an engine aborts them for
-        a weight update) after ``after_tokens`` tokens; a stream sends its abort only once ``release`` is set
-        (:attr:`aborting` counts the streams waiting so)."""
+        a weight update) after ``after_tokens`` tokens. With ``release``, a token-in generation
+        (``/inference/v1/generate``) sends its abort only once it is set: a stream its tokens before the abort
+        first, a whole answer all of it (:attr:`aborting` counts the answers waiting so)."""
         self._faults.extend(
             _Fault("abort", after_events=after_tokens, release=release) for _ in range(count)
         )
@@ -865,9 +866,10 @@ class MockVLLM:
 
 
     # ------------------------------------------------------------------ token-in (vLLM --enable-scale-out)
-    def _scale_out_refusal(self) -> web.Response | None:
+    def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
         if self.scale_out:
             return None
+        self._seen(request, b"", None)
         message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
         return _json_error(403, message, "PermissionDeniedError")
 
@@ -887,7 +889,7 @@ class MockVLLM:
 
     async def _render(self, request: web.Request) -> web.Response:
         """``POST /v1/chat/completions/render``: the chat request's prompt ids and sampling parameters."""
-        if (refusal := self._scale_out_refusal()) is not None:
+        if (refusal := self._scale_out_refusal(request)) is not None:
             return refusal
         body, error = await self._read_json(request)
         if error is not None:
@@ -928,7 +930,7 @@ class MockVLLM:
 
     async def _generate_ids(self, request: web.Request) -> web.StreamResponse:
         """``POST /inference/v1/generate``: ids in, ids out (a generation call: faults apply)."""
-        if (refusal := self._scale_out_refusal()) is not None:
+        if (refusal := self._scale_out_refusal(request)) is not None:
             return refusal
         return await self._generate(request, "tokens")
 
@@ -964,6 +966,13 @@ class MockVLLM:
 
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
         if body.get("stream") is not True:
+            if fault is not None and fault.kind == "abort" and fault.release is not None:
+                self.aborting += 1
+                self._notify()
+                try:
+                    await fault.release.wait()
+                finally:
+                    self.aborting -= 1
             choice = {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None}
             choice |= {"logprobs": entries(ids), "weight_versions": None}
             answer = {"request_id": request_id, "model": self.model, "created": int(time.time()), "choices": [choice]}
@@ -988,7 +997,7 @@ class MockVLLM:
     async def _derender(self, request: web.Request) -> web.Response:
         """``POST /v1/chat/completions/derender``: generated ids as a chat answer (whole, or one stream chunk
         with the caller's ``stream_state``), tool calls as the chat endpoint makes them."""
-        if (refusal := self._scale_out_refusal()) is not None:
+        if (refusal := self._scale_out_refusal(request)) is not None:
             return refusal
         body, error = await self._read_json(request)
         if error is not None:
