@@ -36,7 +36,10 @@ FAST_RETRY = RetryPolicy(attempts=3, total_timeout=5.0, backoff_initial=0.01, ba
 GENERATE = "/inference/v1/generate"
 RENDER = "/v1/chat/completions/render"
 DERENDER = "/v1/chat/completions/derender"
-LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+LOOKUP = {
+    "type": "function",
+    "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 @asynccontextmanager
@@ -77,13 +80,22 @@ async def chat(client: Any, messages: list[Any], stream: bool, **kwargs: Any) ->
         reply = await client.chat.completions.create(model="mock", messages=messages, **kwargs)
         message = reply.choices[0].message
         calls = [c.model_dump() for c in message.tool_calls or ()]
-        return {"content": message.content, "tool_calls": calls, "finish_reason": reply.choices[0].finish_reason}
+        return {
+            "content": message.content,
+            "tool_calls": calls,
+            "finish_reason": reply.choices[0].finish_reason,
+        }
     content, calls, finish_reason = "", {}, None
-    async for chunk in await client.chat.completions.create(model="mock", messages=messages, stream=True, **kwargs):
+    async for chunk in await client.chat.completions.create(
+        model="mock", messages=messages, stream=True, **kwargs
+    ):
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or ():
-                entry = calls.setdefault(call.index, {"id": call.id, "type": "function", "function": {"name": None, "arguments": ""}})
+                entry = calls.setdefault(
+                    call.index,
+                    {"id": call.id, "type": "function", "function": {"name": None, "arguments": ""}},
+                )
                 if call.function.name:
                     entry["function"]["name"] = call.function.name
                 entry["function"]["arguments"] += call.function.arguments or ""
@@ -102,18 +114,25 @@ def test_messages_match_canonicalised_and_ignore_what_agents_drop() -> None:
     assert canonical_message({"role": "assistant", "content": "  hi \n"}) == canonical_message(
         {"role": "assistant", "content": [{"type": "text", "text": "hi"}], "reasoning_content": "hmm"}
     )
-    assert canonical_message({"role": "assistant", "content": None, "tool_calls": [call]}) == canonical_message(
-        {"role": "assistant", "content": "", "tool_calls": [same_call], "reasoning": "x"}
-    )
+    assert canonical_message(
+        {"role": "assistant", "content": None, "tool_calls": [call]}
+    ) == canonical_message({"role": "assistant", "content": "", "tool_calls": [same_call], "reasoning": "x"})
     assert canonical_message({"role": "tool", "tool_call_id": "a", "content": "42"}) == canonical_message(
         {"role": "tool", "tool_call_id": "b", "name": "f", "content": "42"}
     )
-    assert canonical_message({"role": "user", "content": "hi"}) != canonical_message({"role": "system", "content": "hi"})
-    assert canonical_message({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}) is None
+    assert canonical_message({"role": "user", "content": "hi"}) != canonical_message(
+        {"role": "system", "content": "hi"}
+    )
+    assert (
+        canonical_message({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
+        is None
+    )
     answer = Answer()
     for delta in ({"role": "assistant", "content": " h"}, {"content": "i "}, {"tool_calls": [{"index": 0, "id": "z", "function": {"name": "f", "arguments": '{"b": [2], '}}]}, {"tool_calls": [{"index": 0, "function": {"arguments": '"a": 1}'}}]}):  # fmt: skip
         answer.add_delta(delta)
-    assert answer.canonical() == canonical_message({"role": "assistant", "content": "hi", "tool_calls": [call]})
+    assert answer.canonical() == canonical_message(
+        {"role": "assistant", "content": "hi", "tool_calls": [call]}
+    )
 
 
 def test_the_longest_recorded_prefix_under_the_same_rendering_context_matches() -> None:
@@ -154,24 +173,44 @@ def test_an_empty_answer_the_agent_leaves_out_still_matches() -> None:
     pending, _, _ = sessions.consider("r", "a", request)
     assert pending is not None
     sessions.remember(pending, Answer(), [1], [2])  # the model said nothing (an end of turn)
-    later = {"model": "m", "messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "well?"}]}
+    later = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "well?"}],
+    }
     _, match, _ = sessions.consider("r", "a", later)
     assert match is not None and match.turn.response == [2]
+    # an agent that kept it (and then edited the history after it) matches the turn it kept, not this one
+    kept = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "x"}]
+    _, match, _ = sessions.consider("r", "a", {"model": "m", "messages": kept})
+    assert match is not None and match.tail == kept[2:]
+    edited = [*kept[:1], {"role": "assistant", "content": "changed"}, kept[2]]
+    assert sessions.consider("r", "a", {"model": "m", "messages": edited})[2] == "no_match"
 
 
 # ---------------------------------------------------------------------------------------------- chat agents
 @pytest.mark.parametrize("template", ["plain", "think"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_a_text_echoing_chat_agent_is_generated_from_the_earlier_turns_exact_ids(stream: bool, template: str) -> None:
-    async with MockVLLM(template=template) as mock, proxied(mock.url, request_logprobs=True) as (proxy, store):  # type: ignore[arg-type]
+async def test_a_text_echoing_chat_agent_is_generated_from_the_earlier_turns_exact_ids(
+    stream: bool, template: str
+) -> None:
+    async with (
+        MockVLLM(template=template) as mock,
+        proxied(mock.url, request_logprobs=True) as (proxy, store),
+    ):  # type: ignore[arg-type]
         rid, aid, base = claim(proxy, store)
-        messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+        messages: list[Any] = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hello"},
+        ]
         answers = []
         async with openai_sdk(base) as client:
             for turn in range(3):
                 answer = await chat(client, messages, stream)
                 answers.append(answer)
-                messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f"more {turn}"}]
+                messages += [
+                    {"role": "assistant", "content": answer["content"]},
+                    {"role": "user", "content": f"more {turn}"},
+                ]
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
     assert_chained(calls)
@@ -202,7 +241,10 @@ async def test_each_conversation_trains_as_one_row_of_the_ids_the_engine_generat
         async with openai_sdk(llm.endpoint) as client:
             for turn in range(3):
                 answer = await chat(client, messages, task["q"] % 2 == 0)
-                messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f"tool result {turn}"}]
+                messages += [
+                    {"role": "assistant", "content": answer["content"]},
+                    {"role": "user", "content": f"tool result {turn}"},
+                ]
         return 1.0
 
     rows = {}
@@ -228,7 +270,9 @@ async def test_each_conversation_trains_as_one_row_of_the_ids_the_engine_generat
             continue
         assert counters["proxy/token_in_generated"] == 8 and counters["proxy/token_in_first_call"] == 4
         assert metrics["batch/n_calls_drifted"] == 0 and len(data) == 4
-        answered = {tuple(b["token_ids"]): completion_token_ids(b["token_ids"], 0, 4) for b in generated(mock)}
+        answered = {
+            tuple(b["token_ids"]): completion_token_ids(b["token_ids"], 0, 4) for b in generated(mock)
+        }
         answered |= {tuple(p): r for r_ in mock.generation_requests() for p, r in mock.expected(r_.json)}
         responses, mask = data.batch["responses"], data.batch["response_mask"].bool()
         attention = data.batch["attention_mask"][:, 256:].bool()
@@ -252,7 +296,10 @@ async def test_each_conversation_trains_as_one_row_of_the_ids_the_engine_generat
                 so_far += piece
                 k = run_end
             assert len(generated_ids) == 12
-            assert between == [b"\n<|user|>tool result 0\n<|assistant|>", b"\n<|user|>tool result 1\n<|assistant|>"]
+            assert between == [
+                b"\n<|user|>tool result 0\n<|assistant|>",
+                b"\n<|user|>tool result 1\n<|assistant|>",
+            ]
     assert rows == {True: 4, False: 12}
 
 
@@ -277,15 +324,22 @@ async def test_tool_calls_the_backend_parsed_are_echoed_with_a_tool_result_and_c
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
     assert_chained(calls)
-    assert first["finish_reason"] == second["finish_reason"] == "tool_calls" and third["finish_reason"] == "stop"
+    assert (
+        first["finish_reason"] == second["finish_reason"] == "tool_calls" and third["finish_reason"] == "stop"
+    )
     assert call2["function"]["name"] == "lookup"
-    assert orjson.loads(call2["function"]["arguments"]) == orjson.loads("".join(tool_arguments(calls[1].response_token_ids or [])))
+    assert orjson.loads(call2["function"]["arguments"]) == orjson.loads(
+        "".join(tool_arguments(calls[1].response_token_ids or []))
+    )
     assert third["content"] == text_of(calls[2].response_token_ids or [])
     tail = calls[1].prompt_token_ids[len(calls[0].prompt_token_ids or []) + 3 :]  # type: ignore[index]
     assert bytes(tail) == b"\n<|tool|>x is 42\n<|assistant|>"
     # the backend's parser saw the agent's tools and tool_choice, never the history
     derenders = [r.json for r in mock.requests if r.path == DERENDER]
-    assert all(d["chat_request"]["tools"] == [LOOKUP] and d["chat_request"]["messages"][0]["role"] == "tool" for d in derenders)
+    assert all(
+        d["chat_request"]["tools"] == [LOOKUP] and d["chat_request"]["messages"][0]["role"] == "tool"
+        for d in derenders
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -299,11 +353,20 @@ async def test_responses_and_messages_agents_are_generated_from_ids(api: str, st
                 history: list[Any] = [{"role": "user", "content": "question"}]
                 for _ in range(3):
                     if stream:
-                        events = [e async for e in await client.responses.create(model="mock", input=history, max_output_tokens=4, stream=True)]
-                        [done] = [e for e in events if e.type in ("response.completed", "response.incomplete")]
+                        events = [
+                            e
+                            async for e in await client.responses.create(
+                                model="mock", input=history, max_output_tokens=4, stream=True
+                            )
+                        ]
+                        [done] = [
+                            e for e in events if e.type in ("response.completed", "response.incomplete")
+                        ]
                         reply = done.response
                     else:
-                        reply = await client.responses.create(model="mock", input=history, max_output_tokens=4)
+                        reply = await client.responses.create(
+                            model="mock", input=history, max_output_tokens=4
+                        )
                     texts.append(reply.output_text)
                     history += [o.model_dump(exclude_none=True) for o in reply.output]
                     history.append({"role": "user", "content": "again"})
@@ -312,13 +375,18 @@ async def test_responses_and_messages_agents_are_generated_from_ids(api: str, st
                 messages: list[Any] = [{"role": "user", "content": "question"}]
                 for _ in range(3):
                     if stream:
-                        async with client_.messages.stream(model="mock", max_tokens=4, messages=messages) as events_:
+                        async with client_.messages.stream(
+                            model="mock", max_tokens=4, messages=messages
+                        ) as events_:
                             message = await events_.get_final_message()
                     else:
                         message = await client_.messages.create(model="mock", max_tokens=4, messages=messages)
                     texts.append("".join(b.text for b in message.content if b.type == "text"))
                     messages += [
-                        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                        {
+                            "role": "assistant",
+                            "content": [b.model_dump(exclude_none=True) for b in message.content],
+                        },
                         {"role": "user", "content": "again"},
                     ]
         calls = finish(store, rid, aid)
@@ -337,7 +405,11 @@ async def test_an_edited_history_another_system_prompt_or_other_tools_start_a_ne
             first = await chat(client, [system, user], False)
             said = {"role": "assistant", "content": first["content"]}
             follow = {"role": "user", "content": "and?"}
-            await chat(client, [system, user, {"role": "assistant", "content": "I said something else"}, follow], False)
+            await chat(
+                client,
+                [system, user, {"role": "assistant", "content": "I said something else"}, follow],
+                False,
+            )
             await chat(client, [{"role": "system", "content": "a sub-agent"}, user, said, follow], False)
             await chat(client, [system, user, said, follow], False, tools=[LOOKUP])
             await chat(client, [system, user, said, follow], False, n=2)
@@ -359,7 +431,10 @@ async def test_a_backend_without_token_in_is_warned_about_once_and_relayed_as_te
         async with openai_sdk(base) as client:
             for _ in range(3):
                 answer = await chat(client, messages, False)
-                messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "and?"}]
+                messages += [
+                    {"role": "assistant", "content": answer["content"]},
+                    {"role": "user", "content": "and?"},
+                ]
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "no_backend": 2}
     [warning] = [r for r in caplog.records if "has no token-in chat" in r.message]
@@ -376,7 +451,10 @@ async def test_token_in_off_relays_every_call_as_text() -> None:
         async with openai_sdk(base) as client:
             for _ in range(2):
                 answer = await chat(client, messages, False)
-                messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "and?"}]
+                messages += [
+                    {"role": "assistant", "content": answer["content"]},
+                    {"role": "user", "content": "and?"},
+                ]
         finish(store, rid, aid)
     assert proxy.token_in is None and len(mock.generation_requests()) == 2
     assert not [r for r in mock.requests if r.path in (RENDER, GENERATE, DERENDER)]
@@ -400,7 +478,10 @@ async def test_a_call_without_a_limit_gets_the_rest_of_the_context_window() -> N
         messages: list[Any] = [{"role": "user", "content": "q"}]
         async with openai_sdk(base) as client:
             answer = await chat(client, messages, False, max_tokens=None)
-            messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "and?"}]
+            messages += [
+                {"role": "assistant", "content": answer["content"]},
+                {"role": "user", "content": "and?"},
+            ]
             await chat(client, messages, False, max_tokens=None)
         _, second = finish(store, rid, aid)
     [body] = generated(mock)
@@ -410,13 +491,21 @@ async def test_a_call_without_a_limit_gets_the_rest_of_the_context_window() -> N
 
 # ---------------------------------------------------------------------------------------------- aborts
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_a_generation_aborted_for_a_weight_update_during_a_hold_goes_on_from_the_ids_so_far(stream: bool) -> None:
-    async with MockVLLM(completion_tokens=6) as mock, proxied(mock.url, request_logprobs=True) as (proxy, store):
+async def test_a_generation_aborted_for_a_weight_update_during_a_hold_goes_on_from_the_ids_so_far(
+    stream: bool,
+) -> None:
+    async with (
+        MockVLLM(completion_tokens=6) as mock,
+        proxied(mock.url, request_logprobs=True) as (proxy, store),
+    ):
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [{"role": "user", "content": "q"}]
         async with openai_sdk(base) as client:
             answer = await chat(client, messages, stream, max_tokens=6)
-            messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "and?"}]
+            messages += [
+                {"role": "assistant", "content": answer["content"]},
+                {"role": "user", "content": "and?"},
+            ]
             release = anyio.Event()
             mock.abort_next(after_tokens=2, release=release)
             results: list[dict[str, Any]] = []
@@ -456,7 +545,10 @@ async def test_an_aborted_call_under_structured_output_is_made_again_and_its_too
         messages: list[Any] = [{"role": "user", "content": "q"}]
         async with openai_sdk(base) as client:
             answer = await chat(client, messages, False, tools=[LOOKUP])  # the model answers in text
-            messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "look it up"}]
+            messages += [
+                {"role": "assistant", "content": answer["content"]},
+                {"role": "user", "content": "look it up"},
+            ]
             mock.abort_next(after_tokens=1)
             result = await chat(client, messages, False, tools=[LOOKUP], tool_choice="required")
         calls = finish(store, rid, aid)

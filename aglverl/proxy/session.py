@@ -3,8 +3,8 @@
 A black-box agent sends its history back as text. :class:`Sessions` keeps, per rollout attempt, every recorded
 chat call as a :class:`Turn`: the exact prompt ids and generated ids, keyed by a digest of the call's request
 messages followed by its answer as the agent got it. A later request whose messages start with a recorded
-turn's messages + answer (and go on: the tail is not empty) under the same rendering context is a
-:class:`Match`: the proxy can generate it from ``turn.prompt + turn.response`` and the ids of the tail alone.
+turn's messages + answer and go on (the tail is not empty, and does not start with another assistant message)
+under the same rendering context is a :class:`Match`: the proxy can generate it from ``turn.prompt + turn.response`` and the ids of the tail alone.
 
 Messages are compared canonicalised (:func:`canonical_message`): the role; the content as text (text parts
 joined, ``None`` as ``""``, leading and trailing whitespace stripped, as templates trim it); tool calls as
@@ -282,9 +282,10 @@ class Sessions:
             if found is None:
                 continue
             turn = found.get(context)
-            if turn is not None:
+            if turn is None:
+                other_context = True
+            elif messages[end].get("role") != "assistant":  # what follows an answer is never another answer
                 return pending, Match(turn, messages[end:]), None
-            other_context = True
         return pending, None, "context_changed" if other_context else "no_match"
 
     def remember(
