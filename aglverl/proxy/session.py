@@ -99,11 +99,15 @@ def _calls(tool_calls: Any) -> list[list[Any]] | None:
 
 
 def _canonical(role: Any, content: Any, tool_calls: Any) -> bytes | None:
+    if not tool_calls and type(content) is str and type(role) is str:  # most messages: one encode, no JSON
+        return b"t" + role.encode() + b"\x00" + content.strip().encode()
     text, calls = _text(content), _calls(tool_calls)
     if text is None or calls is None or not isinstance(role, str):
         return None
+    if not calls:
+        return b"t" + role.encode() + b"\x00" + text.encode()
     try:
-        return orjson.dumps([role, text, calls], option=_SORTED)
+        return b"c" + orjson.dumps([role, text, calls], option=_SORTED)
     except TypeError:  # e.g. arguments holding an integer orjson cannot write
         return None
 
