@@ -134,10 +134,12 @@ class DeltaMessage:
     content: str | None = None
     reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    #: ``content`` was set explicitly (to ``None`` too): sent even when null, as vLLM's delta does then.
+    content_set: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if self.content is not None:
+        if self.content is not None or self.content_set:
             out["content"] = self.content
         if self.reasoning is not None:
             out["reasoning"] = self.reasoning
@@ -245,7 +247,7 @@ class ParseSession:
             else message_or_streamed
         )
         if engine_reason == "stop" and self._tools and not self.request.named:
-            if called or self.request.tool_choice == "required" and isinstance(message_or_streamed, ParsedMessage):
+            if called or (self.request.tool_choice == "required" and isinstance(message_or_streamed, ParsedMessage)):
                 return "tool_calls"
         return engine_reason
 
@@ -300,7 +302,7 @@ class ParseSession:
             if end in delta_ids:
                 cut = delta_text.find(THINK_END)
                 content = delta_text[cut + len(THINK_END) :]
-                return DeltaMessage(reasoning=delta_text[:cut], content=content or None)
+                return DeltaMessage(reasoning=delta_text[:cut], content=content or None, content_set=True)
             if end in previous_ids:
                 return DeltaMessage(content=delta_text)
             return DeltaMessage(reasoning=delta_text)
@@ -308,7 +310,7 @@ class ParseSession:
             begin = delta_text.find(THINK_START) + len(THINK_START)
             cut = delta_text.find(THINK_END)
             content = delta_text[cut + len(THINK_END) :]
-            return DeltaMessage(reasoning=delta_text[begin:cut], content=content or None)
+            return DeltaMessage(reasoning=delta_text[begin:cut], content=content or None, content_set=True)
         return DeltaMessage(reasoning=delta_text)
 
     def _tool_delta(self, current_text: str, delta_text: str) -> DeltaMessage | None:
@@ -334,7 +336,7 @@ class ParseSession:
                 call["sent"] = arguments
                 deltas.append({"index": i, "function": {"arguments": piece}})
         if content or deltas:
-            return DeltaMessage(content=content, tool_calls=deltas or None)
+            return DeltaMessage(content=content, tool_calls=deltas or None, content_set=True)
         return None
 
     def _unsent_content(self, text: str) -> str | None:

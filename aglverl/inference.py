@@ -44,6 +44,7 @@ Constructing the server loads the model: a blocking call of a few seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -68,6 +69,9 @@ from . import __version__
 from ._engine import THREAD_NAME as ENGINE_THREAD_NAME
 from ._engine import Engine, GenSequence, SamplingParams
 from ._net import bind_listener, url_of
+from .chat_parser import ChatParser, ParsedMessage, ParseSession, ToolRequest
+from .chat_template import ChatTemplate, ChatTemplateError
+from .constrained import ConstraintCompiler, ConstraintError, TokenConstraint, hermes_structural_tag
 from .tiny import TINY_NAME, quiet_progress_bars, resolve_model
 
 if TYPE_CHECKING:
@@ -185,6 +189,14 @@ class _ChatRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+    include_reasoning: bool | None = True
+    structured_outputs: dict[str, Any] | None = None
 
 
 class _CompletionRequest(_Request):
@@ -208,6 +220,14 @@ class _Plan:
     logprobs: bool
     #: The caller's name for the request (vLLM's ``request_id``), if it gave one.
     request_id: str | None = None
+    #: Chat answers: how the text is split into reasoning / content / tool calls (``None``: plain text).
+    parse: ToolRequest | None = None
+    #: One grammar per choice (``tool_choice`` "required" / named, ``structured_outputs``), or ``None``.
+    constraints: tuple[TokenConstraint, ...] | None = None
+    #: Decode without special tokens (parsing reads markup, so it keeps them).
+    skip_special: bool = True
+    #: The vLLM ``structured_outputs`` the constraints come from (render answers carry it).
+    structured_outputs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -235,24 +255,54 @@ class _Choice:
     string is never half sent.
     """
 
-    def __init__(self, job: _Job, index: int, prompt: list[int], seq: GenSequence) -> None:
+    def __init__(
+        self, job: _Job, index: int, prompt: list[int], seq: GenSequence, session: ParseSession | None = None
+    ) -> None:
         self.job, self.index, self.prompt, self.seq = job, index, prompt, seq
+        #: The choice's parse (chat with a tool / reasoning parser), shared by its body or its chunks.
+        self.session = session
+        skip = job.plan.skip_special
+        self.decode: Callable[[Sequence[int]], str] = lambda ids: job.server._decode(ids, skip)
         self.consumed = 0
         self.text = ""
         self.sent = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.counted = False  # the job has counted this choice as finished
+        self._parsed: ParsedMessage | None = None
         # Detokenization starts from the prompt's last ids, as vLLM's does: a generation resumed from prompt +
         # the ids of an aborted one then renders a character split across that boundary whole. The window
         # counts in "lead + output" positions: ids[_prefix:_read] is already text.
-        self._lead, self._read = _lead_of(job.server._decode, prompt)
-        self._lead_text = job.server._decode(self._lead[: self._read])
+        self._lead, self._read = _lead_of(self.decode, prompt)
+        self._lead_text = self.decode(self._lead[: self._read])
         self._prefix = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.seq.error is not None
+
+    def message(self) -> tuple[dict[str, Any], str | None]:
+        """The whole answer's assistant message (vLLM's key order) and its chat ``finish_reason``."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None, "annotations": None}
+        message |= {"audio": None, "function_call": None}
+        if self.session is None:
+            return message | {"reasoning": None}, self.finish_reason
+        if self._parsed is None:
+            self._parsed = self.session.parse(self.text)
+        parsed = self._parsed
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.to_json() for call in parsed.tool_calls]
+        message["reasoning"] = parsed.reasoning
+        return message, self.session.finish_reason(parsed, self.finish_reason)
+
+    def delta(self, d: _Delta) -> tuple[dict[str, Any] | None, str | None]:
+        """A streamed delta's JSON (``None``: the parser has nothing to send yet) and its chat finish reason."""
+        if self.session is None:
+            return {"content": d.text}, d.finish_reason
+        message = self.session.delta(d.text, d.ids, finished=d.finish_reason is not None)
+        finish = self.session.finish_reason(self.session.tools_streamed, d.finish_reason)
+        return (message.to_json() if message is not None else None), finish
 
     def take(self, count: int) -> _Delta | None:
         """Process tokens up to ``count`` (the engine's notified length); ``None`` if nothing is new."""
@@ -300,7 +350,7 @@ class _Choice:
 
     def _piece(self, upto: int) -> str:
         """New text once token ``upto - 1`` is added (empty while it ends inside a UTF-8 character)."""
-        decode = self.job.server._decode
+        decode = self.decode
         upto += len(self._lead)
         prefix = decode(self._ids(self._prefix, self._read))
         full = decode(self._ids(self._prefix, upto))
@@ -326,7 +376,7 @@ class _Choice:
         return best
 
     def _final_text(self, text_end: int) -> None:
-        decode = self.job.server._decode
+        decode = self.decode
         full = decode(self._ids(0, len(self._lead) + text_end))
         if full.startswith(self._lead_text):
             full = full[len(self._lead_text) :]
@@ -336,7 +386,7 @@ class _Choice:
             self.text = full  # flushes characters an incremental decode was still holding back
 
 
-def _lead_of(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> tuple[list[int], int]:
+def _lead_of(decode: Callable[[Sequence[int]], str], prompt: Sequence[int]) -> tuple[list[int], int]:
     """The prompt ids a choice's detokenizer starts from, and how many of them are text already.
 
     The last ``DETOKENIZER_LEAD`` prompt ids; those at the end that render as U+FFFD (bytes of a character the
@@ -372,8 +422,10 @@ class _Job:
         if plan.stream:
             self._send, self.updates = anyio.create_memory_object_stream[tuple[_Choice, _Delta]](float("inf"))
         loop = asyncio.get_running_loop()
+        parser = server.chat_parser
         for p, prompt in enumerate(plan.prompts):
             for j in range(plan.n):
+                k = p * plan.n + j
                 seq = GenSequence(
                     prompt,
                     plan.params,
@@ -382,8 +434,10 @@ class _Job:
                     incremental=plan.stream or bool(plan.stops),
                     choice=j,
                     request_id=self.id,
+                    constraint=plan.constraints[k] if plan.constraints else None,
                 )
-                self.choices.append(_Choice(self, p * plan.n + j, prompt, seq))
+                session = parser.session(plan.parse, prompt) if plan.parse is not None else None
+                self.choices.append(_Choice(self, k, prompt, seq, session))
         self._by_seq = {id(c.seq): c for c in self.choices}
         self._left = len(self.choices)
 
@@ -474,6 +528,14 @@ class InferenceServer:
     - ``weight_version``: the version of the weights loaded now. ``seed``: seeds unseeded sampling.
     - ``torch_threads``: if set, ``torch.set_num_threads`` (process-wide) at construction.
     - ``dtype``: the dtype to load the weights in (``"auto"``: the checkpoint's).
+    - ``tool_parser``: how tool calls are read out of generated text: ``"hermes"`` (``<tool_call>`` JSON
+      blocks, vLLM's parser of that name), ``None`` (requests with ``tools`` are refused), or ``"auto"``
+      (default): ``"hermes"`` when the chat template renders ``tools`` in the Hermes / Qwen style (it mentions
+      ``<tool_call>``), else ``None``. A template with no tool section always refuses ``tools`` (400).
+    - ``reasoning_parser``: ``"qwen3"`` / ``"deepseek_r1"`` (``<think>...</think>`` split into ``reasoning``,
+      vLLM's parsers of those names; needs the markers to be single tokens), ``None``, or ``"auto"`` (default):
+      ``"qwen3"`` when the template mentions ``<think>`` and the tokenizer has the markers, else ``None``. The
+      built-in tiny model gets ``hermes`` and no reasoning parser.
     """
 
     def __init__(
@@ -492,6 +554,8 @@ class InferenceServer:
         torch_threads: int | None = None,
         dtype: str | torch.dtype = "auto",
         max_body_bytes: int = 32 << 20,
+        tool_parser: str | None = "auto",
+        reasoning_parser: str | None = "auto",
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -520,6 +584,17 @@ class InferenceServer:
             seed=seed,
             weight_version=weight_version,
         )
+        #: The chat template as a renderer (``/v1/chat/completions`` and ``.../render`` share it).
+        self.chat_template = ChatTemplate(self.tokenizer, lambda text: self._encode(text, special=False))
+        vocab = self.tokenizer.get_vocab()
+        self.chat_parser = ChatParser(
+            tool_parser=_default_tool_parser(self.chat_template) if tool_parser == "auto" else tool_parser,
+            reasoning_parser=(
+                _default_reasoning_parser(self.chat_template, vocab) if reasoning_parser == "auto" else reasoning_parser
+            ),
+            vocab=vocab,
+        )
+        self.constraints = ConstraintCompiler(self.tokenizer, self.vocab_size, eos)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._weights_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -822,24 +897,21 @@ class InferenceServer:
             return self._backend.encode(text, add_special_tokens=special).ids
         return list(self.tokenizer.encode(text, add_special_tokens=special))
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        flat = []
-        for i, message in enumerate(messages):
-            role, content = message.get("role"), message.get("content")
-            if not isinstance(role, str):
-                raise _ApiError(400, f"field 'messages.{i}.role': must be a string", "messages")
-            if isinstance(content, list):  # OpenAI content parts: only text parts mean anything here
-                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            elif content is not None and not isinstance(content, str):
-                raise _ApiError(
-                    400, f"field 'messages.{i}.content': must be a string or a list of parts", "messages"
-                )
-            flat.append({**message, "content": content or ""})
+    def _chat_prompt(self, req: _ChatRequest) -> list[int]:
+        """The request's prompt ids through the chat template (400 naming the field on bad input)."""
+        add_generation_prompt = req.add_generation_prompt
+        if add_generation_prompt is None:  # vLLM's default, unless the last message is to be continued
+            add_generation_prompt = not req.continue_final_message
         try:
-            text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # the template is user data: any error in it is a bad request
-            raise _ApiError(400, f"the chat template failed on these messages: {exc}", "messages") from None
-        return self._encode(str(text), special=False)
+            return self.chat_template.render(
+                req.messages,
+                tools=req.tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(req.continue_final_message),
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise _ApiError(400, str(exc), exc.param) from None
 
     def _check_prompt_ids(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -898,10 +970,93 @@ class InferenceServer:
         self._check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise _ApiError(400, "field 'top_logprobs': requires 'logprobs' to be true", "top_logprobs")
-        prompt = self._chat_prompt(req.messages)
+        self._check_tools(req)
+        prompt = self._chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling(req, [prompt], max_tokens, (req.top_logprobs or 0) if req.logprobs else 0)
-        return self._plan("chat", req, [prompt], params, bool(req.logprobs))
+        plan = self._plan("chat", req, [prompt], params, bool(req.logprobs))
+        parse = ToolRequest.from_request(req.model_dump(include={"tools", "tool_choice", "chat_template_kwargs", "include_reasoning"}))
+        uses_parser = self.chat_parser.reasoning_parser is not None or (
+            self.chat_parser.tool_parser is not None and parse.has_tools and parse.tool_choice != "none"
+        )
+        structured = req.structured_outputs
+        if parse.forced:
+            tag = hermes_structural_tag(req.tools or [], req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+            structured = _structured_outputs(tag)
+        return dataclasses.replace(
+            plan,
+            parse=parse if self.chat_parser.enabled else None,
+            skip_special=not uses_parser,
+            structured_outputs=structured,
+        )
+
+    def _check_tools(self, req: _ChatRequest) -> None:
+        """vLLM's checks of ``tools`` / ``tool_choice`` (its messages), plus: tools need a tool parser."""
+        if req.tools == []:
+            raise _ApiError(
+                400,
+                "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+                "tools",
+            )
+        choice = req.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not req.tools:
+            raise _ApiError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if isinstance(choice, str) and choice not in ("auto", "required"):
+            raise _ApiError(
+                400,
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
+                "are supported.",
+                "tool_choice",
+            )
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not name:
+                raise _ApiError(
+                    400,
+                    'field \'tool_choice\': expected {"type": "function", "function": {"name": "my_function"}}',
+                    "tool_choice",
+                )
+            names = [t.get("function", {}).get("name") for t in req.tools if isinstance(t, dict)]
+            if name not in names:
+                raise _ApiError(
+                    400,
+                    f"The tool specified in `tool_choice` ({name!r}) does not match any of the specified `tools`",
+                    "tool_choice",
+                )
+        if self.chat_parser.tool_parser is None and self.chat_template.supports_tools:
+            raise _ApiError(
+                400,
+                f"field 'tool_choice': {choice!r} needs a tool-call parser, and this server has none "
+                '(start it with tool_parser="hermes")',
+                "tool_choice",
+            )
+
+    async def _with_constraints(self, plan: _Plan) -> _Plan:
+        """The plan with one compiled grammar per choice when it asks for one (compiled in a worker thread)."""
+        if not plan.structured_outputs:
+            return plan
+        gate = None
+        if self.chat_parser.think_ids is not None and plan.parse is not None and plan.parse.thinking:
+            gate = self.chat_parser.think_ids[1]  # vLLM constrains only after the reasoning ends
+            if any(_reasoning_closed(self.chat_parser.think_ids, p) for p in plan.prompts):
+                gate = None
+        count = len(plan.prompts) * plan.n
+
+        def compile_all() -> tuple[TokenConstraint, ...] | None:
+            first = self.constraints.constraint(plan.structured_outputs or {}, gate)
+            if first is None:
+                return None
+            rest = [self.constraints.constraint(plan.structured_outputs or {}, gate) for _ in range(count - 1)]
+            return (first, *[c for c in rest if c is not None])
+
+        try:
+            constraints = await anyio.to_thread.run_sync(compile_all)
+        except ConstraintError as exc:
+            raise _ApiError(400, str(exc), exc.param) from None
+        return dataclasses.replace(plan, constraints=constraints)
 
     def _plan_completion(self, body: Any) -> _Plan:
         req = _CompletionRequest.model_validate(body)
@@ -959,7 +1114,7 @@ class InferenceServer:
 
     async def _generate(self, request: web.Request, planner: Any) -> web.StreamResponse:
         try:
-            plan = planner(await self._read_json(request))
+            plan = await self._with_constraints(planner(await self._read_json(request)))
         except ValidationError as exc:
             self._counts["rejected"] += 1
             return _validation_error(exc).response()
@@ -1027,16 +1182,17 @@ class InferenceServer:
             rid = job.id
             chunk = _chat_chunk if job.plan.kind == "chat" else _completion_chunk
             roles = [_sse(_chat_role_chunk(self, job, rid, c)) for c in job.choices] if job.plan.kind == "chat" else []
-            await response.write(b"".join(roles + [_sse(chunk(self, job, rid, c, d)) for c, d in early]))
+            await response.write(b"".join(roles + _events_of(chunk(self, job, rid, c, d) for c, d in early)))
             async for choice, delta in updates:
-                events = [_sse(chunk(self, job, rid, choice, delta))]
+                items = [chunk(self, job, rid, choice, delta)]
                 while True:  # everything already delivered goes out in one write
                     try:
                         choice, delta = updates.receive_nowait()
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                    events.append(_sse(chunk(self, job, rid, choice, delta)))
-                await response.write(b"".join(events))
+                    items.append(chunk(self, job, rid, choice, delta))
+                if events := _events_of(items):
+                    await response.write(b"".join(events))
         tail = []
         if job.error is not None:
             tail.append(_sse(_ApiError(500, f"generation failed: {job.error}").body()))
@@ -1114,6 +1270,37 @@ def _load(
     return model, tokenizer, path
 
 
+def _default_tool_parser(template: ChatTemplate) -> str | None:
+    """``"hermes"`` for a template that renders tools the Hermes / Qwen way, else ``None``."""
+    return "hermes" if template.supports_tools and "<tool_call>" in (template.source or "") else None
+
+
+def _default_reasoning_parser(template: ChatTemplate, vocab: Mapping[str, int]) -> str | None:
+    """``"qwen3"`` for a template that writes ``<think>`` with a tokenizer that has the markers, else ``None``."""
+    if "<think>" in (template.source or "") and "<think>" in vocab and "</think>" in vocab:
+        return "qwen3"
+    return None
+
+
+def _structured_outputs(structural_tag: str | None) -> dict[str, Any] | None:
+    """vLLM's ``StructuredOutputsParams`` dump carrying a structural tag (``None``: nothing constrained)."""
+    if structural_tag is None:
+        return None
+    fields = ("json", "regex", "choice", "grammar", "json_object")
+    out: dict[str, Any] = dict.fromkeys(fields)
+    out |= {"disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}
+    out |= {"structural_tag": structural_tag, "_backend": None, "_backend_was_auto": False}
+    return out
+
+
+def _reasoning_closed(think_ids: tuple[int, int], prompt: Sequence[int]) -> bool:
+    start, end = think_ids
+    for token in reversed(prompt):
+        if token in (start, end):
+            return token == end
+    return False
+
+
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS ids from the generation config and the tokenizer (Qwen lists several)."""
     ids: set[int] = set()
@@ -1144,6 +1331,10 @@ def _fingerprint() -> str:
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _events_of(chunks: Iterable[dict[str, Any] | None]) -> list[bytes]:
+    return [_sse(chunk) for chunk in chunks if chunk is not None]
 
 
 def _head(server: InferenceServer, job: _Job, rid: str, obj: str) -> dict[str, Any]:
@@ -1194,14 +1385,13 @@ def _chat_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
     for c in job.choices:
         ids, lps = c.seq.token_ids[: c.consumed], c.seq.logprobs[: c.consumed]
         tops = c.seq.top_logprobs[: c.consumed] if c.seq.params.top_logprobs else []
-        message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None}
-        message |= {"audio": None, "function_call": None, "reasoning": None}
+        message, finish_reason = c.message()
         choices.append(
             {
                 "index": c.index,
                 "message": message,
                 "logprobs": _chat_logprobs(server, ids, lps, tops) if job.plan.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
                 "token_ids": ids if with_ids else None,
                 "routed_experts": None,
@@ -1249,10 +1439,18 @@ def _chat_role_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice) -
     return chunk
 
 
-def _chat_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}}
+def _chat_chunk(
+    server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta
+) -> dict[str, Any] | None:
+    """One choice's chunk; ``None`` when a parser holds the text back and nothing else must be sent."""
+    delta, finish_reason = c.delta(d)
+    if delta is None:
+        if d.finish_reason is None and not job.plan.logprobs and not job.plan.with_ids:
+            return None
+        delta = {}
+    choice: dict[str, Any] = {"index": c.index, "delta": delta}
     choice["logprobs"] = _chat_logprobs(server, d.ids, d.logprobs, d.tops) if job.plan.logprobs else None
-    choice["finish_reason"] = d.finish_reason
+    choice["finish_reason"] = finish_reason
     if d.finish_reason is not None:
         choice["stop_reason"] = c.stop_reason
     if job.plan.with_ids:
@@ -1263,7 +1461,9 @@ def _chat_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _De
     return chunk
 
 
-def _completion_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any]:
+def _completion_chunk(
+    server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta
+) -> dict[str, Any] | None:
     choice: dict[str, Any] = {"index": c.index, "text": d.text}
     choice["logprobs"] = (
         _completion_logprobs(server, d.ids, d.logprobs, d.tops, d.offset) if job.plan.logprobs else None
