@@ -73,6 +73,15 @@ from .chat_parser import ChatParser, ParsedMessage, ParseSession, ToolRequest
 from .chat_template import ChatTemplate, ChatTemplateError
 from .constrained import ConstraintCompiler, ConstraintError, TokenConstraint, hermes_structural_tag
 from .tiny import TINY_NAME, quiet_progress_bars, resolve_model
+from .token_in import (
+    NEUTRAL_SAMPLING,
+    DerenderRequest,
+    GenerateRequest,
+    derender_state,
+    generate_logprobs,
+    render_sampling_params,
+    weight_versions,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -209,7 +218,7 @@ class _CompletionRequest(_Request):
 class _Plan:
     """A validated generation request: what to generate and how to shape the answer."""
 
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "generate"]
     prompts: list[list[int]]
     n: int
     params: SamplingParams
@@ -407,7 +416,9 @@ class _Job:
     for :attr:`done`. :meth:`cancel` tells the engine to drop the request's sequences (client gone).
     """
 
-    def __init__(self, server: InferenceServer, plan: _Plan) -> None:
+    def __init__(
+        self, server: InferenceServer, plan: _Plan, outputs: Sequence[GenSequence] | None = None
+    ) -> None:
         self.server = server
         self.plan = plan
         self.id = _request_id(plan.kind, plan.request_id)
@@ -426,6 +437,10 @@ class _Job:
         for p, prompt in enumerate(plan.prompts):
             for j in range(plan.n):
                 k = p * plan.n + j
+                if outputs is not None:  # a derender: the tokens exist already, nothing is generated
+                    session = parser.session(plan.parse, prompt) if plan.parse is not None else None
+                    self.choices.append(_Choice(self, k, prompt, outputs[k], session))
+                    continue
                 seq = GenSequence(
                     prompt,
                     plan.params,
@@ -823,6 +838,9 @@ class InferenceServer:
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions/render", self._render)
+        app.router.add_post("/inference/v1/generate", self._generate_tokens)
+        app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -1085,7 +1103,7 @@ class InferenceServer:
 
     def _plan(
         self,
-        kind: Literal["chat", "completion"],
+        kind: Literal["chat", "completion", "generate"],
         req: _Request,
         prompts: list[list[int]],
         params: SamplingParams,
@@ -1146,7 +1164,7 @@ class InferenceServer:
                 job.cancel()  # the client went away or we are stopping: free the batch rows
         if job.error is not None:
             return _ApiError(500, f"generation failed: {job.error}").response()
-        shape = _chat_body if plan.kind == "chat" else _completion_body
+        shape = {"chat": _chat_body, "completion": _completion_body, "generate": _generate_body}[plan.kind]
         return web.Response(
             body=orjson.dumps(shape(self, job)),
             content_type="application/json",
@@ -1180,7 +1198,9 @@ class InferenceServer:
             response.headers[WEIGHT_VERSION_HEADER] = str(job.weight_version)
             await response.prepare(request)
             rid = job.id
-            chunk = _chat_chunk if job.plan.kind == "chat" else _completion_chunk
+            chunk = {"chat": _chat_chunk, "completion": _completion_chunk, "generate": _generate_chunk}[
+                job.plan.kind
+            ]
             roles = [_sse(_chat_role_chunk(self, job, rid, c)) for c in job.choices] if job.plan.kind == "chat" else []
             await response.write(b"".join(roles + _events_of(chunk(self, job, rid, c, d) for c, d in early)))
             async for choice, delta in updates:
@@ -1196,6 +1216,8 @@ class InferenceServer:
         tail = []
         if job.error is not None:
             tail.append(_sse(_ApiError(500, f"generation failed: {job.error}").body()))
+        elif job.plan.include_usage and job.plan.kind == "generate":
+            tail.append(_sse({"request_id": rid, "usage": job.usage(True), "output_mode": "tokens", "choices": []}))
         elif job.plan.include_usage:
             head = _head(
                 self, job, rid, "chat.completion.chunk" if job.plan.kind == "chat" else "text_completion"
@@ -1206,6 +1228,240 @@ class InferenceServer:
         tail.append(_DONE)
         await response.write(b"".join(tail))
         await response.write_eof()
+
+    # ------------------------------------------------------------------ token-in (vLLM's scale-out routes)
+    async def _render(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/render``: the chat request as vLLM's ``GenerateRequest`` (no generation)."""
+        try:
+            body = await self._read_json(request)
+            plan = self._plan_chat(body)
+            req = _ChatRequest.model_validate(body)
+            if plan.structured_outputs is not None:  # the constraint must compile: fail here, not at generate
+                await self._with_constraints(dataclasses.replace(plan, n=1))
+        except ValidationError as exc:
+            return _validation_error(exc).response()
+        except _ApiError as exc:
+            return exc.response()
+        params = plan.params
+        think = self.chat_parser.think_ids
+        answer = {
+            "request_id": f"chatcmpl-{req.request_id or secrets.token_hex(8)}",
+            "token_ids": plan.prompts[0],
+            "token_offsets": None,
+            "features": None,
+            "content_parts": None,
+            "sampling_params": render_sampling_params(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_tokens,
+                seed=params.seed,
+                stop=plan.stops,
+                stop_token_ids=params.stop_token_ids,
+                logprobs=params.top_logprobs if plan.logprobs else None,
+                ignore_eos=params.ignore_eos,
+                skip_special_tokens=plan.skip_special,
+                structured_outputs=plan.structured_outputs,
+            ),
+            "model": req.model,
+            "reasoning_ended": _reasoning_closed(think, plan.prompts[0]) if think is not None else None,
+            "reasoning_parser_kwargs": (
+                {"chat_template_kwargs": dict(req.chat_template_kwargs or {})} if think is not None else None
+            ),
+            "return_token_ids": None,
+            "output_mode": "tokens",
+            "stream": bool(req.stream),
+            "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
+            "cache_salt": None,
+            "priority": 0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+        }
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    def _plan_generate(self, body: Any) -> _Plan:
+        req = GenerateRequest.model_validate(body)
+        self._check_model(req.model)
+        if req.output_mode != "tokens":
+            raise _ApiError(400, "field 'output_mode': only 'tokens' is supported", "output_mode")
+        sp = dict(req.sampling_params)
+        for key, neutral in NEUTRAL_SAMPLING.items():
+            if sp.get(key) not in neutral:
+                raise _ApiError(
+                    400, f"field 'sampling_params.{key}': only its neutral value is supported here", "sampling_params"
+                )
+        if sp.get("n", 1) not in (1, None):
+            raise _ApiError(400, "field 'sampling_params.n': only 1 is supported", "sampling_params")
+        fields = ("temperature", "top_p", "max_tokens", "stop", "stop_token_ids", "seed", "ignore_eos")
+        shaped = {k: sp[k] for k in fields if sp.get(k) is not None}
+        if isinstance(shaped.get("temperature"), int):
+            shaped["temperature"] = float(shaped["temperature"])
+        if isinstance(shaped.get("top_p"), int):
+            shaped["top_p"] = float(shaped["top_p"])
+        inner = _Request.model_validate({**shaped, "stream": req.stream, "request_id": req.request_id})
+        logprobs = sp.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise _ApiError(
+                400, f"field 'sampling_params.logprobs': an integer in [0, {MAX_TOP_LOGPROBS}]", "sampling_params"
+            )
+        self._check_prompt_ids(req.token_ids, "token_ids")
+        params = self._sampling(inner, [req.token_ids], inner.max_tokens, logprobs or 0)
+        params = dataclasses.replace(params, ranks=logprobs is not None)
+        plan = self._plan("generate", inner, [req.token_ids], params, logprobs is not None)
+        structured = sp.get("structured_outputs")
+        gate_parse = ToolRequest(thinking=True) if req.reasoning_ended is False else None
+        return dataclasses.replace(
+            plan,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            structured_outputs=structured if isinstance(structured, dict) else None,
+            parse=gate_parse,
+        )
+
+    async def _generate_tokens(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate``: token ids in, token ids (log-probs, versions) out; JSON or SSE."""
+        return await self._generate(request, self._plan_generate)
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/derender``: generated ids to the chat answer ``/v1/chat/completions``
+        would have given for them (JSON), or one streamed chunk of it with the caller-threaded state."""
+        try:
+            req = DerenderRequest.model_validate(await self._read_json(request))
+            self._check_model(req.model)
+            answer = self._derender_stream(req) if req.stream else self._derender_whole(req)
+        except ValidationError as exc:
+            return _validation_error(exc).response()
+        except _ApiError as exc:
+            return exc.response()
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    def _derender_plan(self, req: DerenderRequest, prompt: list[int], n: int, logprobs: bool) -> _Plan:
+        chat = dict(req.chat_request or {"messages": [{"role": "user", "content": ""}]})
+        chat.setdefault("messages", [{"role": "user", "content": ""}])
+        creq = _ChatRequest.model_validate(chat)
+        parse = ToolRequest.from_request(chat)
+        uses_parser = self.chat_parser.reasoning_parser is not None or (
+            self.chat_parser.tool_parser is not None and parse.has_tools and parse.tool_choice != "none"
+        )
+        stops = (creq.stop,) if isinstance(creq.stop, str) else tuple(creq.stop or ())
+        params = SamplingParams(max_tokens=self.max_model_len, top_logprobs=creq.top_logprobs or 0)
+        return _Plan(
+            kind="chat",
+            prompts=[prompt],
+            n=n,
+            params=params,
+            stops=tuple(x for x in stops if x),
+            stream=bool(req.stream),
+            include_usage=False,
+            with_ids=creq.return_token_ids is True,
+            logprobs=logprobs,
+            parse=parse if self.chat_parser.enabled else None,
+            skip_special=not uses_parser,
+        )
+
+    def _replayed(self, plan: _Plan, prompt: list[int], choice: Any, *, final: bool) -> GenSequence:
+        """A finished (or, streaming, growing) sequence holding a generate answer's ids, for a derender."""
+        seq = GenSequence(
+            prompt, plan.params, loop=asyncio.get_running_loop(), notify=lambda s, n: None,
+            incremental=plan.stream or bool(plan.stops), choice=choice.index,
+        )
+        ids = list(choice.token_ids or [])
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise _ApiError(400, f"field 'token_ids': ids must be in [0, {self.vocab_size})", "generate_response")
+        seq.token_ids.extend(ids)
+        content = (choice.logprobs or {}).get("content") or []
+        seq.logprobs.extend(float(e.get("logprob", 0.0)) for e in content[: len(ids)])
+        seq.logprobs.extend([0.0] * (len(ids) - len(seq.logprobs)))
+        if final and choice.finish_reason is not None and not isinstance(choice.stop_reason, str):
+            seq.finished, seq.finish_reason = True, choice.finish_reason
+            seq.stop_reason = choice.stop_reason if isinstance(choice.stop_reason, int) else None
+        return seq
+
+    def _derender_whole(self, req: DerenderRequest) -> dict[str, Any]:
+        gen = req.generate_response
+        if gen is None or not gen.choices:
+            raise _ApiError(400, "field 'generate_response': a generate answer with choices is required", "generate_response")
+        prompt = list(req.prompt_token_ids or gen.prompt_token_ids or [])
+        logprobs = any(c.logprobs is not None for c in gen.choices)
+        plan = self._derender_plan(req, prompt, len(gen.choices), logprobs)
+        seqs = [self._replayed(plan, prompt, c, final=True) for c in gen.choices]
+        job = _Job(self, plan, seqs)
+        for choice in job.choices:
+            choice.take(len(choice.seq.token_ids))
+            if choice.finish_reason is None:  # a stop string given as stop_reason that the text does not hold
+                choice.finish_reason = gen.choices[choice.index].finish_reason
+        job.id = gen.request_id
+        body = _chat_body(self, job)
+        completion = sum(len(c.token_ids or []) for c in gen.choices)
+        prompt_tokens = req.prompt_tokens or 0
+        body["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion}
+        body["usage"] |= {"completion_tokens": completion, "prompt_tokens_details": None, "completion_tokens_details": None}
+        body["prompt_token_ids"] = None
+        return body
+
+    def _derender_stream(self, req: DerenderRequest) -> dict[str, Any]:
+        chunk_in = req.generate_chunk
+        if chunk_in is None:
+            raise _ApiError(400, "field 'generate_chunk': required when 'stream' is true", "generate_chunk")
+        if len(chunk_in.choices) > 1:
+            raise _ApiError(400, "field 'generate_chunk': at most one choice per chunk", "generate_chunk")
+        state = req.stream_state
+        if state is not None and sum(state.output_chunk_lens) != len(state.output_token_ids):
+            raise _ApiError(400, "field 'stream_state': output_chunk_lens must add up to output_token_ids", "stream_state")
+        prompt = list(req.prompt_token_ids or chunk_in.prompt_token_ids or [])
+        choice_in = chunk_in.choices[0] if chunk_in.choices else None
+        logprobs = choice_in is not None and choice_in.logprobs is not None
+        plan = self._derender_plan(req, prompt, 1, logprobs)
+        seq = GenSequence(
+            prompt, plan.params, loop=asyncio.get_running_loop(), notify=lambda s, n: None, incremental=True,
+            choice=choice_in.index if choice_in else 0,
+        )
+        job = _Job(self, plan, [seq])
+        job.id = chunk_in.request_id
+        choice = job.choices[0]
+        choice.index = seq_index = choice_in.index if choice_in else 0
+        old = list(state.output_token_ids) if state else []
+        start = 0
+        for size in state.output_chunk_lens if state else []:  # replay: the parser's state cannot travel
+            seq.token_ids.extend(old[start : start + size])
+            seq.logprobs.extend([0.0] * size)
+            start += size
+            if (d := choice.take(len(seq.token_ids))) is not None:
+                choice.delta(d)
+        new_ids = list(choice_in.token_ids or []) if choice_in else []
+        out_chunk: dict[str, Any] = {
+            "id": chunk_in.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": req.model or self.served_model_name, "choices": [],
+        }
+        pinned = list(state.last_tool_call_ids) if state else []
+        if choice_in is not None:
+            replayed = self._replayed(plan, prompt, choice_in, final=True)
+            seq.token_ids.extend(new_ids)
+            seq.logprobs.extend(replayed.logprobs)
+            seq.finished, seq.finish_reason, seq.stop_reason = replayed.finished, replayed.finish_reason, replayed.stop_reason
+            d = choice.take(len(seq.token_ids))
+            if d is not None and choice.finish_reason is None and choice_in.finish_reason is not None:
+                d.finish_reason = choice.finish_reason = choice_in.finish_reason
+            chunk = _chat_chunk(self, job, job.id, choice, d) if d is not None else None
+            if chunk is None:
+                chunk = {"choices": [{"index": seq_index, "delta": {}, "logprobs": None, "finish_reason": None}]}
+            out = chunk["choices"][0]
+            for call in out["delta"].get("tool_calls") or []:
+                if "id" in call:
+                    if call["index"] < len(pinned):
+                        call["id"] = pinned[call["index"]]
+                    else:
+                        pinned.append(call["id"])
+            if not (state and state.role_sent):
+                out["delta"] = {"role": "assistant", **out["delta"]}
+            out_chunk["choices"] = [out]
+        if chunk_in.usage is not None:
+            completion = int(chunk_in.usage.get("completion_tokens") or 0)
+            prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else int(chunk_in.usage.get("prompt_tokens") or 0)
+            out_chunk["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion, "completion_tokens": completion}
+        streamed = choice.session.tools_streamed if choice.session else False
+        new_state = derender_state(state, new_ids, tools_streamed=streamed, tool_call_ids=pinned)
+        if not choice_in:
+            new_state["role_sent"] = bool(state and state.role_sent)
+        return {"chunk": out_chunk, "stream_state": new_state}
 
     async def _read_json(self, request: web.Request) -> Any:
         try:
@@ -1322,6 +1578,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- response shapes
 def _request_id(kind: str, given: str | None = None) -> str:
+    if kind == "generate":  # vLLM's generate answers name themselves after the request id they were given
+        return f"generate-tokens-{given or secrets.token_hex(8)}"
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{given or secrets.token_hex(8)}"
 
 
@@ -1428,6 +1686,46 @@ def _completion_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
     body |= {"choices": choices, "service_tier": None, "system_fingerprint": _fingerprint()}
     body |= {"usage": _usage_of(job), "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
     return body
+
+
+def _generate_choice(server: InferenceServer, job: _Job, c: _Choice, ids: list[int], start: int) -> dict[str, Any]:
+    seq = c.seq
+    out: dict[str, Any] = {"index": c.index, "finish_reason": None, "stop_reason": None, "token_ids": ids}
+    out |= {"routed_experts": None, "sampling_mask": None, "weight_versions": None}
+    end = start + len(ids)
+    if job.plan.logprobs:
+        out["logprobs"] = generate_logprobs(
+            ids, seq.logprobs[start:end], seq.ranks[start:end], seq.top_logprobs[start:end], seq.params.top_logprobs
+        )
+    else:
+        out["logprobs"] = None
+    return out
+
+
+def _generate_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
+    choices = []
+    for c in job.choices:
+        ids = c.seq.token_ids[: c.consumed]
+        choice = _generate_choice(server, job, c, ids, 0)
+        choice |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice["weight_versions"] = weight_versions(c.seq.weight_version, len(ids))
+        choices.append(choice)
+    body: dict[str, Any] = {"request_id": job.id, "model": server.served_model_name, "created": job.created}
+    body |= {"usage": job.usage(True), "prompt_logprobs": None, "prompt_token_id_logprobs": None}
+    body |= {"prompt_token_ids": None, "mm_placeholders": None, "metrics": None, "kv_transfer_params": None}
+    body |= {"ec_transfer_params": None, "output_mode": "tokens", "choices": choices}
+    return body
+
+
+def _generate_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any] | None:
+    if not d.ids and d.finish_reason is None:
+        return None
+    start = c.consumed - len(d.ids) if d.finish_reason is None else len(c.seq.token_ids[: c.consumed]) - len(d.ids)
+    choice = _generate_choice(server, job, c, d.ids, start)
+    if d.finish_reason is not None:
+        choice |= {"finish_reason": d.finish_reason, "stop_reason": c.stop_reason}
+        choice["weight_versions"] = weight_versions(c.seq.weight_version, c.consumed)
+    return {"request_id": rid, "usage": None, "output_mode": "tokens", "choices": [choice]}
 
 
 def _chat_role_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice) -> dict[str, Any]:
