@@ -89,7 +89,7 @@ class ToolRequest:
         if choice is None:
             choice = "auto" if tools else "none"
         named = isinstance(choice, Mapping)
-        name = str(choice["function"]["name"]) if named else str(choice)
+        name = str(choice["function"]["name"]) if isinstance(choice, Mapping) else str(choice)
         kwargs = body.get("chat_template_kwargs") or {}
         thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, Mapping) else True
         return cls(

@@ -283,7 +283,8 @@ class ConstraintCompiler:
             import llguidance.hf
 
             self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
+                self._hf,  # type: ignore[arg-type]
+                n_vocab=self.vocab_size, eos_token=self.eos_ids or None
             )
         return self._tokenizer
 

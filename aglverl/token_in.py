@@ -127,7 +127,9 @@ def render_sampling_params(
         out["logprobs"] = logprobs
     if ignore_eos:
         out["ignore_eos"] = True
-    out |= {"skip_special_tokens": skip_special_tokens, "output_kind": 2, "skip_clone": True}
+    if not skip_special_tokens:  # vLLM writes it only when a parser needs the markup kept
+        out["skip_special_tokens"] = False
+    out |= {"output_kind": 2, "skip_clone": True}
     if structured_outputs is not None:
         out["structured_outputs"] = structured_outputs
     out |= {"bad_words": [], "skip_reading_prefix_cache": False}
