@@ -1003,7 +1003,7 @@ class InferenceServer:
             structured = _structured_outputs(tag)
         return dataclasses.replace(
             plan,
-            parse=parse if self.chat_parser.enabled else None,
+            parse=parse if uses_parser else None,  # a request the parsers have nothing to do with: plain text
             skip_special=not uses_parser,
             structured_outputs=structured,
         )
@@ -1353,7 +1353,7 @@ class InferenceServer:
             include_usage=False,
             with_ids=creq.return_token_ids is True,
             logprobs=logprobs,
-            parse=parse if self.chat_parser.enabled else None,
+            parse=parse if uses_parser else None,
             skip_special=not uses_parser,
         )
 
