@@ -225,7 +225,7 @@ def main(url: str, out: str, label: str) -> None:
             )
     record["derender"] = cases
     with open(out, "w") as f:
-        json.dump(record, f, indent=1, ensure_ascii=False)
+        json.dump(record, f, separators=(",", ":"), ensure_ascii=False)
         f.write("\n")
 
 
