@@ -96,6 +96,7 @@ ANCHOR_ANSWERS = ("b", "c")
 #: The request fields the anchor alone is rendered with (the rendering context).
 _ANCHOR_FIELDS = ("model", "tools", "chat_template", "chat_template_kwargs", "documents")
 _SEED_SPACE = 2**63
+_TOOL_CALL_PREFIX = "chatcmpl-tool-"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
@@ -139,13 +140,16 @@ class _Fallback(Exception):
 class _Anchor:
     """The anchor as one backend renders it under one rendering context."""
 
-    __slots__ = ("alone", "eot", "glue", "prefix")
+    __slots__ = ("alone", "eot", "glue", "keeps_stop", "prefix")
 
     def __init__(self, alone: list[int], eot: int, glue: list[int]) -> None:
         self.alone = alone  # the anchor's ids (variant "b"), ending with the end of turn and the glue
         self.eot = eot
         self.glue = glue
         self.prefix: bool | None = None  # whether the anchor renders as a prefix of anchor + tail
+        # Whether the backend's derender writes the text of the token a generation stopped on (vLLM 0.32 does
+        # when a parser is configured; its chat endpoint never does): then that token is not derendered.
+        self.keeps_stop = False
 
 
 class _BackendState:
@@ -165,6 +169,24 @@ def _common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _as_chat(message: dict[str, Any], choice: dict[str, Any], call: _Call) -> dict[str, Any]:
+    """A derendered message (or stream delta) as the backend's chat endpoint writes it: no null fields in a
+    delta, tool-call ids with vLLM's ``chatcmpl-tool-`` prefix, and finish reason ``tool_calls`` for an answer
+    with tool calls unless the call named the function (vLLM 0.32's derender differs on these three)."""
+    calls = message.get("tool_calls")
+    for tool_call in calls or ():
+        if isinstance(tool_call, dict) and isinstance(tool_call.get("id"), str):
+            if not tool_call["id"].startswith(_TOOL_CALL_PREFIX):
+                tool_call["id"] = _TOOL_CALL_PREFIX + tool_call["id"]
+    if "delta" in choice:
+        message = {key: value for key, value in message.items() if value is not None and value != []}
+    elif calls and choice.get("finish_reason") == "stop":
+        request = call.request or {}
+        if not isinstance(request.get("tool_choice"), dict):
+            choice["finish_reason"] = "tool_calls"
+    return message
+
+
 def _label(version: Any) -> int | None:
     return int(version) if isinstance(version, str) and version.isdigit() else None
 
@@ -179,6 +201,7 @@ class _Generation:
         "entries",
         "finish",
         "ids",
+        "keeps_stop",
         "limit",
         "prompt",
         "ready",
@@ -202,6 +225,7 @@ class _Generation:
         window: int | None,
     ) -> None:
         self.backend = backend
+        self.keeps_stop = False
         self.base = render
         sampling = render["sampling_params"]
         self.structured = bool(sampling.get("structured_outputs") or sampling.get("guided_decoding"))
@@ -264,6 +288,15 @@ class _Generation:
 
     def logprobs(self) -> dict[str, Any] | None:
         return None if self.entries is None else {"content": self.entries}
+
+    def stopped_on_token(self, finish: str | None, stop_reason: Any) -> bool:
+        """Whether a generation that ended so stopped on a token (its end of sequence, or one of
+        ``stop_token_ids``) whose text the chat endpoint leaves out of the answer."""
+        return (
+            finish == "stop"
+            and not isinstance(stop_reason, str)
+            and not self.base["sampling_params"].get("include_stop_str_in_output")
+        )
 
 
 class _Chunks:
@@ -416,7 +449,9 @@ class TokenIn:
         assert call.request is not None
         limit = _token_limit(call.request)
         window = None if limit is not None else await self._window(backend, call.model)
-        return _Generation(backend, render, turn.prompt + turn.response + segment, segment, limit, window)
+        gen = _Generation(backend, render, turn.prompt + turn.response + segment, segment, limit, window)
+        gen.keeps_stop = anchor.keeps_stop
+        return gen
 
     @staticmethod
     def _by_suffix(anchor: _Anchor, ids: list[int], other: list[int]) -> list[int]:
@@ -442,8 +477,39 @@ class TokenIn:
                 backend.url,
             )
             raise _Fallback("anchor_mismatch")
-        anchor = state.anchors[context] = _Anchor(alone, alone[-n], alone[len(alone) - n + 1 :])
+        anchor = _Anchor(alone, alone[-n], alone[len(alone) - n + 1 :])
+        anchor.keeps_stop = await self._keeps_stop(backend, call, alone[len(alone) - n - 1])
+        state.anchors[context] = anchor
         return anchor
+
+    async def _keeps_stop(self, backend: _Backend, call: _Call, answer_id: int) -> bool:
+        """Whether the backend's derender writes the text of the token a generation stopped on: a probe
+        derenders the anchor's answer id twice as a generation that stopped on its last token (``"b"``: the
+        chat endpoint's text, ``"bb"``: the stop token written too)."""
+        request = call.request
+        assert request is not None
+        chat = {key: request[key] for key in _ANCHOR_FIELDS if request.get(key) is not None}
+        chat["messages"] = [dict(ANCHOR_USER)]
+        choice = {
+            "index": 0,
+            "token_ids": [answer_id, answer_id],
+            "finish_reason": "stop",
+            "stop_reason": None,
+        }
+        body = {
+            "model": call.model,
+            "generate_response": {"request_id": "aglverl-probe", "choices": [choice]},
+            "prompt_tokens": 0,
+            "chat_request": chat,
+        }
+        try:
+            status, _, raw = await self._post(backend, DERENDER_TARGET, orjson.dumps(body))
+        except (_Unreachable, ProxyError):
+            return False
+        choices = _choices_of(_json_object(raw)) if status == 200 else []
+        message = choices[0].get("message") if choices else None
+        content = message.get("content") if isinstance(message, dict) else None
+        return isinstance(content, str) and content.strip() == ANCHOR_ANSWERS[0] * 2
 
     async def _render_both(
         self, backend: _Backend, call: _Call, first: list[Any], second: list[Any], *, full: bool = True
@@ -860,10 +926,12 @@ class TokenIn:
     ) -> web.StreamResponse:
         assert plan.match is not None and call.request is not None
         await self._generate_whole(call, gen)
-        self._record(call, gen)
         answer = await self._derender_whole(call, plan.match, gen)
-        plan.answer = Answer()
         choices = _choices_of(answer)
+        if choices and isinstance(choices[0].get("finish_reason"), str):
+            gen.finish = choices[0]["finish_reason"]  # recorded as the agent gets it (e.g. "tool_calls")
+        self._record(call, gen)
+        plan.answer = Answer()
         if choices and isinstance(choices[0].get("message"), dict):
             plan.answer.set_message(choices[0]["message"])
         if call.request.get("return_token_ids"):
@@ -882,14 +950,17 @@ class TokenIn:
         """The chat completion of the whole generation; :class:`_Fallback` when the backend cannot make it."""
         usage = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.ids)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        ids = gen.ids
+        if gen.keeps_stop and ids and gen.stopped_on_token(gen.finish, gen.stop_reason):
+            ids = ids[:-1]  # its text is not the answer's (its logprob entry stays)
         choice = {
             "index": 0,
-            "token_ids": gen.ids,
+            "token_ids": ids,
             "finish_reason": gen.finish,
             "stop_reason": gen.stop_reason,
             "logprobs": gen.logprobs(),
         }
-        if not gen.ids:  # nothing to parse (derender refuses an empty output)
+        if not ids:  # nothing to parse (derender refuses an empty output)
             message = {"role": "assistant", "content": ""}
             chat_choice = {**choice, "message": message, "logprobs": None}
             del chat_choice["token_ids"]
@@ -921,6 +992,10 @@ class TokenIn:
         if answer is None or not _choices_of(answer):
             logger.warning("derender on %s answered %d: %s", gen.backend.url, status, _error_message(raw))
             raise _Fallback("derender_error")
+        for choice_ in _choices_of(answer):
+            said = choice_.get("message")
+            if isinstance(said, dict):
+                _as_chat(said, choice_, call)
         return answer
 
     async def _stream(
@@ -977,6 +1052,8 @@ class TokenIn:
             if piece is None:
                 raise ProxyError(502, "the generation ended without a finish reason")
             ids, entries, finish, stop_reason = piece
+            if gen.keeps_stop and ids and gen.stopped_on_token(finish, stop_reason):
+                ids = ids[:-1]
             generate_chunk = {
                 "request_id": gen.request_id,
                 "choices": [
@@ -992,7 +1069,12 @@ class TokenIn:
             body = prefix + orjson.dumps(generate_chunk) + b',"stream_state":' + orjson.dumps(state) + b"}"
             chunk, state = await self._derender_chunk(call, gen, body)
             for choice in _choices_of(chunk):
-                answer.add_delta(choice.get("delta") or {})
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    choice["delta"] = _as_chat(delta, choice, call)
+                    answer.add_delta(choice["delta"])
+            for key in [key for key, value in chunk.items() if value is None]:
+                del chunk[key]
             if head is None:
                 head = {key: chunk.get(key) for key in ("id", "object", "created", "model")}
                 if ids_back:
@@ -1001,6 +1083,9 @@ class TokenIn:
                 chunk["created"] = head["created"]
             out = _sse_event(chunk)
             if finish is not None:
+                for choice in _choices_of(chunk):
+                    if isinstance(choice.get("finish_reason"), str):
+                        gen.finish = choice["finish_reason"]  # recorded as the agent gets it
                 self._record(call, gen)
                 self.host._commit(call)  # before the agent can read [DONE] and report its rollout done
                 if usage:
