@@ -64,6 +64,9 @@ class Served:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self.url = ""  # the hop's, set when it serves
         self.seen: list[tuple[str, Any]] = []
+        #: Set once a streamed generation has passed 20 tokens through the hop and not finished: vLLM is busy
+        #: generating it (what the agent sees lags behind, by the derender).
+        self.midway = anyio.Event()
 
     def asked(self, path: str = GENERATE) -> list[Any]:
         return [body for p, body in self.seen if p == path]
@@ -97,7 +100,16 @@ async def served(vllm: tuple[str, str, Path]) -> AsyncIterator[Served]:
         ) as answer:
             response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
             await response.prepare(request)
+            tokens, finished = 0, False
             async for piece in answer.content.iter_any():
+                if request.path == GENERATE and answer.content_type == "text/event-stream":
+                    for line in piece.split(b"\n"):
+                        if line.startswith(b"data: {"):
+                            for choice in orjson.loads(line[6:]).get("choices") or ():
+                                tokens += len(choice.get("token_ids") or ())
+                                finished |= choice.get("finish_reason") is not None
+                    if tokens > 20 and not finished:
+                        served.midway.set()
                 await response.write(piece)
             await response.write_eof()
             return response
@@ -298,9 +310,8 @@ async def test_tool_calls_vllm_parsed_are_echoed_with_a_tool_result_and_carry_on
                 if called["tool_calls"]:
                     break
             [call] = called["tool_calls"]
-            assert call["function"]["name"] == "lookup" and orjson.loads(call["function"]["arguments"])[
-                "key"
-            ] in ("x", "y")
+            assert call["function"]["name"] == "lookup" and call["id"].startswith("chatcmpl-tool-")
+            assert orjson.loads(call["function"]["arguments"])["key"] in ("x", "y")
             messages += [
                 {"role": "assistant", "content": called["content"], "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": call["id"], "content": "x is 42"},
@@ -371,7 +382,7 @@ async def test_each_conversation_is_one_row_and_an_edited_history_starts_a_new_o
 async def test_a_weight_update_in_the_middle_of_a_token_in_stream_continues_from_the_ids_so_far(
     served: Served,
 ) -> None:
-    long = 120
+    long = 400  # a generation still going long after the abort is asked for
     async with proxied(served.url) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [{"role": "user", "content": "Tell me everything."}]
@@ -389,7 +400,8 @@ async def test_a_weight_update_in_the_middle_of_a_token_in_stream_continues_from
         }
         async with http.post(f"{base}/chat/completions", json=body) as response:
             stream = Stream(response)
-            await stream.until_more_than(20)
+            await stream.until_first_token()
+            await served.midway.wait()  # vLLM has generated 20 of them and goes on
             proxy.hold()  # what verl's trainer does around a weight update
             for action in ("pause?mode=abort", "resume"):
                 async with http.post(f"{served.vllm}/{action}") as r:
@@ -415,3 +427,51 @@ async def test_a_weight_update_in_the_middle_of_a_token_in_stream_continues_from
     )
     assert second.logprobs == pytest.approx(reference["logprobs"]["token_logprobs"], abs=1e-4)
     assert (second.weight_version, second.weight_version_end) == (0, 1) and extends(calls[0], second)
+
+
+# The trimming template only: the think template re-renders the first turn without the think block it opened,
+# so no chat prompt equals the token-in prompt.
+@pytest.mark.parametrize("vllm", ["trim"], indirect=True)
+@pytest.mark.parametrize("tools", [False, True], ids=["plain", "parser"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_token_in_answer_is_what_vllms_chat_endpoint_answers_for_the_same_ids(
+    served: Served, stream: bool, tools: bool
+) -> None:
+    # The first answer is an end of turn at once, so the history re-renders as generated and vLLM's chat endpoint
+    # is asked for the very prompt the token-in call is generated from.
+    # The second answer ends on its end of sequence (min_tokens, then a bias towards it): vLLM's derender would
+    # write that token's text when a parser is configured (with tools), its chat endpoint never does.
+    extra = {"tools": [LOOKUP]} if tools else {}
+    ending = {"temperature": 0.0, "logit_bias": {"2": 100}}
+    asked = {"max_tokens": 10, "min_tokens": 3, "logit_bias": {"2": 30}, "logprobs": True, "temperature": 0.0}
+    async with proxied(served.url) as (proxy, store), aiohttp.ClientSession() as http:
+        rid, aid, base = claim(proxy, store)
+        messages: list[Any] = [{"role": "user", "content": "hello"}]
+        async with openai_sdk(base) as client:
+            first = await chat_turn(client, messages, False, max_tokens=4, extra_body=ending, **extra)
+        assert first["content"] == "" and first["finish_reason"] == "stop"
+        messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
+        body = {"model": "tiny", "messages": messages, "stream": stream, **asked, **extra}
+        async with http.post(f"{base}/chat/completions", json=body) as r:
+            raw = await r.read()
+        direct = {**body, "stream": False, "return_token_ids": True}
+        async with http.post(f"{served.vllm}/v1/chat/completions", json=direct) as r:
+            reference = await r.json()
+        calls = finish(store, rid, aid)
+    assert counts(proxy) == {"first_call": 1, "generated": 1}
+    second, expected = calls[1], reference["choices"][0]
+    assert second.prompt_token_ids == reference["prompt_token_ids"]  # the same prompt, so the same answer
+    assert second.response_token_ids == expected["token_ids"] and expected["token_ids"][-1] == 2
+    assert second.finish_reason == expected["finish_reason"] == "stop"
+    if not stream:
+        answer = orjson.loads(raw)["choices"][0]
+        assert answer["message"]["content"] == expected["message"]["content"]  # no "<|im_end|>" written
+        assert answer["message"].get("tool_calls") in ([], None) and answer["finish_reason"] == "stop"
+        got = [e["logprob"] for e in answer["logprobs"]["content"]]
+        assert got == pytest.approx([e["logprob"] for e in expected["logprobs"]["content"]], abs=1e-4)
+        return
+    events = [orjson.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == expected["message"]["content"]
+    assert all(None not in d.values() for d in deltas)  # as the chat endpoint writes deltas: no null fields
+    assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
