@@ -100,10 +100,11 @@ async def served(vllm: tuple[str, str, Path]) -> AsyncIterator[Served]:
         ) as answer:
             response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
             await response.prepare(request)
-            tokens, finished = 0, False
+            tokens, finished, pending = 0, False, b""
             async for piece in answer.content.iter_any():
                 if request.path == GENERATE and answer.content_type == "text/event-stream":
-                    for line in piece.split(b"\n"):
+                    *lines, pending = (pending + piece).split(b"\n")  # pieces may end inside a line
+                    for line in lines:
                         if line.startswith(b"data: {"):
                             for choice in orjson.loads(line[6:]).get("choices") or ():
                                 tokens += len(choice.get("token_ids") or ())
@@ -400,8 +401,9 @@ async def test_a_weight_update_in_the_middle_of_a_token_in_stream_continues_from
         }
         async with http.post(f"{base}/chat/completions", json=body) as response:
             stream = Stream(response)
-            await stream.until_first_token()
-            await served.midway.wait()  # vLLM has generated 20 of them and goes on
+            with anyio.fail_after(60):
+                await stream.until_first_token()
+                await served.midway.wait()  # vLLM has generated 20 of them and goes on
             proxy.hold()  # what verl's trainer does around a weight update
             for action in ("pause?mode=abort", "resume"):
                 async with http.post(f"{served.vllm}/{action}") as r:

@@ -33,7 +33,12 @@ backend's token-in endpoints (vLLM ``--enable-scale-out``; the embedded engine s
    one derender in flight per stream: the generate chunks that arrived meanwhile go as one, so the round trips
    per token shrink when the backend outpaces the derender. The agent gets ordinary ``chat.completion``
    JSON or ``chat.completion.chunk`` events, usage when asked, ``[DONE]``; a Responses / Messages call gets
-   them through its translator.
+   them through its translator. vLLM 0.32's derender differs from its chat endpoint in four ways, each put
+   right here: with a parser configured it writes the text of the token a generation stopped on (a probe
+   derender per backend x context finds out; such a token is then not derendered, its logprob entry kept),
+   it leaves ``finish_reason`` ``stop`` on a whole answer with tool calls (``tool_calls`` unless the call
+   named the function), its tool-call ids lack the ``chatcmpl-tool-`` prefix, and its stream deltas carry null
+   fields (dropped). The record's finish reason is the one the agent gets.
 
 The record: prompt ids = the ids generated from, response ids = the generated ids (all continuations), the
 engine's logprobs, finish reason, weight versions (the backend's ``X-Weight-Version``, else digit labels of
