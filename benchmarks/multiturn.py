@@ -304,7 +304,7 @@ def summarize_learning(rows: list[dict[str, Any]], target: float) -> dict[str, A
 
 # ---------------------------------------------------------------------------------------------- proxy cost
 PROXY_SYSTEM = "You are a careful assistant. Use the tools when they help, answer in one word otherwise. "
-PROXY_RESULT = "value 42, unit none, status ok, source cache, fetched from the primary store; " * 4
+PROXY_RESULT = "value 42, unit none, status ok, source cache, fetched from the primary store; "
 
 
 async def _proxy_child(cfg: dict[str, Any]) -> None:
@@ -348,7 +348,13 @@ async def _proxy_child(cfg: dict[str, Any]) -> None:
 
 async def _chat_call(session: Any, url: str, model: str, messages: list[Any]) -> tuple[float, str]:
     body = orjson.dumps(
-        {"model": model, "messages": messages, "max_tokens": CHAT_ANSWER_TOKENS, "temperature": 1.0}
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": CHAT_ANSWER_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
     )
     started = time.perf_counter()
     async with session.post(
@@ -362,7 +368,12 @@ async def _chat_call(session: Any, url: str, model: str, messages: list[Any]) ->
 
 
 async def proxy_cost(
-    turns_list: list[int], conversations: int, repeats: int, backend: str | None, model: str
+    turns_list: list[int],
+    conversations: int,
+    repeats: int,
+    backend: str | None,
+    model: str,
+    result_repeat: int = 4,
 ) -> dict[str, Any]:
     """The proxy part (see the module docstring): per T, per mode, the timed last calls' latency, excess over
     the backend's chat endpoint, and the proxy's CPU per call."""
@@ -394,7 +405,7 @@ async def proxy_cost(
                     for turn in range(turns - 1):  # played, not timed
                         for base, history in zip(bases, histories, strict=True):
                             _, answer = await _chat_call(session, base, model, history)
-                            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Result {turn}: {PROXY_RESULT}"}]  # fmt: skip
+                            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Result {turn}: {PROXY_RESULT * result_repeat}"}]  # fmt: skip
                     # the timed calls: each conversation's call T, sent `repeats` times (an agent retrying it)
                     timed = [
                         (base, h) for base, h in zip(bases, histories, strict=True) for _ in range(repeats)
@@ -448,6 +459,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=16, help="conversations per T in the proxy part")
     parser.add_argument(
         "--repeats", type=int, default=20, help="timed sends of each conversation's last call"
+    )
+    parser.add_argument(
+        "--result-repeat", type=int, default=4, help="tool result length per turn (x 14 words)"
     )
     parser.add_argument(
         "--proxy-backend", default=None, help="a vLLM URL (--enable-scale-out) instead of the mock"
@@ -514,6 +528,7 @@ def main() -> None:
             args.repeats,
             args.proxy_backend,
             args.model_name,
+            args.result_repeat,
         )
     learning: dict[str, Any] = {}
     if args.learn_steps and "learn" in args.parts:
@@ -555,6 +570,7 @@ def main() -> None:
                 "proxy_turns": args.proxy_turns,
                 "conversations": args.conversations,
                 "repeats": args.repeats,
+                "result_repeat": args.result_repeat,
                 "seeds": args.seeds,
                 "turns": args.turns,
                 "system_tokens": SYSTEM_TOKENS,
