@@ -11,14 +11,13 @@ Two parts, each variant a child process that trains with ``AsyncVERL`` and repor
   (median over the steps after the first), generated tokens per step, and the drift rate (calls that began
   with their chain's last prompt but not with its exact answer ids, over all calls) with the tiny model's chat
   template.
-- **Chat** (``--chat-turns``, ``--chat-steps``; token-in chat, ``aglverl.proxy.tokenin``): an ordinary openai
-  SDK chat agent that echoes the text it got (no ids kept), a tool result as a user turn after each answer,
-  trained with ``AsyncVERL`` (``trajectory: merge``) under the tiny model's plain template and a copy whose
+- **Chat** (``--chat-steps``; token-in chat, ``aglverl.proxy.tokenin``): the demo's multiturn agent, an ordinary
+  openai SDK chat agent that echoes the text it got (no ids kept), a tool message as a user turn after each of
+  its three answers, trained with ``AsyncVERL`` (``trajectory: merge``) under the tiny model's plain template and a copy whose
   template trims every message (Llama 3's way, ``aglverl.testing.chat_templates``), token-in on and off in the
   same run: the drift rate (target 0 with token-in), rows per rollout, trainer tokens per rollout, seconds per
   step, and the proxy's token-in counters. ``--rollout vllm`` trains on verl's vLLM rollout instead of the
-  embedded engine (run it with the vLLM tier's venv); the embedded engine generates from ids only where it
-  serves the token-in endpoints (otherwise every call counts ``no_backend`` and drifts as text).
+  embedded engine (run it with the vLLM tier's venv).
 - **Proxy** (``--proxy-turns``, default 2 8 32): what token-in costs per call as the conversation grows,
   without training: a mock vLLM backend (or ``--proxy-backend URL``, a ``vllm serve --enable-scale-out``), and
   two proxies in front of it in their own processes, token-in on and off; ``--conversations`` conversations of
@@ -109,31 +108,6 @@ def tool_agent(turns: int, tokenizer: Any, system: str, tool_result: str) -> Any
 
 
 CHAT_ANSWER_TOKENS = 8
-CHAT_TOOL_RESULT = "Result: value 42, unit none, status ok."
-
-
-def chat_agent(turns: int) -> Any:
-    """An ordinary openai SDK chat agent that keeps no ids: it echoes the text it got, then a tool result as a
-    user turn, ``turns`` calls; the reward is the demo's word reward averaged over the answers."""
-    from aglverl.demo import _openai_client, word_reward
-
-    async def agent(task: dict[str, Any], llm: Any) -> float:
-        client = _openai_client().with_options(base_url=llm.endpoint)
-        messages: list[dict[str, Any]] = [{"role": "user", "content": task["prompt"]}]
-        rewards = []
-        for turn in range(turns):
-            reply = await client.chat.completions.create(
-                model=llm.model, messages=messages, max_tokens=CHAT_ANSWER_TOKENS, temperature=1.0
-            )
-            answer = reply.choices[0].message.content or ""
-            rewards.append(word_reward(answer, task["word"]))
-            messages += [
-                {"role": "assistant", "content": answer},
-                {"role": "user", "content": f"{CHAT_TOOL_RESULT} ({turn + 1}) {task['prompt']}"},
-            ]
-        return sum(rewards) / len(rewards)
-
-    return agent
 
 
 def _model_with(template: str, logs: Path) -> str:
@@ -179,7 +153,7 @@ def child(
         config["aglverl"]["token_in"] = bool(extra["token_in"])
         if extra.get("rollout") == "vllm":
             config["actor_rollout_ref"]["rollout"]["name"] = "vllm"
-        agent = chat_agent(turns)
+        agent = TASKS["multiturn"][0]  # the demo's: an openai SDK agent that echoes text, no ids kept
     else:
         config = demo_config(steps, trajectory=trajectory)
         tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path()))
@@ -447,7 +421,6 @@ def main() -> None:
     parser.add_argument("--cost-steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step in the cost and chat runs")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt in the cost and chat runs")
-    parser.add_argument("--chat-turns", type=int, default=3, help="calls per conversation in the chat runs")
     parser.add_argument("--chat-steps", type=int, default=4)
     parser.add_argument(
         "--chat-templates", nargs="+", default=["plain", "trim"], choices=["plain", "trim", "think"]
@@ -504,7 +477,7 @@ def main() -> None:
         runs = {}
         for token_in in (True, False):
             extra = {"model": model, "token_in": token_in, "rollout": args.rollout}
-            common = ["--kind", "chat", "--turns", str(args.chat_turns), "--cost-steps", str(args.chat_steps)]
+            common = ["--kind", "chat", "--cost-steps", str(args.chat_steps)]
             common += [
                 "--prompts",
                 str(args.prompts),
@@ -563,7 +536,6 @@ def main() -> None:
             "machine": machine_info(),
             "settings": {
                 "parts": args.parts,
-                "chat_turns": args.chat_turns,
                 "chat_steps": args.chat_steps,
                 "chat_templates": args.chat_templates,
                 "rollout": args.rollout,

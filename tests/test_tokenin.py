@@ -14,25 +14,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import orjson
 import pytest
-from test_translate import anthropic_sdk, claim, finish, openai_sdk
+from helpers.tokenin import api_conversation, chat_turn, counts, extends
+from test_translate import claim, finish, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
-from aglverl.metrics import Registry
-from aglverl.proxy import LLMProxy, RetryPolicy
 from aglverl.proxy.session import Answer, Sessions, canonical_message
-from aglverl.store import LLMCall, TaskStore
+from aglverl.store import LLMCall
 from aglverl.testing import MockVLLM, completion_token_ids, token_logprob, tool_arguments
 
 pytestmark = pytest.mark.anyio
 
-FAST_RETRY = RetryPolicy(attempts=3, total_timeout=5.0, backoff_initial=0.01, backoff_max=0.05)
 GENERATE = "/inference/v1/generate"
 RENDER = "/v1/chat/completions/render"
 DERENDER = "/v1/chat/completions/derender"
@@ -42,24 +39,6 @@ LOOKUP = {
 }
 
 
-@asynccontextmanager
-async def proxied(backend: str, **kwargs: Any) -> AsyncIterator[tuple[LLMProxy, TaskStore]]:
-    store = TaskStore()
-    proxy = LLMProxy(store, backends=[backend], registry=Registry(), retry=FAST_RETRY, **kwargs)
-    async with anyio.create_task_group() as tg:
-        await tg.start(proxy.serve)
-        yield proxy, store
-        tg.cancel_scope.cancel()
-
-
-def counts(proxy: LLMProxy) -> dict[str, float]:
-    """The non-zero ``aglverl_proxy_token_in_total`` outcomes."""
-    from aglverl.proxy.tokenin import OUTCOMES
-
-    assert proxy.token_in is not None
-    return {o: v for o in OUTCOMES if (v := proxy.token_in.m_calls.value(o))}
-
-
 def generated(mock: MockVLLM) -> list[dict[str, Any]]:
     """The bodies of the generate requests the mock got."""
     return [r.json for r in mock.requests if r.path == GENERATE]
@@ -67,40 +46,13 @@ def generated(mock: MockVLLM) -> list[dict[str, Any]]:
 
 def assert_chained(calls: Sequence[LLMCall]) -> None:
     """Every call's prompt ids start with exactly the previous call's prompt + response ids."""
-    for earlier, later in itertools.pairwise(calls):
-        assert earlier.prompt_token_ids is not None and earlier.response_token_ids is not None
-        head = earlier.prompt_token_ids + earlier.response_token_ids
-        assert later.prompt_token_ids is not None and later.prompt_token_ids[: len(head)] == head
+    assert all(extends(earlier, later) for earlier, later in itertools.pairwise(calls))
 
 
 async def chat(client: Any, messages: list[Any], stream: bool, **kwargs: Any) -> dict[str, Any]:
-    """One chat completion as the agent sees it: ``{"content", "tool_calls", "finish_reason"}``."""
+    """One chat completion on the mock as the agent sees it (4 tokens unless told)."""
     kwargs.setdefault("max_tokens", 4)
-    if not stream:
-        reply = await client.chat.completions.create(model="mock", messages=messages, **kwargs)
-        message = reply.choices[0].message
-        calls = [c.model_dump() for c in message.tool_calls or ()]
-        return {
-            "content": message.content,
-            "tool_calls": calls,
-            "finish_reason": reply.choices[0].finish_reason,
-        }
-    content, calls, finish_reason = "", {}, None
-    async for chunk in await client.chat.completions.create(
-        model="mock", messages=messages, stream=True, **kwargs
-    ):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for call in choice.delta.tool_calls or ():
-                entry = calls.setdefault(
-                    call.index,
-                    {"id": call.id, "type": "function", "function": {"name": None, "arguments": ""}},
-                )
-                if call.function.name:
-                    entry["function"]["name"] = call.function.name
-                entry["function"]["arguments"] += call.function.arguments or ""
-            finish_reason = choice.finish_reason or finish_reason
-    return {"content": content, "tool_calls": list(calls.values()), "finish_reason": finish_reason}
+    return await chat_turn(client, messages, stream, model="mock", **kwargs)
 
 
 def text_of(ids: Sequence[int]) -> str:
@@ -180,7 +132,11 @@ def test_an_empty_answer_the_agent_leaves_out_still_matches() -> None:
     _, match, _ = sessions.consider("r", "a", later)
     assert match is not None and match.turn.response == [2]
     # an agent that kept it (and then edited the history after it) matches the turn it kept, not this one
-    kept = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "x"}]
+    kept = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "x"},
+    ]
     _, match, _ = sessions.consider("r", "a", {"model": "m", "messages": kept})
     assert match is not None and match.tail == kept[2:]
     edited = [*kept[:1], {"role": "assistant", "content": "changed"}, kept[2]]
@@ -348,48 +304,7 @@ async def test_tool_calls_the_backend_parsed_are_echoed_with_a_tool_result_and_c
 async def test_responses_and_messages_agents_are_generated_from_ids(api: str, stream: bool) -> None:
     async with MockVLLM(template="think") as mock, proxied(mock.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
-        texts = []
-        if api == "responses":
-            async with openai_sdk(base) as client:
-                history: list[Any] = [{"role": "user", "content": "question"}]
-                for _ in range(3):
-                    if stream:
-                        events = [
-                            e
-                            async for e in await client.responses.create(
-                                model="mock", input=history, max_output_tokens=4, stream=True
-                            )
-                        ]
-                        [done] = [
-                            e for e in events if e.type in ("response.completed", "response.incomplete")
-                        ]
-                        reply = done.response
-                    else:
-                        reply = await client.responses.create(
-                            model="mock", input=history, max_output_tokens=4
-                        )
-                    texts.append(reply.output_text)
-                    history += [o.model_dump(exclude_none=True) for o in reply.output]
-                    history.append({"role": "user", "content": "again"})
-        else:
-            async with anthropic_sdk(base) as client_:
-                messages: list[Any] = [{"role": "user", "content": "question"}]
-                for _ in range(3):
-                    if stream:
-                        async with client_.messages.stream(
-                            model="mock", max_tokens=4, messages=messages
-                        ) as events_:
-                            message = await events_.get_final_message()
-                    else:
-                        message = await client_.messages.create(model="mock", max_tokens=4, messages=messages)
-                    texts.append("".join(b.text for b in message.content if b.type == "text"))
-                    messages += [
-                        {
-                            "role": "assistant",
-                            "content": [b.model_dump(exclude_none=True) for b in message.content],
-                        },
-                        {"role": "user", "content": "again"},
-                    ]
+        texts = await api_conversation(api, base, stream, model="mock", max_tokens=4)
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
     assert_chained(calls)

@@ -22,12 +22,12 @@ import aiohttp
 import anyio
 import orjson
 import pytest
+from helpers import tokenin
+from helpers.tokenin import api_conversation, counts, extends
 from test_proxy_resume import Stream, reload
-from test_translate import anthropic_sdk, claim, finish, openai_sdk, proxied
+from test_translate import claim, finish, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, InferenceServer, run_agents
-from aglverl.proxy import LLMProxy
-from aglverl.store import LLMCall
 from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 
 pytestmark = pytest.mark.anyio
@@ -60,19 +60,6 @@ async def engine(
         yield server
 
 
-def counts(proxy: LLMProxy) -> dict[str, float]:
-    from aglverl.proxy.tokenin import OUTCOMES
-
-    assert proxy.token_in is not None
-    return {o: v for o in OUTCOMES if (v := proxy.token_in.m_calls.value(o))}
-
-
-def extends(earlier: LLMCall, later: LLMCall) -> bool:
-    assert earlier.prompt_token_ids is not None and earlier.response_token_ids is not None
-    head = earlier.prompt_token_ids + earlier.response_token_ids
-    return later.prompt_token_ids is not None and later.prompt_token_ids[: len(head)] == head
-
-
 async def completion(server: InferenceServer, prompt: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
     """The engine's own greedy completion of ``prompt`` (its choice, with ids)."""
     body = {
@@ -89,36 +76,10 @@ async def completion(server: InferenceServer, prompt: list[int], tokens: int, **
 
 
 async def chat_turn(client: Any, messages: list[Any], stream: bool, **kwargs: Any) -> dict[str, Any]:
-    """One chat call as the agent sees it: content, reasoning, tool calls, finish reason."""
-    extra = {**GREEDY, **kwargs.pop("extra_body", {})}
-    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 8, "extra_body": extra, **kwargs}
-    if not stream:
-        reply = await client.chat.completions.create(**kwargs)
-        message = reply.choices[0].message
-        return {
-            "content": message.content,
-            "reasoning": (message.model_extra or {}).get("reasoning"),
-            "tool_calls": [c.model_dump() for c in message.tool_calls or ()],
-            "finish_reason": reply.choices[0].finish_reason,
-        }
-    content, reasoning, calls, finish_reason = "", "", {}, None
-    async for chunk in await client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
-            for call in choice.delta.tool_calls or ():
-                entry = calls.setdefault(
-                    call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}}
-                )
-                entry["function"]["name"] += call.function.name or ""
-                entry["function"]["arguments"] += call.function.arguments or ""
-            finish_reason = choice.finish_reason or finish_reason
-    return {
-        "content": content,
-        "reasoning": reasoning or None,
-        "tool_calls": list(calls.values()),
-        "finish_reason": finish_reason,
-    }
+    """One greedy chat call on the tiny model as the agent sees it (8 tokens unless told)."""
+    kwargs["extra_body"] = {**GREEDY, **kwargs.get("extra_body", {})}
+    kwargs.setdefault("max_tokens", 8)
+    return await tokenin.chat_turn(client, messages, stream, model="tiny", **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -170,7 +131,13 @@ async def test_tool_calls_the_engine_parsed_go_back_with_results_and_are_generat
         async with openai_sdk(base) as client:
             for turn in range(2):  # required: the engine's constrained decoding makes a call every time
                 called = await chat_turn(
-                    client, messages, stream, tools=[LOOKUP], tool_choice="required", max_tokens=48, parallel_tool_calls=False
+                    client,
+                    messages,
+                    stream,
+                    tools=[LOOKUP],
+                    tool_choice="required",
+                    max_tokens=48,
+                    parallel_tool_calls=False,
                 )
                 [call] = called["tool_calls"]
                 assert called["finish_reason"] == "tool_calls" and call["id"].startswith("chatcmpl-tool-")
@@ -186,7 +153,10 @@ async def test_tool_calls_the_engine_parsed_go_back_with_results_and_are_generat
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
-    assert [c.finish_reason for c in calls[:2]] == ["tool_calls", "tool_calls"]  # recorded as the agent got it
+    assert [c.finish_reason for c in calls[:2]] == [
+        "tool_calls",
+        "tool_calls",
+    ]  # recorded as the agent got it
     tail = server.tokenizer.decode((calls[2].prompt_token_ids or [])[len(calls[1].prompt_token_ids or []) :])
     assert "<tool_response>\nx is 43\n</tool_response>" in tail and "x is 42" not in tail  # only the new turn
 
@@ -198,39 +168,7 @@ async def test_responses_and_messages_agents_on_the_engine_are_generated_from_id
 ) -> None:
     async with engine(tiny_model, tmp_path, "trim") as server, proxied(server.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
-        if api == "responses":
-            async with openai_sdk(base) as client:
-                history: list[Any] = [{"role": "user", "content": "question"}]
-                for _ in range(3):
-                    kwargs: dict[str, Any] = dict(
-                        model="tiny", input=history, max_output_tokens=6, extra_body=GREEDY
-                    )
-                    if stream:
-                        events = [e async for e in await client.responses.create(**kwargs, stream=True)]
-                        reply = next(
-                            e for e in events if e.type in ("response.completed", "response.incomplete")
-                        ).response
-                    else:
-                        reply = await client.responses.create(**kwargs)
-                    history += [o.model_dump(exclude_none=True) for o in reply.output]
-                    history.append({"role": "user", "content": "again"})
-        else:
-            async with anthropic_sdk(base) as client_:
-                messages: list[Any] = [{"role": "user", "content": "question"}]
-                for _ in range(3):
-                    kwargs = dict(model="tiny", max_tokens=6, messages=messages, extra_body=GREEDY)
-                    if stream:
-                        async with client_.messages.stream(**kwargs) as events_:
-                            message = await events_.get_final_message()
-                    else:
-                        message = await client_.messages.create(**kwargs)
-                    messages += [
-                        {
-                            "role": "assistant",
-                            "content": [b.model_dump(exclude_none=True) for b in message.content],
-                        },
-                        {"role": "user", "content": "again"},
-                    ]
+        await api_conversation(api, base, stream, model="tiny", max_tokens=6, extra=GREEDY)
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))

@@ -25,15 +25,15 @@ import anyio
 import orjson
 import pytest
 from aiohttp import web
+from helpers import tokenin
+from helpers.tokenin import api_conversation, counts, extends
 from helpers.vllm_server import vllm_server
 from test_proxy_resume import Stream
-from test_translate import anthropic_sdk, claim, finish, openai_sdk, proxied
+from test_translate import claim, finish, openai_sdk, proxied
 from transformers import AutoTokenizer
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
 from aglverl._net import bind_listener, url_of
-from aglverl.proxy import LLMProxy
-from aglverl.store import LLMCall
 from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
@@ -130,19 +130,6 @@ async def served(vllm: tuple[str, str, Path]) -> AsyncIterator[Served]:
         await session.close()
 
 
-def counts(proxy: LLMProxy) -> dict[str, float]:
-    from aglverl.proxy.tokenin import OUTCOMES
-
-    assert proxy.token_in is not None
-    return {o: v for o in OUTCOMES if (v := proxy.token_in.m_calls.value(o))}
-
-
-def extends(earlier: LLMCall, later: LLMCall) -> bool:
-    assert earlier.prompt_token_ids is not None and earlier.response_token_ids is not None
-    head = earlier.prompt_token_ids + earlier.response_token_ids
-    return later.prompt_token_ids is not None and later.prompt_token_ids[: len(head)] == head
-
-
 async def completion(url: str, prompt: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
     """vLLM's own greedy completion of ``prompt`` (its first choice, with ids)."""
     body = {
@@ -159,35 +146,10 @@ async def completion(url: str, prompt: list[int], tokens: int, **extra: Any) -> 
 
 
 async def chat_turn(client: Any, messages: list[Any], stream: bool, **kwargs: Any) -> dict[str, Any]:
-    """One chat call as the agent sees it: its text, tool calls and finish reason."""
-    kwargs = {
-        "model": "tiny",
-        "messages": messages,
-        "max_tokens": 8,
-        "extra_body": {**GREEDY, **kwargs.pop("extra_body", {})},
-        **kwargs,
-    }
-    if not stream:
-        reply = await client.chat.completions.create(**kwargs)
-        message = reply.choices[0].message
-        calls = [c.model_dump() for c in message.tool_calls or ()]
-        return {
-            "content": message.content,
-            "tool_calls": calls,
-            "finish_reason": reply.choices[0].finish_reason,
-        }
-    content, calls, finish_reason = "", {}, None
-    async for chunk in await client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for call in choice.delta.tool_calls or ():
-                entry = calls.setdefault(
-                    call.index, {"id": call.id, "type": "function", "function": {"name": "", "arguments": ""}}
-                )
-                entry["function"]["name"] += call.function.name or ""
-                entry["function"]["arguments"] += call.function.arguments or ""
-            finish_reason = choice.finish_reason or finish_reason
-    return {"content": content, "tool_calls": list(calls.values()), "finish_reason": finish_reason}
+    """One greedy chat call on the tiny model as the agent sees it (8 tokens unless told)."""
+    kwargs["extra_body"] = {**GREEDY, **kwargs.get("extra_body", {})}
+    kwargs.setdefault("max_tokens", 8)
+    return await tokenin.chat_turn(client, messages, stream, model="tiny", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- chat agents
@@ -245,39 +207,7 @@ async def test_responses_and_messages_agents_are_generated_from_ids(
 ) -> None:
     async with proxied(served.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
-        if api == "responses":
-            async with openai_sdk(base) as client:
-                history: list[Any] = [{"role": "user", "content": "question"}]
-                for _ in range(3):
-                    kwargs: dict[str, Any] = dict(
-                        model="tiny", input=history, max_output_tokens=6, extra_body=GREEDY
-                    )
-                    if stream:
-                        events = [e async for e in await client.responses.create(**kwargs, stream=True)]
-                        reply = next(
-                            e for e in events if e.type in ("response.completed", "response.incomplete")
-                        ).response
-                    else:
-                        reply = await client.responses.create(**kwargs)
-                    history += [o.model_dump(exclude_none=True) for o in reply.output]
-                    history.append({"role": "user", "content": "again"})
-        else:
-            async with anthropic_sdk(base) as client_:
-                messages: list[Any] = [{"role": "user", "content": "question"}]
-                for _ in range(3):
-                    kwargs = dict(model="tiny", max_tokens=6, messages=messages, extra_body=GREEDY)
-                    if stream:
-                        async with client_.messages.stream(**kwargs) as events_:
-                            message = await events_.get_final_message()
-                    else:
-                        message = await client_.messages.create(**kwargs)
-                    messages += [
-                        {
-                            "role": "assistant",
-                            "content": [b.model_dump(exclude_none=True) for b in message.content],
-                        },
-                        {"role": "user", "content": "again"},
-                    ]
+        await api_conversation(api, base, stream, model="tiny", max_tokens=6, extra=GREEDY)
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))

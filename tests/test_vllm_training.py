@@ -33,7 +33,12 @@ TRAIN = [{"prompt": "Say yes.", "word": "yes", "id": i} for i in range(12)]
 
 def config(mode: str) -> dict[str, Any]:
     return {
-        "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": RESPONSE, "shuffle": False},
+        "data": {
+            "train_batch_size": 2,
+            "max_prompt_length": 32,
+            "max_response_length": RESPONSE,
+            "shuffle": False,
+        },
         # two sequences at once: the others wait in vLLM's queue, and are aborted there too
         "actor_rollout_ref": {
             "rollout": {"name": "vllm", "n": 2, "max_num_seqs": 2},
@@ -91,7 +96,11 @@ class LongAnswers:
 async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -> None:
     composed, _ = compose_config(config(mode))
     rollout = composed.actor_rollout_ref.rollout
-    assert (rollout.enable_sleep_mode, rollout.free_cache_engine, rollout.enforce_eager) == (False, False, True)
+    assert (rollout.enable_sleep_mode, rollout.free_cache_engine, rollout.enforce_eager) == (
+        False,
+        False,
+        True,
+    )
     agent = LongAnswers()
     algo = AsyncVERL(config(mode), agent=agent.agent)
     steps: dict[int, dict[str, float]] = {}
@@ -103,7 +112,12 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
         assert metrics["step/n_completed"] == 4 and metrics["step/n_rows"] == 4
         assert metrics["logprobs/n_rows_missing"] == 0.0
     last = steps[3]
-    failures = ("calls_failed", "calls_upstream_error", "resume_failures_unsupported", "resume_failures_refused")
+    failures = (
+        "calls_failed",
+        "calls_upstream_error",
+        "resume_failures_unsupported",
+        "resume_failures_refused",
+    )
     assert {key: last[f"proxy/{key}"] for key in failures} == dict.fromkeys(failures, 0)
     if mode != "sync":
         assert last["proxy/resumed"] > 0  # updates aborted generations, and the proxy continued them
@@ -114,3 +128,40 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
     # recomputation of the rows' log-probs agrees with vLLM's to float32 rounding. vLLM starts from dummy
     # weights (load_format: dummy), so this also says verl's weight sync reached its CPU layers (W2).
     assert steps[1]["logprobs/abs_diff_mean"] < 1e-5, steps[1]["logprobs/abs_diff_mean"]
+
+
+async def echoing_chat(task: Mapping[str, Any], llm: LLM) -> float:
+    """An ordinary chat agent that keeps no ids: two calls, the first answer echoed as text before a tool result."""
+    params = dict(llm.sampling_parameters)
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="-", max_retries=0) as client:
+        for turn in range(2):
+            reply = await client.chat.completions.create(
+                model=llm.model, messages=messages, max_tokens=16, temperature=params.get("temperature", 1.0)
+            )
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"Tool: noted {turn}."},
+            ]
+    return float((reply.choices[0].message.content or "").count("e") % 2)
+
+
+async def test_verls_vllm_replicas_serve_token_in_chat_one_row_per_conversation(shared_ray: None) -> None:
+    # aglverl starts verl's vLLM servers with --enable_scale_out: the second call of each conversation is
+    # generated from the first's exact ids, so a conversation is one row and nothing drifts.
+    composed, _ = compose_config(config("sync"))
+    assert composed.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is True
+    algo = AsyncVERL(
+        config("sync") | {"trainer": {**config("sync")["trainer"], "total_training_steps": 1}},
+        agent=echoing_chat,
+    )
+    steps: dict[int, dict[str, float]] = {}
+    algo.on_step.append(lambda step, metrics: steps.__setitem__(step, dict(metrics)))
+    await algo.run(TRAIN, None)
+    [metrics] = steps.values()
+    assert (
+        metrics["batch/n_calls"] == 8
+        and metrics["batch/n_calls_drifted"] == 0
+        and metrics["step/n_rows"] == 4
+    )
+    assert metrics["proxy/token_in_generated"] == 4 and metrics["proxy/token_in_no_backend"] == 0
