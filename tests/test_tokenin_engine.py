@@ -22,8 +22,8 @@ import aiohttp
 import anyio
 import orjson
 import pytest
-from helpers import tokenin
-from helpers.tokenin import api_conversation, counts, extends
+from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends
+from helpers.tokenin import greedy_turn as chat_turn
 from test_proxy_resume import Stream, reload
 from test_translate import claim, finish, openai_sdk, proxied
 
@@ -32,7 +32,6 @@ from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 
 pytestmark = pytest.mark.anyio
 
-GREEDY: dict[str, Any] = {"temperature": 0.0}
 LOOKUP = {
     "type": "function",
     "function": {
@@ -60,28 +59,6 @@ async def engine(
         yield server
 
 
-async def completion(server: InferenceServer, prompt: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
-    """The engine's own greedy completion of ``prompt`` (its choice, with ids)."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "return_token_ids": True,
-        **GREEDY,
-        **extra,
-    }
-    async with aiohttp.ClientSession() as http, http.post(server.url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        return (await r.json())["choices"][0]
-
-
-async def chat_turn(client: Any, messages: list[Any], stream: bool, **kwargs: Any) -> dict[str, Any]:
-    """One greedy chat call on the tiny model as the agent sees it (8 tokens unless told)."""
-    kwargs["extra_body"] = {**GREEDY, **kwargs.get("extra_body", {})}
-    kwargs.setdefault("max_tokens", 8)
-    return await tokenin.chat_turn(client, messages, stream, model="tiny", **kwargs)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("template", ["plain", "trim", "think"])
 async def test_a_text_echoing_agent_is_generated_from_the_ids_the_engine_made(
@@ -104,7 +81,7 @@ async def test_a_text_echoing_agent_is_generated_from_the_ids_the_engine_made(
                 ]
         calls = finish(store, rid, aid)
         references = [
-            await completion(server, c.prompt_token_ids or [], len(c.response_token_ids or []))
+            await completion(server.url, c.prompt_token_ids or [], len(c.response_token_ids or []))
             for c in calls[1:]
         ]
     assert counts(proxy) == {"first_call": 1, "generated": 2}
@@ -251,7 +228,7 @@ async def test_a_token_in_stream_aborted_for_a_weight_update_goes_on_from_the_id
             events = await stream.rest()
         calls = finish(store, rid, aid)
         second = calls[1]
-        reference = await completion(server, second.prompt_token_ids or [], long, ignore_eos=True)
+        reference = await completion(server.url, second.prompt_token_ids or [], long, ignore_eos=True)
     chunks = [e for e in events if e != "[DONE]"]
     assert events[-1] == "[DONE]" and len({c["id"] for c in chunks}) == 1
     assert [
@@ -282,7 +259,7 @@ async def test_a_whole_answer_with_tools_aborted_for_a_weight_update_is_continue
         messages: list[Any] = [{"role": "user", "content": "Tell me everything."}]
         async with openai_sdk(base) as client:
             async with anyio.create_task_group() as tg:  # the first call needs a companion in its batch too
-                tg.start_soon(completion, server, [5, 6, 7], 2)
+                tg.start_soon(completion, server.url, [5, 6, 7], 2)
                 first = await chat_turn(client, messages, False, tools=[LOOKUP])
         messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "More."}]
         body = {
@@ -316,12 +293,14 @@ async def test_a_whole_answer_with_tools_aborted_for_a_weight_update_is_continue
                 server.resume()
                 await reload(server, 1)
                 proxy.resume(1)
-                tg.start_soon(completion, server, [5, 6, 7], 2)  # the continuation's companion in its batch
+                tg.start_soon(
+                    completion, server.url, [5, 6, 7], 2
+                )  # the continuation's companion in its batch
         calls = finish(store, rid, aid)
         second = calls[1]
         async with anyio.create_task_group() as tg:
-            tg.start_soon(completion, server, [5, 6, 7], 2)
-            reference = await completion(server, second.prompt_token_ids or [], long, ignore_eos=True)
+            tg.start_soon(completion, server.url, [5, 6, 7], 2)
+            reference = await completion(server.url, second.prompt_token_ids or [], long, ignore_eos=True)
     assert proxy.m_resumed.value() == 1 and proxy.m_regenerated.value() == 0
     assert (
         second.response_token_ids == reference["token_ids"]

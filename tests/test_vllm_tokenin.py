@@ -25,8 +25,8 @@ import anyio
 import orjson
 import pytest
 from aiohttp import web
-from helpers import tokenin
-from helpers.tokenin import api_conversation, counts, extends
+from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends
+from helpers.tokenin import greedy_turn as chat_turn
 from helpers.vllm_server import vllm_server
 from test_proxy_resume import Stream
 from test_translate import claim, finish, openai_sdk, proxied
@@ -39,7 +39,6 @@ from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
 GENERATE = "/inference/v1/generate"
-GREEDY: dict[str, Any] = {"temperature": 0.0}
 LOOKUP = {
     "type": "function",
     "function": {
@@ -128,28 +127,6 @@ async def served(vllm: tuple[str, str, Path]) -> AsyncIterator[Served]:
     finally:
         await runner.cleanup()
         await session.close()
-
-
-async def completion(url: str, prompt: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
-    """vLLM's own greedy completion of ``prompt`` (its first choice, with ids)."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "return_token_ids": True,
-        **GREEDY,
-        **extra,
-    }
-    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        return (await r.json())["choices"][0]
-
-
-async def chat_turn(client: Any, messages: list[Any], stream: bool, **kwargs: Any) -> dict[str, Any]:
-    """One greedy chat call on the tiny model as the agent sees it (8 tokens unless told)."""
-    kwargs["extra_body"] = {**GREEDY, **kwargs.get("extra_body", {})}
-    kwargs.setdefault("max_tokens", 8)
-    return await tokenin.chat_turn(client, messages, stream, model="tiny", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- chat agents

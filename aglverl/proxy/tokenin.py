@@ -131,6 +131,17 @@ class _Host(Protocol):
 
     async def _end_broken(self, call: _Call, status: int, message: str) -> None: ...
 
+    async def _forward(
+        self,
+        call: _Call,
+        response: web.StreamResponse,
+        chunk: bytes,
+        capture: _Capture | None,
+        whole: bytearray | None,
+    ) -> bool: ...
+
+    async def _close_stream(self, call: _Call, response: web.StreamResponse) -> None: ...
+
     def _timed_out(self, call: _Call) -> str: ...
 
 
@@ -1108,11 +1119,11 @@ class TokenIn:
                     call.fail("agent disconnected", "cancelled")
                     return call.response
                 call.first_byte = time.monotonic()
-            if not await self._write(call, out):
+            if not await self.host._forward(call, call.response, out, None, None):
                 return call.response
             if finish is not None:
                 break
-        await self._end(call)
+        await self.host._close_stream(call, call.response)
         return call.response
 
     async def _derender_chunk(self, call: _Call, gen: _Generation, body: bytes) -> tuple[dict[str, Any], Any]:
@@ -1133,30 +1144,3 @@ class TokenIn:
                 502, f"backend {gen.backend.url} could not derender the generation: {status}: {message}"
             )
         return chunk, answer.get("stream_state")
-
-    async def _write(self, call: _Call, out: bytes) -> bool:
-        response = call.response
-        assert response is not None
-        try:
-            data = out if call.translator is None else call.translator.feed(out)
-            if data:
-                await response.write(data)
-        except ConnectionError:
-            call.fail("agent disconnected", "cancelled")
-            return False
-        call.tail = out
-        if call.records is not None:
-            call.delivered = True
-        return True
-
-    async def _end(self, call: _Call) -> None:
-        response = call.response
-        assert response is not None
-        try:
-            if call.translator is not None and (last := call.translator.close()):
-                await response.write(last)
-            await response.write_eof()
-        except ConnectionError:
-            call.fail("agent disconnected", "cancelled")
-        else:
-            call.delivered = True

@@ -1,21 +1,25 @@
 """What the token-in tests share: SDK agents that echo the text they got, and reading what the proxy did.
 
-Agents: :func:`chat_turn` (one openai SDK chat call, as the agent sees it, streamed or not) and
-:func:`api_conversation` (three turns of a Responses API or Anthropic Messages agent that send their history
-back as the SDK returned it). Checks: :func:`counts` (the proxy's ``aglverl_proxy_token_in_total`` outcomes)
-and :func:`extends` (a call's prompt ids start with exactly an earlier call's prompt + response ids).
+Agents: :func:`chat_turn` (one openai SDK chat call, as the agent sees it, streamed or not; :func:`greedy_turn`
+the same, greedy, on the tiny model) and :func:`api_conversation` (three turns of a Responses API or Anthropic
+Messages agent that send their history back as the SDK returned it). Checks: :func:`counts` (the proxy's
+``aglverl_proxy_token_in_total`` outcomes), :func:`extends` (a call's prompt ids start with exactly an earlier
+call's prompt + response ids) and :func:`completion` (what a backend itself generates greedily from ids).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import anthropic
 import openai
 
 from aglverl.proxy import LLMProxy
 from aglverl.proxy.tokenin import OUTCOMES
 from aglverl.store import LLMCall
+
+GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 
 def counts(proxy: LLMProxy) -> dict[str, float]:
@@ -53,7 +57,9 @@ async def chat_turn(
             reasoning += (choice.delta.model_extra or {}).get("reasoning") or ""
             for call in choice.delta.tool_calls or ():
                 function = {"name": "", "arguments": ""}
-                entry = calls.setdefault(call.index, {"id": call.id, "type": "function", "function": function})
+                entry = calls.setdefault(
+                    call.index, {"id": call.id, "type": "function", "function": function}
+                )
                 if call.function is not None:
                     entry["function"]["name"] += call.function.name or ""
                     entry["function"]["arguments"] += call.function.arguments or ""
@@ -90,7 +96,9 @@ async def api_conversation(
                 history.append({"role": "user", "content": "again"})
         return texts
     # The Anthropic SDK appends /v1/messages itself: its base URL is the proxy's without /v1.
-    async with anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key="unused", max_retries=0) as c:
+    async with anthropic.AsyncAnthropic(
+        base_url=base.removesuffix("/v1"), api_key="unused", max_retries=0
+    ) as c:
         messages: list[Any] = [{"role": "user", "content": "question"}]
         for _ in range(3):
             kwargs = dict(model=model, max_tokens=max_tokens, messages=messages, extra_body=extra or {})
@@ -105,3 +113,28 @@ async def api_conversation(
                 {"role": "user", "content": "again"},
             ]
     return texts
+
+
+async def greedy_turn(
+    client: openai.AsyncOpenAI, messages: list[Any], stream: bool, **kwargs: Any
+) -> dict[str, Any]:
+    """:func:`chat_turn` on the tiny model (``"tiny"``), greedy, 8 tokens unless told."""
+    kwargs["extra_body"] = {**GREEDY, **kwargs.get("extra_body", {})}
+    kwargs.setdefault("max_tokens", 8)
+    return await chat_turn(client, messages, stream, model="tiny", **kwargs)
+
+
+async def completion(url: str, prompt: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
+    """What the backend at ``url`` itself generates greedily from ``prompt`` on ``/v1/completions`` (its
+    choice, with ids): for a token-in call, the same ids when it was generated from that prompt and nothing else."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "return_token_ids": True,
+        **GREEDY,
+        **extra,
+    }
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["choices"][0]
