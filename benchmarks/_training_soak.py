@@ -114,7 +114,8 @@ async def run_trainer(cfg: dict[str, Any]) -> None:
                     "kind": "step",
                     "run": run,
                     "step": int(algo.trainer.global_steps),
-                    "uids": sorted(set(uids) - {"pad"}),
+                    # aglverl.verl_v1 leaves verl's padding rows (tagged is_padding) out of a step's groups
+                    "uids": sorted(set(uids)),
                     "failed": sum(s.n_rollouts - s.n_completed for s in stats),
                     "rss_kib": status_kib(os.getpid(), "VmRSS:"),
                     "journal_bytes": journal.stat().st_size if journal.exists() else 0,
@@ -268,6 +269,8 @@ def summarize(
     for row in lineage.values():
         for uid in row["uids"]:
             unanswered += sum(rid not in sample_of for rid in groups.get(uid, []))
+    # a trained group no run dispatched (e.g. verl's padding taken for a group): the figures above would not see it
+    undispatched = sorted({uid for row in lineage.values() for uid in row["uids"] if uid not in groups})
     lost = max(0, unanswered - failed)  # a trained group's rollout neither answered nor failed
     duplicated = sum(c - 1 for c in in_groups.values() if c > 1) + sum(c - 1 for c in samples.values() if c > 1)
     per_run = []
@@ -296,10 +299,11 @@ def summarize(
         "rollouts_lost": lost,
         "rollouts_duplicated": duplicated,
         "rollouts_failed_in_trained_steps": failed,
+        "trained_groups_never_dispatched": undispatched,
         "runs": per_run,
         "journal_bytes_per_step": [s["journal_bytes"] for s in steps],
         "rss_mb_per_step": [round(s["rss_kib"] / 1024, 1) for s in steps],
-        "ok": finished and lost == 0 and duplicated == 0 and len(missing) <= len(runs) - 1,
+        "ok": finished and lost == 0 and duplicated == 0 and not undispatched and len(missing) <= len(runs) - 1,
     }
 
 
