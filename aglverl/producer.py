@@ -699,13 +699,22 @@ class TrajectoryProducer:
         """Groups from a previous run still waiting to be adopted."""
         return len(self._recovered)
 
-    def end_recovery(self) -> int:
-        """Drop the previous run's groups no dispatch adopted (the trainer moved past them); returns how many."""
-        dropped = len(self._recovered)
+    def end_recovery(self, global_steps: int | None = None) -> int:
+        """Drop the previous run's groups no dispatch adopted and none will: those the previous run dispatched
+        for a step up to ``global_steps``, whose sampling the trainer has just ended (``None``: every one);
+        returns how many. A group of a later step stays until then: a trainer resumed from a checkpoint
+        several steps back (``save_freq > 1``) replays its data loader and asks for that step's prompts again
+        at that step, and the group's finished rollouts are reused then, not answered again."""
+        dropped = [
+            uid
+            for uid, group in self._recovered.items()
+            if global_steps is None or int(group.record.get("global_steps") or 0) <= global_steps
+        ]
+        for uid in dropped:
+            del self._recovered[uid]
         if dropped:
-            logger.info("journal: %d groups of the previous run were not asked for again; dropped", dropped)
-        self._recovered.clear()
-        return dropped
+            logger.info("journal: %d groups of the previous run were not asked for again; dropped", len(dropped))
+        return len(dropped)
 
     def live_records(self) -> Iterator[dict[str, Any]]:
         """Journal records of the groups still needed (for compaction): live training groups and recovered

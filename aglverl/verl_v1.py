@@ -557,8 +557,10 @@ class _Hooks:
             run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
         elif mode == "colocate_async":
             run.on_loop(run.daemon.proxy.hold)  # verl aborts next; the proxy resumes after the update
-        # The first step has asked for everything a previous run left in flight that it wants again.
-        run.on_loop(run.producer.end_recovery)
+        # This step has asked for everything of it a previous run left in flight that it wants again (verl
+        # re-issues its checkpoint's in-flight prompts before the first step; a replayed data loader asks a
+        # step's prompts at that step): the previous run's groups of this step and before are dropped.
+        run.on_loop(run.producer.end_recovery, int(self.global_steps))  # type: ignore[attr-defined]
         super().on_sample_end()  # type: ignore[misc]
         self._compute_from = time.monotonic()
 

@@ -385,3 +385,28 @@ async def test_a_checkpoint_covers_exactly_the_groups_finished_before_its_save(
             (b2,) = await sink.wait_for(1)  # "b2" finished at once; "a2" is new work for agents
             assert b2.prompt.uid == "b2" and b2.stats.n_completed == 2
             assert daemon.store.try_claim() is not None
+
+
+async def test_a_group_of_a_later_step_waits_for_that_step_of_a_replayed_run(tmp_path: Path) -> None:
+    """Lockstep training with a checkpoint every few steps, killed during step 4 after training step 3 (saved:
+    step 2): the restarted trainer replays its data loader, asking step 3's prompts at step 3 and step 4's at
+    step 4. Step 4's journaled group must still be there for step 4 (its finished rollouts reused, never
+    answered again), though step 3's sampling ended meanwhile."""
+    journal = tmp_path / "j.journal"
+    async with MockVLLM(completion_tokens=3) as mock:
+        async with _daemon(journal, mock) as (daemon, sink):
+            await _answer_group(daemon, sink, Prompt("s3", {"q": 3}, 2, global_steps=3, index=5))
+            await _answer_group(daemon, sink, Prompt("s4", {"q": 4}, 2, global_steps=4, index=6))
+            assert daemon.producer is not None
+            answered = {uid: list(daemon.producer._groups[uid].rollout_ids) for uid in ("s3", "s4")}
+        async with _daemon(journal, mock) as (daemon, sink):
+            producer = daemon.producer
+            assert producer is not None and producer.recovered == 2
+            producer.dispatch([Prompt("r3", {"q": 3}, 2, global_steps=3, index=5)], resources_id=None)
+            assert producer.end_recovery(3) == 0  # step 3's sampling ended: only groups up to step 3 go
+            assert producer.recovered == 1
+            producer.dispatch([Prompt("r4", {"q": 4}, 2, global_steps=4, index=6)], resources_id=None)
+            assert producer._groups["r4"].rollout_ids == answered["s4"]  # reused as they were
+            assert producer.end_recovery(4) == 0 and producer.recovered == 0
+            await sink.wait_for(2)
+            assert daemon.store.try_claim() is None  # nothing is answered a second time
