@@ -57,7 +57,8 @@ async def paired(tiny_model: Path) -> AsyncIterator[InferenceServer]:
 async def proxying(server: InferenceServer, **kwargs: Any) -> AsyncIterator[tuple[LLMProxy, TaskStore]]:
     store = TaskStore(vocab_size=server.vocab_size)
     kwargs.setdefault("retry", FAST_RETRY)
-    proxy = LLMProxy(store, backends=[server.url], registry=Registry(), **kwargs)
+    kwargs.setdefault("backends", [server.url])
+    proxy = LLMProxy(store, registry=Registry(), **kwargs)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         yield proxy, store
@@ -99,6 +100,17 @@ def body(kind: str, stream: bool, **extra: Any) -> dict[str, Any]:
     if stream:
         out["stream_options"] = {"include_usage": True}
     return out | extra
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def tool_call(http: aiohttp.ClientSession, base: str, whole: list[Any]) -> None:
+    """A long JSON chat call with tools (aborted, the proxy makes it again: a completion cannot continue a
+    call whose output the backend parses as a whole); its status and answer go to ``whole``."""
+    request = body("chat", stream=False, seed=12, tools=TOOLS, tool_choice="auto")
+    async with http.post(base + "/chat/completions", json=request) as reply:
+        whole.append((reply.status, await reply.json()))
 
 
 class Stream:
@@ -401,6 +413,7 @@ class RefusingFront:
         self.matches: Any = None
         self.refused = 0
         self.url = ""
+        self._http: aiohttp.ClientSession | None = None
 
     def arm(self, how: str, matches: Any) -> None:
         self.how, self.matches = how, matches
@@ -447,8 +460,6 @@ class RefusingFront:
             finally:
                 await runner.cleanup()
 
-    _http: aiohttp.ClientSession | None = None
-
 
 @pytest.mark.parametrize("refusal", ["503", "abort"])
 async def test_a_generation_held_past_pause_timeout_still_has_its_whole_budget_for_refusals(
@@ -462,12 +473,8 @@ async def test_a_generation_held_past_pause_timeout_still_has_its_whole_budget_f
         InferenceServer(tiny_model, served_model_name="tiny", seed=0) as server,
         RefusingFront(server).serving() as front,
     ):
-        store = TaskStore(vocab_size=server.vocab_size)
-        proxy = LLMProxy(
-            store, backends=[front.url], registry=Registry(), retry=FAST_RETRY, pause_timeout=0.3, hold_timeout=60
-        )
-        async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
-            await tg.start(proxy.serve)
+        held_long = proxying(server, backends=[front.url], pause_timeout=0.3, hold_timeout=60)
+        async with held_long as (proxy, store), aiohttp.ClientSession() as http:
             rid, aid, base = claim(proxy, store)
             with anyio.fail_after(60):
                 async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
@@ -484,7 +491,6 @@ async def test_a_generation_held_past_pause_timeout_still_has_its_whole_budget_f
                     proxy.resume(1)
                     events = await stream.rest()
             [call] = finish(store, rid, aid)
-            tg.cancel_scope.cancel()
     assert front.refused == 1
     assert_whole_stream(events, "chat", server, call)
     assert_resumed(call, start=0, end=1)
@@ -497,30 +503,23 @@ async def test_a_call_made_again_after_a_hold_past_pause_timeout_still_has_its_w
     """The same for a JSON call with tools (made again from the start after the hold, not continued): the
     first try after the hold is refused with a 503 and retried. The engine starts a batch only with two
     sequences, so the JSON call is running at the engine when the stream beside it has its first token."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     async with (
         InferenceServer(tiny_model, served_model_name="tiny", max_batch_size=2, batch_wait=60) as server,
         RefusingFront(server).serving() as front,
     ):
-        store = TaskStore(vocab_size=server.vocab_size)
-        proxy = LLMProxy(
-            store, backends=[front.url], registry=Registry(), retry=FAST_RETRY, pause_timeout=0.3, hold_timeout=60
-        )
         whole: list[Any] = []
         answered = anyio.Event()
-        async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
-            await tg.start(proxy.serve)
+        held_long = proxying(server, backends=[front.url], pause_timeout=0.3, hold_timeout=60)
+        async with held_long as (proxy, store), aiohttp.ClientSession() as http:
             rid, aid, base = claim(proxy, store)
 
-            async def tool_call() -> None:
-                request = body("chat", stream=False, seed=12, tools=tools, tool_choice="auto")
-                async with http.post(base + "/chat/completions", json=request) as reply:
-                    whole.append((reply.status, await reply.json()))
+            async def ask() -> None:
+                await tool_call(http, base, whole)
                 answered.set()
 
             with anyio.fail_after(60):
                 async with anyio.create_task_group() as calls:
-                    calls.start_soon(tool_call)
+                    calls.start_soon(ask)
                     async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
                         stream = Stream(reply)
                         await stream.until_first_token()  # both run now: the batch started with the two of them
@@ -537,7 +536,6 @@ async def test_a_call_made_again_after_a_hold_past_pause_timeout_still_has_its_w
                         assert whole[0][0] == 200, whole  # before the fix: 503, the budget spent by the hold
                         await stream.rest()
             calls_recorded = finish(store, rid, aid)
-            tg.cancel_scope.cancel()
     status, answer = whole[0]
     assert front.refused == 1
     assert status == 200 and answer["choices"][0]["finish_reason"] == "length"  # before the fix: 503
@@ -578,19 +576,12 @@ async def test_an_aborted_json_call_with_n_above_1_is_made_again_and_a_refusing_
 async def test_an_aborted_json_call_with_tools_is_made_again_under_the_new_weights(paired: InferenceServer) -> None:
     """A completion cannot continue a call whose output the backend parses as a whole (tool calls): the
     agent has seen none of a JSON answer, so the proxy makes the call again once the hold ends."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     async with proxying(paired) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
         whole: list[Any] = []
-
-        async def tool_call() -> None:
-            request = body("chat", stream=False, seed=12, tools=tools, tool_choice="auto")
-            async with http.post(base + "/chat/completions", json=request) as reply:
-                whole.append((reply.status, await reply.json()))
-
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(tool_call)
+                tg.start_soon(tool_call, http, base, whole)
                 async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
                     stream = Stream(reply)
                     await stream.until_first_token()  # both run now: the batch started with the two of them

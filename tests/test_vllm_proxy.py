@@ -53,33 +53,41 @@ async def in_engine(output: VllmOutput, count: int) -> None:
     await anyio.to_thread.run_sync(output.wait_for, ADDED, count, 60.0)
 
 
-@asynccontextmanager
-async def lockstep_probe(http: aiohttp.ClientSession, vllm: str, output: VllmOutput, call: Any) -> AsyncIterator[Stream]:
-    """A JSON call (``call()``, through the proxy) and a streamed probe sent straight to vLLM, started in the
-    same engine step: the engine is paused (``keep``) until both are in its queue, the call first, then
-    resumed. Greedy, one token per step each, the probe's tokens then count the call's own progress (never an
-    order the engine happened to schedule them in); yields the probe's stream."""
+async def aborted_mid_answer(
+    http: aiohttp.ClientSession, vllm: str, output: VllmOutput, proxy: Any, url: str, body: dict[str, Any]
+) -> Any:
+    """``body`` POSTed to ``url`` (through the proxy) as a JSON call that a weight update aborts mid-answer
+    (:func:`abort_and_resume`); returns the answer the agent got.
+
+    The call and a streamed probe sent straight to vLLM start in the same engine step: the engine is paused
+    (``keep``) until vLLM logged both in its queue, the call first, then resumed. Greedy, one token per step
+    each, the probe's tokens then count the call's own progress (never an order the engine happened to
+    schedule them in): the update comes once the call has 20 of them."""
+    answers: list[Any] = []
     await control(vllm, "pause?mode=keep")
     try:
         async with anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                async with http.post(url, json=body) as response:
+                    answers.append(await response.json())
+
+            async def probe() -> None:
+                probe_body = chat(True, max_tokens=LONG) | {"return_token_ids": True}
+                async with http.post(f"{vllm}/v1/chat/completions", json=probe_body) as response:
+                    await Stream(response).until_more_than(20)
+                    await abort_and_resume(proxy, vllm, 1)
+
             seen = output.count(ADDED)
             tg.start_soon(call)
             await in_engine(output, seen + 1)  # the call is in the engine's queue
-            send, receive = anyio.create_memory_object_stream[Stream](1)
-
-            async def probe() -> None:
-                body = chat(True, max_tokens=LONG) | {"return_token_ids": True}
-                async with http.post(f"{vllm}/v1/chat/completions", json=body) as response:
-                    await send.send(Stream(response))
-                    await anyio.sleep_forever()  # read by the test; closed when it is done
-
             tg.start_soon(probe)
             await in_engine(output, seen + 2)  # the probe is in the queue too, behind the call
             await control(vllm, "resume")
-            yield await receive.receive()
-            tg.cancel_scope.cancel()
     finally:
         await control(vllm, "resume")  # whatever happened, the next test's engine runs
+    [answer] = answers
+    return answer
 
 
 async def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +98,8 @@ async def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def control(url: str, action: str) -> None:
-    """vLLM's RL endpoints: ``pause?mode=abort`` aborts every generation in flight, ``resume`` lets them go."""
+    """vLLM's RL endpoints: ``pause?mode=abort`` aborts every generation in flight, ``pause?mode=keep`` freezes
+    them (nothing is scheduled), ``resume`` lets them go."""
     async with aiohttp.ClientSession() as http, http.post(f"{url}/{action}") as r:
         assert r.status == 200, await r.text()
 
@@ -206,21 +215,9 @@ async def test_an_aborted_json_call_without_a_limit_continues_to_the_end_of_the_
     reference = (await direct(vllm, "/v1/chat/completions", body))["choices"][0]
     async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
-        answers: list[Any] = []
-        answered = anyio.Event()
-
-        async def call_json() -> None:
-            async with http.post(f"{base}/chat/completions", json=body) as r:
-                answers.append(await r.json())
-            answered.set()
-
-        async with lockstep_probe(http, vllm, vllm_output, call_json) as probe:
-            # the JSON call has as many tokens as the probe (of ~490): the abort cuts it mid-answer
-            await probe.until_more_than(20)
-            await abort_and_resume(proxy, vllm, 1)
-            await answered.wait()
+        # the JSON call is cut after ~20 of its ~490 tokens
+        answer = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
         [call] = finish(store, rid, aid)
-    [answer] = answers
     assert proxy.m_resumed.value() == 1
     choice = answer["choices"][0]
     assert choice["finish_reason"] == reference["finish_reason"] == "length"
@@ -293,20 +290,10 @@ async def test_an_aborted_call_made_again_is_recorded_with_the_version_it_was_ma
     body = chat(False, max_tokens=LONG, prompt_logprobs=1)
     async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
-        answers: list[Any] = []
-        answered = anyio.Event()
-
-        async def call_json() -> None:
-            async with http.post(f"{base}/chat/completions", json=body) as r:
-                answers.append(await r.json())
-            answered.set()
-
-        async with lockstep_probe(http, vllm, vllm_output, call_json) as probe:
-            await probe.until_more_than(20)  # the call has as many tokens (of LONG): cut mid-answer
-            await abort_and_resume(proxy, vllm, 1)
-            await answered.wait()
+        # the JSON call is cut after ~20 of its LONG tokens
+        answer = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
         [call] = finish(store, rid, aid)
     assert proxy.m_regenerated.value() == 1
-    [choice] = answers[0]["choices"]
+    [choice] = answer["choices"]
     assert choice["finish_reason"] == "length" and call.response_token_ids == choice["token_ids"]
     assert (call.weight_version, call.weight_version_end) == (1, 1)  # made wholly under the new weights
