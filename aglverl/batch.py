@@ -55,7 +55,9 @@ the batch also carries::
                                every row has them (``logprobs/present``), the key verl's rollout correction reads
 
 No Python code runs per token. The only Python-level loops run once per rollout or per triplet: reading
-rewards and lengths, finding the chains (one C-level prefix comparison per call and open chain), and unboxing
+rewards and lengths, finding the chains (one C-level prefix comparison per call and open chain), cutting them
+to the width (one pass per chain; only when a later row's prompt would not fit, a search over the chain's
+calls and, for each, the calls after it that fit one row with it), and unboxing
 each call's ids, which ``struct`` packs in C straight to their destination offset in the row (computed for the
 whole batch); padding, truncation lengths, masks, positions and reward placement are whole-batch numpy index
 arithmetic, and the tensors are ``torch.from_numpy`` views (no copies).
