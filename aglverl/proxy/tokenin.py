@@ -110,6 +110,7 @@ class _Host(Protocol):
 
     retry: RetryPolicy
     pause_timeout: float
+    hold_timeout: float
     max_response_bytes: int
     weight_version: int
     _session: aiohttp.ClientSession | None
@@ -123,7 +124,7 @@ class _Host(Protocol):
 
     def _pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None: ...
 
-    async def _held_back(self, deadline: float) -> bool: ...
+    async def _held_back(self, deadline: float) -> float | None: ...
 
     def _commit(self, call: _Call) -> None: ...
 
@@ -708,16 +709,15 @@ class TokenIn:
         over; :class:`ProxyError` (503) once ``pause_timeout`` passed without a token outside holds."""
         host = self.host
         while True:
-            held = host._gate is not None
-            if not await host._held_back(gen.deadline):
+            moved = await host._held_back(gen.deadline)  # the budget moved on by the time held: never spent
+            if moved is None:
                 host.m_resume_failed.inc(1, "refused")
                 raise ProxyError(
                     503,
-                    f"an aborted generation waited to continue for over pause_timeout={host.pause_timeout:g}s "
+                    f"an aborted generation waited to continue for over hold_timeout={host.hold_timeout:g}s "
                     "while the proxy was held",
                 )
-            if held:  # waiting for the hold does not spend the continuation's budget
-                gen.deadline = max(gen.deadline, time.monotonic() + host.pause_timeout)
+            gen.deadline = moved
             if gen.refusals:
                 await anyio.sleep(
                     min(host.retry.backoff(gen.refusals), max(0.0, gen.deadline - time.monotonic()))
