@@ -90,7 +90,8 @@ after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` 
 it as ``APIError``) and recorded as failed.
 
 The package, one module per job (each module's docstring states its contract); dependencies run one way,
-``app`` → ``tokenin``, ``relay`` → ``resume`` → ``capture``, ``pool`` → ``call`` → ``session``, ``sse``:
+``app`` → ``relay`` → ``resume`` → ``capture``, ``pool`` → ``call`` → ``session``, ``sse``, and ``app`` →
+``tokenin`` → ``resume``, ``capture``, ``pool``, ``session``:
 
 - :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: routes, admission, auth, body limits, sampling
   reconciliation, the gate that :meth:`~LLMProxy.pause` / :meth:`~LLMProxy.hold` close, metrics, life cycle.

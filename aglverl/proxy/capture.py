@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 from multidict import CIMultiDictProxy
@@ -31,9 +31,6 @@ from ..models import checked_token_ids
 from ..store import LLMCall, TaskStore
 from .call import _Call, _error_message
 from .session import Answer
-
-if TYPE_CHECKING:
-    from .tokenin import TokenIn
 
 #: Paths (after ``/v1/``) whose token ids are captured, and the response shape each one has.
 CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
@@ -264,6 +261,12 @@ def _stop_limit(
 
 
 # ---------------------------------------------------------------------------------------------- recording
+class _TurnKeeper(Protocol):
+    """What keeps recorded calls' turns for token-in chat (:class:`~aglverl.proxy.tokenin.TokenIn`)."""
+
+    def remember(self, call: _Call) -> None: ...
+
+
 class _Recorder:
     """Records and counts calls (see the module docstring); a part of :class:`~aglverl.proxy.LLMProxy`."""
 
@@ -274,7 +277,7 @@ class _Recorder:
         m_unrecorded: Counter
         m_generated: Counter
         m_resume_failed: Counter
-        token_in: TokenIn | None
+        token_in: _TurnKeeper | None
         m_upstream: Histogram
         m_first_byte: Histogram
         m_added: Histogram
