@@ -22,7 +22,7 @@ import aiohttp
 import anyio
 import orjson
 import pytest
-from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends
+from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends, long_second_turn
 from helpers.tokenin import greedy_turn as chat_turn
 from test_proxy_resume import Stream, reload
 from test_translate import claim, finish, openai_sdk, proxied
@@ -204,19 +204,7 @@ async def test_a_token_in_stream_aborted_for_a_weight_update_goes_on_from_the_id
         aiohttp.ClientSession() as http,
     ):
         rid, aid, base = claim(proxy, store)
-        messages: list[Any] = [{"role": "user", "content": "Tell me everything."}]
-        async with openai_sdk(base) as client:
-            first = await chat_turn(client, messages, False)
-        messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "More."}]
-        body = {
-            "model": "tiny",
-            "messages": messages,
-            "max_tokens": long,
-            "ignore_eos": True,
-            "stream": True,
-            "logprobs": True,
-        }
-        body |= {**GREEDY, "stream_options": {"include_usage": True}}
+        body = await long_second_turn(base, long)
         async with http.post(f"{base}/chat/completions", json=body) as response:
             stream = Stream(response)
             await stream.until_first_token()

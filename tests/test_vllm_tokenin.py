@@ -25,7 +25,7 @@ import anyio
 import orjson
 import pytest
 from aiohttp import web
-from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends
+from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends, long_second_turn
 from helpers.tokenin import greedy_turn as chat_turn
 from helpers.vllm_server import vllm_server
 from test_proxy_resume import Stream
@@ -293,19 +293,7 @@ async def test_a_weight_update_in_the_middle_of_a_token_in_stream_continues_from
     long = 400  # a generation still going long after the abort is asked for
     async with proxied(served.url) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
-        messages: list[Any] = [{"role": "user", "content": "Tell me everything."}]
-        async with openai_sdk(base) as client:
-            first = await chat_turn(client, messages, False)
-        messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "More."}]
-        body = {
-            "model": "tiny",
-            "messages": messages,
-            "max_tokens": long,
-            "ignore_eos": True,
-            "stream": True,
-            "logprobs": True,
-            **GREEDY,
-        }
+        body = await long_second_turn(base, long)
         async with http.post(f"{base}/chat/completions", json=body) as response:
             stream = Stream(response)
             with anyio.fail_after(60):

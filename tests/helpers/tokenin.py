@@ -138,3 +138,14 @@ async def completion(url: str, prompt: list[int], tokens: int, **extra: Any) -> 
     async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
         return (await r.json())["choices"][0]
+
+
+async def long_second_turn(base: str, tokens: int) -> dict[str, Any]:
+    """The body of a conversation's second call, streamed and greedy, ``tokens`` long (end of sequence ignored,
+    logprobs asked): the first turn (greedy, 8 tokens) is played on ``base`` first, so this one is token-in."""
+    messages: list[Any] = [{"role": "user", "content": "Tell me everything."}]
+    async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0) as client:
+        first = await greedy_turn(client, messages, False)
+    messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "More."}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+    return body | {"logprobs": True, "stream_options": {"include_usage": True}, **GREEDY}
