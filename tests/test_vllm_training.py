@@ -33,12 +33,7 @@ TRAIN = [{"prompt": "Say yes.", "word": "yes", "id": i} for i in range(12)]
 
 def config(mode: str) -> dict[str, Any]:
     return {
-        "data": {
-            "train_batch_size": 2,
-            "max_prompt_length": 32,
-            "max_response_length": RESPONSE,
-            "shuffle": False,
-        },
+        "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": RESPONSE, "shuffle": False},
         # two sequences at once: the others wait in vLLM's queue, and are aborted there too
         "actor_rollout_ref": {
             "rollout": {"name": "vllm", "n": 2, "max_num_seqs": 2},
@@ -96,11 +91,7 @@ class LongAnswers:
 async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -> None:
     composed, _ = compose_config(config(mode))
     rollout = composed.actor_rollout_ref.rollout
-    assert (rollout.enable_sleep_mode, rollout.free_cache_engine, rollout.enforce_eager) == (
-        False,
-        False,
-        True,
-    )
+    assert (rollout.enable_sleep_mode, rollout.free_cache_engine, rollout.enforce_eager) == (False, False, True)
     agent = LongAnswers()
     algo = AsyncVERL(config(mode), agent=agent.agent)
     steps: dict[int, dict[str, float]] = {}
@@ -112,12 +103,7 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
         assert metrics["step/n_completed"] == 4 and metrics["step/n_rows"] == 4
         assert metrics["logprobs/n_rows_missing"] == 0.0
     last = steps[3]
-    failures = (
-        "calls_failed",
-        "calls_upstream_error",
-        "resume_failures_unsupported",
-        "resume_failures_refused",
-    )
+    failures = ("calls_failed", "calls_upstream_error", "resume_failures_unsupported", "resume_failures_refused")
     assert {key: last[f"proxy/{key}"] for key in failures} == dict.fromkeys(failures, 0)
     if mode != "sync":
         assert last["proxy/resumed"] > 0  # updates aborted generations, and the proxy continued them
