@@ -41,12 +41,13 @@ from anyio.abc import TaskGroup, TaskStatus
 from .._net import bind_listener, url_of
 from ..metrics import ActivityTimeline, Counter, Registry
 from ..models import ProxyLLM
-from ..store import StoreError, TaskStore
+from ..store import StoreError
 from ..translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
 from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
 from .capture import CAPTURED_PATHS, _Capture
 from .pool import UPSTREAM_KEEPALIVE, RetryPolicy, _Backend
 from .relay import _Relay
+from .store_view import ProxyStore
 from .tokenin import TokenIn
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class _Admission:
     """Checks and reads a request into its call (see the module docstring); a part of :class:`LLMProxy`."""
 
     if TYPE_CHECKING:  # the host's state, and the gate's wait (LLMProxy)
-        store: TaskStore
+        store: ProxyStore
         max_request_bytes: int
         request_logprobs: bool
         sampling_of: Callable[[str], Mapping[str, Any] | None] | None
@@ -297,7 +298,7 @@ class LLMProxy(_Admission, _Relay):
 
     def __init__(
         self,
-        store: TaskStore,
+        store: ProxyStore,
         *,
         backends: Sequence[str] = (),
         host: str = "127.0.0.1",

@@ -28,9 +28,10 @@ from multidict import CIMultiDictProxy
 
 from ..metrics import Counter, Histogram
 from ..models import checked_token_ids
-from ..store import LLMCall, TaskStore
+from ..store import LLMCall
 from .call import _Call, _error_message
 from .session import Answer
+from .store_view import ProxyStore
 
 #: Paths (after ``/v1/``) whose token ids are captured, and the response shape each one has.
 CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
@@ -271,7 +272,7 @@ class _Recorder:
     """Records and counts calls (see the module docstring); a part of :class:`~aglverl.proxy.LLMProxy`."""
 
     if TYPE_CHECKING:  # the host's state (set by LLMProxy.__init__)
-        store: TaskStore
+        store: ProxyStore
         m_calls: Counter
         m_no_ids: Counter
         m_unrecorded: Counter
