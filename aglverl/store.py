@@ -16,6 +16,14 @@ attempt wins); later results are acknowledged and ignored. The LLM calls the pro
 attempt are kept, the others discarded; a failed rollout keeps its last attempt's calls (a trainer may still
 learn from them, see ``SignalConfig``). Why a rollout failed (``agent_error``, ``lease_expired``,
 ``step_timeout``) is decided and recorded here, as is the reason an agent declares for a result.
+
+With proxy shards (:attr:`TaskStore.pinning`, an :class:`AttemptPinning`: :class:`aglverl.shards.ProxyShards`)
+the calls of an attempt are admitted and recorded in another process. Then a claim pins the attempt to a shard
+(the task's ``resources_id`` names that shard's copy of its resources) and :meth:`TaskStore.claim` returns the
+task once the shard admits the attempt; :meth:`TaskStore.accept_result` takes the attempt's records from its
+shard before the result is accepted; a rollout that fails keeps its last attempt's records, taken before its
+waiters hear of it; an attempt whose shard died is void (:meth:`TaskStore.attempts_lost`: retried as after a
+lease expiry, its late result refused with :class:`AttemptLost`).
 """
 
 from __future__ import annotations
@@ -32,13 +40,15 @@ from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.lowlevel
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from .metrics import Registry
 from .models import Mode, NamedResources, ResourcesUpdate, Rollout, Task, TerminationReason
 
 __all__ = [
     "AlreadyFinished",
+    "AttemptLost",
+    "AttemptPinning",
     "InvalidResult",
     "LLMCall",
     "RolloutRecord",
@@ -63,7 +73,9 @@ _LEASE_SLACK = 4096
 _TERMINATION_OF: Mapping[str, TerminationReason] = {
     "agent_failed": "agent_error",
     "lease_expired": "lease_expired",
+    "shard_lost": "lease_expired",  # the attempt's recorded calls vanished with their proxy shard
 }
+RetryReason = Literal["agent_failed", "lease_expired", "shard_lost"]
 
 
 class StoreError(Exception):
@@ -94,6 +106,12 @@ class AlreadyFinished(StoreError):
 
 class InvalidResult(StoreError):
     status = 422
+
+
+class AttemptLost(StoreError):
+    """The attempt is void: the proxy shard that recorded its calls died (its rollout was retried)."""
+
+    status = 409
 
 
 class StoreClosed(StoreError):
@@ -165,6 +183,32 @@ class Journal(Protocol):
     async def commit(self) -> None: ...
 
 
+class AttemptPinning(Protocol):
+    """Where attempts' calls are admitted and recorded when that is not in this process (proxy shards,
+    :class:`aglverl.shards.ProxyShards`). Called on the store's loop."""
+
+    def pin(self, rollout_id: str, attempt_id: str, resources_id: str | None) -> str | None:
+        """Pin a new attempt to a shard (its admission is sent); return the resources id its task names."""
+        ...
+
+    async def admitted(self, rollout_id: str, attempt_id: str) -> bool:
+        """Return once the attempt's shard admits it: ``True``, or ``False`` when that shard died first."""
+        ...
+
+    def unpin(self, rollout_id: str, attempt_ids: Iterable[str]) -> None:
+        """The attempts ended: revoke them (their records not taken are dropped)."""
+        ...
+
+    async def take(self, rollout_id: str, attempt_id: str) -> list[LLMCall] | None:
+        """The records of the attempt's calls so far (``None``: not pinned here); raises :class:`AttemptLost`
+        when its shard died (after :meth:`TaskStore.attempts_lost` voided it)."""
+        ...
+
+    def resources(self, resources_id: str) -> ResourcesUpdate | None:
+        """A shard's copy of a resources version, by the id :meth:`pin` gave (``None``: not one)."""
+        ...
+
+
 @dataclass(slots=True, eq=False)
 class _Group:
     remaining: int = 0
@@ -207,6 +251,8 @@ class _Entry:
     groups: list[_Group] = field(default_factory=list)
     done: anyio.Event | None = None
     since: float = 0.0  # monotonic: when queued, then when last claimed (for the latency histograms)
+    lost: set[str] | None = None  # attempts whose proxy shard died: void
+    settling: bool = False  # finished, its kept attempt's records still being taken from its shard
 
     @property
     def attempt_id(self) -> str | None:
@@ -294,6 +340,10 @@ class TaskStore:
         self._forget_listeners: list[Callable[[Sequence[str]], None]] = []
         self._queued_count = 0
         self._claimed_count = 0
+        #: Proxy shards that admit and record this store's attempts (``None``: the proxy is in this process).
+        self.pinning: AttemptPinning | None = None
+        self._takes: dict[tuple[str, str], anyio.Event] = {}
+        self._tg: TaskGroup | None = None
         self._register_metrics(registry or Registry())
 
     # ------------------------------------------------------------------ metrics
@@ -306,6 +356,9 @@ class TaskStore:
         self.m_failed = c("aglverl_rollouts_failed_total", "Rollouts failed terminally.")
         self.m_requeued = c("aglverl_tasks_requeued_total", "Tasks requeued for a new attempt.", ["reason"])
         self.m_released = c("aglverl_tasks_released_total", "Claims returned unused (agent gone).")
+        self.m_lost = c(
+            "aglverl_attempts_lost_total", "Attempts voided because the proxy shard recording their calls died."
+        )
         self.m_duplicates = c(
             "aglverl_results_ignored_total", "Results acknowledged and ignored.", ["reason"]
         )
@@ -327,15 +380,18 @@ class TaskStore:
         """
         task_status.started()
         try:
-            while True:
-                self._rearm = anyio.Event()
-                frozen = self._frozen_at is not None  # no lease expires: wait for thaw_leases
-                delay = self._leases[0][0] - time.monotonic() if self._leases and not frozen else math.inf
-                if delay > 0:
-                    with anyio.move_on_after(delay):
-                        await self._rearm.wait()
-                self._expire_due(time.monotonic())
+            async with anyio.create_task_group() as tg:
+                self._tg = tg  # hosts the takes of failed rollouts' records from their proxy shards
+                while True:
+                    self._rearm = anyio.Event()
+                    frozen = self._frozen_at is not None  # no lease expires: wait for thaw_leases
+                    delay = self._leases[0][0] - time.monotonic() if self._leases and not frozen else math.inf
+                    if delay > 0:
+                        with anyio.move_on_after(delay):
+                            await self._rearm.wait()
+                    self._expire_due(time.monotonic())
         finally:
+            self._tg = None
             self.close()
 
     def close(self) -> None:
@@ -430,10 +486,18 @@ class TaskStore:
         self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": entry.attempt_id})
         self._set_lease(entry, self._lease_clock() + self.lease_seconds)
         self.m_claimed.inc()
-        return entry.task()
+        task = entry.task()
+        if self.pinning is not None:
+            base = entry.resources_id or self._latest_resources
+            task.resources_id = self.pinning.pin(entry.rollout_id, entry.attempts[-1], base) or base
+        return task
 
     def try_claim(self) -> Task | None:
-        """Claim the next queued task, or return ``None`` at once."""
+        """Claim the next queued task, or return ``None`` at once.
+
+        With proxy shards the attempt's admission may still be on its way to its shard: :meth:`claim` waits
+        for it, and is what an agent's claim should go through.
+        """
         if self._closed:
             return None
         return self._claim_next()
@@ -442,10 +506,28 @@ class TaskStore:
         """Claim the next task, waiting up to ``wait`` seconds for one to be queued.
 
         Returns as soon as a task is queued (it is handed to the longest-waiting agent), or ``None`` when the
-        wait ends or the store closes. Cancellation: a task already handed to this waiter when it is
+        wait ends or the store closes. With proxy shards it returns once the attempt's shard admits it (one
+        round trip, shared by the claims of a loop iteration); if that shard dies first, the attempt is void
+        and the task is claimed again. Cancellation: a task already handed to this waiter when it is
         cancelled goes back to the front of the queue as if it had never been claimed, so a long-poll whose
         agent vanished never loses a task.
         """
+        if self.pinning is None:
+            return await self._claim(wait)
+        deadline = time.monotonic() + wait
+        while True:
+            task = await self._claim(max(0.0, deadline - time.monotonic()))
+            if task is None:
+                return None
+            attempt_id = task.attempt_id or ""
+            try:
+                if await self.pinning.admitted(task.rollout_id, attempt_id):
+                    return task
+            except BaseException:
+                self.release(task.rollout_id, attempt_id)
+                raise
+
+    async def _claim(self, wait: float) -> Task | None:
         task = self.try_claim()
         if task is not None or wait <= 0 or self._closed:
             return task
@@ -471,6 +553,8 @@ class TaskStore:
         if entry is None or entry.state != "claimed" or entry.attempt_id != attempt_id:
             return False
         entry.attempts.pop()
+        if self.pinning is not None:
+            self.pinning.unpin(rollout_id, [attempt_id])
         entry.num_claims -= 1
         entry.lease_deadline = math.inf
         self._claimed_count -= 1
@@ -558,9 +642,7 @@ class TaskStore:
                 continue  # finished, superseded by a newer attempt, or extended by a heartbeat
             self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
 
-    def _retry_or_fail(
-        self, entry: _Entry, reason: Literal["agent_failed", "lease_expired"], message: str
-    ) -> None:
+    def _retry_or_fail(self, entry: _Entry, reason: RetryReason, message: str) -> None:
         """Requeue after a failed attempt; after the last allowed one, fail the rollout for ``reason``."""
         self._claimed_count -= 1
         entry.lease_deadline = math.inf
@@ -595,6 +677,77 @@ class TaskStore:
         self._require_attempt(entry, attempt_id)
         if entry.state in TERMINAL:
             raise StepEnded(f"rollout {rollout_id!r} is already {entry.state}")
+        self._refuse_lost(entry, attempt_id)
+
+    @staticmethod
+    def _refuse_lost(entry: _Entry, attempt_id: str) -> None:
+        if entry.lost and attempt_id in entry.lost:
+            raise AttemptLost(
+                f"attempt {attempt_id!r} of rollout {entry.rollout_id!r} is void: the proxy shard that recorded "
+                f"its LLM calls died, so the rollout was handed out again; this was ignored"
+            )
+
+    async def accept_result(self, rollout: Rollout) -> str:
+        """:meth:`submit_result`, after taking the attempt's recorded calls from its proxy shard (with
+        :attr:`pinning`; without, the same as :meth:`submit_result`).
+
+        The take is one round trip to the shard; concurrent posts of one attempt share it, and it is shielded
+        from cancellation (records the shard has handed over are never dropped on the way). Raises what
+        :meth:`submit_result` raises, and :class:`AttemptLost` (409) when the attempt's shard died: the attempt
+        is void (the rollout is retried elsewhere) and this result is ignored.
+        """
+        if self.pinning is not None:
+            entry = self._require(rollout.rollout_id)
+            attempt_id = rollout.effective_attempt_id or entry.attempt_id
+            self._require_attempt(entry, attempt_id)
+            assert attempt_id is not None
+            if entry.state not in TERMINAL:
+                self._refuse_lost(entry, attempt_id)
+                await self._take(entry.rollout_id, attempt_id)
+        return self.submit_result(rollout)
+
+    async def _take(self, rollout_id: str, attempt_id: str) -> None:
+        """Move the attempt's records from its shard into the store (one take at a time per attempt)."""
+        assert self.pinning is not None
+        key = (rollout_id, attempt_id)
+        pending = self._takes.get(key)
+        if pending is not None:
+            await pending.wait()
+            return
+        done = self._takes[key] = anyio.Event()
+        try:
+            with anyio.CancelScope(shield=True):
+                calls = await self.pinning.take(rollout_id, attempt_id)
+            entry = self._entries.get(rollout_id)
+            # a finished rollout keeps its kept attempt's calls only (another attempt's take comes too late)
+            if calls and entry is not None and (entry.state not in TERMINAL or attempt_id in entry.calls):
+                if attempt_id in entry.attempts and not (entry.lost and attempt_id in entry.lost):
+                    entry.calls.setdefault(attempt_id, []).extend(calls)
+        finally:
+            del self._takes[key]
+            done.set()
+
+    def attempts_lost(self, attempts: Iterable[tuple[str, str]], reason: str) -> int:
+        """Void attempts whose recorded calls are gone (their proxy shard died); returns how many.
+
+        Each one's records are dropped and its later result refused (:class:`AttemptLost`); a rollout whose
+        current attempt it was is handed out again (a new attempt, as after a lease expiry) or, after its last
+        allowed attempt, failed (``lease_expired``). Attempts of finished rollouts are left alone.
+        """
+        n = 0
+        for rollout_id, attempt_id in attempts:
+            entry = self._entries.get(rollout_id)
+            if entry is None or entry.state in TERMINAL or attempt_id not in entry.attempts:
+                continue
+            if entry.lost is None:
+                entry.lost = set()
+            entry.lost.add(attempt_id)
+            entry.calls.pop(attempt_id, None)
+            self.m_lost.inc()
+            n += 1
+            if entry.state == "claimed" and entry.attempt_id == attempt_id:
+                self._retry_or_fail(entry, "shard_lost", f"attempt {attempt_id} lost: {reason}")
+        return n
 
     def submit_result(self, rollout: Rollout) -> str:
         """Accept an agent's result; returns a message for the agent.
@@ -610,6 +763,8 @@ class TaskStore:
         self._require_attempt(entry, attempt_id)
         assert attempt_id is not None
         self._check_vocab(rollout)
+        if entry.state not in TERMINAL:
+            self._refuse_lost(entry, attempt_id)
         if entry.state in TERMINAL:
             if (
                 entry.state == "completed"
@@ -662,18 +817,48 @@ class TaskStore:
         error: str | None = None,
         termination: TerminationReason | None = None,
     ) -> None:
-        """End a rollout. A completed one keeps the winning attempt's calls, a failed one its last attempt's."""
+        """End a rollout. A completed one keeps the winning attempt's calls, a failed one its last attempt's.
+
+        With proxy shards a failed rollout's last attempt still has its records on its shard: the rollout is
+        finished at once (nothing more is accepted for it), and its waiters hear of it once those are taken.
+        """
         kept = attempt_id if state == "completed" else entry.attempt_id
+        if kept and entry.lost and kept in entry.lost:
+            kept = None
         entry.calls = {kept: entry.calls.get(kept, [])} if kept else {}
         entry.error = error
         entry.termination = result.declared_termination if result is not None else termination
-        if state == "failed":
-            self._journal(self._failed_record(entry))
         entry.state = state
         entry.result = result
         entry.result_attempt = attempt_id
         entry.lease_deadline = math.inf
         (self.m_completed if state == "completed" else self.m_failed).inc()
+        if self.pinning is not None:
+            if state == "failed" and kept and self._tg is not None:
+                entry.settling = True
+                self._tg.start_soon(self._settle, entry, kept)
+                return
+            self.pinning.unpin(entry.rollout_id, entry.attempts)
+        if state == "failed":
+            self._journal(self._failed_record(entry))
+        self._notify(entry)
+
+    async def _settle(self, entry: _Entry, kept: str) -> None:
+        """A failed rollout's last attempt's records, taken from its shard; then its waiters hear of it."""
+        assert self.pinning is not None
+        try:
+            await self._take(entry.rollout_id, kept)
+        except AttemptLost:
+            entry.calls = {}
+        finally:
+            entry.settling = False
+            if entry.lost and kept in entry.lost:
+                entry.calls = {}
+            self.pinning.unpin(entry.rollout_id, entry.attempts)
+            self._journal(self._failed_record(entry))
+            self._notify(entry)
+
+    def _notify(self, entry: _Entry) -> None:
         for group in entry.groups:
             group.one_done()
         entry.groups.clear()
@@ -720,7 +905,7 @@ class TaskStore:
         group = _Group()
         for rollout_id in rollout_ids:
             entry = self._require(rollout_id)
-            if entry.state not in TERMINAL:
+            if entry.state not in TERMINAL or entry.settling:
                 group.remaining += 1
                 entry.groups.append(group)
         if group.remaining:
@@ -829,7 +1014,7 @@ class TaskStore:
     def pop_finished(self, rollout_id: str) -> Rollout | None:
         """The result of a finished owner-less rollout, removed from the store; ``None`` if unfinished."""
         entry = self._require(rollout_id)
-        if entry.state not in TERMINAL:
+        if entry.state not in TERMINAL or entry.settling:
             return None
         self.forget([rollout_id])
         return self._as_result(entry)
@@ -837,7 +1022,7 @@ class TaskStore:
     async def wait_for_rollout(self, rollout_id: str, timeout: float | None = None) -> Rollout | None:  # noqa: ASYNC109
         """Await one rollout's end (an event, no polling); ``None`` if ``timeout`` passes first."""
         entry = self._require(rollout_id)
-        if entry.state not in TERMINAL:
+        if entry.state not in TERMINAL or entry.settling:
             if entry.done is None:
                 entry.done = anyio.Event()
             with anyio.move_on_after(math.inf if timeout is None else timeout):
@@ -846,7 +1031,7 @@ class TaskStore:
 
     def pop_all_finished(self) -> list[Rollout]:
         """Results of every finished owner-less rollout, removed from the store."""
-        done = [e for e in self._entries.values() if e.owner is None and e.state in TERMINAL]
+        done = [e for e in self._entries.values() if e.owner is None and e.state in TERMINAL and not e.settling]
         self.forget([e.rollout_id for e in done])
         return [self._as_result(e) for e in done]
 
@@ -874,7 +1059,12 @@ class TaskStore:
     def resources(self, resources_id: str | None = None) -> ResourcesUpdate | None:
         """A resources version by id, or the latest one when ``resources_id`` is ``None``."""
         rid = resources_id if resources_id is not None else self._latest_resources
-        return self._resources.get(rid) if rid is not None else None
+        if rid is None:
+            return None
+        update = self._resources.get(rid)
+        if update is None and self.pinning is not None:
+            return self.pinning.resources(rid)  # a proxy shard's copy, named by a claimed task
+        return update
 
     @property
     def latest_resources_id(self) -> str | None:
