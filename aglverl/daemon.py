@@ -24,7 +24,7 @@ import warnings
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -36,15 +36,21 @@ from .journal import Journal
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .producer import OWNER_PREFIX, GroupSink, TrajectoryProducer
-from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, Outcome, RetryPolicy, SamplingMismatch
-from .proxy.tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
+from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, RetryPolicy, SamplingMismatch
+from .proxy.shard import counters_of
 from .server import TaskServer
+from .shards import ProxyShards, ShardCount, check_shard_count
 from .signals import SignalConfig
 from .store import TaskStore
 
 __all__ = ["AgentDaemon"]
 
 logger = logging.getLogger(__name__)
+
+
+class _BusyTimeline(Protocol):
+    def busy_intervals(self, start: float, stop: float) -> list[tuple[float, float]]: ...
+
 
 
 class AgentDaemon:
@@ -90,6 +96,12 @@ class AgentDaemon:
     - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.producer.GroupSink`); with it the
       daemon runs a :class:`~aglverl.producer.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
       bounds each group.
+    - ``proxy_shards``: ``1`` (default): one :class:`~aglverl.proxy.LLMProxy` in this process, on
+      ``proxy_port``; ``N`` or ``"per_node"``: that many proxies as Ray actors (Ray initialised in this process
+      first), each its own process beside the inference servers, serving on its node's address, every rollout
+      attempt pinned to one of them (:mod:`aglverl.shards`, ``docs/scaling.md``); ``backend_nodes`` (backend URL
+      -> Ray node id) says where the backends run, to place the shards beside them (``"per_node"``: one per
+      such node; without it, one per alive node). :attr:`proxy` is then a :class:`~aglverl.shards.ProxyShards`.
     """
 
     def __init__(
@@ -125,6 +137,8 @@ class AgentDaemon:
         trajectory_sink: GroupSink | None = None,
         registry: Registry | None = None,
         token_in: bool = True,
+        proxy_shards: ShardCount = 1,
+        backend_nodes: Mapping[str, str] | None = None,
     ) -> None:
         if max_buffered_batches != 1:
             warnings.warn(
@@ -145,12 +159,7 @@ class AgentDaemon:
             registry=self.registry,
         )
         self.server = TaskServer(self.store, host=host, port=port, token=token)
-        self.proxy = LLMProxy(
-            self.store,
-            backends=backends,
-            host=host,
-            port=proxy_port,
-            registry=self.registry,
+        proxy_options: dict[str, Any] = dict(
             retry=retry or RetryPolicy(),
             token=token,
             request_timeout=request_timeout,
@@ -161,10 +170,34 @@ class AgentDaemon:
             backend_api_key=backend_api_key,
             upstream_keepalive=upstream_keepalive,
             request_logprobs=signal.request_logprobs,
-            sampling_of=self._sampling_of,
             sampling_mismatch=sampling_mismatch,
             token_in=token_in,
         )
+        #: The LLM proxy: in this process, or its shards on Ray (``proxy_shards``).
+        self.proxy: LLMProxy | ProxyShards
+        if check_shard_count(proxy_shards) == 1:
+            self.proxy = LLMProxy(
+                self.store,
+                backends=backends,
+                host=host,
+                port=proxy_port,
+                registry=self.registry,
+                sampling_of=self._sampling_of,
+                **proxy_options,
+            )
+        else:
+            self.proxy = ProxyShards(
+                self.store,
+                count=proxy_shards,
+                backends=backends,
+                backend_nodes=backend_nodes,
+                proxy_options=proxy_options,
+                sampling_of=self._sampling_of,
+                registry=self.registry,
+                freeze_gc=freeze_gc,
+            )
+            self.store.pinning = self.proxy
+            self.server.metrics_sources.append(self.proxy.metrics_text)
         self.store.on_forget(self.proxy.forget)
         self._sampling_cache: dict[str, Mapping[str, Any] | None] = {}
         self._previous_proxy: str | None = None  # the proxy URL of the run whose journal this daemon replayed
@@ -244,7 +277,7 @@ class AgentDaemon:
             await tg.start(self.journal.serve)  # compactions in a worker thread
         await tg.start(self.store.serve)
         await tg.start(self.server.serve)
-        await tg.start(self.proxy.serve)
+        await tg.start(self.proxy.serve)  # shards: their actors started in parallel (~1-2 s), serving
         await tg.start(self.collector.serve)
         if self.producer is not None:
             await tg.start(self.producer.serve)
@@ -350,11 +383,12 @@ class AgentDaemon:
 
         On exit (also on error or cancellation) calls resume under the new weight version.
         """
-        await self.proxy.pause()
+        await self.pause_calls()
         try:
             yield
         finally:
-            self.proxy.resume(weight_version)
+            with anyio.CancelScope(shield=True):
+                await self.resume_calls(weight_version)
 
     @asynccontextmanager
     async def holding_calls(self, weight_version: int | None = None) -> AsyncIterator[None]:
@@ -364,30 +398,60 @@ class AgentDaemon:
         continue, and on exit (also on error or cancellation) everything goes on under the new weight
         version: agents never see the abort (see :meth:`aglverl.proxy.LLMProxy.hold`).
         """
-        self.proxy.hold()
+        await self.hold_calls()
         try:
             yield
         finally:
+            with anyio.CancelScope(shield=True):
+                await self.resume_calls(weight_version)
+
+    # The gate, for the proxy in this process or every shard (each returns once every shard applied it).
+    async def pause_calls(self) -> None:
+        """Hold new LLM calls and return once the calls in flight have finished (:meth:`LLMProxy.pause`; with
+        shards, on every shard at once, returning when the slowest has drained)."""
+        await self.proxy.pause()
+
+    async def hold_calls(self) -> None:
+        """Hold new LLM calls without draining those in flight (:meth:`LLMProxy.hold`; with shards, returns
+        once every shard holds)."""
+        if isinstance(self.proxy, ProxyShards):
+            await self.proxy.hold()
+        else:
+            self.proxy.hold()
+
+    async def resume_calls(self, weight_version: int | None = None) -> None:
+        """End a pause or hold under ``weight_version`` (default: the current one + 1) (:meth:`LLMProxy.resume`;
+        with shards, returns once every shard has resumed)."""
+        if isinstance(self.proxy, ProxyShards):
+            await self.proxy.resume(weight_version)
+        else:
             self.proxy.resume(weight_version)
 
+    async def refresh_proxy_figures(self) -> None:
+        """With shards: fetch every shard's counters and busy intervals (one call each, in parallel), which
+        :meth:`proxy_counters`, :meth:`generated_tokens` and :attr:`proxy_activity` then read; with the proxy in
+        this process they are always current and this returns at once."""
+        if isinstance(self.proxy, ProxyShards):
+            await self.proxy.refresh()
+
     def proxy_counters(self) -> dict[str, float]:
-        """The LLM proxy's cumulative counters since start, under ``proxy/*`` names for a trainer's logs."""
-        proxy = self.proxy
-        counters = {f"proxy/calls_{outcome}": proxy.m_calls.value(outcome) for outcome in get_args(Outcome)}
-        counters["proxy/retries"] = proxy.m_retries.value()
-        counters["proxy/backend_ejections"] = proxy.m_ejections.value()
-        counters["proxy/calls_without_token_ids"] = proxy.m_no_ids.value()
-        counters["proxy/calls_unrecorded"] = proxy.m_unrecorded.value()
-        counters["proxy/held_calls"] = proxy.m_held.value()
-        counters["proxy/resumed"] = proxy.m_resumed.value()
-        counters["proxy/continuations"] = proxy.m_continuations.value()
-        counters["proxy/regenerated"] = proxy.m_regenerated.value()
-        for reason in ("unsupported", "refused"):
-            counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
-        if proxy.token_in is not None:
-            for outcome in TOKEN_IN_OUTCOMES:
-                counters[f"proxy/token_in_{outcome}"] = proxy.token_in.m_calls.value(outcome)
-        return counters
+        """The LLM proxy's cumulative counters since start, under ``proxy/*`` names for a trainer's logs (with
+        shards: their sum, as of :meth:`refresh_proxy_figures`)."""
+        if isinstance(self.proxy, ProxyShards):
+            return self.proxy.counters()
+        return counters_of(self.proxy)
+
+    def generated_tokens(self) -> float:
+        """Response token ids the proxy recorded since start (with shards: as of :meth:`refresh_proxy_figures`)."""
+        if isinstance(self.proxy, ProxyShards):
+            return self.proxy.generated_tokens()
+        return self.proxy.m_generated.value()
+
+    @property
+    def proxy_activity(self) -> _BusyTimeline:
+        """When at least one LLM call was in flight (``busy_intervals(start, stop)``; with shards: the union of
+        theirs, as of :meth:`refresh_proxy_figures`)."""
+        return self.proxy.activity
 
     # ------------------------------------------------------------------ trainer API
     async def submit(

@@ -188,6 +188,8 @@ class TaskServer:
         ]
         self._inflight = _InFlight(Starlette(routes=routes))
         self.app: ASGIApp = self._inflight
+        #: More Prometheus text for ``/metrics``, fetched on each scrape (the proxy shards' registries).
+        self.metrics_sources: list[Callable[[], Awaitable[str]]] = []
 
     @property
     def url(self) -> str:
@@ -311,7 +313,7 @@ class TaskServer:
         if not math.isfinite(wait) or wait < 0:
             raise _HttpError(400, f"query parameter 'wait' must be a finite number >= 0, got {raw!r}")
         wait = min(wait, MAX_WAIT_SECONDS)
-        task = self.store.try_claim()
+        task = await self.store.claim()  # with proxy shards: once the attempt's shard admits it
         if task is None and wait > 0:
             task = await self._long_poll(request, wait)
         return _json(TaskIfAny(is_available=task is not None, task=task))
@@ -361,7 +363,8 @@ class TaskServer:
             rollout = Rollout.model_validate(data)
         except ValidationError as exc:
             raise _HttpError(422, f"invalid rollout: {validation_message(exc)}") from None
-        message = self.store.submit_result(rollout)
+        # with proxy shards, the attempt's recorded calls are taken from its shard first
+        message = await self.store.accept_result(rollout)
         await self.store.commit()  # durable (by the journal's policy) before the agent hears "ok"
         self._post_latency.observe(anyio.current_time() - started)
         return _json(GenericResponse(status="ok", message=message))
@@ -381,4 +384,7 @@ class TaskServer:
         return _json({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(self.store.registry.render(), media_type="text/plain; version=0.0.4")
+        text = self.store.registry.render()
+        for source in self.metrics_sources:
+            text += await source()
+        return Response(text, media_type="text/plain; version=0.0.4")
