@@ -544,7 +544,8 @@ class _Hooks:
         self._computing: list[tuple[float, float]] = []
         daemon = self._aglverl.daemon
         assert daemon is not None
-        self._tokens_before = self._aglverl.on_loop(daemon.proxy.m_generated.value)
+        self._aglverl.await_on_loop(daemon.refresh_proxy_figures)  # proxy shards: their figures now
+        self._tokens_before = self._aglverl.on_loop(daemon.generated_tokens)
         super().on_step_begin()  # type: ignore[misc]
 
     def on_sample_end(self) -> None:
@@ -554,9 +555,9 @@ class _Hooks:
         if mode != "separate_async":
             run.on_loop(run.daemon.store.freeze_leases)  # an agent's held call must not cost it its lease
         if mode == "sync":
-            run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
+            run.await_on_loop(run.daemon.pause_calls)  # drain while the engines still serve, then they sleep
         elif mode == "colocate_async":
-            run.on_loop(run.daemon.proxy.hold)  # verl aborts next; the proxy resumes after the update
+            run.await_on_loop(run.daemon.hold_calls)  # verl aborts next; the proxy resumes after the update
         # This step has asked for everything of it a previous run left in flight that it wants again (verl
         # re-issues its checkpoint's in-flight prompts before the first step; a replayed data loader asks a
         # step's prompts at that step): the previous run's groups of this step and before are dropped.
@@ -569,12 +570,12 @@ class _Hooks:
         assert run.daemon is not None
         if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
             run.on_loop(run.daemon.store.freeze_leases)
-            run.on_loop(run.daemon.proxy.hold)  # the update aborts the standalone engines' generations
+            run.await_on_loop(run.daemon.hold_calls)  # the update aborts the standalone engines' generations
         try:
             super().on_step_end()  # type: ignore[misc]
         finally:
             version = int(self.global_steps)  # type: ignore[attr-defined]
-            run.on_loop(run.daemon.proxy.resume, version)
+            run.await_on_loop(run.daemon.resume_calls, version)
             run.on_loop(run.daemon.store.thaw_leases)
             self._computing.append((self._compute_from, time.monotonic()))
 
@@ -778,10 +779,11 @@ def _step_metrics(trainer: Any, run: _Run, uids: list[str], timing: Mapping[str,
         return (
             stats,
             daemon.proxy_counters(),
-            daemon.proxy.activity.busy_intervals(start, stop),
-            daemon.proxy.m_generated.value(),
+            daemon.proxy_activity.busy_intervals(start, stop),
+            daemon.generated_tokens(),
         )
 
+    run.await_on_loop(daemon.refresh_proxy_figures)  # proxy shards: their figures now
     stats, counters, generating, tokens = run.on_loop(on_loop)
     metrics = aggregate_stats(stats)
     # groups a resumed run found in verl's TransferQueue checkpoint were answered by the previous process:
