@@ -1,0 +1,250 @@
+"""``AgentDaemon(proxy_shards=2)``: the LLM proxy as two Ray actors on a Ray cluster of two simulated nodes on this
+machine (loopback only), in front of the mock backend. Agents' attempts are pinned to shards and call them
+through their task's resources; shards admit calls from the table the store pushes, keep the records until
+``POST /rollout`` takes them, follow the gate, and a shard killed with SIGKILL voids its attempts and comes back.
+One Ray cluster for the module."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import anyio
+import openai
+import pytest
+from helpers.tokenin import chat_turn
+
+from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, run_agents
+from aglverl.client import AgentClient, TaskServerError
+from aglverl.shards import ProxyShards
+from aglverl.testing.mock_vllm import MockVLLM
+
+pytestmark = pytest.mark.anyio
+
+BATCH = BatchConfig(max_prompt_length=256, max_response_length=256)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """Two Ray nodes on this machine, listening on loopback only; ended with the module."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from aglverl.verl_plugin.patches import loopback_only_ray
+
+    loopback_only_ray()
+    head = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        try:
+            yield cluster
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture
+async def mock() -> Any:
+    async with MockVLLM(completion_tokens=4) as backend:
+        yield backend
+
+
+def _daemon(mock: MockVLLM, **kwargs: Any) -> AgentDaemon:
+    return AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, proxy_shards=2, **kwargs)
+
+
+def _shards(daemon: AgentDaemon) -> ProxyShards:
+    assert isinstance(daemon.proxy, ProxyShards)
+    return daemon.proxy
+
+
+async def _claim(agent: AgentClient) -> tuple[Any, str]:
+    """A claimed task and its attempt's base URL, from the task's own resources (as an agent gets it)."""
+    task = await agent.next_task(wait=10)
+    assert task is not None and task.attempt_id is not None
+    update = await agent.resources(task.resources_id)
+    assert update is not None
+    llm = update.resources["main_llm"]
+    assert isinstance(llm, LLM)
+    return task, llm.get_base_url(task.rollout_id, task.attempt_id)
+
+
+async def _chat(base: str, text: str = "hello") -> aiohttp.ClientResponse:
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": 3}
+        async with http.post(f"{base}/chat/completions", json=body) as response:
+            await response.read()
+            return response
+
+
+async def test_agents_spread_over_two_shards_on_two_nodes_and_every_call_is_recorded(
+    ray_cluster: Any, mock: MockVLLM
+) -> None:
+    """8 rollouts of 3-turn chats (half of them streamed) that echo their history as text: the attempts spread
+    over both shards (one per node), each agent calls its own shard, and each conversation trains as one row
+    of the ids the backend generated (token-in sessions live in the shard that serves the attempt)."""
+    used: Counter[str] = Counter()
+
+    async def agent(task: dict[str, Any], llm: LLM) -> float:
+        used[llm.endpoint.split("/rollout/")[0]] += 1
+        messages: list[Any] = [{"role": "user", "content": f"question {task['q']}"}]
+        client = openai.AsyncOpenAI(base_url=llm.endpoint, api_key="-", max_retries=0)
+        try:
+            for turn in range(3):
+                answer = await chat_turn(client, messages, task["q"] % 2 == 0, model=llm.model)
+                messages += [
+                    {"role": "assistant", "content": answer["content"]},
+                    {"role": "user", "content": f"tool result {turn}"},
+                ]
+        finally:
+            await client.close()
+        return 1.0
+
+    async with _daemon(mock) as daemon:
+        shards = _shards(daemon)
+        assert len({s.node for s in shards.shards}) == 2  # one shard on each node
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=8))
+            await daemon.submit([{"q": q} for q in range(4)], n=2)
+            with anyio.fail_after(60):
+                batch = await daemon.batches.receive()
+            tg.cancel_scope.cancel()
+        await daemon.refresh_proxy_figures()
+        counters = daemon.proxy_counters()
+        per_shard = {s.index: s.counters["proxy/calls_ok"] for s in shards.shards}
+        async with aiohttp.ClientSession() as http, http.get(f"{daemon.server_url}/metrics") as response:
+            metrics = await response.text()
+    assert set(used) == set(shards.urls) and sum(used.values()) == 8  # both shards served attempts
+    assert batch.metrics["batch/n_calls"] == 24 and len(batch.data) == 8  # every call, one row per conversation
+    assert batch.metrics["batch/n_calls_drifted"] == 0
+    assert Counter(batch.data.non_tensor_batch["rollout_id_list"]).most_common(1)[0][1] == 1
+    assert counters["proxy/calls_ok"] == 24 == len(mock.generation_requests()) + counters["proxy/token_in_generated"]
+    assert all(n > 0 for n in per_shard.values()) and sum(per_shard.values()) == 24
+    assert counters["proxy/token_in_generated"] == 16  # each later turn generated from the earlier ids
+    for index in (0, 1):  # /metrics renders every shard's registry, labelled
+        assert f'aglverl_proxy_calls_total{{shard="{index}",outcome="ok"}} {per_shard[index]:g}' in metrics
+    assert metrics.count("# TYPE aglverl_proxy_calls_total counter") == 1
+
+
+async def test_shards_admit_only_what_the_table_says_and_records_are_taken_at_post(
+    ray_cluster: Any, mock: MockVLLM
+) -> None:
+    """A claimed attempt's calls go through on its own shard only; a made-up attempt is a 404 and a finished
+    rollout's a 409, never forwarded; the result's post takes the shard's records into the store."""
+    async with _daemon(mock) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        rid = await daemon.queue_task({"q": 1})
+        task, base = await _claim(agent)
+        assert task.rollout_id == rid
+        mine = next(s for s in shards.shards if base.startswith(s.url + "/"))
+        other = next(s for s in shards.shards if s is not mine)
+        assert task.resources_id.endswith(f"@shard{mine.index}-0")
+        assert (await _chat(base)).status == 200
+        assert (await _chat(base, "again")).status == 200
+        before = len(mock.generation_requests())
+        for url in (
+            base.replace(mine.url, other.url),  # pinned elsewhere
+            base.replace(task.attempt_id, "attempt-made-up"),
+            f"{mine.url}/rollout/rollout-made-up/attempt/{task.attempt_id}/v1",
+        ):
+            assert (await _chat(url)).status == 404, url
+        assert daemon.store.record(rid).calls == []  # still on the shard
+        await agent.post_rollout(Rollout(rollout_id=rid, attempt_id=task.attempt_id, final_reward=1.0))
+        calls = daemon.store.record(rid).calls
+        assert [c.attempt_id for c in calls] == [task.attempt_id] * 2 and all(c.has_token_ids for c in calls)
+        requests = mock.generation_requests()
+        assert [c.response_token_ids for c in calls] == [mock.expected(r.json)[0][1] for r in requests]
+        refused = await _chat(base)
+        assert refused.status == 409
+        assert len(mock.generation_requests()) == before  # nothing refused was forwarded
+
+
+async def test_pause_hold_and_resume_reach_every_shard(ray_cluster: Any) -> None:
+    """``pause_calls`` returns once both shards drained; calls arriving while held wait on both shards and go on
+    under the version ``resume_calls`` gives."""
+    async with (
+        MockVLLM(completion_tokens=4, latency=0.3) as mock,
+        _daemon(mock) as daemon,
+        AgentClient(daemon.server_url) as agent,
+    ):
+        shards = _shards(daemon)
+        for q in range(4):
+            await daemon.queue_task({"q": q})
+        claimed = [await _claim(agent) for _ in range(4)]
+        bases = [base for _, base in claimed]
+        assert {next(s.index for s in shards.shards if b.startswith(s.url)) for b in bases} == {0, 1}
+        async with anyio.create_task_group() as tg:
+            for base in bases[:2]:
+                tg.start_soon(_chat, base)
+            with anyio.fail_after(20):
+                await mock.wait_until(lambda m: m.active == 2)  # one call in flight on each shard
+                await daemon.pause_calls()
+            assert mock.completed == 2  # both drained before pause returned
+        await daemon.resume_calls(3)
+        await daemon.hold_calls()
+        admitted = [await s.actor.calls_admitted.remote() for s in shards.shards]
+        async with anyio.create_task_group() as tg:
+            for base in bases[2:]:
+                tg.start_soon(_chat, base)
+            with anyio.fail_after(20):
+                for shard, count in zip(shards.shards, admitted, strict=True):
+                    await shard.actor.calls_admitted.remote(count + 1)  # each shard has its held call
+            assert mock.completed == 2 and mock.active == 0  # none went on while held
+            await daemon.resume_calls(7)
+        await daemon.refresh_proxy_figures()
+        assert daemon.proxy_counters()["proxy/held_calls"] == 2
+        for task, _ in claimed:
+            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=0.0))
+        versions = [c.weight_version for task, _ in claimed for c in daemon.store.record(task.rollout_id).calls]
+    assert versions == [0, 0, 7, 7]
+    assert mock.completed == 4
+
+
+async def test_a_shard_killed_with_sigkill_voids_its_attempts_and_serves_again(
+    ray_cluster: Any, mock: MockVLLM
+) -> None:
+    """SIGKILL on one shard's process: its attempt's late result is refused (409), the rollout is handed out
+    again and finishes through a live shard, the killed shard serves again with an empty table, and nothing
+    of the other shard's attempt is lost."""
+    async with _daemon(mock) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        step = await daemon.submit([{"q": 1}, {"q": 2}], n=1)
+        (first, first_base), (second, second_base) = [await _claim(agent) for _ in range(2)]
+        for base in (first_base, second_base):
+            assert (await _chat(base)).status == 200
+        victim = next(s for s in shards.shards if second_base.startswith(s.url + "/"))
+        restarts = daemon.registry.counter("aglverl_proxy_shard_restarts_total", "")
+        os.kill(await victim.actor.pid.remote(), signal.SIGKILL)
+        with pytest.raises(TaskServerError) as refused:
+            await agent.post_rollout(Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0))
+        assert refused.value.status == 409 and "void" in refused.value.detail
+        try:  # the dead process's address serves it no more (a restarted process would not know it: a 404)
+            assert (await _chat(second_base)).status == 404
+        except aiohttp.ClientConnectionError:
+            pass
+        with anyio.fail_after(60):
+            await shards.wait_up()
+        assert restarts.value() == 1
+        again, again_base = await _claim(agent)  # the same rollout, a new attempt
+        assert again.rollout_id == second.rollout_id and again.attempt_id != second.attempt_id
+        assert (await _chat(again_base, "once more")).status == 200
+        for task in (first, again):
+            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+        with anyio.fail_after(20):
+            batch = await daemon.batches.receive()
+        assert batch.step == step.number
+        records = [daemon.store.record(rid) for rid in step.rollout_ids]
+        await daemon.refresh_proxy_figures()
+        lost = daemon.registry.counter("aglverl_attempts_lost_total", "").value()
+    assert [r.state for r in records] == ["completed", "completed"]
+    assert [[c.attempt_id for c in r.calls] for r in records] == [[first.attempt_id], [again.attempt_id]]
+    assert len(batch.data) == 2  # each rollout's one call: the first attempt's, and the new attempt's
+    assert lost == 1
