@@ -166,6 +166,9 @@ class DaemonOptions:
       refill, in every mode); after this many such groups in a row the run stops with
       :class:`~aglverl.producer.AgentsFailing`, naming the agents' most frequent errors. ``None`` (default):
       ``data.train_batch_size``, a whole batch's worth; ``0``: never stop.
+    - ``proxy_shards``: ``1`` (default) runs the LLM proxy in the daemon's process; ``N`` or ``"per_node"``
+      runs it as that many Ray actors beside verl's rollout replicas (``"per_node"``: one per node hosting
+      replicas), every rollout attempt pinned to one (:mod:`aglverl.shards`); ``proxy_port`` then does not apply.
     """
 
     host: str = "127.0.0.1"
@@ -184,6 +187,7 @@ class DaemonOptions:
     max_failed_groups: int | None = None
     hold_timeout: float = 4 * 3600.0
     token_in: bool = True
+    proxy_shards: int | Literal["per_node"] = 1
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -212,6 +216,8 @@ class DaemonOptions:
             type(options.max_failed_groups) is not int or options.max_failed_groups < 0
         ):
             raise ConfigError(f"aglverl.max_failed_groups must be an int >= 0, got {options.max_failed_groups!r}")
+        if not (options.proxy_shards == "per_node" or (type(options.proxy_shards) is int and options.proxy_shards >= 1)):
+            raise ConfigError(f"aglverl.proxy_shards must be an int >= 1 or 'per_node', got {options.proxy_shards!r}")
         if options.sampling_mismatch not in ("refuse", "mask"):
             raise ConfigError(
                 f"aglverl.sampling_mismatch must be 'refuse' or 'mask', got {options.sampling_mismatch!r}"
@@ -685,7 +691,9 @@ def _single_node_here() -> bool:
     import ray
 
     nodes = [node for node in ray.nodes() if node.get("Alive")]
-    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
+    # several Ray nodes on one machine (all at this address: loopback) share its file system too
+    here = ray.util.get_node_ip_address()
+    return bool(nodes) and all(node.get("NodeManagerAddress") == here for node in nodes)
 
 
 def _shutdown_ray() -> None:
@@ -822,12 +830,15 @@ def _run_config(config: Any, *, has_validation: bool) -> Any:
 def _daemon_kwargs(config: Any, options: DaemonOptions, trainer: Any) -> dict[str, Any]:
     """Keyword arguments for the :class:`~aglverl.daemon.AgentDaemon` that feeds ``trainer`` (blocking)."""
     from .batch import BatchConfig
-    from .verl_v1 import backend_urls, journal_path, served_model_name
+    from .verl_v1 import backend_nodes, backend_urls, journal_path, served_model_name
 
     data = config.data
     pad = trainer.tokenizer.pad_token_id
     backends = backend_urls(trainer)
-    return {
+    shards: dict[str, Any] = {}
+    if options.proxy_shards != 1:  # the proxy as Ray actors beside the replicas
+        shards = {"proxy_shards": options.proxy_shards, "backend_nodes": backend_nodes(trainer)}
+    return shards | {
         "host": options.host,
         "port": options.port,
         "proxy_port": options.proxy_port,

@@ -970,6 +970,24 @@ def backend_urls(trainer: Any) -> list[str]:
     return [f"http://{address}" for address in manager.get_addresses()]
 
 
+def backend_nodes(trainer: Any) -> dict[str, str]:
+    """The Ray node id of each inference server (as :func:`backend_urls` names it): where the process that
+    serves it runs (the worker hosting a hybrid replica's engine, else the replica's server actor); blocking."""
+    import ray
+
+    manager = getattr(trainer, "standalone_server_manager", None) or trainer.llm_server_manager
+    replicas = manager.get_replicas()
+    hosts = [replica.workers[0] if replica.workers else replica.server_handle for replica in replicas]
+    nodes = ray.get([host.__ray_call__.remote(_node_id) for host in hosts])
+    return {f"http://{replica.server_address}": node for replica, node in zip(replicas, nodes, strict=True)}
+
+
+def _node_id(_actor: Any) -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def served_model_name(url: str) -> str:
     """The model name an OpenAI-compatible server answers to (its first ``/v1/models`` entry); blocking."""
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP(S)_PROXY
