@@ -66,6 +66,8 @@ _STOP_TIMEOUT = 10.0
 _COPY_MARK = "@shard"
 
 ShardCount = int | Literal["per_node"]
+#: The gate operation that puts a shard in the gate's state.
+_REGATE: dict[str, GateOp] = {"open": "resume", "held": "hold", "paused": "pause"}
 
 
 class ShardsGone(RuntimeError):
@@ -222,6 +224,7 @@ class ProxyShards:
         self._urls: set[str] = set()  # every URL a shard ever served on (resources name them)
         self._copies: dict[str, tuple[ResourcesUpdate, ResourcesUpdate]] = {}
         self._gate_seq = itertools.count()
+        self._gate_issued = -1  # the last broadcast's sequence number
         self._gate_state: Literal["open", "paused", "held"] = "open"
         self._version = 0
         self._tg: TaskGroup | None = None
@@ -291,17 +294,33 @@ class ProxyShards:
     async def _start(self, shard: _Shard) -> None:
         started = time.monotonic()
         shard.url, shard.incarnation, boot = await shard.actor.start.remote()
-        await shard.actor.sync.remote(shard.incarnation, [], shard.backends, self._gate())
+        gate = self._gate()
+        await shard.actor.sync.remote(shard.incarnation, [], shard.backends, gate)
         self.m_start.observe(time.monotonic() - started)
-        self._serving(shard, boot)
+        await self._serving(shard, boot, gate[0])
 
-    def _serving(self, shard: _Shard, boot: str) -> None:
+    async def _serving(self, shard: _Shard, boot: str, synced: int) -> None:
+        """The shard serves with the table and gate it was sent (gate operation ``synced``): watch it, and send
+        it the gate again if it changed meanwhile (a broadcast skips a shard that is not up yet)."""
         shard.offset = 0.0 if boot == self._boot else math.nan  # estimated at the first refresh
         self._urls.add(shard.url)
         shard.up = True
         assert self._tg is not None
         self._tg.start_soon(self._watch, shard, shard.epoch)
+        if self._gate_issued > synced:
+            await self._regate(shard)
         self._check_all_up()
+
+    async def _regate(self, shard: _Shard) -> None:
+        import ray
+
+        seq, state, version = self._gate()
+        op = _REGATE[state]
+        epoch = shard.epoch
+        try:
+            await shard.actor.gate.remote(seq, op, version)
+        except ray.exceptions.RayActorError as exc:
+            self._lost(shard, epoch, exc)
 
     def _check_all_up(self) -> None:
         if self._all_up is not None and all(s.up or s.gone for s in self.shards):
@@ -541,15 +560,13 @@ class ProxyShards:
             return
         if epoch != shard.epoch:
             return  # it died again meanwhile; that death brings it back
-        if incarnation != shard.seen_incarnation and shard.seen_incarnation:
-            _add(shard.retired, shard.counters)
-            shard.counters = {}
         shard.url, shard.incarnation = url, incarnation
         admitted = list(shard.pins.items())
         shard.ops.clear()  # the table sent now covers them
+        gate = self._gate()
         try:
             await shard.actor.sync.remote(
-                incarnation, [(rid, aid, pin.sampling) for (rid, aid), pin in admitted], shard.backends, self._gate()
+                incarnation, [(rid, aid, pin.sampling) for (rid, aid), pin in admitted], shard.backends, gate
             )
         except (ray.exceptions.RayActorError, ShardRestarted) as exc:
             self._lost(shard, epoch, exc)
@@ -561,8 +578,8 @@ class ProxyShards:
         self.m_restarts.inc()
         self.m_start.observe(time.monotonic() - started)
         logger.warning("proxy shard %d serves again at %s (%d attempts pinned to it)", shard.index, url, len(admitted))
-        self._serving(shard, boot)
         shard.wake.set()  # table changes queued since the snapshot
+        await self._serving(shard, boot, gate[0])
 
     def _gone(self, shard: _Shard) -> None:
         """The shard ran out of restarts: its attempts are void; with no shard left, the daemon stops."""
@@ -580,12 +597,13 @@ class ProxyShards:
 
     # ------------------------------------------------------------------ the gate
     def _gate(self) -> tuple[int, str, int]:
+        """The gate's state with a new sequence number, for a shard that (re)starts."""
         return next(self._gate_seq), self._gate_state, self._version
 
     async def _broadcast(self, op: GateOp, version: int | None = None) -> None:
         import ray
 
-        seq = next(self._gate_seq)
+        seq = self._gate_issued = next(self._gate_seq)
         started = time.monotonic()
 
         async def one(shard: _Shard) -> None:

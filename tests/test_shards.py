@@ -20,6 +20,7 @@ from helpers.tokenin import chat_turn
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, run_agents
 from aglverl.client import AgentClient, TaskServerError
+from aglverl.proxy.shard import ShardRestarted
 from aglverl.shards import ProxyShards
 from aglverl.testing.mock_vllm import MockVLLM
 
@@ -111,6 +112,7 @@ async def test_agents_spread_over_two_shards_on_two_nodes_and_every_call_is_reco
     async with _daemon(mock) as daemon:
         shards = _shards(daemon)
         assert len({s.node for s in shards.shards}) == 2  # one shard on each node
+        assert all(url.startswith("http://127.0.0.1:") for url in shards.urls)  # the node's address: loopback
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=8))
             await daemon.submit([{"q": q} for q in range(4)], n=2)
@@ -221,6 +223,7 @@ async def test_a_shard_killed_with_sigkill_voids_its_attempts_and_serves_again(
         for base in (first_base, second_base):
             assert (await _chat(base)).status == 200
         victim = next(s for s in shards.shards if second_base.startswith(s.url + "/"))
+        dead = victim.incarnation
         restarts = daemon.registry.counter("aglverl_proxy_shard_restarts_total", "")
         os.kill(await victim.actor.pid.remote(), signal.SIGKILL)
         with pytest.raises(TaskServerError) as refused:
@@ -232,7 +235,9 @@ async def test_a_shard_killed_with_sigkill_voids_its_attempts_and_serves_again(
             pass
         with anyio.fail_after(60):
             await shards.wait_up()
-        assert restarts.value() == 1
+        assert restarts.value() == 1 and victim.incarnation != dead
+        with pytest.raises(ShardRestarted):  # what a take meant for the dead process gets from the new one
+            await victim.actor.take.remote(dead, second.rollout_id, second.attempt_id)
         again, again_base = await _claim(agent)  # the same rollout, a new attempt
         assert again.rollout_id == second.rollout_id and again.attempt_id != second.attempt_id
         assert (await _chat(again_base, "once more")).status == 200
@@ -248,3 +253,36 @@ async def test_a_shard_killed_with_sigkill_voids_its_attempts_and_serves_again(
     assert [[c.attempt_id for c in r.calls] for r in records] == [[first.attempt_id], [again.attempt_id]]
     assert len(batch.data) == 2  # each rollout's one call: the first attempt's, and the new attempt's
     assert lost == 1
+
+
+async def test_a_shard_restarted_during_a_hold_comes_back_holding_with_its_new_attempts_admitted(
+    ray_cluster: Any, mock: MockVLLM
+) -> None:
+    """The table and the gate are sent again to a restarted shard: killed while the trainer holds calls, it
+    serves again held, admits the attempt pinned to it since, and lets its call go on at the resume."""
+    async with _daemon(mock) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        for q in range(2):
+            await daemon.queue_task({"q": q})
+        (_, _), (second, second_base) = [await _claim(agent) for _ in range(2)]
+        victim = next(s for s in shards.shards if second_base.startswith(s.url + "/"))
+        await daemon.hold_calls()
+        os.kill(await victim.actor.pid.remote(), signal.SIGKILL)
+        with pytest.raises(TaskServerError) as refused:  # its attempt is void, the task queued again
+            await agent.post_rollout(Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0))
+        assert refused.value.status == 409
+        with anyio.fail_after(60):
+            await shards.wait_up()
+        again, again_base = await _claim(agent)
+        assert again.rollout_id == second.rollout_id and again_base.startswith(victim.url + "/")  # least loaded
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_chat, again_base)
+            with anyio.fail_after(20):
+                await victim.actor.calls_admitted.remote(1)
+            assert mock.generation_requests() == []  # held on the restarted shard
+            await daemon.resume_calls(5)
+        await agent.post_rollout(Rollout(rollout_id=again.rollout_id, attempt_id=again.attempt_id, final_reward=1.0))
+        calls = daemon.store.record(again.rollout_id).calls
+        await daemon.refresh_proxy_figures()
+    assert [(c.attempt_id, c.weight_version) for c in calls] == [(again.attempt_id, 5)]
+    assert victim.counters["proxy/held_calls"] == 1
