@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
+import proxy_capacity
 from _common import (
     JsonChild,
     child_args,
@@ -47,7 +48,7 @@ from _common import (
     summary_ms,
 )
 from proxy import call as _json_call  # benchmarks/proxy.py: one JSON call, its latency
-from proxy_capacity import BODY, CHUNK_LATENCY, COMPLETION_TOKENS, JSON_RATES, STREAM_RATES, sweep
+from proxy_capacity import BODY, CHUNK_LATENCY, JSON_RATES, STREAM_RATES, sweep
 
 ROLLOUTS = 128
 #: Rollouts posted for the turnaround figure, each after ``TURNAROUND_CALLS`` recorded calls.
@@ -57,17 +58,6 @@ GATE_ROUNDS = 20
 
 
 # ---------------------------------------------------------------------------------------------- children
-async def _run_mock(cfg: dict[str, Any]) -> None:
-    from aglverl.testing import MockVLLM
-
-    async with MockVLLM(
-        completion_tokens=COMPLETION_TOKENS, chunk_latency=cfg["chunk_latency"], record_requests=False
-    ) as mock:
-        emit({"url": mock.url, "pid": os.getpid()})
-        async for _ in stdin_commands():
-            emit({"completed": mock.completed})
-
-
 async def _run_daemon(cfg: dict[str, Any]) -> None:
     from aglverl import AgentDaemon
     from aglverl.shards import ProxyShards
@@ -119,7 +109,8 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
 
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
-    anyio.run(_run_mock if role == "mock" else _run_daemon, cfg)
+    assert role == "daemon", role
+    anyio.run(_run_daemon, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- the agents' side
@@ -224,7 +215,8 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
 
 async def measure(counts: list[int], quick: bool, max_seconds: float) -> dict[str, Any]:
     seconds = 2.0 if quick else 4.0
-    mock = await JsonChild.start(child_args(__file__, "mock", {"chunk_latency": CHUNK_LATENCY}))
+    # the backend: proxy_capacity.py's own mock child (the same answers as its sweeps get)
+    mock = await JsonChild.start(child_args(proxy_capacity.__file__, "mock", {"chunk_latency": CHUNK_LATENCY}))
     try:
         runs = {}
         started = time.monotonic()
