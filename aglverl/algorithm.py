@@ -38,6 +38,7 @@ import anyio
 import anyio.to_thread
 
 from .client import AgentFn, run_agents
+from .shards import check_shard_count
 from .signals import SignalConfig
 
 __all__ = [
@@ -216,8 +217,10 @@ class DaemonOptions:
             type(options.max_failed_groups) is not int or options.max_failed_groups < 0
         ):
             raise ConfigError(f"aglverl.max_failed_groups must be an int >= 0, got {options.max_failed_groups!r}")
-        if not (options.proxy_shards == "per_node" or (type(options.proxy_shards) is int and options.proxy_shards >= 1)):
-            raise ConfigError(f"aglverl.proxy_shards must be an int >= 1 or 'per_node', got {options.proxy_shards!r}")
+        try:
+            check_shard_count(options.proxy_shards, "aglverl.proxy_shards")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if options.sampling_mismatch not in ("refuse", "mask"):
             raise ConfigError(
                 f"aglverl.sampling_mismatch must be 'refuse' or 'mask', got {options.sampling_mismatch!r}"

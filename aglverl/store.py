@@ -850,6 +850,9 @@ class TaskStore:
             await self._take(entry.rollout_id, kept)
         except AttemptLost:
             entry.calls = {}
+        except Exception:  # the rollout stays failed, without calls, whatever the take ran into
+            logger.exception("the records of failed rollout %s could not be taken from its shard", entry.rollout_id)
+            entry.calls = {}
         finally:
             entry.settling = False
             if entry.lost and kept in entry.lost:
