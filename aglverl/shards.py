@@ -268,14 +268,16 @@ class ProxyShards:
             )
         nodes = await anyio.to_thread.run_sync(place_shards, self.count, self.backend_nodes)
         remote = ray.remote(ProxyShard)
-        for index, node in enumerate(nodes):
-            actor = remote.options(
-                num_cpus=0,
-                max_restarts=self.max_restarts,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-            ).remote(index, vocab_size=self.store.vocab_size, proxy_options=self.proxy_options, freeze_gc=self.freeze_gc)
-            self.shards.append(_Shard(index, node, actor, self._backends_of(node)))
         try:
+            for index, node in enumerate(nodes):
+                actor = remote.options(
+                    num_cpus=0,
+                    max_restarts=self.max_restarts,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                ).remote(
+                    index, vocab_size=self.store.vocab_size, proxy_options=self.proxy_options, freeze_gc=self.freeze_gc
+                )
+                self.shards.append(_Shard(index, node, actor, self._backends_of(node)))
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 async with anyio.create_task_group() as starting:
@@ -558,6 +560,11 @@ class ProxyShards:
         except ray.exceptions.RayActorError:
             self._gone(shard)
             return
+        except Exception:  # restarted, but its proxy cannot serve (e.g. no port): give it up
+            logger.exception("proxy shard %d was restarted but could not serve", shard.index)
+            ray.kill(shard.actor, no_restart=True)
+            self._gone(shard)
+            return
         if epoch != shard.epoch:
             return  # it died again meanwhile; that death brings it back
         shard.url, shard.incarnation = url, incarnation
@@ -663,6 +670,9 @@ class ProxyShards:
         except ray.exceptions.RayActorError as exc:
             self._lost(shard, shard.epoch, exc)
             return
+        except ray.exceptions.RayError:  # the figures are reports: a shard that cannot give them is skipped
+            logger.warning("proxy shard %d could not report its figures", shard.index, exc_info=True)
+            return
         received = time.monotonic()
         if figures["incarnation"] != shard.seen_incarnation:
             if shard.seen_incarnation:
@@ -703,6 +713,8 @@ class ProxyShards:
                 texts[shard.index] = await shard.actor.metrics_text.remote()
             except ray.exceptions.RayActorError as exc:
                 self._lost(shard, shard.epoch, exc)
+            except ray.exceptions.RayError:
+                logger.warning("proxy shard %d could not render its metrics", shard.index, exc_info=True)
 
         async with anyio.create_task_group() as tg:
             for shard in self.shards:
