@@ -21,7 +21,7 @@ from helpers.tokenin import chat_turn
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, run_agents
 from aglverl.client import AgentClient, TaskServerError
 from aglverl.proxy.shard import ShardRestarted
-from aglverl.shards import ProxyShards
+from aglverl.shards import ProxyShards, place_shards
 from aglverl.testing.mock_vllm import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -286,3 +286,18 @@ async def test_a_shard_restarted_during_a_hold_comes_back_holding_with_its_new_a
         await daemon.refresh_proxy_figures()
     assert [(c.attempt_id, c.weight_version) for c in calls] == [(again.attempt_id, 5)]
     assert victim.counters["proxy/held_calls"] == 1
+
+
+def test_shards_go_beside_the_backends_nodes_or_on_every_alive_node(ray_cluster: Any) -> None:
+    import ray
+
+    alive = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    assert len(alive) == 2
+    assert place_shards("per_node") == alive  # no backend placement known: one per alive node
+    assert place_shards(3) == [alive[0], alive[1], alive[0]]
+    beside = {"http://127.0.0.1:1": alive[1], "http://127.0.0.1:2": alive[1]}
+    assert place_shards("per_node", beside) == [alive[1]]  # one per node hosting replicas
+    assert place_shards(2, beside) == [alive[1], alive[1]]
+    assert place_shards(1, {"http://127.0.0.1:3": "a-node-that-is-gone"}) == [alive[0]]
+    with pytest.raises(ValueError, match="proxy_shards must be an int >= 1 or 'per_node', got 0"):
+        AgentDaemon(proxy_shards=0)
