@@ -631,11 +631,37 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
 
         return list(pq.read_table(path).to_pylist())
     if suffix in (".jsonl", ".json"):
-        import orjson
-
-        with path.open("rb") as f:
-            return [orjson.loads(line) for line in f if line.strip()]
+        return _read_json_rows(path)
     raise ConfigError(f"dataset file {str(path)!r}: expected .parquet, .jsonl or .json")
+
+
+def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+    """JSON lines (one object a line), or for ``.json`` also one JSON array of objects; a line or item that is
+    not an object is a :class:`ConfigError` naming it."""
+    import orjson
+
+    data = path.read_bytes()
+    if path.suffix.lower() == ".json" and data.lstrip().startswith(b"["):
+        try:
+            rows = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"dataset file {str(path)!r} is not valid JSON: {exc}") from None
+        where = "item"
+    else:
+        rows = []
+        for number, line in enumerate(data.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(orjson.loads(line))
+                except orjson.JSONDecodeError as exc:
+                    raise ConfigError(f"dataset file {str(path)!r}, line {number}: not JSON ({exc})") from None
+        where = "row"
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(
+                f"dataset file {str(path)!r}: {where} {i} must be a JSON object (a task input), got {row!r:.80}"
+            )
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- Ray
