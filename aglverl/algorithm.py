@@ -302,6 +302,11 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     ``validate_config``, and the :class:`DaemonOptions`. Raises :class:`ConfigError` naming the key for an
     unknown key or an unsupported setting.
     """
+    with _quiet_verl_import():
+        return _compose_config(overrides)
+
+
+def _compose_config(overrides: Mapping[str, Any] | None) -> tuple[Any, DaemonOptions]:
     from omegaconf import OmegaConf
 
     user = _nest(dict(overrides or {}))
@@ -325,6 +330,27 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     OmegaConf.set_struct(config, True)
     _validate_with_verl(config)
     return config, options
+
+
+@contextmanager
+def _quiet_verl_import() -> Iterator[None]:
+    """Importing verl warns about every optional training engine that is not installed (torchtitan, veomni,
+    megatron...) and, on a machine without a GPU, about falling back to its CUDA platform (aglverl selects its
+    own): for the block, those notices are not shown. Other warnings are."""
+    platform_logger = logging.getLogger("verl.plugin.platform.platform_manager")
+    drop_warnings = _BelowError()  # a filter: verl sets the logger's level when the module is imported
+    platform_logger.addFilter(drop_warnings)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
+            yield
+    finally:
+        platform_logger.removeFilter(drop_warnings)
+
+
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
 
 
 #: The embedded engine's checkpoint engine for standalone replicas (no NCCL; ``aglverl.verl_plugin.checkpoint``).
