@@ -4,7 +4,7 @@
   ``--local-model tiny|PATH`` also starts the embedded inference server and puts it behind the proxy. Tasks
   come from ``--tasks FILE`` (JSON lines, JSON or parquet, one task input per row) and from ``POST /tasks``
   on the task server (behind ``--token``); each finished rollout is printed as one JSON line
-  ``{"rollout_id", "input", "status", "final_reward", "error"}``.
+  ``{"rollout_id", "input", "status": "succeeded"|"failed", "final_reward", "error"}``.
 - ``aglverl serve-model --model tiny|PATH`` runs the embedded inference server alone (what ``vllm serve`` is
   on a GPU).
 
@@ -193,7 +193,7 @@ class _Results:
         rollout = await self.daemon.wait_for_rollout(rollout_id)
         await self.serving.announced.wait()
         error = rollout.metadata.get("error") if rollout.metadata else None
-        status = rollout.status or "completed"
+        status = rollout.status
         line = {
             "rollout_id": rollout_id,
             "input": value,
@@ -212,7 +212,7 @@ class _Tally:
 
     source: str
     total: int
-    completed: int = 0
+    succeeded: int = 0
     failed: int = 0
     rewards: float = 0.0
 
@@ -220,15 +220,15 @@ class _Tally:
         if status == "failed":
             self.failed += 1
         else:
-            self.completed += 1
+            self.succeeded += 1
             self.rewards += reward or 0.0
-        if self.completed + self.failed == self.total:
-            mean = self.rewards / self.completed if self.completed else float("nan")
+        if self.succeeded + self.failed == self.total:
+            mean = self.rewards / self.succeeded if self.succeeded else float("nan")
             logging.getLogger("aglverl.cli").info(
-                "all %d tasks of %s finished: %d completed (mean reward %.3f), %d failed",
+                "all %d tasks of %s finished: %d succeeded (mean reward %.3f), %d failed",
                 self.total,
                 self.source,
-                self.completed,
+                self.succeeded,
                 mean,
                 self.failed,
             )

@@ -162,7 +162,7 @@ def check_agent(fn: Any, *, name: str = "agent") -> None:
     """
     if not callable(fn):
         raise TypeError(f"{name} must be an async function `async def {name}(task_input, llm)`, got {fn!r}")
-    label = getattr(fn, "__qualname__", None) or type(fn).__name__
+    label = getattr(fn, "__name__", None) or type(fn).__name__
     plain = inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, functools.partial)
     target = fn if plain else type(fn).__call__
     if inspect.isasyncgenfunction(target):

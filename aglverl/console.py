@@ -63,6 +63,14 @@ class Console:
         self.title = title
         self.log_path = self.out / log if log is not None else None
         self.rewards: list[float] = []
+        self._stdout, self._stderr = sys.stdout, sys.stderr  # the console, whatever is redirected later
+
+    def say(self, message: str) -> None:
+        """A line on the console (stderr, above the progress bar), also while the libraries' output goes to
+        the log file: for the script's own news during the run."""
+        from tqdm import tqdm
+
+        tqdm.write(message, file=self._stderr)
 
     async def run(self, algo: Any, train: Any = None, val: Any = None) -> dict[str, Any]:
         """Train (``algo.run(train, val)``) with the quiet console; returns the summary.
@@ -75,7 +83,7 @@ class Console:
         """
         started = time.monotonic()
         await anyio.Path(self.out).mkdir(parents=True, exist_ok=True)
-        console_out, console_err = sys.stdout, sys.stderr
+        console_out, console_err = self._stdout, self._stderr
         first_step_at: list[float] = []
         walls: list[float] = []
         self.rewards = []
