@@ -223,9 +223,9 @@ class _Tally:
             self.succeeded += 1
             self.rewards += reward or 0.0
         if self.succeeded + self.failed == self.total:
-            mean = self.rewards / self.succeeded if self.succeeded else float("nan")
+            mean = f" (mean reward {self.rewards / self.succeeded:.3f})" if self.succeeded else ""
             logging.getLogger("aglverl.cli").info(
-                "all %d tasks of %s finished: %d succeeded (mean reward %.3f), %d failed",
+                "all %d tasks of %s finished: %d succeeded%s, %d failed",
                 self.total,
                 self.source,
                 self.succeeded,

@@ -26,6 +26,7 @@ import openai
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
+from aglverl.console import Console
 
 MAX_TURNS = 3
 SYSTEM = (
@@ -91,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--out", default="calculator-out", help="directory for metrics.jsonl, train.log, reward.png")
     args = parser.parse_args()
     config = {
         "actor_rollout_ref": {
@@ -100,10 +102,13 @@ def main() -> None:
         },
         "data": {"train_batch_size": 8, "max_prompt_length": 512, "max_response_length": 16},
         "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {"total_training_steps": args.steps, "val_before_train": False, "logger": ["console"]},
+        "trainer": {"total_training_steps": args.steps, "val_before_train": False},
     }
-    metrics = anyio.run(AsyncVERL(config, agent=agent).run, questions(64))
-    print(f"final: reward {metrics['training/reward']:.3f}, rows per rollout {metrics['step/n_rows'] / 32:.2f}")
+    console = Console(args.out, title="calculator.py")
+    summary = anyio.run(console.run, AsyncVERL(config, agent=agent), questions(64))
+    metrics = summary["metrics"]
+    print(console.describe(summary))
+    print(f"final: reward {summary['final_reward']:.3f}, rows per rollout {metrics.get('step/n_rows', 0.0) / 32:.2f}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
+from aglverl.console import Console
 
 
 @tool
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--api", choices=["chat", "responses"], default="chat")
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a Hugging Face model path")
+    parser.add_argument("--out", default="langgraph_tool-out", help="directory for metrics.jsonl, train.log, reward.png")
     args = parser.parse_args()
     rng = random.Random(0)
     tasks = [{"a": rng.randint(2, 12), "b": rng.randint(2, 12)} for _ in range(64)]
@@ -109,10 +111,12 @@ def main() -> None:
         },
         "data": {"train_batch_size": 8, "max_prompt_length": 256, "max_response_length": 16},
         "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {"total_training_steps": args.steps, "val_before_train": False, "logger": ["console"]},
+        "trainer": {"total_training_steps": args.steps, "val_before_train": False},
     }
-    metrics = anyio.run(AsyncVERL(config, agent=make_agent(args.api == "responses")).run, tasks)
-    print(f"final: reward {metrics['training/reward']:.3f}, rows {metrics['step/n_rows']:.0f}")
+    console = Console(args.out, title="langgraph_tool.py")
+    summary = anyio.run(console.run, AsyncVERL(config, agent=make_agent(args.api == "responses")), tasks)
+    print(console.describe(summary))
+    print(f"final: reward {summary['final_reward']:.3f}, rows {summary['metrics'].get('step/n_rows', 0.0):.0f}")
 
 
 if __name__ == "__main__":

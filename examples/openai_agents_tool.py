@@ -28,6 +28,7 @@ from agents.models.openai_provider import OpenAIProvider
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
+from aglverl.console import Console
 
 set_tracing_disabled(True)  # the SDK would otherwise send its traces to OpenAI
 
@@ -70,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a Hugging Face model path")
+    parser.add_argument("--out", default="openai_agents_tool-out", help="directory for metrics.jsonl, train.log, reward.png")
     args = parser.parse_args()
     tasks = [{"country": country.title(), "capital": capital} for country, capital in CAPITALS.items()] * 8
     config = {
@@ -80,10 +82,12 @@ def main() -> None:
         },
         "data": {"train_batch_size": 8, "max_prompt_length": 256, "max_response_length": 16},
         "algorithm": {"adv_estimator": "grpo"},
-        "trainer": {"total_training_steps": args.steps, "val_before_train": False, "logger": ["console"]},
+        "trainer": {"total_training_steps": args.steps, "val_before_train": False},
     }
-    metrics = anyio.run(AsyncVERL(config, agent=agent).run, tasks)
-    print(f"final: reward {metrics['training/reward']:.3f}, rows {metrics['step/n_rows']:.0f}")
+    console = Console(args.out, title="openai_agents_tool.py")
+    summary = anyio.run(console.run, AsyncVERL(config, agent=agent), tasks)
+    print(console.describe(summary))
+    print(f"final: reward {summary['final_reward']:.3f}, rows {summary['metrics'].get('step/n_rows', 0.0):.0f}")
 
 
 if __name__ == "__main__":

@@ -45,14 +45,18 @@ async def agent(task: dict, llm: LLM) -> float:
     return reward(reply.choices[0].message.content or "", task["word"])
 
 
-def serve_agents(server: str, concurrency: int, give_up_after: float) -> None:
-    """Run agent loops against ``server`` until SIGTERM / Ctrl-C, or until it has been gone ``give_up_after`` s."""
+def serve_agents(server: str, concurrency: int, give_up_after: float, token: str | None = None) -> None:
+    """Run agent loops against ``server`` until SIGTERM / Ctrl-C, or until it has been gone ``give_up_after`` s.
+    With ``token``, the task server's and the LLM proxy's bearer token (the SDK sends it as its API key)."""
+    global CLIENT
+    if token is not None:
+        CLIENT = openai.AsyncOpenAI(api_key=token, max_retries=0)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
 
             async def agents() -> None:
-                await run_agents(server, agent, concurrency=concurrency, give_up_after=give_up_after)
+                await run_agents(server, agent, concurrency=concurrency, give_up_after=give_up_after, token=token)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(agents)
@@ -111,11 +115,12 @@ def main() -> None:
     parser.add_argument("--server", help="task server URL: run only the agents, against it")
     parser.add_argument("--concurrency", type=int, default=128, help="agent loops (default: a step's rollouts)")
     parser.add_argument("--give-up-after", type=float, default=60.0, help="seconds without a task server (agents)")
+    parser.add_argument("--token", default=None, help="the task server's bearer token (agents)")
     parser.add_argument("--steps", type=int, default=25, help="training steps (trainer mode)")
     parser.add_argument("--out", default="remote_agents-out", help="metrics and logs (trainer mode)")
     args = parser.parse_args()
     if args.server:
-        serve_agents(args.server, args.concurrency, args.give_up_after)
+        serve_agents(args.server, args.concurrency, args.give_up_after, args.token)
     else:
         train(args.steps, args.concurrency, args.out)
 
