@@ -87,8 +87,8 @@ class Console:
         first_step_at: list[float] = []
         walls: list[float] = []
         self.rewards = []
-        if not self.json_lines:
-            algo.progress = console_err  # the bar keeps the console when the libraries' output is redirected
+        # the bar keeps the console when the libraries' output is redirected; JSON lines replace it
+        algo.progress = False if self.json_lines else console_err
 
         with (self.out / "metrics.jsonl").open("wb") as log, _libraries_to(self.log_path), _warnings_to(console_err):
 
