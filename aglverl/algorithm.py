@@ -11,8 +11,11 @@ The config is verl's own: the user's overrides (nested mappings, or dotted keys 
 are merged onto verl's packaged ``ppo_trainer.yaml``, composed by Hydra exactly as
 ``python -m verl.trainer.main_ppo`` composes it, plus an ``aglverl:`` section for the daemon
 (:class:`DaemonOptions`). A key verl's YAML does not have is an error naming it (free-form mappings such as
-``model.override_config`` accept any key). On a machine without a GPU the CPU platform and the embedded rollout
-are selected (:data:`CPU_DEFAULTS`, each of which the user may override); with GPUs, verl's vLLM rollout.
+``model.override_config`` accept any key), and so is a value of the wrong type, out of its range or not one of
+verl's registered choices (:mod:`aglverl.validation`). verl's defaults that only fit GPU-sized batches are
+fitted or flagged, one line each (:func:`_batch_defaults`); a run is named after its script, so its
+checkpoints are its own (:func:`_run_names`). On a machine without a GPU the CPU platform and the embedded
+rollout are selected (:data:`CPU_DEFAULTS`, each of which the user may override); with GPUs, verl's vLLM rollout.
 
 ``run`` starts or joins Ray (``RAY_ADDRESS``; a Ray started here listens on loopback only), starts verl's V1
 trainer (``trainer.v1.trainer_mode``: its workers, inference replicas and TransferQueue), hosts an
