@@ -53,6 +53,8 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from .constrained import TokenConstraint
+
 __all__ = ["Engine", "EngineStats", "GenSequence", "SamplingParams", "sample_next"]
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0
+    #: Record each sampled token's rank (1 = most likely) in ``GenSequence.ranks`` (the generate endpoint's).
+    ranks: bool = False
 
 
 class GenSequence:
@@ -88,10 +92,15 @@ class GenSequence:
     away, a stop string matched): the engine drops the sequence at the next step without notifying again.
     ``request_id`` names the owner's request (reported by :meth:`Engine.abort`); ``weight_version`` is set by
     the engine when the sequence is admitted (``None`` while it waits, or if it ended before admission).
+    ``constraint`` (a :class:`aglverl.constrained.TokenConstraint`) restricts each step's tokens to a grammar:
+    the forbidden logits are set to ``-inf`` before sampling, so the recorded log-probs are those of the masked
+    distribution (which verl's actor does not see: such tokens are slightly off-policy). A token the grammar
+    rejects after all (a bug, not bad input) fails the sequence.
     """
 
     __slots__ = (
         "cancelled",
+        "constraint",
         "error",
         "finish_reason",
         "finished",
@@ -101,6 +110,7 @@ class GenSequence:
         "notify",
         "params",
         "prompt",
+        "ranks",
         "request_id",
         "rng",
         "stop_reason",
@@ -119,8 +129,11 @@ class GenSequence:
         incremental: bool = False,
         choice: int = 0,
         request_id: str = "",
+        constraint: TokenConstraint | None = None,
     ) -> None:
         self.prompt = prompt
+        #: The grammar this sequence's tokens must follow (:mod:`aglverl.constrained`), or ``None``.
+        self.constraint = constraint
         self.request_id = request_id
         self.params = params
         #: Where ``notify(seq, n_tokens)`` is called (``call_soon_threadsafe``).
@@ -136,6 +149,7 @@ class GenSequence:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.ranks: list[int] = []
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
@@ -328,6 +342,7 @@ class Engine:
         self._last_cut: list[GenSequence] = []  # what the last cut ended (read by abort() once idle)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._mask_executor: Any = None  # llguidance's parallel mask executor, made on the first constraint
 
     # ------------------------------------------------------------------ control (any thread)
     def start(self, on_exit: Callable[[], None] | None = None) -> None:
@@ -598,9 +613,14 @@ class Engine:
         temperature, top_p, greedy, top_k = batch.params()
         rngs = [s.rng or self._seeded(s) for s in seqs]
         uniforms = torch.tensor([r.random() for r in rngs], dtype=torch.float32)
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None and s.constraint.active]
+        if constrained:
+            self._mask(logits, constrained, seqs)
         tokens, logp = sample_next(logits, temperature, top_p, greedy, uniforms)
-        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = logp.gather(1, tokens.unsqueeze(1))
+        chosen = chosen_t.squeeze(1).tolist()
         tops = logp.topk(top_k, dim=-1) if top_k else None
+        ranks = (logp > chosen_t).sum(-1).add_(1).tolist() if any(s.params.ranks for s in seqs) else None
         token_list = tokens.tolist()
         batch.last = tokens.unsqueeze(1)
         batch.positions = batch.positions + 1
@@ -613,6 +633,13 @@ class Engine:
             token = token_list[i]
             seq.token_ids.append(token)
             seq.logprobs.append(chosen[i])
+            if seq.constraint is not None and not seq.constraint.consume(token):
+                seq.error = RuntimeError(f"the constraint rejected token {token}: {seq.constraint.error}")
+                seq.finished = True
+                news.setdefault(seq.loop, []).append((seq, len(seq.token_ids)))
+                continue
+            if ranks is not None and seq.params.ranks:
+                seq.ranks.append(ranks[i])
             if seq.params.top_logprobs and tops is not None:
                 k = seq.params.top_logprobs
                 seq.top_logprobs.append(
@@ -627,6 +654,15 @@ class Engine:
         for loop, items in news.items():
             _post(loop, items)
         return keep
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], seqs: Sequence[GenSequence]) -> None:
+        """Apply the constrained rows' grammars to ``logits`` (one parallel bitmask fill for all of them)."""
+        from .constrained import apply_constraints, new_executor
+
+        if self._mask_executor is None:
+            self._mask_executor = new_executor()
+        constraints = [seqs[i].constraint for i in rows]
+        apply_constraints(logits, rows, constraints, self._mask_executor)  # type: ignore[arg-type]
 
     def _end_aborted(self, seqs: Sequence[GenSequence]) -> None:
         """Finish ``seqs`` with ``"abort"`` (tokens so far kept) and notify their owners; caller holds the lock."""

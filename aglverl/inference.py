@@ -44,6 +44,7 @@ Constructing the server loads the model: a blocking call of a few seconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -68,7 +69,19 @@ from . import __version__
 from ._engine import THREAD_NAME as ENGINE_THREAD_NAME
 from ._engine import Engine, GenSequence, SamplingParams
 from ._net import bind_listener, url_of
+from .chat_parser import ChatParser, ParsedMessage, ParseSession, ToolRequest
+from .chat_template import ChatTemplate, ChatTemplateError
+from .constrained import ConstraintCompiler, ConstraintError, TokenConstraint, hermes_structural_tag
 from .tiny import TINY_NAME, quiet_progress_bars, resolve_model
+from .token_in import (
+    NEUTRAL_SAMPLING,
+    DerenderRequest,
+    GenerateRequest,
+    derender_state,
+    generate_logprobs,
+    render_sampling_params,
+    weight_versions,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -185,6 +198,14 @@ class _ChatRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+    include_reasoning: bool | None = True
+    structured_outputs: dict[str, Any] | None = None
 
 
 class _CompletionRequest(_Request):
@@ -197,7 +218,7 @@ class _CompletionRequest(_Request):
 class _Plan:
     """A validated generation request: what to generate and how to shape the answer."""
 
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "generate"]
     prompts: list[list[int]]
     n: int
     params: SamplingParams
@@ -208,6 +229,14 @@ class _Plan:
     logprobs: bool
     #: The caller's name for the request (vLLM's ``request_id``), if it gave one.
     request_id: str | None = None
+    #: Chat answers: how the text is split into reasoning / content / tool calls (``None``: plain text).
+    parse: ToolRequest | None = None
+    #: One grammar per choice (``tool_choice`` "required" / named, ``structured_outputs``), or ``None``.
+    constraints: tuple[TokenConstraint, ...] | None = None
+    #: Decode without special tokens (parsing reads markup, so it keeps them).
+    skip_special: bool = True
+    #: The vLLM ``structured_outputs`` the constraints come from (render answers carry it).
+    structured_outputs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -235,24 +264,54 @@ class _Choice:
     string is never half sent.
     """
 
-    def __init__(self, job: _Job, index: int, prompt: list[int], seq: GenSequence) -> None:
+    def __init__(
+        self, job: _Job, index: int, prompt: list[int], seq: GenSequence, session: ParseSession | None = None
+    ) -> None:
         self.job, self.index, self.prompt, self.seq = job, index, prompt, seq
+        #: The choice's parse (chat with a tool / reasoning parser), shared by its body or its chunks.
+        self.session = session
+        skip = job.plan.skip_special
+        self.decode: Callable[[Sequence[int]], str] = lambda ids: job.server._decode(ids, skip)
         self.consumed = 0
         self.text = ""
         self.sent = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.counted = False  # the job has counted this choice as finished
+        self._parsed: ParsedMessage | None = None
         # Detokenization starts from the prompt's last ids, as vLLM's does: a generation resumed from prompt +
         # the ids of an aborted one then renders a character split across that boundary whole. The window
         # counts in "lead + output" positions: ids[_prefix:_read] is already text.
-        self._lead, self._read = _lead_of(job.server._decode, prompt)
-        self._lead_text = job.server._decode(self._lead[: self._read])
+        self._lead, self._read = _lead_of(self.decode, prompt)
+        self._lead_text = self.decode(self._lead[: self._read])
         self._prefix = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.seq.error is not None
+
+    def message(self) -> tuple[dict[str, Any], str | None]:
+        """The whole answer's assistant message (vLLM's key order) and its chat ``finish_reason``."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None, "annotations": None}
+        message |= {"audio": None, "function_call": None}
+        if self.session is None:
+            return message | {"reasoning": None}, self.finish_reason
+        if self._parsed is None:
+            self._parsed = self.session.parse(self.text)
+        parsed = self._parsed
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.to_json() for call in parsed.tool_calls]
+        message["reasoning"] = parsed.reasoning
+        return message, self.session.finish_reason(parsed, self.finish_reason)
+
+    def delta(self, d: _Delta) -> tuple[dict[str, Any] | None, str | None]:
+        """A streamed delta's JSON (``None``: the parser has nothing to send yet) and its chat finish reason."""
+        if self.session is None:
+            return {"content": d.text}, d.finish_reason
+        message = self.session.delta(d.text, d.ids, finished=d.finish_reason is not None)
+        finish = self.session.finish_reason(self.session.tools_streamed, d.finish_reason)
+        return (message.to_json() if message is not None else None), finish
 
     def take(self, count: int) -> _Delta | None:
         """Process tokens up to ``count`` (the engine's notified length); ``None`` if nothing is new."""
@@ -300,7 +359,7 @@ class _Choice:
 
     def _piece(self, upto: int) -> str:
         """New text once token ``upto - 1`` is added (empty while it ends inside a UTF-8 character)."""
-        decode = self.job.server._decode
+        decode = self.decode
         upto += len(self._lead)
         prefix = decode(self._ids(self._prefix, self._read))
         full = decode(self._ids(self._prefix, upto))
@@ -326,7 +385,7 @@ class _Choice:
         return best
 
     def _final_text(self, text_end: int) -> None:
-        decode = self.job.server._decode
+        decode = self.decode
         full = decode(self._ids(0, len(self._lead) + text_end))
         if full.startswith(self._lead_text):
             full = full[len(self._lead_text) :]
@@ -336,7 +395,7 @@ class _Choice:
             self.text = full  # flushes characters an incremental decode was still holding back
 
 
-def _lead_of(decode: Callable[[list[int]], str], prompt: Sequence[int]) -> tuple[list[int], int]:
+def _lead_of(decode: Callable[[Sequence[int]], str], prompt: Sequence[int]) -> tuple[list[int], int]:
     """The prompt ids a choice's detokenizer starts from, and how many of them are text already.
 
     The last ``DETOKENIZER_LEAD`` prompt ids; those at the end that render as U+FFFD (bytes of a character the
@@ -357,7 +416,9 @@ class _Job:
     for :attr:`done`. :meth:`cancel` tells the engine to drop the request's sequences (client gone).
     """
 
-    def __init__(self, server: InferenceServer, plan: _Plan) -> None:
+    def __init__(
+        self, server: InferenceServer, plan: _Plan, outputs: Sequence[GenSequence] | None = None
+    ) -> None:
         self.server = server
         self.plan = plan
         self.id = _request_id(plan.kind, plan.request_id)
@@ -372,8 +433,14 @@ class _Job:
         if plan.stream:
             self._send, self.updates = anyio.create_memory_object_stream[tuple[_Choice, _Delta]](float("inf"))
         loop = asyncio.get_running_loop()
+        parser = server.chat_parser
         for p, prompt in enumerate(plan.prompts):
             for j in range(plan.n):
+                k = p * plan.n + j
+                if outputs is not None:  # a derender: the tokens exist already, nothing is generated
+                    session = parser.session(plan.parse, prompt) if plan.parse is not None else None
+                    self.choices.append(_Choice(self, k, prompt, outputs[k], session))
+                    continue
                 seq = GenSequence(
                     prompt,
                     plan.params,
@@ -382,8 +449,10 @@ class _Job:
                     incremental=plan.stream or bool(plan.stops),
                     choice=j,
                     request_id=self.id,
+                    constraint=plan.constraints[k] if plan.constraints else None,
                 )
-                self.choices.append(_Choice(self, p * plan.n + j, prompt, seq))
+                session = parser.session(plan.parse, prompt) if plan.parse is not None else None
+                self.choices.append(_Choice(self, k, prompt, seq, session))
         self._by_seq = {id(c.seq): c for c in self.choices}
         self._left = len(self.choices)
 
@@ -474,6 +543,14 @@ class InferenceServer:
     - ``weight_version``: the version of the weights loaded now. ``seed``: seeds unseeded sampling.
     - ``torch_threads``: if set, ``torch.set_num_threads`` (process-wide) at construction.
     - ``dtype``: the dtype to load the weights in (``"auto"``: the checkpoint's).
+    - ``tool_parser``: how tool calls are read out of generated text: ``"hermes"`` (``<tool_call>`` JSON
+      blocks, vLLM's parser of that name), ``None`` (requests with ``tools`` are refused), or ``"auto"``
+      (default): ``"hermes"`` when the chat template renders ``tools`` in the Hermes / Qwen style (it mentions
+      ``<tool_call>``), else ``None``. A template with no tool section always refuses ``tools`` (400).
+    - ``reasoning_parser``: ``"qwen3"`` / ``"deepseek_r1"`` (``<think>...</think>`` split into ``reasoning``,
+      vLLM's parsers of those names; needs the markers to be single tokens), ``None``, or ``"auto"`` (default):
+      ``"qwen3"`` when the template mentions ``<think>`` and the tokenizer has the markers, else ``None``. The
+      built-in tiny model gets ``hermes`` and no reasoning parser.
     """
 
     def __init__(
@@ -492,6 +569,8 @@ class InferenceServer:
         torch_threads: int | None = None,
         dtype: str | torch.dtype = "auto",
         max_body_bytes: int = 32 << 20,
+        tool_parser: str | None = "auto",
+        reasoning_parser: str | None = "auto",
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -520,6 +599,17 @@ class InferenceServer:
             seed=seed,
             weight_version=weight_version,
         )
+        #: The chat template as a renderer (``/v1/chat/completions`` and ``.../render`` share it).
+        self.chat_template = ChatTemplate(self.tokenizer, lambda text: self._encode(text, special=False))
+        vocab = self.tokenizer.get_vocab()
+        self.chat_parser = ChatParser(
+            tool_parser=_default_tool_parser(self.chat_template) if tool_parser == "auto" else tool_parser,
+            reasoning_parser=(
+                _default_reasoning_parser(self.chat_template, vocab) if reasoning_parser == "auto" else reasoning_parser
+            ),
+            vocab=vocab,
+        )
+        self.constraints = ConstraintCompiler(self.tokenizer, self.vocab_size, eos)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._weights_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -748,6 +838,9 @@ class InferenceServer:
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions/render", self._render)
+        app.router.add_post("/inference/v1/generate", self._generate_tokens)
+        app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -822,24 +915,21 @@ class InferenceServer:
             return self._backend.encode(text, add_special_tokens=special).ids
         return list(self.tokenizer.encode(text, add_special_tokens=special))
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        flat = []
-        for i, message in enumerate(messages):
-            role, content = message.get("role"), message.get("content")
-            if not isinstance(role, str):
-                raise _ApiError(400, f"field 'messages.{i}.role': must be a string", "messages")
-            if isinstance(content, list):  # OpenAI content parts: only text parts mean anything here
-                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            elif content is not None and not isinstance(content, str):
-                raise _ApiError(
-                    400, f"field 'messages.{i}.content': must be a string or a list of parts", "messages"
-                )
-            flat.append({**message, "content": content or ""})
+    def _chat_prompt(self, req: _ChatRequest) -> list[int]:
+        """The request's prompt ids through the chat template (400 naming the field on bad input)."""
+        add_generation_prompt = req.add_generation_prompt
+        if add_generation_prompt is None:  # vLLM's default, unless the last message is to be continued
+            add_generation_prompt = not req.continue_final_message
         try:
-            text = self.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # the template is user data: any error in it is a bad request
-            raise _ApiError(400, f"the chat template failed on these messages: {exc}", "messages") from None
-        return self._encode(str(text), special=False)
+            return self.chat_template.render(
+                req.messages,
+                tools=req.tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=bool(req.continue_final_message),
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+        except ChatTemplateError as exc:
+            raise _ApiError(400, str(exc), exc.param) from None
 
     def _check_prompt_ids(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -898,10 +988,93 @@ class InferenceServer:
         self._check_model(req.model)
         if req.top_logprobs and not req.logprobs:
             raise _ApiError(400, "field 'top_logprobs': requires 'logprobs' to be true", "top_logprobs")
-        prompt = self._chat_prompt(req.messages)
+        self._check_tools(req)
+        prompt = self._chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling(req, [prompt], max_tokens, (req.top_logprobs or 0) if req.logprobs else 0)
-        return self._plan("chat", req, [prompt], params, bool(req.logprobs))
+        plan = self._plan("chat", req, [prompt], params, bool(req.logprobs))
+        parse = ToolRequest.from_request(req.model_dump(include={"tools", "tool_choice", "chat_template_kwargs", "include_reasoning"}))
+        uses_parser = self.chat_parser.reasoning_parser is not None or (
+            self.chat_parser.tool_parser is not None and parse.has_tools and parse.tool_choice != "none"
+        )
+        structured = req.structured_outputs
+        if parse.forced:
+            tag = hermes_structural_tag(req.tools or [], req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+            structured = _structured_outputs(tag)
+        return dataclasses.replace(
+            plan,
+            parse=parse if uses_parser else None,  # a request the parsers have nothing to do with: plain text
+            skip_special=not uses_parser,
+            structured_outputs=structured,
+        )
+
+    def _check_tools(self, req: _ChatRequest) -> None:
+        """vLLM's checks of ``tools`` / ``tool_choice`` (its messages), plus: tools need a tool parser."""
+        if req.tools == []:
+            raise _ApiError(
+                400,
+                "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+                "tools",
+            )
+        choice = req.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not req.tools:
+            raise _ApiError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if isinstance(choice, str) and choice not in ("auto", "required"):
+            raise _ApiError(
+                400,
+                f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
+                "are supported.",
+                "tool_choice",
+            )
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not name:
+                raise _ApiError(
+                    400,
+                    'field \'tool_choice\': expected {"type": "function", "function": {"name": "my_function"}}',
+                    "tool_choice",
+                )
+            names = [t.get("function", {}).get("name") for t in req.tools if isinstance(t, dict)]
+            if name not in names:
+                raise _ApiError(
+                    400,
+                    f"The tool specified in `tool_choice` ({name!r}) does not match any of the specified `tools`",
+                    "tool_choice",
+                )
+        if self.chat_parser.tool_parser is None and self.chat_template.supports_tools:
+            raise _ApiError(
+                400,
+                f"field 'tool_choice': {choice!r} needs a tool-call parser, and this server has none "
+                '(start it with tool_parser="hermes")',
+                "tool_choice",
+            )
+
+    async def _with_constraints(self, plan: _Plan) -> _Plan:
+        """The plan with one compiled grammar per choice when it asks for one (compiled in a worker thread)."""
+        if not plan.structured_outputs:
+            return plan
+        gate = None
+        if self.chat_parser.think_ids is not None and plan.parse is not None and plan.parse.thinking:
+            gate = self.chat_parser.think_ids[1]  # vLLM constrains only after the reasoning ends
+            if any(_reasoning_closed(self.chat_parser.think_ids, p) for p in plan.prompts):
+                gate = None
+        count = len(plan.prompts) * plan.n
+
+        def compile_all() -> tuple[TokenConstraint, ...] | None:
+            first = self.constraints.constraint(plan.structured_outputs or {}, gate)
+            if first is None:
+                return None
+            rest = [self.constraints.constraint(plan.structured_outputs or {}, gate) for _ in range(count - 1)]
+            return (first, *[c for c in rest if c is not None])
+
+        try:
+            constraints = await anyio.to_thread.run_sync(compile_all)
+        except ConstraintError as exc:
+            raise _ApiError(400, str(exc), exc.param) from None
+        return dataclasses.replace(plan, constraints=constraints)
 
     def _plan_completion(self, body: Any) -> _Plan:
         req = _CompletionRequest.model_validate(body)
@@ -930,7 +1103,7 @@ class InferenceServer:
 
     def _plan(
         self,
-        kind: Literal["chat", "completion"],
+        kind: Literal["chat", "completion", "generate"],
         req: _Request,
         prompts: list[list[int]],
         params: SamplingParams,
@@ -959,7 +1132,7 @@ class InferenceServer:
 
     async def _generate(self, request: web.Request, planner: Any) -> web.StreamResponse:
         try:
-            plan = planner(await self._read_json(request))
+            plan = await self._with_constraints(planner(await self._read_json(request)))
         except ValidationError as exc:
             self._counts["rejected"] += 1
             return _validation_error(exc).response()
@@ -991,7 +1164,7 @@ class InferenceServer:
                 job.cancel()  # the client went away or we are stopping: free the batch rows
         if job.error is not None:
             return _ApiError(500, f"generation failed: {job.error}").response()
-        shape = _chat_body if plan.kind == "chat" else _completion_body
+        shape = {"chat": _chat_body, "completion": _completion_body, "generate": _generate_body}[plan.kind]
         return web.Response(
             body=orjson.dumps(shape(self, job)),
             content_type="application/json",
@@ -1025,21 +1198,26 @@ class InferenceServer:
             response.headers[WEIGHT_VERSION_HEADER] = str(job.weight_version)
             await response.prepare(request)
             rid = job.id
-            chunk = _chat_chunk if job.plan.kind == "chat" else _completion_chunk
+            chunk = {"chat": _chat_chunk, "completion": _completion_chunk, "generate": _generate_chunk}[
+                job.plan.kind
+            ]
             roles = [_sse(_chat_role_chunk(self, job, rid, c)) for c in job.choices] if job.plan.kind == "chat" else []
-            await response.write(b"".join(roles + [_sse(chunk(self, job, rid, c, d)) for c, d in early]))
+            await response.write(b"".join(roles + _events_of(chunk(self, job, rid, c, d) for c, d in early)))
             async for choice, delta in updates:
-                events = [_sse(chunk(self, job, rid, choice, delta))]
+                items = [chunk(self, job, rid, choice, delta)]
                 while True:  # everything already delivered goes out in one write
                     try:
                         choice, delta = updates.receive_nowait()
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                    events.append(_sse(chunk(self, job, rid, choice, delta)))
-                await response.write(b"".join(events))
+                    items.append(chunk(self, job, rid, choice, delta))
+                if events := _events_of(items):
+                    await response.write(b"".join(events))
         tail = []
         if job.error is not None:
             tail.append(_sse(_ApiError(500, f"generation failed: {job.error}").body()))
+        elif job.plan.include_usage and job.plan.kind == "generate":
+            tail.append(_sse({"request_id": rid, "usage": job.usage(True), "output_mode": "tokens", "choices": []}))
         elif job.plan.include_usage:
             head = _head(
                 self, job, rid, "chat.completion.chunk" if job.plan.kind == "chat" else "text_completion"
@@ -1050,6 +1228,240 @@ class InferenceServer:
         tail.append(_DONE)
         await response.write(b"".join(tail))
         await response.write_eof()
+
+    # ------------------------------------------------------------------ token-in (vLLM's scale-out routes)
+    async def _render(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/render``: the chat request as vLLM's ``GenerateRequest`` (no generation)."""
+        try:
+            body = await self._read_json(request)
+            plan = self._plan_chat(body)
+            req = _ChatRequest.model_validate(body)
+            if plan.structured_outputs is not None:  # the constraint must compile: fail here, not at generate
+                await self._with_constraints(dataclasses.replace(plan, n=1))
+        except ValidationError as exc:
+            return _validation_error(exc).response()
+        except _ApiError as exc:
+            return exc.response()
+        params = plan.params
+        think = self.chat_parser.think_ids
+        answer = {
+            "request_id": f"chatcmpl-{req.request_id or secrets.token_hex(8)}",
+            "token_ids": plan.prompts[0],
+            "token_offsets": None,
+            "features": None,
+            "content_parts": None,
+            "sampling_params": render_sampling_params(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_tokens,
+                seed=params.seed,
+                stop=plan.stops,
+                stop_token_ids=params.stop_token_ids,
+                logprobs=params.top_logprobs if plan.logprobs else None,
+                ignore_eos=params.ignore_eos,
+                skip_special_tokens=plan.skip_special,
+                structured_outputs=plan.structured_outputs,
+            ),
+            "model": req.model,
+            "reasoning_ended": _reasoning_closed(think, plan.prompts[0]) if think is not None else None,
+            "reasoning_parser_kwargs": (
+                {"chat_template_kwargs": dict(req.chat_template_kwargs or {})} if think is not None else None
+            ),
+            "return_token_ids": None,
+            "output_mode": "tokens",
+            "stream": bool(req.stream),
+            "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
+            "cache_salt": None,
+            "priority": 0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+        }
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    def _plan_generate(self, body: Any) -> _Plan:
+        req = GenerateRequest.model_validate(body)
+        self._check_model(req.model)
+        if req.output_mode != "tokens":
+            raise _ApiError(400, "field 'output_mode': only 'tokens' is supported", "output_mode")
+        sp = dict(req.sampling_params)
+        for key, neutral in NEUTRAL_SAMPLING.items():
+            if sp.get(key) not in neutral:
+                raise _ApiError(
+                    400, f"field 'sampling_params.{key}': only its neutral value is supported here", "sampling_params"
+                )
+        if sp.get("n", 1) not in (1, None):
+            raise _ApiError(400, "field 'sampling_params.n': only 1 is supported", "sampling_params")
+        fields = ("temperature", "top_p", "max_tokens", "stop", "stop_token_ids", "seed", "ignore_eos")
+        shaped = {k: sp[k] for k in fields if sp.get(k) is not None}
+        if isinstance(shaped.get("temperature"), int):
+            shaped["temperature"] = float(shaped["temperature"])
+        if isinstance(shaped.get("top_p"), int):
+            shaped["top_p"] = float(shaped["top_p"])
+        inner = _Request.model_validate({**shaped, "stream": req.stream, "request_id": req.request_id})
+        logprobs = sp.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise _ApiError(
+                400, f"field 'sampling_params.logprobs': an integer in [0, {MAX_TOP_LOGPROBS}]", "sampling_params"
+            )
+        self._check_prompt_ids(req.token_ids, "token_ids")
+        params = self._sampling(inner, [req.token_ids], inner.max_tokens, logprobs or 0)
+        params = dataclasses.replace(params, ranks=logprobs is not None)
+        plan = self._plan("generate", inner, [req.token_ids], params, logprobs is not None)
+        structured = sp.get("structured_outputs")
+        gate_parse = ToolRequest(thinking=True) if req.reasoning_ended is False else None
+        return dataclasses.replace(
+            plan,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            structured_outputs=structured if isinstance(structured, dict) else None,
+            parse=gate_parse,
+        )
+
+    async def _generate_tokens(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate``: token ids in, token ids (log-probs, versions) out; JSON or SSE."""
+        return await self._generate(request, self._plan_generate)
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/derender``: generated ids to the chat answer ``/v1/chat/completions``
+        would have given for them (JSON), or one streamed chunk of it with the caller-threaded state."""
+        try:
+            req = DerenderRequest.model_validate(await self._read_json(request))
+            self._check_model(req.model)
+            answer = self._derender_stream(req) if req.stream else self._derender_whole(req)
+        except ValidationError as exc:
+            return _validation_error(exc).response()
+        except _ApiError as exc:
+            return exc.response()
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    def _derender_plan(self, req: DerenderRequest, prompt: list[int], n: int, logprobs: bool) -> _Plan:
+        chat = dict(req.chat_request or {"messages": [{"role": "user", "content": ""}]})
+        chat.setdefault("messages", [{"role": "user", "content": ""}])
+        creq = _ChatRequest.model_validate(chat)
+        parse = ToolRequest.from_request(chat)
+        uses_parser = self.chat_parser.reasoning_parser is not None or (
+            self.chat_parser.tool_parser is not None and parse.has_tools and parse.tool_choice != "none"
+        )
+        stops = (creq.stop,) if isinstance(creq.stop, str) else tuple(creq.stop or ())
+        params = SamplingParams(max_tokens=self.max_model_len, top_logprobs=creq.top_logprobs or 0)
+        return _Plan(
+            kind="chat",
+            prompts=[prompt],
+            n=n,
+            params=params,
+            stops=tuple(x for x in stops if x),
+            stream=bool(req.stream),
+            include_usage=False,
+            with_ids=creq.return_token_ids is True,
+            logprobs=logprobs,
+            parse=parse if uses_parser else None,
+            skip_special=not uses_parser,
+        )
+
+    def _replayed(self, plan: _Plan, prompt: list[int], choice: Any, *, final: bool) -> GenSequence:
+        """A finished (or, streaming, growing) sequence holding a generate answer's ids, for a derender."""
+        seq = GenSequence(
+            prompt, plan.params, loop=asyncio.get_running_loop(), notify=lambda s, n: None,
+            incremental=plan.stream or bool(plan.stops), choice=choice.index,
+        )
+        ids = list(choice.token_ids or [])
+        if any(t < 0 or t >= self.vocab_size for t in ids):
+            raise _ApiError(400, f"field 'token_ids': ids must be in [0, {self.vocab_size})", "generate_response")
+        seq.token_ids.extend(ids)
+        content = (choice.logprobs or {}).get("content") or []
+        seq.logprobs.extend(float(e.get("logprob", 0.0)) for e in content[: len(ids)])
+        seq.logprobs.extend([0.0] * (len(ids) - len(seq.logprobs)))
+        if final and choice.finish_reason is not None and not isinstance(choice.stop_reason, str):
+            seq.finished, seq.finish_reason = True, choice.finish_reason
+            seq.stop_reason = choice.stop_reason if isinstance(choice.stop_reason, int) else None
+        return seq
+
+    def _derender_whole(self, req: DerenderRequest) -> dict[str, Any]:
+        gen = req.generate_response
+        if gen is None or not gen.choices:
+            raise _ApiError(400, "field 'generate_response': a generate answer with choices is required", "generate_response")
+        prompt = list(req.prompt_token_ids or gen.prompt_token_ids or [])
+        logprobs = any(c.logprobs is not None for c in gen.choices)
+        plan = self._derender_plan(req, prompt, len(gen.choices), logprobs)
+        seqs = [self._replayed(plan, prompt, c, final=True) for c in gen.choices]
+        job = _Job(self, plan, seqs)
+        for choice in job.choices:
+            choice.take(len(choice.seq.token_ids))
+            if choice.finish_reason is None:  # a stop string given as stop_reason that the text does not hold
+                choice.finish_reason = gen.choices[choice.index].finish_reason
+        job.id = gen.request_id
+        body = _chat_body(self, job)
+        completion = sum(len(c.token_ids or []) for c in gen.choices)
+        prompt_tokens = req.prompt_tokens or 0
+        body["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion}
+        body["usage"] |= {"completion_tokens": completion, "prompt_tokens_details": None, "completion_tokens_details": None}
+        body["prompt_token_ids"] = None
+        return body
+
+    def _derender_stream(self, req: DerenderRequest) -> dict[str, Any]:
+        chunk_in = req.generate_chunk
+        if chunk_in is None:
+            raise _ApiError(400, "field 'generate_chunk': required when 'stream' is true", "generate_chunk")
+        if len(chunk_in.choices) > 1:
+            raise _ApiError(400, "field 'generate_chunk': at most one choice per chunk", "generate_chunk")
+        state = req.stream_state
+        if state is not None and sum(state.output_chunk_lens) != len(state.output_token_ids):
+            raise _ApiError(400, "field 'stream_state': output_chunk_lens must add up to output_token_ids", "stream_state")
+        prompt = list(req.prompt_token_ids or chunk_in.prompt_token_ids or [])
+        choice_in = chunk_in.choices[0] if chunk_in.choices else None
+        logprobs = choice_in is not None and choice_in.logprobs is not None
+        plan = self._derender_plan(req, prompt, 1, logprobs)
+        seq = GenSequence(
+            prompt, plan.params, loop=asyncio.get_running_loop(), notify=lambda s, n: None, incremental=True,
+            choice=choice_in.index if choice_in else 0,
+        )
+        job = _Job(self, plan, [seq])
+        job.id = chunk_in.request_id
+        choice = job.choices[0]
+        choice.index = seq_index = choice_in.index if choice_in else 0
+        old = list(state.output_token_ids) if state else []
+        start = 0
+        for size in state.output_chunk_lens if state else []:  # replay: the parser's state cannot travel
+            seq.token_ids.extend(old[start : start + size])
+            seq.logprobs.extend([0.0] * size)
+            start += size
+            if (d := choice.take(len(seq.token_ids))) is not None:
+                choice.delta(d)
+        new_ids = list(choice_in.token_ids or []) if choice_in else []
+        out_chunk: dict[str, Any] = {
+            "id": chunk_in.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": req.model or self.served_model_name, "choices": [],
+        }
+        pinned = list(state.last_tool_call_ids) if state else []
+        if choice_in is not None:
+            replayed = self._replayed(plan, prompt, choice_in, final=True)
+            seq.token_ids.extend(new_ids)
+            seq.logprobs.extend(replayed.logprobs)
+            seq.finished, seq.finish_reason, seq.stop_reason = replayed.finished, replayed.finish_reason, replayed.stop_reason
+            d = choice.take(len(seq.token_ids))
+            if d is not None and choice.finish_reason is None and choice_in.finish_reason is not None:
+                d.finish_reason = choice.finish_reason = choice_in.finish_reason
+            chunk = _chat_chunk(self, job, job.id, choice, d) if d is not None else None
+            if chunk is None:
+                chunk = {"choices": [{"index": seq_index, "delta": {}, "logprobs": None, "finish_reason": None}]}
+            out = chunk["choices"][0]
+            for call in out["delta"].get("tool_calls") or []:
+                if "id" in call:
+                    if call["index"] < len(pinned):
+                        call["id"] = pinned[call["index"]]
+                    else:
+                        pinned.append(call["id"])
+            if not (state and state.role_sent):
+                out["delta"] = {"role": "assistant", **out["delta"]}
+            out_chunk["choices"] = [out]
+        if chunk_in.usage is not None:
+            completion = int(chunk_in.usage.get("completion_tokens") or 0)
+            prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else int(chunk_in.usage.get("prompt_tokens") or 0)
+            out_chunk["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion, "completion_tokens": completion}
+        streamed = choice.session.tools_streamed if choice.session else False
+        new_state = derender_state(state, new_ids, tools_streamed=streamed, tool_call_ids=pinned)
+        if not choice_in:
+            new_state["role_sent"] = bool(state and state.role_sent)
+        return {"chunk": out_chunk, "stream_state": new_state}
 
     async def _read_json(self, request: web.Request) -> Any:
         try:
@@ -1114,6 +1526,37 @@ def _load(
     return model, tokenizer, path
 
 
+def _default_tool_parser(template: ChatTemplate) -> str | None:
+    """``"hermes"`` for a template that renders tools the Hermes / Qwen way, else ``None``."""
+    return "hermes" if template.supports_tools and "<tool_call>" in (template.source or "") else None
+
+
+def _default_reasoning_parser(template: ChatTemplate, vocab: Mapping[str, int]) -> str | None:
+    """``"qwen3"`` for a template that writes ``<think>`` with a tokenizer that has the markers, else ``None``."""
+    if "<think>" in (template.source or "") and "<think>" in vocab and "</think>" in vocab:
+        return "qwen3"
+    return None
+
+
+def _structured_outputs(structural_tag: str | None) -> dict[str, Any] | None:
+    """vLLM's ``StructuredOutputsParams`` dump carrying a structural tag (``None``: nothing constrained)."""
+    if structural_tag is None:
+        return None
+    fields = ("json", "regex", "choice", "grammar", "json_object")
+    out: dict[str, Any] = dict.fromkeys(fields)
+    out |= {"disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}
+    out |= {"structural_tag": structural_tag, "_backend": None, "_backend_was_auto": False}
+    return out
+
+
+def _reasoning_closed(think_ids: tuple[int, int], prompt: Sequence[int]) -> bool:
+    start, end = think_ids
+    for token in reversed(prompt):
+        if token in (start, end):
+            return token == end
+    return False
+
+
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """EOS ids from the generation config and the tokenizer (Qwen lists several)."""
     ids: set[int] = set()
@@ -1135,6 +1578,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- response shapes
 def _request_id(kind: str, given: str | None = None) -> str:
+    if kind == "generate":  # vLLM's generate answers name themselves after the request id they were given
+        return f"generate-tokens-{given or secrets.token_hex(8)}"
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{given or secrets.token_hex(8)}"
 
 
@@ -1144,6 +1589,10 @@ def _fingerprint() -> str:
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _events_of(chunks: Iterable[dict[str, Any] | None]) -> list[bytes]:
+    return [_sse(chunk) for chunk in chunks if chunk is not None]
 
 
 def _head(server: InferenceServer, job: _Job, rid: str, obj: str) -> dict[str, Any]:
@@ -1194,14 +1643,13 @@ def _chat_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
     for c in job.choices:
         ids, lps = c.seq.token_ids[: c.consumed], c.seq.logprobs[: c.consumed]
         tops = c.seq.top_logprobs[: c.consumed] if c.seq.params.top_logprobs else []
-        message = {"role": "assistant", "content": c.text, "refusal": None, "annotations": None}
-        message |= {"audio": None, "function_call": None, "reasoning": None}
+        message, finish_reason = c.message()
         choices.append(
             {
                 "index": c.index,
                 "message": message,
                 "logprobs": _chat_logprobs(server, ids, lps, tops) if job.plan.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
                 "token_ids": ids if with_ids else None,
                 "routed_experts": None,
@@ -1240,6 +1688,46 @@ def _completion_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
     return body
 
 
+def _generate_choice(server: InferenceServer, job: _Job, c: _Choice, ids: list[int], start: int) -> dict[str, Any]:
+    seq = c.seq
+    out: dict[str, Any] = {"index": c.index, "finish_reason": None, "stop_reason": None, "token_ids": ids}
+    out |= {"routed_experts": None, "sampling_mask": None, "weight_versions": None}
+    end = start + len(ids)
+    if job.plan.logprobs:
+        out["logprobs"] = generate_logprobs(
+            ids, seq.logprobs[start:end], seq.ranks[start:end], seq.top_logprobs[start:end], seq.params.top_logprobs
+        )
+    else:
+        out["logprobs"] = None
+    return out
+
+
+def _generate_body(server: InferenceServer, job: _Job) -> dict[str, Any]:
+    choices = []
+    for c in job.choices:
+        ids = c.seq.token_ids[: c.consumed]
+        choice = _generate_choice(server, job, c, ids, 0)
+        choice |= {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice["weight_versions"] = weight_versions(c.seq.weight_version, len(ids))
+        choices.append(choice)
+    body: dict[str, Any] = {"request_id": job.id, "model": server.served_model_name, "created": job.created}
+    body |= {"usage": job.usage(True), "prompt_logprobs": None, "prompt_token_id_logprobs": None}
+    body |= {"prompt_token_ids": None, "mm_placeholders": None, "metrics": None, "kv_transfer_params": None}
+    body |= {"ec_transfer_params": None, "output_mode": "tokens", "choices": choices}
+    return body
+
+
+def _generate_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any] | None:
+    if not d.ids and d.finish_reason is None:
+        return None
+    start = c.consumed - len(d.ids) if d.finish_reason is None else len(c.seq.token_ids[: c.consumed]) - len(d.ids)
+    choice = _generate_choice(server, job, c, d.ids, start)
+    if d.finish_reason is not None:
+        choice |= {"finish_reason": d.finish_reason, "stop_reason": c.stop_reason}
+        choice["weight_versions"] = weight_versions(c.seq.weight_version, c.consumed)
+    return {"request_id": rid, "usage": None, "output_mode": "tokens", "choices": [choice]}
+
+
 def _chat_role_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice) -> dict[str, Any]:
     choice = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
     choice["finish_reason"] = None
@@ -1249,10 +1737,18 @@ def _chat_role_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice) -
     return chunk
 
 
-def _chat_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}}
+def _chat_chunk(
+    server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta
+) -> dict[str, Any] | None:
+    """One choice's chunk; ``None`` when a parser holds the text back and nothing else must be sent."""
+    delta, finish_reason = c.delta(d)
+    if delta is None:
+        if d.finish_reason is None and not job.plan.logprobs and not job.plan.with_ids:
+            return None
+        delta = {}
+    choice: dict[str, Any] = {"index": c.index, "delta": delta}
     choice["logprobs"] = _chat_logprobs(server, d.ids, d.logprobs, d.tops) if job.plan.logprobs else None
-    choice["finish_reason"] = d.finish_reason
+    choice["finish_reason"] = finish_reason
     if d.finish_reason is not None:
         choice["stop_reason"] = c.stop_reason
     if job.plan.with_ids:
@@ -1263,7 +1759,9 @@ def _chat_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _De
     return chunk
 
 
-def _completion_chunk(server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta) -> dict[str, Any]:
+def _completion_chunk(
+    server: InferenceServer, job: _Job, rid: str, c: _Choice, d: _Delta
+) -> dict[str, Any] | None:
     choice: dict[str, Any] = {"index": c.index, "text": d.text}
     choice["logprobs"] = (
         _completion_logprobs(server, d.ids, d.logprobs, d.tops, d.offset) if job.plan.logprobs else None

@@ -3,8 +3,10 @@
 Model hubs are unreachable where aglverl runs its tests and CPU demo, so the default model is made here: a
 Qwen2-architecture causal LM (hidden 128, 2 layers, 4 heads / 2 KV heads, vocabulary 512, tied embeddings,
 ~0.5 M float32 parameters) and a byte-level BPE tokenizer trained in memory on a small built-in corpus, with
-ChatML special tokens (``<|endoftext|>`` = 0 = padding, ``<|im_start|>`` = 1, ``<|im_end|>`` = 2 = EOS) and a
-ChatML chat template. Both are written once, in Hugging Face format, to a directory that
+ChatML special tokens (``<|endoftext|>`` = 0 = padding, ``<|im_start|>`` = 1, ``<|im_end|>`` = 2 = EOS), the
+Hermes / Qwen2.5 markup as single non-special tokens (``<tool_call>``, ``</tool_call>``, ``<tool_response>``,
+``</tool_response>``, ``<think>``, ``</think>``: ids 506-511, kept in decoded text as Qwen's are) and a ChatML
+chat template with a tool section in the Qwen2.5 style (:data:`CHAT_TEMPLATE`). Both are written once, in Hugging Face format, to a directory that
 ``AutoModelForCausalLM.from_pretrained(path)``, ``AutoTokenizer.from_pretrained(path)`` and verl load by path.
 
 The build is seeded and deterministic: building twice gives byte-identical files. It is atomic: files are
@@ -30,6 +32,7 @@ from typing import Any
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "MARKUP_TOKENS",
     "TINY_NAME",
     "TINY_VERSION",
     "build_tiny_model",
@@ -40,8 +43,9 @@ __all__ = [
 
 #: What users type to get the built-in model (``--model tiny``).
 TINY_NAME = "tiny"
-#: Bumped whenever the recipe (corpus, architecture, seed) changes, so a stale cache is never reused.
-TINY_VERSION = "1"
+#: Bumped whenever the recipe (corpus, architecture, seed, tokenizer, chat template) changes, so a stale cache
+#: is never reused. 2: the tool / reasoning tokens (the BPE keeps 6 merges fewer) and the template's tool section.
+TINY_VERSION = "2"
 #: Where the default directory lives: ``$AGLVERL_HOME/tiny-<version>`` (else ``~/.cache/aglverl/...``).
 HOME_ENV = "AGLVERL_HOME"
 SEED = 20240601
@@ -49,9 +53,41 @@ VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
 PAD_ID, EOS_ID = 0, 2
-#: ChatML, as Qwen models use it; ``add_generation_prompt`` opens the assistant turn.
+#: Hermes / Qwen2.5 markup, single tokens at the end of the vocabulary (not special: decoded text keeps them, so
+#: a tool-call or reasoning parser sees them, as with Qwen's tokenizers).
+MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+#: ChatML, as Qwen models use it; ``add_generation_prompt`` opens the assistant turn. Without ``tools`` (and
+#: without assistant ``tool_calls`` or ``tool`` messages) it renders exactly the plain ChatML of version 1.
+#: With ``tools``: the Qwen2.5 tool section in the system turn (the tools as JSON lines inside
+#: ``<tools></tools>``, the ``<tool_call>`` convention), assistant ``tool_calls`` as ``<tool_call>`` blocks,
+#: consecutive ``tool`` messages as ``<tool_response>`` blocks of one user turn (Qwen2.5's rendering).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    # (Hugging Face renders with trim_blocks: a newline right after a tag is written as an expression.)
+    "{% if tools %}<|im_start|>system{{ '\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and tools and loop.first %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant"
+    "{% if m['content'] %}{{ '\n' + m['content'] }}{% endif %}"
+    "{% for call in m['tool_calls'] %}"
+    "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{ call['arguments'] | tojson }}{{ '}\n</tool_call>' }}"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n<tool_response>\n' + m['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 #: Model construction draws from torch's global RNG; builds in one process take turns.
@@ -108,19 +144,22 @@ def _corpus() -> Iterator[str]:
 
 def _train_tokenizer() -> object:
     """A byte-level BPE ``tokenizers.Tokenizer`` with the ChatML specials first (ids 0, 1, 2)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE - len(MARKUP_TOKENS),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=1,
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"the tiny tokenizer has {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}")
     return tokenizer
 
 
