@@ -6,14 +6,26 @@ exactly a's prompt ids + a's response ids. A chain is one row in verl's own agen
 first call's prompt, ``responses`` is ``r1 + d2 + r2 + ... + rk`` where ``r_i`` are the ids the engine generated
 (``response_mask`` 1, their logprobs in ``rollout_log_probs``) and ``d_i`` the ids between two calls (tool
 results, user turns, template tokens: ``response_mask`` 0, logprob 0), and the reward sits on the last generated
-token. A call that continues no chain (a branch, a parallel call, a rewritten history) starts a new chain; one
-whose prompt starts with a chain's last prompt but not with its exact response ids (retokenization drift: the
-chat template re-rendered the answer, the agent edited it) too, and is counted as drifted. A chain whose merged
-response would be longer than ``max_response_length`` is split at a call boundary: the later calls start a new
-row with their own full prompt, so no generated id is lost to the width; only a single call longer than the
-width is truncated. Every call with a response is in exactly one row. A call recorded off-policy (its sampling
-parameters were masked) keeps ``response_mask`` 0 on its tokens; a row with no on-policy call is marked
-``is_drop_mask``. ``trajectory="per_call"`` (and no :class:`~aglverl.signals.SignalConfig` at all) makes every
+token. A call continues the chain whose last call it extends (the most recently continued one, if several do);
+one that continues no chain (a branch, a parallel call, a rewritten history) starts a new chain; one whose
+prompt starts with a chain's last prompt but not with its exact response ids (retokenization drift: the chat
+template re-rendered the answer, the agent edited it) too, and is counted as drifted.
+
+The width: a chain whose merged response would be longer than ``max_response_length`` is cut at call
+boundaries into several rows; a later row's prompt is the exact conversation before its first call. A row
+whose prompt fits ``max_prompt_length`` trains every id its calls generated; one whose prompt does not cannot
+be trained faithfully (a prompt cut to its last ids is a context the model never saw): it is no row, and its
+calls (and the chain's calls after it: prompts only grow) are counted in ``batch/n_calls_untrained_width`` and
+``batch/n_generated_untrained_width``, with the widths that would train them (:attr:`BuiltBatch.untrained_needs`,
+logged once per run by :class:`WidthWarning`). Of the cuts, the one that trains the most generated ids is taken,
+then the one with the fewest rows, then the one whose rows start latest: when every row's prompt fits, each row
+simply goes on while its calls fit. A single call longer than the width is cut to its first ids (the only
+generated ids lost to the width in a row), and a chain's first row keeps a prompt longer than
+``max_prompt_length`` as its last ids, marked ``is_drop_mask`` (as a lone call's). Every other call with a
+response is in exactly one row.
+
+A call recorded off-policy (its sampling parameters were masked) keeps ``response_mask`` 0 on its tokens; a row
+with no on-policy call is marked ``is_drop_mask``. ``trajectory="per_call"`` (and no :class:`~aglverl.signals.SignalConfig` at all) makes every
 call its own row, as batches always were: the layout below is then one call per row, and an off-policy call's
 row keeps its response mask and is marked ``is_drop_mask``.
 
@@ -35,13 +47,17 @@ Given a :class:`~aglverl.signals.SignalConfig` (the collector always passes one)
 decide which rollouts and turns become rows, each row's score and ``uid`` (see :mod:`aglverl.signals`), and
 the batch also carries::
 
-    advantage_weights  [B]     float32: the row's weight in the loss (1, or 1/k for a k-row rollout)
-    group_weights      [B]     float32: the row's weight in its group's mean/std (idem)
+    advantage_weights  [B]     float32: the row's weight in the loss (1, or 1/k for a k-row rollout with
+                               turn_weighting="per_rollout")
+    group_weights      [B]     float32: the row's weight in its group's mean/std (1/k for a k-row rollout:
+                               one member of its group; 1 in per_step's per-turn groups)
     rollout_log_probs  [B, R]  float32: the engine's logprob of each response token, 0 on pads; only when
                                every row has them (``logprobs/present``), the key verl's rollout correction reads
 
 No Python code runs per token. The only Python-level loops run once per rollout or per triplet: reading
-rewards and lengths, finding the chains (one C-level prefix comparison per call and open chain), and unboxing
+rewards and lengths, finding the chains (one C-level prefix comparison per call and open chain), cutting them
+to the width (one pass per chain; only when a later row's prompt would not fit, a search over the chain's
+calls and, for each, the calls after it that fit one row with it), and unboxing
 each call's ids, which ``struct`` packs in C straight to their destination offset in the row (computed for the
 whole batch); padding, truncation lengths, masks, positions and reward placement are whole-batch numpy index
 arithmetic, and the tensors are ``torch.from_numpy`` views (no copies).
@@ -52,10 +68,11 @@ than on the first batch.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -65,7 +82,17 @@ from verl import DataProto
 
 from .signals import FAILURE_REASONS, RowPlan, SignalConfig, plan_rows, reason_flags, turn_layout
 
-__all__ = ["BatchConfig", "BuiltBatch", "FinishedRollout", "MissingRewardError", "build_batch", "build_rows"]
+__all__ = [
+    "BatchConfig",
+    "BuiltBatch",
+    "FinishedRollout",
+    "MissingRewardError",
+    "WidthWarning",
+    "build_batch",
+    "build_rows",
+]
+
+logger = logging.getLogger(__name__)
 
 _ID_BYTES = 8  # int64 (and float64, for logprobs)
 
@@ -164,6 +191,11 @@ class BuiltBatch:
     row_rollout: np.ndarray
     row_calls: list[list[int]]
     logprobs: list[np.ndarray | None]
+    #: Each rollout's reasons (:data:`~aglverl.signals.REASON_BITS`) that masked it, 0 if none.
+    masked: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: The ``max_prompt_length`` / ``max_response_length`` that would have trained every call the width left
+    #: untrained (``batch/n_calls_untrained_width``); (0, 0) when none was.
+    untrained_needs: tuple[int, int] = (0, 0)
 
 
 def build_batch(
@@ -182,8 +214,10 @@ def build_batch(
 
     Metrics (floats): counts of completed rollouts, those without triplets, rows (``n_triplets`` and
     ``n_rows``, always the batch's length), the calls in them (``n_calls``), calls that continued a row
-    (``n_calls_merged``), chains split at a call boundary for the width (``n_chains_split_width``), calls
-    that drifted (``n_calls_drifted``, counted in either mode), the trainer tokens of the rows
+    (``n_calls_merged``), rows started at a call boundary for the width (``n_chains_split_width``), calls the
+    width left untrained and their generated ids (``n_calls_untrained_width``, ``n_generated_untrained_width``:
+    see the module docstring; of rollouts not masked), calls that drifted (``n_calls_drifted``, counted in
+    either mode), the trainer tokens of the rows
     (``n_trainer_tokens``: prompt + response, after truncation) and what one row per call would have cost
     (``n_trainer_tokens_per_call``), dropped empty responses, truncated prompts and responses, off-policy
     rows (those two are the rows marked ``is_drop_mask``), filled rewards; the mean final reward over
@@ -193,11 +227,56 @@ def build_batch(
     Without ``signal``, failed rollouts (``completed=False``) are left out and every other turn with a
     response is a row, as plain GRPO batches always were. With it, :func:`aglverl.signals.plan_rows` picks the
     rows, scores and groups (its ``filter/*`` and ``rejection/*`` metrics are added), the batch gains
-    ``advantage_weights`` and ``group_weights``, and ``rollout_log_probs`` when every row has the engine's
-    logprobs (``logprobs/present``, ``logprobs/n_rows_missing``).
+    ``advantage_weights`` and ``group_weights`` (a rollout of k rows: 1/k each in its group, one member) and the
+    non-tensor ``rollout_id_list`` names each GRPO group's members, and ``rollout_log_probs`` when every row has
+    the engine's logprobs (``logprobs/present``, ``logprobs/n_rows_missing``).
     """
     built = build_rows(rollouts, config, signal)
     return built.data, built.metrics
+
+
+class WidthWarning:
+    """Says once (one per run: the collector and the producer each hold one) that calls of merged
+    conversations were left untrained for the width, naming the settings that would train them.
+
+    ``names`` are how the user sets ``max_prompt_length`` / ``max_response_length``: ``BatchConfig(...)``'s
+    fields for an embedder, verl's ``data.*`` keys under ``AsyncVERL``. :meth:`note` is cheap when nothing was
+    left untrained; it logs a warning (``aglverl.batch``) the first time something was, and never again.
+    """
+
+    def __init__(
+        self,
+        config: BatchConfig,
+        names: tuple[str, str] = ("BatchConfig.max_prompt_length", "BatchConfig.max_response_length"),
+    ) -> None:
+        self.config = config
+        self.names = names
+        self.warned = False
+
+    def note(self, built: BuiltBatch) -> None:
+        if self.warned or built.untrained_needs == (0, 0):
+            return
+        self.warned = True
+        (prompt_name, response_name), (prompt_need, response_need) = self.names, built.untrained_needs
+        metrics = built.metrics
+        logger.warning(
+            "%d calls (%d generated tokens) of merged conversations are not trained: the conversation is "
+            "wider than %s=%d, and the row its later calls would start has a prompt (the conversation before "
+            "them) longer than %s=%d; a prompt cut to its last ids is a context the model never saw. Set %s "
+            ">= %d (those calls then start rows of their own) or %s >= %d (the conversation fits one row) to "
+            "train them; counted per step in batch/n_calls_untrained_width and "
+            "batch/n_generated_untrained_width (this warning is logged once)",
+            int(metrics["batch/n_calls_untrained_width"]),
+            int(metrics["batch/n_generated_untrained_width"]),
+            response_name,
+            self.config.max_response_length,
+            prompt_name,
+            self.config.max_prompt_length,
+            prompt_name,
+            prompt_need,
+            response_name,
+            response_need,
+        )
 
 
 def build_rows(
@@ -220,7 +299,7 @@ def build_rows(
     response_len = np.fromiter(map(len, responses), np.int64, count=len(turns))
     turn_rollout, turn_index = turn_layout(n_turns)
     data_ids = np.fromiter((r.data_id for r in rollouts), object, count=len(rollouts))
-    chains = _chains(rollouts, R, merge)
+    chains = _chains(rollouts, config, merge)
 
     if signal is None:
         kept = np.flatnonzero(response_len > 0)
@@ -239,8 +318,11 @@ def build_rows(
             max_response_length=R,
             config=signal,
             row_starts=chains.head,
+            in_rows=~chains.untrained,
         )
-    n_empty = np.count_nonzero(~plan.masked[turn_rollout] & (response_len == 0))
+    unmasked = plan.masked[turn_rollout] == 0
+    n_empty = np.count_nonzero(unmasked & (response_len == 0))
+    untrained = unmasked & chains.untrained
 
     # The kept calls, row-major: rows in the order of their first calls, a row's calls in call order. A merged
     # row's calls are kept or dropped together: masking and group sizes act on whole rollouts, and rejection on
@@ -357,6 +439,8 @@ def build_rows(
         "batch/n_calls": float(len(calls)),
         "batch/n_calls_merged": float(np.count_nonzero(~first)),
         "batch/n_chains_split_width": float(np.count_nonzero(chains.split[calls])),
+        "batch/n_calls_untrained_width": float(np.count_nonzero(untrained)),
+        "batch/n_generated_untrained_width": float(response_len[untrained].sum()),
         "batch/n_calls_drifted": float(np.count_nonzero(chains.drifted[calls])),
         "batch/n_trainer_tokens": float(prompt_len.sum() + row_response_len.sum()),
         "batch/n_trainer_tokens_per_call": float(per_call_tokens.sum()),
@@ -373,7 +457,15 @@ def build_rows(
         tensors={k: torch.from_numpy(v) for k, v in tensors.items()}, non_tensors=non_tensors, meta_info={}
     )
     row_calls = np.split(turn_index[calls], np.flatnonzero(first)[1:]) if n_rows else []
-    return BuiltBatch(batch, metrics, row_rollout, [c.tolist() for c in row_calls], row_logprobs)
+    return BuiltBatch(
+        batch,
+        metrics,
+        row_rollout,
+        [c.tolist() for c in row_calls],
+        row_logprobs,
+        masked=plan.masked.astype(np.int64) if signal is not None else np.zeros(len(rollouts), np.int64),
+        untrained_needs=chains.needs if np.any(untrained) else (0, 0),
+    )
 
 
 def _final_rewards(
@@ -481,9 +573,10 @@ def _rollout_log_probs(
     return values.astype(np.float32), rows_aligned
 
 
-def _chains(rollouts: Sequence[FinishedRollout], width: int, merge: bool) -> _Chains:
+def _chains(rollouts: Sequence[FinishedRollout], config: BatchConfig, merge: bool) -> _Chains:
     """Which row each call (with a response) goes to: see the module docstring. One Python iteration per call
-    and open chain of its rollout, each a C-level comparison of id lists."""
+    and open chain of its rollout, each a C-level comparison of id lists; a chain is then cut into rows by
+    :func:`_segments` (one per call with ``merge`` off)."""
     n = sum(len(r.turns) for r in rollouts)
     chains = _Chains(
         head=np.zeros(n, bool),
@@ -491,53 +584,149 @@ def _chains(rollouts: Sequence[FinishedRollout], width: int, merge: bool) -> _Ch
         gap_from=np.zeros(n, np.int64),
         split=np.zeros(n, bool),
         drifted=np.zeros(n, bool),
+        untrained=np.zeros(n, bool),
     )
-    call, n_rows = 0, 0
+    head_of = np.full(n, -1, np.int64)  # each call's row, as the turn index of the row's first call
+    needs = [0, 0]
+    call = 0
     for rollout in rollouts:
-        # per open chain: its last call's prompt and response ids, its current row, that row's response length
-        open_chains: list[list[Any]] = []
+        # per open chain, most recently continued last: its last call's prompt and response ids, and its calls
+        open_chains: list[tuple[list[int], list[int], list[int]]] = []
+        members: list[list[int]] = []
         for prompt, response in rollout.turns:
             if len(response):
                 prompt, response = _ids(prompt), _ids(response)
                 chain, drift = None, False
-                for candidate in reversed(open_chains):
-                    last_prompt, last_response = candidate[0], candidate[1]
+                for at in range(len(open_chains) - 1, -1, -1):
+                    last_prompt, last_response, calls = open_chains[at]
                     n_prompt = len(last_prompt)
                     if len(prompt) > n_prompt and prompt[:n_prompt] == last_prompt:
                         if prompt[n_prompt : n_prompt + len(last_response)] == last_response:
-                            chain = candidate
+                            chain = calls
+                            chains.gap_from[call] = n_prompt + len(last_response)
+                            del open_chains[at]
                             break
                         drift = True
                 if chain is None:
                     chains.drifted[call] = drift
-                    chain = [prompt, response, -1, width + 1]
-                    open_chains.append(chain)
-                else:
-                    chains.gap_from[call] = len(chain[0]) + len(chain[1])
-                grow = len(prompt) - chains.gap_from[call] + len(response)
-                if merge and chain[3] + grow <= width:
-                    chain[3] += grow
-                else:
-                    chains.split[call] = merge and chain[2] >= 0
-                    chains.head[call] = True
-                    chain[2], chain[3] = n_rows, len(response)
-                    n_rows += 1
-                chain[0], chain[1] = prompt, response
-                chains.row[call] = chain[2]
+                    chain = []
+                    members.append(chain)
+                chain.append(call)
+                open_chains.append((prompt, response, chain))
             call += 1
-    return chains
+        for calls in members:
+            if merge:
+                _segment(chains, head_of, calls, rollout, call - len(rollout.turns), config, needs)
+            else:
+                chains.head[calls] = True
+                head_of[calls] = calls
+    in_row = head_of >= 0
+    chains.row[in_row] = (np.cumsum(chains.head) - 1)[head_of[in_row]]
+    return chains._replace(needs=(needs[0], needs[1]))
+
+
+def _segment(
+    chains: _Chains,
+    head_of: np.ndarray,
+    calls: list[int],
+    rollout: FinishedRollout,
+    first_turn: int,
+    config: BatchConfig,
+    needs: list[int],
+) -> None:
+    """Cut one chain (its calls' turn indices, in order) into rows (:func:`_segments`) and mark them."""
+    prompt_len = np.fromiter((len(rollout.turns[c - first_turn][0]) for c in calls), np.int64, len(calls))
+    response_len = np.fromiter((len(rollout.turns[c - first_turn][1]) for c in calls), np.int64, len(calls))
+    piece = response_len.copy()
+    piece[1:] += prompt_len[1:] - chains.gap_from[calls[1:]]  # the ids between a call and the one before
+    starts, dropped, need = _segments(
+        prompt_len, response_len, piece, config.max_prompt_length, config.max_response_length
+    )
+    ends = [*starts[1:], len(calls)]
+    for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        members = calls[start:end]
+        if k == len(starts) - 1 and dropped:
+            chains.untrained[members] = True
+            needs[0] = max(needs[0], need)
+            needs[1] = max(needs[1], int(piece.sum()))  # the whole conversation in one row
+            continue
+        chains.head[members[0]] = True
+        chains.split[members[0]] = start > 0
+        head_of[members] = members[0]
+
+
+def _segments(
+    prompt_len: np.ndarray, response_len: np.ndarray, piece: np.ndarray, P: int, R: int
+) -> tuple[list[int], bool, int]:
+    """Where a chain of calls is cut into rows: the first call of each row (indices into the chain), whether
+    the last row is left untrained (its prompt, the conversation before it, is longer than ``P``), and the
+    ``P`` that would train every row.
+
+    A row continuing past its first call must fit ``R`` (``piece[i]``: what call ``i`` adds to a row it
+    continues; a row's first call adds its response); a row's prompt is its first call's. A later row whose
+    prompt is longer than ``P`` cannot be trained faithfully (a prompt cut to its last ids is a context the
+    model never saw): it is no row, and since prompts only grow along a chain, neither is anything after it.
+    Chosen: the cut that trains the most generated ids, then the fewest rows, then the longest first rows
+    (extending each row as long as it fits when every row's prompt fits: the common case, in one pass).
+    """
+    n = len(piece)
+    greedy, used = [0], int(response_len[0])
+    for i in range(1, n):
+        if used + piece[i] > R:
+            greedy.append(i)
+            used = int(response_len[i])
+        else:
+            used += int(piece[i])
+    need = max(int(prompt_len[s]) for s in greedy)  # the prompt width that trains every row of this cut
+    if all(prompt_len[s] <= P for s in greedy[1:]):
+        return greedy, False, need
+    # Otherwise a dynamic programme from the chain's end: best[i] = (ids trained, -rows, length of the first
+    # row) over the ways to cut calls i.. with a row starting at i.
+    best: list[tuple[int, int, int]] = [(0, 0, 0)] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        if i > 0 and prompt_len[i] > P:
+            best[i] = (0, -1, n - i)  # untrained from here on: one dropped "row"
+            continue
+        trains = i > 0 or prompt_len[0] <= P
+        options = []
+        size = int(response_len[i])
+        options.append(_option(min(size, R) * trains, best, i + 1, 1))
+        generated = size
+        for e in range(i + 1, n):
+            size += int(piece[e])
+            if size > R:
+                break
+            generated += int(response_len[e])
+            options.append(_option(generated * trains, best, e + 1, e - i + 1))
+        best[i] = max(options)
+    starts, i = [], 0
+    while i < n:
+        starts.append(i)
+        if i > 0 and prompt_len[i] > P:
+            return starts, True, need
+        i += best[i][2]
+    return starts, False, need
+
+
+def _option(trained: int, best: list[tuple[int, int, int]], rest: int, length: int) -> tuple[int, int, int]:
+    after = best[rest]
+    return trained + after[0], after[1] - 1, length
 
 
 class _Chains(NamedTuple):
-    """Per turn (rollout-major): whether it starts a row, its row (-1: no response), where in its prompt the ids
-    after the previous call of its chain begin, whether it continued a chain but started a row for the width,
-    whether it drifted (began with a chain's last prompt, but not with that call's exact response ids)."""
+    """Per turn (rollout-major): whether it starts a row, its row (-1: in none: no response, or left untrained
+    for the width), where in its prompt the ids after the previous call of its chain begin, whether it
+    continued a chain but started a row for the width, whether it drifted (began with a chain's last prompt,
+    but not with that call's exact response ids), whether the width left it untrained. ``needs``: the
+    ``max_prompt_length`` and ``max_response_length`` that would train every untrained call (0: none)."""
 
     head: np.ndarray
     row: np.ndarray
     gap_from: np.ndarray
     split: np.ndarray
     drifted: np.ndarray
+    untrained: np.ndarray
+    needs: tuple[int, int] = (0, 0)
 
 
 def _ids(seq: Sequence[int]) -> list[int]:

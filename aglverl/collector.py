@@ -27,7 +27,7 @@ import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .batch import BatchConfig, FinishedRollout, build_batch
+from .batch import BatchConfig, FinishedRollout, WidthWarning, build_rows
 from .models import Mode, TerminationReason, Triplet
 from .signals import SignalConfig
 from .store import LLMCall, RolloutRecord, TaskStore
@@ -243,6 +243,8 @@ class RolloutCollector:
         self.store = store
         self.batch_config = batch or BatchConfig()
         self.signal = signal or SignalConfig()
+        #: says once when merged conversations were left untrained for the width (naming BatchConfig's fields)
+        self.width_warning = WidthWarning(self.batch_config)
         self.step_timeout = step_timeout
         # A rendezvous stream: a batch is handed over only when the trainer receives it, and the step's
         # rollouts are forgotten then, not before (a kill while a batch waits must lose nothing).
@@ -427,7 +429,9 @@ class RolloutCollector:
                 if rollout.reward is not None:
                     rewards.append(rollout.reward)
             finished.append(rollout)
-        data, metrics = build_batch(finished, self.batch_config, self.signal)
+        built = build_rows(finished, self.batch_config, self.signal)
+        self.width_warning.note(built)
+        data, metrics = built.data, built.metrics
         metrics.update(_weight_versions(records))
         metrics.update(
             {

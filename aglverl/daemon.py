@@ -20,6 +20,7 @@ import gc
 import itertools
 import logging
 import os
+import warnings
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -57,8 +58,10 @@ class AgentDaemon:
       Agent Lightning 0.1 clients, which cannot read ``proxy_llm`` resources and post their own triplets.
     - ``lease_seconds``/``max_attempts``: how long a claim lasts without a heartbeat, and how many claims a
       rollout gets. ``step_timeout``: default per-step deadline. ``vocab_size``: bound for posted token ids.
-    - ``batch``: padding/truncation/reward fill for training batches; ``max_buffered_batches``: how many
-      finished batches may wait for the trainer.
+    - ``batch``: padding/truncation/reward fill for training batches. ``max_buffered_batches`` is accepted for
+      compatibility and has no effect (a value other than 1 warns): :attr:`batches` is a rendezvous, each
+      finished step's batch waits in its step until the trainer receives it, its rollouts stored and journaled
+      until then (a kill while it waits loses nothing), however many steps have finished.
     - ``signal``: the training-signal controls (:class:`~aglverl.signals.SignalConfig`: compact filtering by
       termination reason, rejection sampling, step-wise advantage, turn weighting, and whether the proxy
       asks the backends for behaviour logprobs); ``SignalConfig.from_dict`` reads an ``aglverl:`` section.
@@ -118,6 +121,13 @@ class AgentDaemon:
         trajectory_sink: GroupSink | None = None,
         registry: Registry | None = None,
     ) -> None:
+        if max_buffered_batches != 1:
+            warnings.warn(
+                "AgentDaemon(max_buffered_batches=...) has no effect: a finished step's batch waits in its step "
+                "until the trainer receives it from AgentDaemon.batches",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.registry = registry or Registry()
         self.model = model
         self.sampling_parameters = dict(sampling_parameters or {})

@@ -9,8 +9,10 @@ per record; SQLite would add a B-tree and a WAL to get the same guarantee.
 Guarantees: every record is written with one ``os.write`` on an ``O_APPEND`` descriptor before the store's
 method returns, so it survives the process being killed (the data is in the kernel's page cache). With
 ``fsync=True`` it also survives power loss: :meth:`Journal.commit` waits for an ``fsync`` that covers the
-record (group commit in a worker thread: one ``fsync`` for every record written before it started). A torn
-last line (the process died mid-write) is ignored on replay.
+record (group commit in a worker thread: one ``fsync`` for every record written before it started) and, after
+the file was replaced by a compaction, for an ``fsync`` of its directory (without it the rename, and every
+record appended to the new file, could be lost with the power). A torn last line (the process died mid-write)
+is ignored on replay.
 
 The file is compacted when it is opened and whenever it grows past ``compact_bytes`` (or past ``COMPACT_FLOOR``
 and ``COMPACT_RATIO`` times the size of the last compacted state): it is rewritten with
@@ -86,6 +88,8 @@ class Journal:
         self._syncing: anyio.Event | None = None
         #: bumped when the file is replaced: an ``fsync`` of the previous file no longer makes records durable
         self._generation = 0
+        #: the generation whose rename is durable (its directory fsynced, ``fsync=True`` only)
+        self._dir_synced = 0
         self._retired: list[int] = []  # descriptors of replaced files, closed once no fsync uses them
         self._compact_wanted: anyio.Event | None = None  # set by maybe_compact while serve() runs
         self._tail: list[bytes] | None = None  # records appended while a compaction rewrites the file
@@ -114,8 +118,28 @@ class Journal:
         return self.path.with_name(self.path.name + ".tmp")
 
     def _rewrite(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Replace the file with ``records``, blocking (before serving: the rename is made durable here)."""
         self._write_tmp([_encode(record) for record in records])
         self._install([])
+        if self.fsync:
+            generation = self._generation
+            self._fsync_dir()
+            self._dir_synced = generation
+
+    def _fsync_dir(self) -> None:
+        """Make the journal's directory entry durable (a rename is only as durable as its directory)."""
+        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _sync(self, fd: int, directory: bool) -> None:
+        """The worker thread's part of :meth:`commit`: the file's ``fsync``, then its directory's if it was
+        replaced since the last one."""
+        os.fsync(fd)
+        if directory:
+            self._fsync_dir()
 
     def _write_tmp(self, lines: Iterable[bytes]) -> None:
         """Write ``lines`` to the temporary file and make them durable (blocking: a worker thread's job)."""
@@ -219,7 +243,8 @@ class Journal:
         return self.compactions
 
     async def commit(self) -> None:
-        """Return once every record written so far is durable (``fsync=True``); at once otherwise.
+        """Return once every record written so far is durable (``fsync=True``): the file's ``fsync``, and its
+        directory's when a compaction renamed a new file into place since the last one; at once otherwise.
 
         Concurrent callers share one ``fsync``. Cancellation only stops the wait; the ``fsync`` goes on.
         """
@@ -232,8 +257,11 @@ class Journal:
                 continue
             self._syncing = event = anyio.Event()
             upto, fd, generation = self._written, self._fd, self._generation
+            directory = self._dir_synced < generation  # renamed by a compaction since: not durable yet
             try:
-                await anyio.to_thread.run_sync(os.fsync, fd)
+                await anyio.to_thread.run_sync(self._sync, fd, directory)
+                if directory:
+                    self._dir_synced = max(self._dir_synced, generation)
                 if generation == self._generation:  # else the file was replaced: fsync the new one
                     self._synced = max(self._synced, upto)
             finally:

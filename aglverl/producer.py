@@ -12,8 +12,9 @@ finished group with :meth:`TrajectoryProducer.wait_changed` (an event, never a p
 leaves :class:`GroupStats` behind for the trainer's metrics (:meth:`TrajectoryProducer.take_stats`).
 
 Restart: with a journal, a training group's dispatch is journaled next to its rollouts' records and stays
-there until a checkpoint covers the group: the finished groups a checkpoint save will contain are journaled as
-covered before it starts (:meth:`TrajectoryProducer.covering`) and dropped once it is done
+there until a checkpoint covers the group: the finished groups a checkpoint save will contain are filed with the
+sink and journaled as covered in one step before it starts (:meth:`TrajectoryProducer.covering`: a group
+finishing meanwhile is never covered without being filed) and dropped once it is done
 (:meth:`TrajectoryProducer.checkpointed`); groups finishing during the save stay. A producer started on
 that journal holds the groups that were in flight (:meth:`TrajectoryProducer.restore`), hands none of their
 tasks out, and adopts one when the trainer dispatches the same prompt again: by its uid (verl re-issues
@@ -39,11 +40,11 @@ import anyio
 import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 
-from .batch import BatchConfig, build_rows
+from .batch import BatchConfig, WidthWarning, build_rows
 from .collector import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
 from .metrics import Registry
 from .models import Mode
-from .signals import SignalConfig
+from .signals import REASON_BITS, SignalConfig
 from .store import TERMINAL, RolloutRecord, TaskStore
 
 __all__ = [
@@ -66,26 +67,49 @@ _ATTEMPT_SUFFIX = re.compile(r" \(attempt \d+ of \d+\)$")
 
 
 class AgentsFailing(RuntimeError):
-    """Agents keep failing: so many training groups in a row had every rollout fail that training stops.
+    """Agents keep failing: so many training groups in a row had no rollout left to train that training stops.
 
-    The message says how many groups and rollouts failed and the agents' most frequent errors; ``errors``
-    holds ``(error, count)`` pairs, most frequent first.
+    The message says how many groups and rollouts there were and the most frequent reasons: the agents' errors,
+    or the training-signal option that masked rollouts the agents completed (then that option is what to look
+    at); ``errors`` holds ``(reason, count)`` pairs, most frequent first.
     """
 
     def __init__(self, groups: int, rollouts: int, errors: Counter[str]) -> None:
         self.groups, self.rollouts, self.errors = groups, rollouts, errors.most_common()
         top = "; ".join(f"{count}x {error}" for error, count in self.errors[:3]) or "no error recorded"
         super().__init__(
-            f"agents keep failing: every rollout of the last {groups} training groups failed "
-            f"({rollouts} rollouts); most frequent errors: {top}. Fix the agent, or raise "
-            f"aglverl.max_failed_groups (0: never stop)"
+            f"agents keep failing: no rollout of the last {groups} training groups left a row to train "
+            f"({rollouts} rollouts); most frequent reasons: {top}. Fix the agent (or the option named), or "
+            f"raise aglverl.max_failed_groups (0: never stop)"
         )
 
 
-def rollout_error(record: RolloutRecord) -> str:
-    """Why a rollout failed, as one line: the agent's error (its type and message) when it posted one, else
-    the store's reason (lease expired, deadline passed); a completed rollout without trainable turns says so."""
+#: What a masked termination reason means, for :func:`rollout_error`.
+_MASKED_MEANING: Mapping[str, str] = {
+    "truncated": "a response was cut at its max_tokens or at data.max_response_length",
+    "context_exceeded": "the context window filled",
+    "max_turns": "the agent declared max_turns",
+}
+
+
+def rollout_error(record: RolloutRecord, masked: int = 0, group_too_small: int = 0) -> str:
+    """Why a rollout left no row to train, as one line: the agent's error (its type and message) when it
+    posted one, else the store's reason (lease expired, deadline passed); for a completed rollout, the
+    training-signal option that masked it (``masked``: its :data:`~aglverl.signals.REASON_BITS` that did),
+    its group's ``min_group_size`` (``group_too_small``), or that it had no trainable turn."""
     if record.state == "completed":
+        reasons = [reason for reason, bit in REASON_BITS.items() if masked & bit]
+        if reasons:
+            return "; ".join(
+                f"completed, but masked by aglverl.signal.mask_{reason}=true: it ended {reason} "
+                f"({_MASKED_MEANING.get(reason, 'recorded for it')})"
+                for reason in reasons
+            )
+        if group_too_small:
+            return (
+                f"completed, but its group had fewer usable rollouts than aglverl.signal.min_group_size="
+                f"{group_too_small}"
+            )
         return "completed without a trainable turn (no recorded call with token ids, no triplets)"
     error = _ATTEMPT_SUFFIX.sub("", record.error or "failed without a recorded error")
     return error.removeprefix("agent reported failure: ")
@@ -161,6 +185,8 @@ class FinishedGroup:
     logprobs: list[np.ndarray | None]
     stats: GroupStats
     records: list[RolloutRecord]
+    #: per rollout (session order), the reasons (:data:`~aglverl.signals.REASON_BITS`) that masked it, 0 if none
+    masked: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class GroupSink(Protocol):
@@ -268,6 +294,9 @@ class TrajectoryProducer:
         self.store = store
         self.sink = sink
         self.batch_config = batch
+        #: says once when merged conversations were left untrained for the width; its ``names`` are how the
+        #: trainer sets the widths (``data.*`` under AsyncVERL)
+        self.width_warning = WidthWarning(batch)
         # Rejection is the sampler's decision (an evicted group is replaced); rows of every group are written.
         self.signal = signal
         self._build_signal = SignalConfig.from_dict({**signal.to_dict(), "rejection_sampling": False})
@@ -431,6 +460,7 @@ class TrajectoryProducer:
         trajectories = [trajectory_of(record) for record in records]
         rollouts = [finished_rollout(r, t, prompt.uid) for r, t in zip(records, trajectories, strict=True)]
         built = build_rows(rollouts, self.batch_config, self._build_signal)
+        self.width_warning.note(built)
         data, counts = built.data, built.metrics
         sessions = built.row_rollout.astype(np.int64)  # rollouts are in session order
         turns = np.fromiter((calls[0] for calls in built.row_calls), np.int64, count=len(sessions))
@@ -484,6 +514,7 @@ class TrajectoryProducer:
             logprobs=built.logprobs,
             stats=stats,
             records=records,
+            masked=built.masked,
         )
 
     def _count_failures(self, group: FinishedGroup) -> None:
@@ -495,7 +526,11 @@ class TrajectoryProducer:
         self.failed_groups_total += 1
         self._failed_streak += 1
         self._failed_rollouts += len(group.records)
-        self._failed_errors.update(rollout_error(r) for r in group.records)
+        too_small = self.signal.min_group_size if group.stats.counts.get("rejection/n_samples_too_small") else 0
+        masked = group.masked.tolist() if len(group.masked) else [0] * len(group.records)
+        self._failed_errors.update(
+            rollout_error(r, bits, too_small) for r, bits in zip(group.records, masked, strict=True)
+        )
 
     def check_agents(self) -> None:
         """Raise :class:`AgentsFailing` once ``max_failed_groups`` training groups in a row failed entirely."""
@@ -535,12 +570,20 @@ class TrajectoryProducer:
                 self._evicted.append(stats)
 
     # ------------------------------------------------------------------ journal and restart
-    def covering(self, global_steps: int) -> list[str]:
-        """The trainer is about to save the checkpoint of ``global_steps``: the finished groups (flushed to the
-        sink before this call) are in it. Journaled, so that after a kill at any moment of the save a recovered
-        group is never attached to a prompt of a step the checkpoint covers (it may already be trained);
-        returns their uids, for :meth:`checkpointed` once the save is done."""
-        uids = [uid for uid, g in self._groups.items() if g.finished and g.journaled and g.covered_at is None]
+    async def covering(self, global_steps: int) -> list[str]:
+        """The trainer is about to save the checkpoint of ``global_steps``: file the finished groups with the
+        sink (:meth:`flush`) and journal them as covered by that checkpoint; returns their uids, for
+        :meth:`checkpointed` once the save is done.
+
+        Exactly the groups finished when this is called are covered: the flush files them (and perhaps groups
+        finishing while it writes, which stay uncovered and journaled: a group covered must be in the
+        snapshot, a group in it need not be covered). The record is journaled before the save starts, so after
+        a kill at any moment of the save a recovered group is never attached to a prompt of a step the
+        checkpoint covers (it may already be trained). Cancelled during the flush: nothing is journaled.
+        """
+        ready = [uid for uid, g in self._groups.items() if g.finished and g.journaled and g.covered_at is None]
+        await self.sink.flush()
+        uids = [uid for uid in ready if (g := self._groups.get(uid)) is not None and g.covered_at is None]
         for uid in uids:
             self._groups[uid].covered_at = global_steps
         if uids:
@@ -656,13 +699,22 @@ class TrajectoryProducer:
         """Groups from a previous run still waiting to be adopted."""
         return len(self._recovered)
 
-    def end_recovery(self) -> int:
-        """Drop the previous run's groups no dispatch adopted (the trainer moved past them); returns how many."""
-        dropped = len(self._recovered)
+    def end_recovery(self, global_steps: int | None = None) -> int:
+        """Drop the previous run's groups no dispatch adopted and none will: those the previous run dispatched
+        for a step up to ``global_steps``, whose sampling the trainer has just ended (``None``: every one);
+        returns how many. A group of a later step stays until then: a trainer resumed from a checkpoint
+        several steps back (``save_freq > 1``) replays its data loader and asks for that step's prompts again
+        at that step, and the group's finished rollouts are reused then, not answered again."""
+        dropped = [
+            uid
+            for uid, group in self._recovered.items()
+            if global_steps is None or int(group.record.get("global_steps") or 0) <= global_steps
+        ]
+        for uid in dropped:
+            del self._recovered[uid]
         if dropped:
-            logger.info("journal: %d groups of the previous run were not asked for again; dropped", dropped)
-        self._recovered.clear()
-        return dropped
+            logger.info("journal: %d groups of the previous run were not asked for again; dropped", len(dropped))
+        return len(dropped)
 
     def live_records(self) -> Iterator[dict[str, Any]]:
         """Journal records of the groups still needed (for compaction): live training groups and recovered

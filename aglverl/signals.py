@@ -18,11 +18,12 @@ default:
 - **Step-wise advantage** — ``broadcast`` (default) puts the rollout's final reward on every turn's last token
   and groups by sample; ``per_step`` scores each turn with its discounted return ``G_t = r_t + gamma G_{t+1}``
   (``r_t`` the turn's own reward, the final reward on the last turn) and groups by (sample, turn index).
-- **Turn weighting** — ``per_turn`` (default): every turn row is one member of its group and one row of the
-  loss; ``per_rollout``: a rollout with ``k`` rows (before rejection sampling) counts once, each row weighted
-  ``1/k`` in its group's mean/std (broadcast) and in the loss (``advantage_weights``). verl's stock GRPO
-  cannot weight group members, so a trainer calls :func:`compute_advantage` here instead of verl's (it is
-  verl's own for every other case).
+- **Group members and turn weighting** — in a ``broadcast`` GRPO group a rollout is one member whatever its
+  number of rows: each of its ``k`` rows weighs ``1/k`` in the group's mean/std (``group_weights``), as under
+  ``AsyncVERL``. ``turn_weighting`` weighs the loss: ``per_turn`` (default) every row 1, ``per_rollout`` each of
+  a rollout's ``k`` rows ``1/k`` (``advantage_weights``). verl's stock GRPO cannot weight group members, so a
+  trainer calls :func:`compute_advantage` here instead of verl's (it is verl's own for every other
+  estimator, whose groups are rows).
 
 Behaviour log-probs are packed by :mod:`aglverl.batch`; :func:`logprob_mismatch` compares them with the
 trainer's recomputed old log-probs.
@@ -76,7 +77,7 @@ class SignalConfig:
     """The training-signal controls (see the module docstring); the defaults reproduce plain batches.
 
     - ``advantage``: ``"broadcast"`` or ``"per_step"``; ``gamma``: per_step's discount across turns, in [0, 1].
-    - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"``.
+    - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"`` (a rollout's rows weigh ``1/k`` each in the loss).
     - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see :mod:`aglverl.batch`)
       or ``"per_call"`` (every call its own row). ``advantage="per_step"`` groups rows by turn, which a merged
       row spans several of: it needs ``"per_call"`` (``ValueError`` otherwise).
@@ -180,7 +181,8 @@ class RowPlan:
 
     ``rows`` index the flat list of turns; ``scores`` (float64) go on each row's last response token; ``uid``
     (object) is the row's GRPO group; ``advantage_weights`` / ``group_weights`` (float32) are the row's weight
-    in the loss and in its group's mean/std. ``masked`` has one entry per rollout: kept out for its reasons.
+    in the loss and in its group's mean/std. ``masked`` has one entry per rollout: the :data:`REASON_BITS` that
+    kept it out (0: not masked).
     """
 
     rows: np.ndarray
@@ -203,24 +205,28 @@ def plan_rows(
     max_response_length: int,
     config: SignalConfig,
     row_starts: np.ndarray | None = None,
+    in_rows: np.ndarray | None = None,
 ) -> RowPlan:
     """Apply compact filtering, the advantage mode, rejection sampling and turn weighting to a batch's turns.
 
     Per rollout (``N``): ``data_ids`` (its sample, object), ``rewards`` (final reward, float64, already
     filled), ``flags`` (int64 :data:`REASON_BITS` recorded for it), ``n_turns``. Per turn (``T = sum(n_turns)``,
     rollout-major): ``response_len`` (before truncation), ``turn_rewards`` (float64, NaN where the agent
-    gave none) and ``row_starts`` (bool: the turn starts a row, for merged trajectories; ``None``: every turn
-    is a row of its own), which only decides how many rows a rollout weighs in ``per_rollout``. Plans are
-    made per turn and keep or drop a rollout's turns together (so a merged row is whole). Returns the :class:`RowPlan` and its ``filter/*`` and ``rejection/*`` metrics. Turns with an
-    empty response never become rows (the batch builder counts them). Nothing here loops per token; the only
-    Python loop runs once per turn depth, for the discounted returns.
+    gave none), ``row_starts`` (bool: the turn starts a row, for merged trajectories; ``None``: every turn
+    is a row of its own), which decides how many rows a rollout has (its weights), and ``in_rows`` (bool: the
+    turn is in a row at all; ``None``: every turn with a response; a merged conversation's calls the width
+    leaves untrained are in none). Plans are made per turn and keep or drop a rollout's turns together (so a
+    merged row is whole). Returns the :class:`RowPlan` and its ``filter/*`` and ``rejection/*`` metrics. Turns
+    with an empty response never become rows (the batch builder counts them). Nothing here loops per token;
+    the only Python loop runs once per turn depth, for the discounted returns.
     """
     n_rollouts = len(n_turns)
     turn_rollout, turn_index = turn_layout(n_turns)
-    cut = np.bincount(turn_rollout[response_len > max_response_length], minlength=n_rollouts) > 0
+    trained = (response_len > 0) if in_rows is None else (response_len > 0) & in_rows
+    cut = np.bincount(turn_rollout[trained & (response_len > max_response_length)], minlength=n_rollouts) > 0
     flags = flags | np.where(cut, REASON_BITS["truncated"], 0)
     masked = (flags & config.mask_bits) != 0
-    candidate = np.flatnonzero((response_len > 0) & ~masked[turn_rollout])
+    candidate = np.flatnonzero(trained & ~masked[turn_rollout])
     starts = candidate if row_starts is None else candidate[row_starts[candidate]]
     rows_per_rollout = np.bincount(turn_rollout[starts], minlength=n_rollouts)
 
@@ -256,9 +262,10 @@ def plan_rows(
         scores=scores[keep],
         uid=uid[keep],
         advantage_weights=weight if per_rollout else ones,
-        # In per_step groups each rollout has one row per group already; only broadcast groups hold k rows.
-        group_weights=weight if per_rollout and config.advantage == "broadcast" else ones.copy(),
-        masked=masked,
+        # A broadcast group holds a rollout's k rows: one member, 1/k each (as AsyncVERL weighs them). In
+        # per_step groups each rollout has one row per group already.
+        group_weights=weight.copy() if config.advantage == "broadcast" else ones.copy(),
+        masked=np.where(masked, flags & config.mask_bits, 0),
         metrics=metrics,
     )
 
@@ -377,34 +384,38 @@ def grpo_advantages(
     group_weights: torch.Tensor | None = None,
     advantage_weights: torch.Tensor | None = None,
     *,
+    members: np.ndarray | None = None,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = GRPO_EPSILON,
 ) -> torch.Tensor:
     """GRPO outcome advantages with weighted group members; verl's ``compute_grpo_outcome_advantage`` when
-    both weight tensors are all ones (or ``None``).
+    both weight tensors are all ones (or ``None``) and every row is a member of its own.
 
     Each row's score is the sum of its ``token_level_rewards``; rows are grouped by ``index`` (the ``uid``
-    column). A group's mean and (unbiased, frequency-weighted) std use ``group_weights``; a group whose weights
-    sum to at most 1 has no baseline, so, as in verl, its mean is 0 and its std 1. The normalised score is
-    multiplied by ``advantage_weights`` and spread over ``response_mask``. Returns float32 ``[B, R]``. Raises
-    ``ValueError`` naming the argument whose length is not ``B``.
+    column). ``members`` names each row's member of its group (its rollout: a rollout's rows are one member;
+    ``None``: every row is one). A group's mean and (unbiased, frequency-weighted) std use ``group_weights``;
+    a group of one member has no baseline, so, as in verl, its mean is 0 and its std 1 (decided by counting
+    members, never from the float sum of their rows' weights). The normalised score is multiplied by
+    ``advantage_weights`` and spread over ``response_mask``. Returns float32 ``[B, R]``. Raises ``ValueError``
+    naming the argument whose length is not ``B``.
     """
     n_rows = token_level_rewards.shape[0]
-    for name, value in (("response_mask", response_mask), ("index", index)):
-        if len(value) != n_rows:
+    for name, value in (("response_mask", response_mask), ("index", index), ("members", members)):
+        if value is not None and len(value) != n_rows:
             raise ValueError(f"{name} has {len(value)} rows, token_level_rewards has {n_rows}")
     scores = token_level_rewards.sum(dim=-1).double()
     weights = _row_weights(group_weights, n_rows, "group_weights")
-    group = torch.from_numpy(np.unique(index, return_inverse=True)[1].reshape(-1)) if n_rows else None
-    if group is None:
+    if not n_rows:
         return torch.zeros_like(token_level_rewards, dtype=torch.float32)
+    group_of = np.unique(index, return_inverse=True)[1].reshape(-1)
+    group = torch.from_numpy(group_of)
     n_groups = int(group.max()) + 1
     total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, weights)
     mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, weights * scores) / total
     spread = torch.zeros(n_groups, dtype=torch.float64).index_add_(
         0, group, weights * (scores - mean[group]) ** 2
     )
-    alone = total <= 1.0 + 1e-9  # a single member (one row, or one rollout's 1/k-weighted rows)
+    alone = torch.from_numpy(_n_members(group_of, members, n_groups) <= 1)
     std = torch.where(alone, 1.0, torch.sqrt(spread / torch.where(alone, 1.0, total - 1.0)))
     mean = torch.where(alone, 0.0, mean)
     advantages = scores - mean[group]
@@ -412,6 +423,15 @@ def grpo_advantages(
         advantages = advantages / (std[group] + epsilon)
     advantages = advantages * _row_weights(advantage_weights, n_rows, "advantage_weights")
     return (advantages.unsqueeze(-1) * response_mask).to(torch.float32)
+
+
+def _n_members(group: np.ndarray, members: np.ndarray | None, n_groups: int) -> np.ndarray:
+    """How many distinct members each group has (every row one when ``members`` is ``None``)."""
+    if members is None:
+        return np.bincount(group, minlength=n_groups)
+    member = np.unique(members.astype(str), return_inverse=True)[1].reshape(-1)
+    pairs = np.unique(group * (int(member.max()) + 1) + member)
+    return np.bincount(pairs // (int(member.max()) + 1), minlength=n_groups)
 
 
 def _row_weights(weights: torch.Tensor | None, n_rows: int, name: str) -> torch.Tensor:
@@ -434,11 +454,12 @@ def compute_advantage(
     """Drop-in for verl's ``ray_trainer.compute_advantage`` on aglverl batches: sets ``advantages``/``returns``.
 
     For GRPO (``grpo``, ``grpo_vectorized``) it runs :func:`grpo_advantages` with the batch's ``uid``,
-    ``group_weights`` and ``advantage_weights`` (identical to verl's GRPO when both are ones, the default).
-    Any other estimator is verl's own, whose advantages are then multiplied by ``advantage_weights``; such
-    estimators cannot weight group members, so a batch whose ``group_weights`` are not all ones (broadcast
-    with ``turn_weighting="per_rollout"``) raises ``ValueError`` naming the estimator. A batch without the
-    weight tensors (not built by aglverl) gets verl's result unchanged.
+    ``group_weights``, ``advantage_weights`` and its rows' rollouts (``rollout_id_list``) as the group members:
+    a rollout is one member whatever its number of rows, as ``AsyncVERL`` computes them (verl's GRPO when
+    every rollout has one row and the weights are ones). Any other estimator is verl's own, over rows (as
+    under ``AsyncVERL``: verl's estimators cannot weight group members), whose advantages are then multiplied
+    by ``advantage_weights``. A batch without the weight tensors (not built by aglverl) gets verl's result
+    unchanged.
     """
     estimator = str(getattr(adv_estimator, "value", adv_estimator))
     batch = data.batch
@@ -451,16 +472,12 @@ def compute_advantage(
             data.non_tensor_batch["uid"],
             group_weights,
             advantage_weights,
+            members=data.non_tensor_batch.get("rollout_id_list"),
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
         )
         batch["advantages"] = advantages
         batch["returns"] = advantages.clone()
         return data
-    if group_weights is not None and not bool((group_weights == 1).all()):
-        raise ValueError(
-            f"adv_estimator {estimator!r} cannot weight group members: turn_weighting='per_rollout' with "
-            "advantage='broadcast' needs adv_estimator='grpo'"
-        )
     from verl.trainer.ppo.ray_trainer import compute_advantage as verl_compute_advantage
 
     data = verl_compute_advantage(

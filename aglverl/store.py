@@ -428,7 +428,7 @@ class TaskStore:
         entry.last_claim_time = time.time()
         entry.since = now
         self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": entry.attempt_id})
-        self._set_lease(entry, now + self.lease_seconds)
+        self._set_lease(entry, self._lease_clock() + self.lease_seconds)
         self.m_claimed.inc()
         return entry.task()
 
@@ -479,6 +479,11 @@ class TaskStore:
         return True
 
     # ------------------------------------------------------------------ leases
+    def _lease_clock(self) -> float:
+        """What leases count from: now, or, while frozen, the moment the clock stopped (a lease started or
+        renewed during a freeze counts from the freeze, so a thaw gives it exactly ``lease_seconds``)."""
+        return time.monotonic() if self._frozen_at is None else self._frozen_at
+
     def _set_lease(self, entry: _Entry, deadline: float) -> None:
         entry.lease_deadline = deadline
         self._lease_seq += 1
@@ -512,7 +517,7 @@ class TaskStore:
                 f"attempt {attempt_id!r} of rollout {rollout_id!r} no longer holds the task "
                 f"(current attempt: {entry.attempt_id!r}, state: {entry.state})"
             )
-        self._set_lease(entry, time.monotonic() + self.lease_seconds)
+        self._set_lease(entry, self._lease_clock() + self.lease_seconds)
         return self.lease_seconds
 
     def freeze_leases(self) -> None:
@@ -522,7 +527,8 @@ class TaskStore:
             self._frozen_at = time.monotonic()
 
     def thaw_leases(self) -> float:
-        """Restart the lease clock: every claimed lease is extended by the time it was stopped (returned)."""
+        """Restart the lease clock: every claimed lease keeps the time it had left when the clock stopped (a
+        lease started or renewed during the freeze: ``lease_seconds``); returns how long it was stopped."""
         if self._frozen_at is None:
             return 0.0
         frozen = time.monotonic() - self._frozen_at

@@ -70,6 +70,7 @@ __all__ = [
     "running",
     "sampler_name",
     "train",
+    "trained_uids",
     "trainer_class",
 ]
 
@@ -556,8 +557,10 @@ class _Hooks:
             run.await_on_loop(run.daemon.proxy.pause)  # drain while the engines still serve, then they sleep
         elif mode == "colocate_async":
             run.on_loop(run.daemon.proxy.hold)  # verl aborts next; the proxy resumes after the update
-        # The first step has asked for everything a previous run left in flight that it wants again.
-        run.on_loop(run.producer.end_recovery)
+        # This step has asked for everything of it a previous run left in flight that it wants again (verl
+        # re-issues its checkpoint's in-flight prompts before the first step; a replayed data loader asks a
+        # step's prompts at that step): the previous run's groups of this step and before are dropped.
+        run.on_loop(run.producer.end_recovery, int(self.global_steps))  # type: ignore[attr-defined]
         super().on_sample_end()  # type: ignore[misc]
         self._compute_from = time.monotonic()
 
@@ -578,11 +581,13 @@ class _Hooks:
     def _save_checkpoint(self) -> None:
         run = self._aglverl
         assert run.daemon is not None
-        run.await_on_loop(run.producer.flush)  # finished groups into TransferQueue before verl snapshots it
-        # Exactly these groups are in the checkpoint: groups finishing during the save (the async modes'
-        # agents go on) are not, and stay journaled. The record is written before the save starts, so a
-        # kill at any moment of it never lets a restart reuse a group the checkpoint may have trained.
-        covered = run.on_loop(run.producer.covering, int(self.global_steps))  # type: ignore[attr-defined]
+        # One step on the loop: the groups finished now go into TransferQueue before verl snapshots it, and
+        # exactly those are journaled as covered (a group finishing between a flush and a separate look would
+        # be covered without being in the snapshot, and answered again after a crash). Groups finishing during
+        # the save (the async modes' agents go on) are not in it, and stay journaled. The record is written
+        # before the save starts, so a kill at any moment of it never lets a restart reuse a group the
+        # checkpoint may have trained.
+        covered = run.await_on_loop(run.producer.covering, int(self.global_steps))  # type: ignore[attr-defined]
         run.await_on_loop(run.daemon.store.commit)
         super()._save_checkpoint()  # type: ignore[misc]
         run.on_loop(run.producer.checkpointed, covered)
@@ -601,7 +606,7 @@ class _Hooks:
     ) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)  # type: ignore[misc]
         run = self._aglverl
-        uids = [key.split("_", 1)[0] for key in batch.keys]
+        uids = trained_uids(batch)
         metrics.update(_step_metrics(self, run, uids, timing_raw))
         if int(self.config.trainer.save_freq) <= 0:  # type: ignore[attr-defined]
             # Nothing checkpoints: a restart begins again at step 1, so a trained group is never needed
@@ -781,7 +786,7 @@ def _step_metrics(trainer: Any, run: _Run, uids: list[str], timing: Mapping[str,
     metrics = aggregate_stats(stats)
     # groups a resumed run found in verl's TransferQueue checkpoint were answered by the previous process:
     # their stats died with it (verl's own critic/score/* still covers their rows)
-    metrics["step/n_groups_restored"] = float(len(set(uids) - {s.uid for s in stats} - {"pad"}))
+    metrics["step/n_groups_restored"] = float(len(set(uids) - {s.uid for s in stats}))
     metrics.update(counters)
     computing = [(max(a, start), min(b, stop)) for a, b in trainer._computing if b > start]
     shares = overlap_shares(start, stop, generating, computing)
@@ -839,6 +844,8 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     data = DataProto(batch=raw.to_padded_tensor())
     data.batch["token_level_scores"] = data.batch["rm_scores"]
     data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
+    # each row's rollout (``{uid}_{session}``): a GRPO group's members are counted, never summed from weights
+    data.non_tensor_batch["rollout_id_list"] = np.array([key.rsplit("_", 1)[0] for key in batch.keys], dtype=object)
     if algorithm.use_kl_in_reward:
         data, kl_metrics = apply_kl_penalty(
             data, kl_ctrl=trainer.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty
@@ -923,6 +930,17 @@ _SCORE_ONLY_ESTIMATORS = frozenset(
         "gpg",
     }
 )
+
+
+def trained_uids(batch: Any) -> list[str]:
+    """The prompt uid of each row of a trainer's batch (``{uid}_{session}_{turn}`` keys) that is not one of
+    the padding rows verl adds to fill whole mini-batches: those are tagged ``is_padding`` (their keys,
+    ``pad{hex}_{i}_0``, name no prompt of ours; verl's ``padding_utils.upsample_batch_to_divisible_size``)."""
+    return [
+        key.split("_", 1)[0]
+        for key, tag in zip(batch.keys, batch.tags, strict=True)
+        if not (tag or {}).get("is_padding", False)
+    ]
 
 
 def _per_rollout_weights(keys: Sequence[str]) -> torch.Tensor:
@@ -1054,6 +1072,7 @@ async def running(
                 assert daemon.producer is not None
                 bound = options.max_failed_groups  # default: a whole batch's worth of failed groups in a row
                 daemon.producer.max_failed_groups = int(config.data.train_batch_size) if bound is None else bound
+                daemon.producer.width_warning.names = ("data.max_prompt_length", "data.max_response_length")
                 # validation's first, so that the latest resources (what agents get by default) are training's
                 validation = sampling_parameters(config, validation=True)
                 run.resources["val"] = daemon.update_resources({"main_llm": daemon.main_llm(validation)})

@@ -17,8 +17,10 @@ Processes:
 
 Figures: steps trained in the final lineage (every step 1..steps exactly once), rollouts lost (a trained
 group's rollout that was never answered nor failed), duplicated (a sample trained in two steps of the lineage,
-or a rollout in two trained groups), journal bytes and driver RSS per step (their slope over the second half
-of each run, and the maximum per run).
+or a rollout in two trained groups), trained groups no run dispatched (0: a padding row taken for a group
+would show here), samples answered by more rollouts than a group has (finished work a restart redid instead
+of reusing), journal bytes and driver RSS per step (their slope over the second half of each run, and the
+maximum per run).
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ async def run_trainer(cfg: dict[str, Any]) -> None:
                     "kind": "step",
                     "run": run,
                     "step": int(algo.trainer.global_steps),
-                    "uids": sorted(set(uids) - {"pad"}),
+                    # aglverl.verl_v1 leaves verl's padding rows (tagged is_padding) out of a step's groups
+                    "uids": sorted(set(uids)),
                     "failed": sum(s.n_rollouts - s.n_completed for s in stats),
                     "rss_kib": status_kib(os.getpid(), "VmRSS:"),
                     "journal_bytes": journal.stat().st_size if journal.exists() else 0,
@@ -240,6 +243,12 @@ def summarize(
         groups[row["uid"]] = row["rollout_ids"]
     answers = _lines(directory / "answers.jsonl")
     sample_of = {a["rollout_id"]: a["sample"] for a in answers}
+    # samples whose answers outnumber the group (rollout.n): work a restart redid instead of reusing it
+    rollouts_of: dict[int, set[str]] = {}
+    for a in answers:
+        rollouts_of.setdefault(a["sample"], set()).add(a["rollout_id"])
+    n = max((len(ids) for ids in groups.values()), default=0)
+    answered_again = sum(len(ids) > n for ids in rollouts_of.values())
     resumed = {info["run"]: info.get("resumed_from", 0) for info in runs}
     # final lineage, newest run first: a run's steps after the checkpoint it resumed from, up to where the
     # next run of the lineage took over
@@ -268,6 +277,8 @@ def summarize(
     for row in lineage.values():
         for uid in row["uids"]:
             unanswered += sum(rid not in sample_of for rid in groups.get(uid, []))
+    # a trained group no run dispatched (e.g. verl's padding taken for a group): the figures above would not see it
+    undispatched = sorted({uid for row in lineage.values() for uid in row["uids"] if uid not in groups})
     lost = max(0, unanswered - failed)  # a trained group's rollout neither answered nor failed
     duplicated = sum(c - 1 for c in in_groups.values() if c > 1) + sum(c - 1 for c in samples.values() if c > 1)
     per_run = []
@@ -296,10 +307,12 @@ def summarize(
         "rollouts_lost": lost,
         "rollouts_duplicated": duplicated,
         "rollouts_failed_in_trained_steps": failed,
+        "trained_groups_never_dispatched": undispatched,
+        "samples_answered_more_than_n": answered_again,
         "runs": per_run,
         "journal_bytes_per_step": [s["journal_bytes"] for s in steps],
         "rss_mb_per_step": [round(s["rss_kib"] / 1024, 1) for s in steps],
-        "ok": finished and lost == 0 and duplicated == 0 and len(missing) <= len(runs) - 1,
+        "ok": finished and lost == 0 and duplicated == 0 and not undispatched and len(missing) <= len(runs) - 1,
     }
 
 

@@ -1,9 +1,12 @@
-"""Tests for aglverl.batch: hand-computed batches for small cases, and a property test against a per-row
-Python-list reference built from the description in DESIGN.md."""
+"""Tests for aglverl.batch: hand-computed batches for small cases, and property tests against a per-row
+Python-list reference built from the description in DESIGN.md and the README: a rollout's calls as a tree of
+prefixes (its chains), each chain cut into rows by trying every cut."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 import pickle
 from collections.abc import Sequence
 
@@ -14,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl import DataProto
 
-from aglverl.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch, build_rows
+from aglverl.batch import (
+    BatchConfig,
+    FinishedRollout,
+    MissingRewardError,
+    WidthWarning,
+    build_batch,
+    build_rows,
+)
 from aglverl.signals import SignalConfig
 
 TENSOR_DTYPES = {
@@ -275,6 +285,8 @@ def test_metrics_of_a_mixed_batch() -> None:
         "batch/n_calls": 2.0,
         "batch/n_calls_merged": 0.0,
         "batch/n_chains_split_width": 0.0,
+        "batch/n_calls_untrained_width": 0.0,
+        "batch/n_generated_untrained_width": 0.0,
         "batch/n_calls_drifted": 0.0,
         "batch/n_trainer_tokens": 4.0 + 3 + 2 + 1,
         "batch/n_trainer_tokens_per_call": 4.0 + 3 + 2 + 1,
@@ -379,43 +391,99 @@ def test_batch_survives_pickling_and_groups_by_uid_in_verl_grpo_advantage() -> N
 # --- property test against a per-row reference -------------------------------------------------------
 
 
-def reference_rows(
-    turns: Sequence[tuple[Sequence[int], Sequence[int]]], width: int, merge: bool
-) -> tuple[list[tuple[list[int], list[tuple[int, list[int], list[int]]]]], dict[str, int]]:
-    """DESIGN.md's chains for one rollout, in plain Python: rows as (prompt, [(turn, ids between, response)])
-    in the order they start, and the counts (merged, split for width, drifted)."""
-    chains: list[dict] = []
-    rows: list[tuple[list[int], list[tuple[int, list[int], list[int]]]]] = []
-    counts = {"merged": 0, "split": 0, "drifted": 0}
-    for turn, (prompt_ids, response_ids) in enumerate(turns):
-        prompt, response = list(prompt_ids), list(response_ids)
-        if not response:
-            continue
-        extended, drift = None, False
-        for chain in reversed(chains):
-            last_prompt, last_response = chain["last"]
-            if prompt[: len(last_prompt) + len(last_response)] == last_prompt + last_response:
-                extended = chain
+def prefix_tree(
+    turns: Sequence[tuple[Sequence[int], Sequence[int]]],
+) -> tuple[list[list[int]], dict[int, int], set[int]]:
+    """DESIGN.md's chains, formulated as a tree of prefixes: each call with a response hangs under the latest
+    earlier call that nothing hangs under yet and whose prompt + response begin its prompt; a call under none
+    is a root, and drifted when it begins with such a call's prompt but not with its response. Returns the
+    chains (root-to-leaf paths, each a list of turn indices), each call's parent, and the drifted roots."""
+    parent: dict[int, int] = {}
+    children: dict[int, int] = {}
+    drifted: set[int] = set()
+    called = [t for t, (_, response) in enumerate(turns) if len(response)]
+    for k, turn in enumerate(called):
+        prompt = list(turns[turn][0])
+        leaves = [a for a in called[:k] if a not in children]
+        whole = [a for a in leaves if prompt[: len(turns[a][0]) + len(turns[a][1])] == [*turns[a][0], *turns[a][1]]]
+        if whole:
+            parent[turn], children[max(whole)] = max(whole), turn
+        elif any(len(prompt) > len(turns[a][0]) and prompt[: len(turns[a][0])] == list(turns[a][0]) for a in leaves):
+            drifted.add(turn)
+    roots = [t for t in called if t not in parent]
+    chains = []
+    for root in roots:
+        path = [root]
+        while path[-1] in children:
+            path.append(children[path[-1]])
+        chains.append(path)
+    return chains, parent, drifted
+
+
+def cut_by_search(
+    turns: Sequence[tuple[Sequence[int], Sequence[int]]], chain: list[int], P: int, R: int
+) -> tuple[list[list[int]], list[int]]:
+    """The rows of one chain by trying every cut: the one that trains the most generated ids, then has the
+    fewest rows, then the latest row starts. A row continuing past its first call must fit ``R``; a later
+    row whose prompt is longer than ``P`` trains nothing and is no row (its calls are returned as untrained).
+    Returns (rows as lists of turn indices, untrained turn indices)."""
+
+    def added(i: int) -> int:  # what chain[i] adds to a row it continues: the ids between, then its response
+        before = turns[chain[i - 1]]
+        return len(turns[chain[i]][0]) - len(before[0]) - len(before[1]) + len(turns[chain[i]][1])
+
+    best: tuple[int, int, list[int]] | None = None
+    for cuts in itertools.product([False, True], repeat=len(chain) - 1):
+        starts = [0] + [i + 1 for i, cut in enumerate(cuts) if cut]
+        trained, valid = 0, True
+        for start, end in zip(starts, [*starts[1:], len(chain)], strict=True):
+            prompt, first = turns[chain[start]]
+            if start > 0 and len(prompt) > P:
+                continue  # untrained: no row, so no width either
+            width = len(first) + sum(added(i) for i in range(start + 1, end))
+            if end - start > 1 and width > R:
+                valid = False
                 break
-            if len(prompt) > len(last_prompt) and prompt[: len(last_prompt)] == last_prompt:
-                drift = True
-        if extended is None:
-            counts["drifted"] += drift
-            row: tuple[list[int], list] = (prompt, [(turn, [], response)])
-            chains.append({"last": (prompt, response), "row": row})
-            rows.append(row)
-            continue
-        last_prompt, last_response = extended["last"]
-        between = prompt[len(last_prompt) + len(last_response) :]
-        used = sum(len(g) + len(r) for _, g, r in extended["row"][1])
-        if merge and used + len(between) + len(response) <= width:
-            extended["row"][1].append((turn, between, response))
-            counts["merged"] += 1
+            if start == 0 and len(prompt) > P:
+                continue  # the conversation's first prompt is cut: a row, marked is_drop_mask
+            trained += min(width, R) if end - start == 1 else sum(len(turns[chain[i]][1]) for i in range(start, end))
+        key = (trained, -len(starts), starts)
+        if valid and (best is None or key > best):
+            best = key
+    assert best is not None
+    starts = best[2]
+    rows, untrained = [], []
+    for start, end in zip(starts, [*starts[1:], len(chain)], strict=True):
+        calls = chain[start:end]
+        if start > 0 and len(turns[chain[start]][0]) > P:
+            untrained += calls
         else:
-            counts["split"] += merge
-            extended["row"] = (prompt, [(turn, [], response)])
-            rows.append(extended["row"])
-        extended["last"] = (prompt, response)
+            rows.append(calls)
+    return rows, untrained
+
+
+def reference_rows(
+    turns: Sequence[tuple[Sequence[int], Sequence[int]]], P: int, R: int, merge: bool
+) -> tuple[list[tuple[list[int], list[tuple[int, list[int], list[int]]]]], dict[str, int]]:
+    """The rows of one rollout as (prompt, [(turn, ids between, response)]), by first call, and the counts
+    (merged, split for width, drifted, untrained calls and generated ids)."""
+    chains, parent, drifted = prefix_tree(turns)
+    counts = {"merged": 0, "split": 0, "drifted": len(drifted), "untrained": 0, "untrained_ids": 0}
+    rows = []
+    for chain in chains:
+        cut = cut_by_search(turns, chain, P, R) if merge else ([[t] for t in chain], [])
+        counts["untrained"] += len(cut[1])
+        counts["untrained_ids"] += sum(len(turns[t][1]) for t in cut[1])
+        for k, calls in enumerate(cut[0]):
+            counts["split"] += merge and k > 0
+            counts["merged"] += len(calls) - 1
+            pieces = [(calls[0], [], list(turns[calls[0]][1]))]
+            for turn in calls[1:]:
+                before = turns[parent[turn]]
+                between = list(turns[turn][0][len(before[0]) + len(before[1]) :])
+                pieces.append((turn, between, list(turns[turn][1])))
+            rows.append((list(turns[calls[0]][0]), pieces))
+    rows.sort(key=lambda row: row[1][0][0])
     return rows, counts
 
 
@@ -430,7 +498,7 @@ def reference_build(
     prompt_lengths: list[int] = []
     response_lengths: list[int] = []
     n_filled = n_dropped = n_cut_responses = n_without_triplets = n_calls = per_call_tokens = 0
-    totals = {"merged": 0, "split": 0, "drifted": 0}
+    totals = {"merged": 0, "split": 0, "drifted": 0, "untrained": 0, "untrained_ids": 0}
     for r in rollouts:
         reward = r.reward
         if reward is None:
@@ -440,7 +508,7 @@ def reference_build(
         rewards.append(reward)
         n_without_triplets += len(r.turns) == 0
         n_dropped += sum(len(response) == 0 for _, response in r.turns)
-        chained, counts = reference_rows(r.turns, R, merge)
+        chained, counts = reference_rows(r.turns, P, R, merge)
         totals = {k: totals[k] + counts[k] for k in totals}
         for prompt, pieces in chained:
             response, generated = [], []
@@ -497,6 +565,8 @@ def reference_build(
         "batch/n_calls": float(n_calls),
         "batch/n_calls_merged": float(totals["merged"]),
         "batch/n_chains_split_width": float(totals["split"]),
+        "batch/n_calls_untrained_width": float(totals["untrained"]),
+        "batch/n_generated_untrained_width": float(totals["untrained_ids"]),
         "batch/n_calls_drifted": float(totals["drifted"]),
         "batch/n_trainer_tokens": float(sum(prompt_lengths) + sum(response_lengths)),
         "batch/n_trainer_tokens_per_call": float(per_call_tokens),
@@ -579,7 +649,10 @@ def check_against_reference(
     assert {k: v for k, v in metrics.items() if k.startswith("batch/")} == pytest.approx(expected_metrics)
     if signal is not None:
         assert tensor(batch, "advantage_weights").tolist() == [1.0] * len(batch)
-        assert tensor(batch, "group_weights").tolist() == [1.0] * len(batch)
+        # a rollout is one member of its group: its k rows weigh 1/k each
+        owners = expected_lists["rollout_id_list"]
+        expected_weights = [1.0 / owners.count(owner) for owner in owners]
+        assert tensor(batch, "group_weights").tolist() == pytest.approx(expected_weights)
 
 
 @settings(max_examples=150, deadline=None)
@@ -607,11 +680,12 @@ def test_merged_batch_matches_the_chain_reference(case: tuple[list[FinishedRollo
 
 @settings(max_examples=100, deadline=None)
 @given(rollout_batches(chained=True))
-def test_every_generated_id_is_trained_exactly_once_in_call_order(
+def test_every_generated_id_is_trained_exactly_once_in_call_order_or_counted(
     case: tuple[list[FinishedRollout], BatchConfig],
 ) -> None:
     """Merged or not, the ids under ``response_mask`` of a rollout's rows are its calls' responses (each cut to
-    the width only when it alone is longer), each once, in call order."""
+    the width only when it alone is longer), each once, in call order; a call in no row is counted untrained
+    for the width, and the widths the batch names as needed would have trained every call."""
     rollouts, config = case
     rollouts = [dataclasses.replace(r, reward=0.0) for r in rollouts]
     built = build_rows(rollouts, config, SignalConfig())
@@ -623,8 +697,17 @@ def test_every_generated_id_is_trained_exactly_once_in_call_order(
         expected = [t for c in calls for t in list(turns[c][1])][: config.max_response_length]
         assert responses[i][mask[i]].tolist() == expected
         seen.setdefault(rollout_index, []).extend(calls)
+    untrained = 0
     for i, r in enumerate(rollouts):
-        assert sorted(seen.get(i, [])) == [t for t, (_, resp) in enumerate(r.turns) if len(resp)]
+        called = [t for t, (_, resp) in enumerate(r.turns) if len(resp)]
+        assert set(seen.get(i, [])) <= set(called) and len(seen.get(i, [])) == len(set(seen.get(i, [])))
+        untrained += len(called) - len(seen.get(i, []))
+    assert built.metrics["batch/n_calls_untrained_width"] == untrained
+    assert (built.untrained_needs == (0, 0)) == (untrained == 0)
+    if untrained:
+        P, R = built.untrained_needs
+        for wider in (dataclasses.replace(config, max_prompt_length=P), dataclasses.replace(config, max_response_length=R)):
+            assert build_rows(rollouts, wider, SignalConfig()).metrics["batch/n_calls_untrained_width"] == 0
 
 
 # --- merged trajectories: hand-built call chains ----------------------------------------------------------
@@ -730,6 +813,69 @@ def test_chain_wider_than_the_response_width_splits_at_a_call_boundary() -> None
     assert column(batch, "turn_index_list") == [0, 1, 3]
     assert metrics["batch/n_chains_split_width"] == 2.0 and metrics["batch/n_calls_merged"] == 1.0
     assert metrics["batch/n_responses_truncated"] == 1.0
+    assert metrics["batch/n_calls_untrained_width"] == 0.0  # every later prompt fits 8
+
+
+def test_a_later_row_whose_prompt_does_not_fit_is_counted_untrained_and_named_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The conversation [1] -> [3, 4], then (+ [9]) -> [5, 6] is 5 ids wide, the row 3: the second call would
+    start a row whose prompt, the 4 ids before it, is longer than 3. Cut to its last 3 ids it is a context the
+    model never saw: no row, counted, and the settings that would train it are named once."""
+    config = BatchConfig(max_prompt_length=3, max_response_length=3)
+    r = rollout("r0", ([1], [3, 4]), ([1, 3, 4, 9], [5, 6]), reward=1.0)
+    built = build_rows([r, dataclasses.replace(r, rollout_id="r1")], config, SignalConfig())
+
+    assert_tensor(tensor(built.data, "prompts"), torch.tensor([[0, 0, 1], [0, 0, 1]]))
+    assert_tensor(tensor(built.data, "responses"), torch.tensor([[3, 4, 0], [3, 4, 0]]))
+    assert tensor(built.data, "is_drop_mask").tolist() == [False, False]
+    assert tensor(built.data, "group_weights").tolist() == [1.0, 1.0]  # each rollout: one row
+    assert built.row_calls == [[0], [0]]
+    metrics = built.metrics
+    assert metrics["batch/n_calls"] == 2.0 and metrics["batch/n_chains_split_width"] == 0.0
+    assert metrics["batch/n_calls_untrained_width"] == 2.0
+    assert metrics["batch/n_generated_untrained_width"] == 4.0
+    assert metrics["batch/n_prompts_truncated"] == 0.0
+    # prompts of 4 (the second call starts its own row) or responses of 5 (one row) would train it
+    assert built.untrained_needs == (4, 5)
+
+    warning = WidthWarning(config, ("data.max_prompt_length", "data.max_response_length"))
+    with caplog.at_level(logging.WARNING, logger="aglverl.batch"):
+        warning.note(built)
+        warning.note(built)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert message.startswith("2 calls (4 generated tokens) of merged conversations are not trained")
+    assert "data.max_prompt_length >= 4" in message and "data.max_response_length >= 5" in message
+    assert "batch/n_calls_untrained_width" in message
+
+
+def test_the_cut_that_trains_the_most_generated_ids_is_taken() -> None:
+    """[1] -> [2, 3]; + [9] -> [4]; + [9] -> [5]. Row width 4: going on while the calls fit gives [2, 3, 9, 4]
+    and leaves the third call to a row whose prompt (6 ids) is longer than 5. Cutting after the first call
+    instead trains all four ids: the second call's prompt (4 ids) fits, and so does [4, 9, 5]."""
+    config = BatchConfig(max_prompt_length=5, max_response_length=4)
+    r = rollout("r0", ([1], [2, 3]), ([1, 2, 3, 9], [4]), ([1, 2, 3, 9, 4, 9], [5]), reward=1.0)
+    built = build_rows([r], config, SignalConfig())
+
+    assert_tensor(tensor(built.data, "prompts"), torch.tensor([[0, 0, 0, 0, 1], [0, 1, 2, 3, 9]]))
+    assert_tensor(tensor(built.data, "responses"), torch.tensor([[2, 3, 0, 0], [4, 9, 5, 0]]))
+    assert_tensor(tensor(built.data, "response_mask"), torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]))
+    assert built.row_calls == [[0], [1, 2]]
+    assert built.metrics["batch/n_calls_untrained_width"] == 0.0 and built.untrained_needs == (0, 0)
+    assert built.metrics["batch/n_chains_split_width"] == 1.0 and built.metrics["batch/n_calls_merged"] == 1.0
+
+
+def test_a_conversation_whose_first_prompt_is_cut_keeps_one_row_marked_and_counts_the_rest() -> None:
+    config = BatchConfig(max_prompt_length=2, max_response_length=3)
+    r = rollout("r0", ([1, 2, 3], [4]), ([1, 2, 3, 4, 9], [5, 6]), reward=1.0)
+    built = build_rows([r], config, SignalConfig())
+
+    assert_tensor(tensor(built.data, "prompts"), torch.tensor([[2, 3]]))
+    assert tensor(built.data, "is_drop_mask").tolist() == [True]
+    assert built.metrics["batch/n_prompts_truncated"] == 1.0
+    assert built.metrics["batch/n_calls_untrained_width"] == 1.0
+    assert built.untrained_needs == (5, 4)
 
 
 def test_masked_call_in_the_middle_keeps_its_place_with_response_mask_zero() -> None:

@@ -300,3 +300,10 @@ async def test_under_the_mask_rule_an_off_policy_call_is_kept_and_its_row_masked
         data, metrics = build_batch([finished_rollout(record, trajectory_of(record), "g")], BATCH)
         assert data.batch["is_drop_mask"].tolist() == [True]
         assert metrics["batch/n_rows_off_policy"] == 1.0
+
+
+def test_max_buffered_batches_has_no_effect_and_says_so() -> None:
+    """The batch stream is a rendezvous (a finished step's batch waits in its step, journaled, until received):
+    a bound on buffered batches would mean nothing, so asking for one warns rather than pretending."""
+    with pytest.warns(DeprecationWarning, match="max_buffered_batches=...\\) has no effect"):
+        AgentDaemon(max_buffered_batches=4)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -170,7 +172,10 @@ async def test_a_batch_waiting_for_the_trainer_survives_a_restart(tmp_path: Path
         assert sorted(batch.data.non_tensor_batch["rollout_id_list"].tolist()) == sorted(step.rollout_ids)
         assert batch.metrics["step/n_completed"] == 3
     kinds = [r["kind"] for r in read_records(path)]
-    assert kinds.count("step_done") == 1 or "result" not in kinds  # handed over: done (or compacted away)
+    # handed over: the step is done and its rollouts forgotten, once
+    assert kinds.count("step_done") == 1 and kinds[-2:] == ["step_done", "forget"]
+    async with AgentDaemon(journal_path=path, batch=BATCH) as daemon:
+        assert daemon.recovered_steps == []  # so a third start delivers nothing again
 
 
 def test_torn_last_line_ends_replay_without_losing_earlier_records(tmp_path: Path) -> None:
@@ -238,6 +243,57 @@ async def test_compaction_runs_in_a_worker_thread_and_keeps_records_written_mean
     journal.close()
     kinds = [r["kind"] for r in read_records(path)]
     assert kinds == ["live"] * len(live) + ["during"] * 5 + ["after"]
+
+
+class _FsyncSpy:
+    """``os.fsync`` as it is, noting what each call made durable: the journal file or its directory."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.synced: list[str] = []
+        real = os.fsync
+
+        def fsync(fd: int) -> None:
+            real(fd)
+            kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+            self.synced.append(f"{kind}:{os.readlink(f'/proc/self/fd/{fd}')}")
+
+        monkeypatch.setattr(os, "fsync", fsync)
+
+    def take(self) -> list[str]:
+        taken, self.synced = self.synced, []
+        return taken
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd")
+async def test_with_fsync_a_replaced_journal_is_durable_with_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rename is only as durable as its directory: with ``fsync=True`` the journal's directory is fsynced
+    after the file is replaced (at open; after a compaction, before a commit of any record written through the
+    new descriptor returns), or power loss could undo the rename and the records appended to the new file."""
+    spy = _FsyncSpy(monkeypatch)
+    path = tmp_path / "durable.journal"
+    journal = Journal(path, fsync=True, compact_bytes=1024)
+    journal.live_records = lambda: [{"kind": "live", "i": i} for i in range(3)]
+    journal.open()
+    assert f"dir:{tmp_path}" in spy.take()
+    async with anyio.create_task_group() as tg:
+        await tg.start(journal.serve)
+        for i in range(40):
+            journal.write({"kind": "old", "i": i, "pad": "y" * 64})
+        await journal.commit()
+        spy.take()
+        journal.maybe_compact()
+        with anyio.fail_after(30):
+            await journal.wait_compacted(0)
+        journal.write({"kind": "after", "i": 0})
+        await journal.commit()
+        synced = spy.take()
+        tg.cancel_scope.cancel()
+    journal.close()
+    # the snapshot was fsynced before the rename; the record after it, with the directory of the rename
+    assert synced == [f"file:{tmp_path}/durable.journal.tmp", f"file:{path}", f"dir:{tmp_path}"]
+    assert [r["kind"] for r in read_records(path)] == ["live"] * 3 + ["after"]
 
 
 def test_the_file_stays_proportional_to_the_live_state_far_below_compact_bytes(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, SignalConfig, Triplet, run_agents
 from aglverl.client import AgentClient
-from aglverl.producer import FinishedGroup, Prompt, TrajectoryProducer, aggregate_stats
+from aglverl.producer import AgentsFailing, FinishedGroup, Prompt, TrajectoryProducer, aggregate_stats
 from aglverl.store import TaskStore
 from aglverl.testing import MockVLLM
 
@@ -177,6 +177,34 @@ async def test_a_group_whose_scores_are_all_equal_is_flagged_for_the_sampler() -
         assert [s.uid for s in producer.take_stats([])] == ["differ"]  # evicted groups still count once
 
 
+async def test_agents_failing_names_the_signal_option_that_masked_completed_rollouts() -> None:
+    """Agents that completed every rollout, each with a response cut at the width (``truncated``), under
+    ``mask_truncated``: no row is left, and the run stops naming that option, not blaming the agents for
+    rollouts without a trainable turn."""
+    store = TaskStore(lease_seconds=30, max_attempts=2)
+    sink = RecordingSink()
+    producer = TrajectoryProducer(
+        store, sink, batch=BATCH, signal=SignalConfig(mask_truncated=True), max_failed_groups=1
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        await tg.start(producer.serve)
+        producer.dispatch([Prompt("cut", {}, 2)], resources_id=None)
+        while (task := store.try_claim()) is not None:
+            too_long = Triplet(prompt={"token_ids": [1]}, response={"token_ids": [2] * (BATCH.max_response_length + 1)})
+            store.submit_result(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0, triplets=[too_long])
+            )
+        (group,) = await sink.wait_for(1)
+        tg.cancel_scope.cancel()
+    assert group.status == "failure" and group.stats.n_completed == 2
+    with pytest.raises(AgentsFailing) as caught:
+        producer.check_agents()
+    message = str(caught.value)
+    assert "2x completed, but masked by aglverl.signal.mask_truncated=true: it ended truncated" in message
+    assert "without a trainable turn" not in message
+
+
 async def test_prompt_uids_and_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="no '_'"):
         Prompt("a_b", {}, 1)
@@ -336,7 +364,7 @@ async def test_a_checkpoint_covers_exactly_the_groups_finished_before_its_save(
             assert producer is not None
             await _answer_group(daemon, sink, Prompt("a", {"q": 1}, 2, global_steps=3, index=5))
             a_ids = list(producer._groups["a"].rollout_ids)
-            covered = producer.covering(3)  # verl's save of step 3 starts
+            covered = await producer.covering(3)  # verl's save of step 3 starts
             assert covered == ["a"]
             await _answer_group(daemon, sink, Prompt("b", {"q": 2}, 2, global_steps=3, index=6))
             b_ids = list(producer._groups["b"].rollout_ids)
@@ -357,3 +385,28 @@ async def test_a_checkpoint_covers_exactly_the_groups_finished_before_its_save(
             (b2,) = await sink.wait_for(1)  # "b2" finished at once; "a2" is new work for agents
             assert b2.prompt.uid == "b2" and b2.stats.n_completed == 2
             assert daemon.store.try_claim() is not None
+
+
+async def test_a_group_of_a_later_step_waits_for_that_step_of_a_replayed_run(tmp_path: Path) -> None:
+    """Lockstep training with a checkpoint every few steps, killed during step 4 after training step 3 (saved:
+    step 2): the restarted trainer replays its data loader, asking step 3's prompts at step 3 and step 4's at
+    step 4. Step 4's journaled group must still be there for step 4 (its finished rollouts reused, never
+    answered again), though step 3's sampling ended meanwhile."""
+    journal = tmp_path / "j.journal"
+    async with MockVLLM(completion_tokens=3) as mock:
+        async with _daemon(journal, mock) as (daemon, sink):
+            await _answer_group(daemon, sink, Prompt("s3", {"q": 3}, 2, global_steps=3, index=5))
+            await _answer_group(daemon, sink, Prompt("s4", {"q": 4}, 2, global_steps=4, index=6))
+            assert daemon.producer is not None
+            answered = {uid: list(daemon.producer._groups[uid].rollout_ids) for uid in ("s3", "s4")}
+        async with _daemon(journal, mock) as (daemon, sink):
+            producer = daemon.producer
+            assert producer is not None and producer.recovered == 2
+            producer.dispatch([Prompt("r3", {"q": 3}, 2, global_steps=3, index=5)], resources_id=None)
+            assert producer.end_recovery(3) == 0  # step 3's sampling ended: only groups up to step 3 go
+            assert producer.recovered == 1
+            producer.dispatch([Prompt("r4", {"q": 4}, 2, global_steps=4, index=6)], resources_id=None)
+            assert producer._groups["r4"].rollout_ids == answered["s4"]  # reused as they were
+            assert producer.end_recovery(4) == 0 and producer.recovered == 0
+            await sink.wait_for(2)
+            assert daemon.store.try_claim() is None  # nothing is answered a second time

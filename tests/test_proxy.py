@@ -20,6 +20,7 @@ from openai import AsyncOpenAI
 from yarl import URL
 
 from aglverl._net import bind_listener
+from aglverl.collector import termination_of
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy, _Capture
@@ -906,6 +907,28 @@ async def test_the_limit_that_ended_each_response_is_recorded(
         ("failed", None, "context"),
     ]
     assert [len(c.response_token_ids or ()) for c in calls] == [4, 8, 5, 0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_stop_at_the_max_tokens_the_proxy_filled_in_is_truncated_not_a_full_context(
+    stream: bool, http: aiohttp.ClientSession
+) -> None:
+    """Under AsyncVERL the proxy fills the trainer's max_tokens into calls that omit it: a length stop there
+    is the call's limit (``truncated``), not the context window (``context_exceeded``)."""
+    store = TaskStore()
+    body = without_max_tokens(chat_body("hi"))
+    window = len(prompt_token_ids(body)[0]) + 100  # far from full: the mock model would say 8 tokens
+    async with MockVLLM(completion_tokens=8, max_model_len=window) as mock:
+        proxy = make_proxy(store, [mock.url], sampling_of=lambda rollout_id: {"temperature": 1.0, "max_tokens": 4})
+        async with serving(proxy):
+            rid, aid = claim(store)
+            async with http.post(base_url(proxy, rid, aid) + "/chat/completions", json={**body, "stream": stream}) as r:
+                assert r.status == 200
+                await r.read()
+            [call] = finish(store, rid, aid)
+    assert mock.generation_requests()[0].json["max_tokens"] == 4
+    assert (call.status, call.finish_reason, call.limit) == ("ok", "length", "max_tokens")  # before: "context"
+    assert termination_of(store.record(rid)) == frozenset({"truncated"})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

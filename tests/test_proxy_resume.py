@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import anyio
 import orjson
 import pytest
@@ -56,7 +57,8 @@ async def paired(tiny_model: Path) -> AsyncIterator[InferenceServer]:
 async def proxying(server: InferenceServer, **kwargs: Any) -> AsyncIterator[tuple[LLMProxy, TaskStore]]:
     store = TaskStore(vocab_size=server.vocab_size)
     kwargs.setdefault("retry", FAST_RETRY)
-    proxy = LLMProxy(store, backends=[server.url], registry=Registry(), **kwargs)
+    kwargs.setdefault("backends", [server.url])
+    proxy = LLMProxy(store, registry=Registry(), **kwargs)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         yield proxy, store
@@ -98,6 +100,17 @@ def body(kind: str, stream: bool, **extra: Any) -> dict[str, Any]:
     if stream:
         out["stream_options"] = {"include_usage": True}
     return out | extra
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def tool_call(http: aiohttp.ClientSession, base: str, whole: list[Any]) -> None:
+    """A long JSON chat call with tools (aborted, the proxy makes it again: a completion cannot continue a
+    call whose output the backend parses as a whole); its status and answer go to ``whole``."""
+    request = body("chat", stream=False, seed=12, tools=TOOLS, tool_choice="auto")
+    async with http.post(base + "/chat/completions", json=request) as reply:
+        whole.append((reply.status, await reply.json()))
 
 
 class Stream:
@@ -388,6 +401,149 @@ async def test_a_continuation_held_longer_than_pause_timeout_ends_with_a_clear_e
     assert proxy.m_continuations.value() == 0
 
 
+class RefusingFront:
+    """A loopback HTTP hop in front of the real server that, once :meth:`arm`-ed, refuses the next generation
+    request that ``matches``: with a 503 (``"503"``), or by having the engine abort it before its first token
+    (``"abort"``: the engine rejects while it answers, then takes requests again). Everything else is forwarded
+    as it is, streams chunk by chunk, with the server's ``X-Weight-Version``."""
+
+    def __init__(self, server: InferenceServer) -> None:
+        self.server = server
+        self.how: str | None = None
+        self.matches: Any = None
+        self.refused = 0
+        self.url = ""
+        self._http: aiohttp.ClientSession | None = None
+
+    def arm(self, how: str, matches: Any) -> None:
+        self.how, self.matches = how, matches
+
+    async def _forward(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        raw = await request.read()
+        refuse = self.how is not None and request.method == "POST" and self.matches(request.path, orjson.loads(raw))
+        how, self.how = (self.how, None) if refuse else (None, self.how)
+        if how == "503":
+            self.refused += 1
+            return aiohttp.web.json_response({"error": {"message": "busy, try again"}}, status=503)
+        if how == "abort":
+            await anyio.to_thread.run_sync(lambda: self.server.abort(reject=True))
+        assert self._http is not None
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        try:
+            async with self._http.request(request.method, self.server.url + request.path_qs, data=raw, headers=headers) as upstream:
+                kept = {name: upstream.headers[name] for name in ("Content-Type", "X-Weight-Version") if name in upstream.headers}
+                if not kept.get("Content-Type", "").startswith("text/event-stream"):  # whole, with its length
+                    return aiohttp.web.Response(status=upstream.status, body=await upstream.read(), headers=kept)
+                response = aiohttp.web.StreamResponse(status=upstream.status, headers=kept)
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        finally:
+            if how == "abort":
+                self.refused += 1
+                self.server.resume()
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[RefusingFront]:
+        app = aiohttp.web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as self._http:
+            try:
+                yield self
+            finally:
+                await runner.cleanup()
+
+
+@pytest.mark.parametrize("refusal", ["503", "abort"])
+async def test_a_generation_held_past_pause_timeout_still_has_its_whole_budget_for_refusals(
+    tiny_model: Path, refusal: str
+) -> None:
+    """An update longer than ``pause_timeout`` (hold_timeout lets the continuation wait for it): the first
+    continuation after it is refused (a 503, or the engine aborting it again before its first token). The
+    wait for the hold spent none of the budget, so the refusal is retried and the agent sees one whole stream
+    (before the fix: a 503 error event, the budget having run out during the hold)."""
+    async with (
+        InferenceServer(tiny_model, served_model_name="tiny", seed=0) as server,
+        RefusingFront(server).serving() as front,
+    ):
+        held_long = proxying(server, backends=[front.url], pause_timeout=0.3, hold_timeout=60)
+        async with held_long as (proxy, store), aiohttp.ClientSession() as http:
+            rid, aid, base = claim(proxy, store)
+            with anyio.fail_after(60):
+                async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
+                    stream = Stream(reply)
+                    await stream.until_first_token()
+                    proxy.hold()
+                    await anyio.to_thread.run_sync(server.abort)
+                    with anyio.move_on_after(3 * proxy.pause_timeout):  # the update outlasts pause_timeout
+                        await reply.content.wait_eof()
+                    assert not reply.content.at_eof()  # a bounded look: the proxy did not give up meanwhile
+                    await reload(server, 1)
+                    server.resume()
+                    front.arm(refusal, lambda path, request: path == "/v1/completions")
+                    proxy.resume(1)
+                    events = await stream.rest()
+            [call] = finish(store, rid, aid)
+    assert front.refused == 1
+    assert_whole_stream(events, "chat", server, call)
+    assert_resumed(call, start=0, end=1)
+    assert proxy.m_continuations.value() == 2 and proxy.m_resume_failed.value("refused") == 0
+
+
+async def test_a_call_made_again_after_a_hold_past_pause_timeout_still_has_its_whole_budget(
+    tiny_model: Path,
+) -> None:
+    """The same for a JSON call with tools (made again from the start after the hold, not continued): the
+    first try after the hold is refused with a 503 and retried. The engine starts a batch only with two
+    sequences, so the JSON call is running at the engine when the stream beside it has its first token."""
+    async with (
+        InferenceServer(tiny_model, served_model_name="tiny", max_batch_size=2, batch_wait=60) as server,
+        RefusingFront(server).serving() as front,
+    ):
+        whole: list[Any] = []
+        answered = anyio.Event()
+        held_long = proxying(server, backends=[front.url], pause_timeout=0.3, hold_timeout=60)
+        async with held_long as (proxy, store), aiohttp.ClientSession() as http:
+            rid, aid, base = claim(proxy, store)
+
+            async def ask() -> None:
+                await tool_call(http, base, whole)
+                answered.set()
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as calls:
+                    calls.start_soon(ask)
+                    async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
+                        stream = Stream(reply)
+                        await stream.until_first_token()  # both run now: the batch started with the two of them
+                        proxy.hold()
+                        assert len(await anyio.to_thread.run_sync(server.abort)) == 2
+                        with anyio.move_on_after(3 * proxy.pause_timeout):  # the update outlasts pause_timeout
+                            await reply.content.wait_eof()
+                        assert not reply.content.at_eof() and not whole  # both wait for the hold's end
+                        await reload(server, 1)
+                        server.resume()
+                        front.arm("503", lambda path, request: bool(request.get("tools")))
+                        proxy.resume(1)
+                        await answered.wait()
+                        assert whole[0][0] == 200, whole  # before the fix: 503, the budget spent by the hold
+                        await stream.rest()
+            calls_recorded = finish(store, rid, aid)
+    status, answer = whole[0]
+    assert front.refused == 1
+    assert status == 200 and answer["choices"][0]["finish_reason"] == "length"  # before the fix: 503
+    [record] = [c for c in calls_recorded if c.response_token_ids == answer["choices"][0]["token_ids"]]
+    assert (record.weight_version, record.weight_version_end) == (1, 1)
+    assert proxy.m_regenerated.value() == 1 and proxy.m_resume_failed.value("refused") == 0
+
+
 async def test_an_aborted_stream_with_n_above_1_is_refused_with_a_recorded_error_never_an_abort(
     server: InferenceServer,
 ) -> None:
@@ -420,19 +576,12 @@ async def test_an_aborted_json_call_with_n_above_1_is_made_again_and_a_refusing_
 async def test_an_aborted_json_call_with_tools_is_made_again_under_the_new_weights(paired: InferenceServer) -> None:
     """A completion cannot continue a call whose output the backend parses as a whole (tool calls): the
     agent has seen none of a JSON answer, so the proxy makes the call again once the hold ends."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     async with proxying(paired) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
         whole: list[Any] = []
-
-        async def tool_call() -> None:
-            request = body("chat", stream=False, seed=12, tools=tools, tool_choice="auto")
-            async with http.post(base + "/chat/completions", json=request) as reply:
-                whole.append((reply.status, await reply.json()))
-
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(tool_call)
+                tg.start_soon(tool_call, http, base, whole)
                 async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
                     stream = Stream(reply)
                     await stream.until_first_token()  # both run now: the batch started with the two of them

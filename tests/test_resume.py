@@ -102,14 +102,16 @@ def _no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
 KILL_LOOP = Path(__file__).parent / "helpers" / "train_kill_loop.py"
 
 
+@pytest.mark.parametrize("mode", ["colocate_async", "sync"])
 def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_sample_n_times(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_model: Path, mode: str
 ) -> None:
     """10 steps, a checkpoint every 3 (colocate_async: rollouts run ahead of the trainer, across steps and
-    checkpoints), SIGKILL at a random agent answer, in the middle of a checkpoint save, and at another random
-    answer; restarted each time with resume_mode: auto. Over the final lineage (each run continues from the
-    checkpoint it found), every step is trained once and every trained sample was answered exactly n = 2 times
-    (by rollouts that were answered once each: reused across a kill, never redone after an answer)."""
+    checkpoints; sync: a restart replays up to two steps since its checkpoint), SIGKILL at a random agent
+    answer, in the middle of a checkpoint save, and at another random answer; restarted each time with
+    resume_mode: auto. Over the final lineage (each run continues from the checkpoint it found), every step is
+    trained once and every trained sample was answered exactly n = 2 times (by rollouts that were answered once
+    each: reused across a kill, never redone after an answer)."""
     import random
 
     seed = random.randrange(1 << 30)
@@ -119,7 +121,7 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
         if moment == "save":  # the next checkpoint this run will save
             resumed = int(latest.read_text()) if (latest := tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").exists() else 0
             moment = f"save:{resumed + 3}"
-        code = _run(tmp_path, run, "colocate_async", moment, helper=KILL_LOOP)
+        code = _run(tmp_path, run, mode, moment, helper=KILL_LOOP)
         log = (tmp_path / f"run{run}.log").read_text()[-3000:]
         assert code == (0 if moment == "none" else -signal.SIGKILL), f"seed {seed}, run {run} ({moment}):\n{log}"
 
@@ -127,7 +129,7 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
     steps = _lines(tmp_path / "steps.jsonl")
     groups = {row["uid"]: row["rollout_ids"] for row in _lines(tmp_path / "groups.jsonl")}
     answers = _lines(tmp_path / "answers.jsonl")
-    context = f"seed {seed}, moments {moments}, runs {runs}"
+    context = f"{mode}, seed {seed}, moments {moments}, runs {runs}"
     assert max(Counter(a["rollout_id"] for a in answers).values()) == 1, f"a rollout was answered twice ({context})"
     sample_of = {a["rollout_id"]: a["sample"] for a in answers}
 

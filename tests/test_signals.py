@@ -268,20 +268,30 @@ TWO_AND_ONE = [
 ]
 
 
-def test_broadcast_per_turn_is_verls_stock_grpo_over_rows() -> None:
+def test_broadcast_counts_each_rollout_once_in_its_group_whatever_its_rows() -> None:
+    """The default: a rollout is one member of its GRPO group (its k rows weigh 1/k in the mean and std, as
+    AsyncVERL weighs them), and every row counts fully in the loss."""
     batch, _ = build_batch(TWO_AND_ONE, SMALL, SignalConfig())
+
+    assert rows(batch) == ["a", "a", "b"]  # a's two calls do not fit one row of 3
+    assert batch.batch["advantage_weights"].tolist() == [1.0, 1.0, 1.0]
+    assert batch.batch["group_weights"].tolist() == [0.5, 0.5, 1.0]
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+    # Rollouts (1, 0): mean 1/2, unbiased std 1/sqrt(2): a's rows +1/sqrt(2), b's -1/sqrt(2).
+    assert_close(advantages, [[ROOT_HALF, 0, 0], [ROOT_HALF, ROOT_HALF, 0], [-ROOT_HALF, 0, 0]])
+
+
+def test_one_row_per_rollout_is_verls_stock_grpo() -> None:
+    batch, _ = build_batch(
+        [rollout("a", ([1], [7]), reward=1.0), rollout("b", ([1], [8]), reward=0.0), rollout("c", ([1], [9]))],
+        SMALL,
+        SignalConfig(),
+    )
     batch = with_rewards(batch)
     expected, _ = compute_grpo_outcome_advantage(
         batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"]
     )
-
-    assert batch.batch["advantage_weights"].tolist() == [1.0, 1.0, 1.0]
-    assert batch.batch["group_weights"].tolist() == [1.0, 1.0, 1.0]
-    advantages = compute_advantage(batch, "grpo").batch["advantages"]
-    torch.testing.assert_close(advantages, expected)
-    # Rows (1, 1, 0): mean 2/3, std 1/sqrt(3): a's rows +1/sqrt(3), b's -2/sqrt(3).
-    high, low = 1 / math.sqrt(3), -2 / math.sqrt(3)
-    assert_close(advantages, [[high, 0, 0], [high, high, 0], [low, 0, 0]])
+    torch.testing.assert_close(compute_advantage(batch, "grpo").batch["advantages"], expected)
 
 
 def test_broadcast_per_rollout_counts_each_rollout_once() -> None:
@@ -293,6 +303,68 @@ def test_broadcast_per_rollout_counts_each_rollout_once() -> None:
     # Rollouts (1, 0): mean 1/2, std 1/sqrt(2): a +1/sqrt(2) spread over its 2 rows at 1/2 each; b -1/sqrt(2).
     half = ROOT_HALF / 2
     assert_close(advantages, [[half, 0, 0], [half, half, 0], [-ROOT_HALF, 0, 0]])
+
+
+def _branches(rollout_id: str, k: int, reward: float) -> FinishedRollout:
+    """A rollout of ``k`` calls none of which extends another (parallel calls): ``k`` rows."""
+    return rollout(rollout_id, *[([10 + i], [7]) for i in range(k)], reward=reward)
+
+
+@pytest.mark.parametrize("turn_weighting", ["per_turn", "per_rollout"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6, 7])
+def test_a_group_left_with_one_rollout_has_no_baseline_whatever_its_number_of_rows(
+    k: int, turn_weighting: str
+) -> None:
+    """Its other rollouts masked, the group has one member: mean 0 and std 1, as verl's GRPO treats a group of
+    one, for every k (before the fix: decided from the float32 sum of k weights 1/k, so k = 3, 5, 6, 7 got
+    advantage 0, and so did every k > 1 per_turn, whose rows were k members)."""
+    batch, _ = build_batch(
+        [_branches("a", k, 0.75), rollout("b", ([1], [7]), reward=0.0, completed=False)],
+        SMALL,
+        SignalConfig(turn_weighting=turn_weighting),  # type: ignore[arg-type]
+    )
+    assert rows(batch) == ["a"] * k
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+    loss_weight = 1.0 / k if turn_weighting == "per_rollout" else 1.0
+    assert_close(advantages[:, 0], [0.75 * loss_weight] * k)
+
+
+def test_rollouts_of_three_five_and_one_rows_are_three_members_of_their_group() -> None:
+    """Weights not exact in float32 (1/3, 1/5): members (1, 0.5, 0): mean 0.5, unbiased std 0.5."""
+    batch, _ = build_batch(
+        [_branches("a", 3, 1.0), _branches("c", 5, 0.5), _branches("b", 1, 0.0)], SMALL, SignalConfig()
+    )
+    weights = batch.batch["group_weights"]
+    assert weights.tolist() == pytest.approx([1 / 3] * 3 + [1 / 5] * 5 + [1.0])
+    assert weights[:3].double().sum().item() != 1.0  # three float32 thirds do not add up to one
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"][:, 0]
+    assert_close(advantages, [1.0] * 3 + [0.0] * 5 + [-1.0])
+
+
+def test_both_training_paths_give_a_rollout_of_two_rows_the_advantage_of_one_member() -> None:
+    """What tests/test_verl_v1.py checks for AsyncVERL's rows in TransferQueue (group "ga"), through the
+    ``AgentDaemon.batches`` path: a merged row and a branch (two rows) is one member, and a row kept out of
+    the loss for its prompt still counts in the statistics."""
+    config = BatchConfig(max_prompt_length=64, max_response_length=48)
+    long_prompt = list(range(1, 71))
+    batch, _ = build_batch(
+        [
+            rollout("r0", ([1, 2], [3, 4]), ([1, 2, 3, 4, 5], [6]), ([7], [8]), reward=1.0),
+            rollout("r1", ([1, 2], [7, 8, 9]), reward=0.0),
+            rollout("r2", (long_prompt, [5]), reward=0.5),
+        ],
+        config,
+        SignalConfig(),
+    )
+    assert rows(batch) == ["r0", "r0", "r1", "r2"] and batch.batch["is_drop_mask"].tolist()[-1]
+    advantages = compute_advantage(with_rewards(batch), "grpo").batch["advantages"]
+    # one member per rollout, scores (1, 0, 0.5): mean 0.5, unbiased std 0.5
+    std = math.sqrt(((1 - 0.5) ** 2 + (0 - 0.5) ** 2) / 2)
+    high, low = 0.5 / (std + 1e-6), -0.5 / (std + 1e-6)
+    mask = batch.batch["response_mask"].bool()
+    assert advantages[0][mask[0]].tolist() == pytest.approx([high] * 3, rel=1e-6)
+    assert advantages[1][mask[1]].tolist() == pytest.approx([high], rel=1e-6)
+    assert advantages[2][mask[2]].tolist() == pytest.approx([low] * 3, rel=1e-6)
 
 
 def test_per_step_discounts_turn_rewards_and_groups_by_turn_index() -> None:
@@ -377,11 +449,17 @@ def test_other_estimators_are_verls_times_the_loss_weights() -> None:
     torch.testing.assert_close(advantages, stock * torch.tensor([[0.5], [0.5], [1.0]]))
 
 
-def test_other_estimators_refuse_weighted_group_members() -> None:
+@pytest.mark.filterwarnings("ignore:.* engine is not available:UserWarning")  # verl's trainer import, on CPU
+def test_other_estimators_are_verls_over_rows_as_under_asyncverl() -> None:
+    """verl's other estimators cannot weight group members: their groups are rows, on both training paths."""
     batch, _ = build_batch(TWO_AND_ONE, SMALL, SignalConfig(turn_weighting="per_rollout"))
+    batch = with_rewards(batch)
+    stock, _ = compute_rloo_outcome_advantage(
+        batch.batch["token_level_rewards"], batch.batch["response_mask"], batch.non_tensor_batch["uid"]
+    )
 
-    with pytest.raises(ValueError, match="'rloo' cannot weight group members"):
-        compute_advantage(with_rewards(batch), "rloo")
+    advantages = compute_advantage(batch, "rloo").batch["advantages"]
+    torch.testing.assert_close(advantages, stock * torch.tensor([[0.5], [0.5], [1.0]]))
 
 
 def test_grpo_without_std_normalisation_only_centres() -> None:

@@ -82,6 +82,34 @@ async def test_no_lease_runs_while_frozen_and_thawing_adds_the_frozen_time() -> 
         tg.cancel_scope.cancel()
 
 
+async def test_a_lease_renewed_or_claimed_during_a_freeze_counts_from_the_freeze() -> None:
+    """An update longer than the lease: a heartbeat during it, and a claim made during it, each leave exactly
+    ``lease_seconds`` at the thaw (as if made when the clock stopped), so a crashed agent's task is reclaimed one
+    lease after the update, never one lease plus the update's length."""
+    lease, update = 0.3, 2.0
+    store = TaskStore(lease_seconds=lease, max_attempts=3)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        renewed = store.enqueue("renewed")
+        first = store.try_claim()
+        assert first is not None and first.rollout_id == renewed
+        store.freeze_leases()
+        with anyio.move_on_after(update):  # the update: no lease expires meanwhile
+            await store.claim(wait=5)
+            raise AssertionError("a frozen lease expired")
+        assert store.heartbeat(renewed, first.attempt_id) == lease  # the agent renews, then crashes
+        late = store.enqueue("claimed late")
+        second = store.try_claim()  # an agent claims during the update, then crashes
+        assert second is not None and second.rollout_id == late
+        assert store.thaw_leases() >= update
+        thawed = time.monotonic()
+        with anyio.fail_after(lease + update / 2):  # before the fix: reclaimed at the thaw + lease + update
+            again = {(await store.claim(wait=10)).rollout_id for _ in range(2)}  # type: ignore[union-attr]
+        assert again == {renewed, late}
+        assert time.monotonic() - thawed >= 0.9 * lease  # and not before their lease ran out
+        tg.cancel_scope.cancel()
+
+
 async def test_max_attempts_exhausted_fails_rollout_and_step_completes() -> None:
     store = TaskStore(lease_seconds=0.03, max_attempts=2)
     async with anyio.create_task_group() as tg:

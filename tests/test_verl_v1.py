@@ -16,8 +16,10 @@ import pytest
 import ray
 from helpers.v1 import assert_rows_are_the_engines_chains, live_trainer, multi_turn_agents
 
+from aglverl.journal import read_records
 from aglverl.models import Rollout, Triplet
 from aglverl.producer import Prompt
+from aglverl.verl_v1 import trained_uids
 
 pytestmark = pytest.mark.anyio
 
@@ -41,9 +43,16 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-async def live(tiny_model: Path) -> AsyncIterator[tuple[Any, Any]]:
-    """verl's V1 trainer, initialised, and the daemon serving as its producer: ``(run, trainer)``."""
-    async with live_trainer(CONFIG, TRAIN) as (run, trainer, _):
+async def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Any, Any]]:
+    """verl's V1 trainer, initialised, and the daemon serving as its producer: ``(run, trainer)``; the daemon's
+    journal and verl's checkpoints in a directory of their own."""
+    directory = tmp_path_factory.mktemp("v1")
+    config = {
+        **CONFIG,
+        "trainer": {**CONFIG["trainer"], "default_local_dir": str(directory / "checkpoints")},
+        "aglverl": {"journal": str(directory / "aglverl.journal")},
+    }
+    async with live_trainer(config, TRAIN) as (run, trainer, _):
         yield run, trainer
 
 
@@ -218,6 +227,15 @@ async def test_a_step_on_rows_with_masked_turns_and_verls_padding_trains_on_whol
     pads = [key for key in batch.keys if key.startswith("pad")]
     assert len(pads) == 2 and all(set(got[key]) <= {0.0} for key in pads)
 
+    # aglverl's step metrics on the padded batch: verl's padding rows (tagged is_padding, keys pad{hex}_{i}_0)
+    # are no group of ours, so none of the step's groups counts as restored from a previous run's checkpoint
+    assert trained_uids(batch) == [key.split("_")[0] for key in batch.keys if not key.startswith("pad")]
+    await anyio.to_thread.run_sync(trainer.on_step_begin)
+    step_metrics: dict[str, Any] = {}
+    await anyio.to_thread.run_sync(trainer._compute_metrics, batch, step_metrics, {"step": 1.0}, 1, 0)
+    assert step_metrics["step/n_groups_restored"] == 0.0  # before the fix: 1.0, verl's padding group
+    assert step_metrics["step/n_rollouts"] >= 5.0  # ga and gb (and any group evicted before)
+
     # the rest of verl's step on this batch: the actor update, then the weight sync serves the new weights
     gap, before = await anyio.to_thread.run_sync(_in_worker, trainer, _weight_gap)
     assert gap == 0.0
@@ -363,3 +381,65 @@ async def test_bypass_mode_trains_rows_without_engine_log_probs_against_the_trai
     assert bypassed["gc_1_0"] == pytest.approx(recomputed["gc_1_0"], abs=1e-5)
     await anyio.to_thread.run_sync(lambda: tq.kv_clear(keys=batch.keys, partition_id="train"))
     producer.take_stats(["gc"])
+
+
+async def test_a_checkpoint_covers_exactly_the_groups_its_save_hook_files_in_transferqueue(live: Any) -> None:
+    """verl's save hook, called as its fit() calls it (in the trainer's thread): the groups finished when the
+    save begins are filed in TransferQueue and journaled as covered by its checkpoint, in one step on the loop.
+    A group that finishes the moment the filing's write returns is neither (were it covered without being in
+    the snapshot, a crash would have it answered again). The sink's flush is wrapped to finish that group at
+    exactly that moment; the filing itself is the real TransferQueue write."""
+    run, trainer = live
+    producer, store = run.daemon.producer, run.daemon.store
+    import transfer_queue as tq
+
+    steps = int(trainer.global_steps)
+    await anyio.to_thread.run_sync(
+        lambda: tq.kv_batch_put(
+            keys=["ca", "cb"],
+            partition_id="train",
+            tags=[{"is_prompt": True, "status": "pending", "global_steps": steps}] * 2,
+        )
+    )
+    producer.dispatch([Prompt("ca", {}, 1, global_steps=steps), Prompt("cb", {}, 1, global_steps=steps)], resources_id=None)
+    tasks = {}
+    while (task := store.try_claim()) is not None:
+        tasks[task.metadata["data_id"]] = task
+
+    def answer(uid: str) -> None:
+        task = tasks[uid]
+        triplet = Triplet(prompt={"token_ids": [1, 2]}, response={"token_ids": [3]})
+        store.submit_result(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0, triplets=[triplet]))
+
+    seen = producer.version
+    answer("ca")
+    with anyio.fail_after(30):
+        await producer.wait_changed(seen, 1)
+    sink, filed = producer.sink, []
+    write = sink.flush
+
+    async def write_then_finish_cb() -> None:
+        await write()
+        filed.append(set(_tq_tags()))
+        if len(filed) == 1:
+            answer("cb")
+            await producer.wait_changed(producer.version, 1)  # cb's group is finished, not yet filed
+
+    sink.flush = write_then_finish_cb
+    try:
+        with anyio.fail_after(120):
+            await anyio.to_thread.run_sync(trainer._save_checkpoint)
+    finally:
+        del sink.flush
+    assert "ca_0_0" in filed[0] and "cb_0_0" not in filed[0]  # what the checkpoint's snapshot could hold
+    covered = [r for r in read_records(run.daemon.journal.path) if r["kind"] == "covered"]
+    assert covered[-1]["global_steps"] == steps
+    # every finished group not covered yet (the module's earlier ones too), but not cb (before the fix: cb too)
+    assert "ca" in covered[-1]["uids"] and "cb" not in covered[-1]["uids"]
+    await producer.flush()  # cb is filed at the next look, as a group that finished during the save
+    assert "cb_0_0" in _tq_tags()
+    await anyio.to_thread.run_sync(
+        lambda: tq.kv_clear(keys=["ca_0_0", "cb_0_0", "ca", "cb"], partition_id="train")
+    )
+    producer.take_stats(["ca", "cb"])
+    producer.checkpointed(["cb"])

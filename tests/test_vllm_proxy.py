@@ -18,7 +18,7 @@ import aiohttp
 import anyio
 import pytest
 from aiohttp import web
-from helpers.vllm_server import MAX_MODEL_LEN, vllm_server
+from helpers.vllm_server import MAX_MODEL_LEN, VllmOutput, vllm_server
 from test_proxy_resume import Stream
 from test_translate import anthropic_sdk, claim, finish, openai_sdk, proxied
 
@@ -32,10 +32,62 @@ MESSAGES: Any = [{"role": "user", "content": "Tell me everything."}]
 
 
 @pytest.fixture(scope="module")
-def vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vllm_output() -> VllmOutput:
+    """The module's vLLM server's output, line by line (it logs every request it hands to its engine)."""
+    return VllmOutput()
+
+
+@pytest.fixture(scope="module")
+def vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, vllm_output: VllmOutput) -> Iterator[str]:
     """The module's vLLM server (its base URL), serving the tiny model saved in Hugging Face format."""
-    with vllm_server(tiny_model, tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with vllm_server(tiny_model, log, "--enable-log-requests", output=vllm_output) as url:
         yield url
+
+
+ADDED = "Added request"  # what vLLM logs once a request is in its engine (--enable-log-requests)
+
+
+async def in_engine(output: VllmOutput, count: int) -> None:
+    """Wait until vLLM has handed ``count`` requests (since it started) to its engine."""
+    await anyio.to_thread.run_sync(output.wait_for, ADDED, count, 60.0)
+
+
+async def aborted_mid_answer(
+    http: aiohttp.ClientSession, vllm: str, output: VllmOutput, proxy: Any, url: str, body: dict[str, Any]
+) -> Any:
+    """``body`` POSTed to ``url`` (through the proxy) as a JSON call that a weight update aborts mid-answer
+    (:func:`abort_and_resume`); returns the answer the agent got.
+
+    The call and a streamed probe sent straight to vLLM start in the same engine step: the engine is paused
+    (``keep``) until vLLM logged both in its queue, the call first, then resumed. Greedy, one token per step
+    each, the probe's tokens then count the call's own progress (never an order the engine happened to
+    schedule them in): the update comes once the call has 20 of them."""
+    answers: list[Any] = []
+    await control(vllm, "pause?mode=keep")
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def call() -> None:
+                async with http.post(url, json=body) as response:
+                    answers.append(await response.json())
+
+            async def probe() -> None:
+                probe_body = chat(True, max_tokens=LONG) | {"return_token_ids": True}
+                async with http.post(f"{vllm}/v1/chat/completions", json=probe_body) as response:
+                    await Stream(response).until_more_than(20)
+                    await abort_and_resume(proxy, vllm, 1)
+
+            seen = output.count(ADDED)
+            tg.start_soon(call)
+            await in_engine(output, seen + 1)  # the call is in the engine's queue
+            tg.start_soon(probe)
+            await in_engine(output, seen + 2)  # the probe is in the queue too, behind the call
+            await control(vllm, "resume")
+    finally:
+        await control(vllm, "resume")  # whatever happened, the next test's engine runs
+    [answer] = answers
+    return answer
 
 
 async def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +98,8 @@ async def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def control(url: str, action: str) -> None:
-    """vLLM's RL endpoints: ``pause?mode=abort`` aborts every generation in flight, ``resume`` lets them go."""
+    """vLLM's RL endpoints: ``pause?mode=abort`` aborts every generation in flight, ``pause?mode=keep`` freezes
+    them (nothing is scheduled), ``resume`` lets them go."""
     async with aiohttp.ClientSession() as http, http.post(f"{url}/{action}") as r:
         assert r.status == 200, await r.text()
 
@@ -153,29 +206,18 @@ async def test_an_aborted_stream_continues_token_exactly_with_its_limit(vllm: st
     assert call.logprobs == pytest.approx(want, abs=1e-4)
 
 
-async def test_an_aborted_json_call_without_a_limit_continues_to_the_end_of_the_context(vllm: str) -> None:
+async def test_an_aborted_json_call_without_a_limit_continues_to_the_end_of_the_context(
+    vllm: str, vllm_output: VllmOutput
+) -> None:
     # No max_tokens: vLLM's chat generates to the end of the context; a continuation sent to /v1/completions
     # without a limit would get vLLM's default of 16 tokens and end as context_exceeded.
     body = chat(False)
     reference = (await direct(vllm, "/v1/chat/completions", body))["choices"][0]
     async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
-        async with anyio.create_task_group() as tg:
-            answers: list[Any] = []
-
-            async def call_json() -> None:
-                async with http.post(f"{base}/chat/completions", json=body) as r:
-                    answers.append(await r.json())
-
-            tg.start_soon(call_json)
-            # A streamed probe sent after it: once the probe has 20 tokens, the JSON call (scheduled first)
-            # has at least as many; the abort then cuts it mid-answer.
-            probe_body = {**chat(True, max_tokens=LONG)}
-            async with http.post(f"{vllm}/v1/chat/completions", json=probe_body | {"return_token_ids": True}) as p:
-                await Stream(p).until_more_than(20)
-                await abort_and_resume(proxy, vllm, 1)
+        # the JSON call is cut after ~20 of its ~490 tokens
+        answer = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
         [call] = finish(store, rid, aid)
-    [answer] = answers
     assert proxy.m_resumed.value() == 1
     choice = answer["choices"][0]
     assert choice["finish_reason"] == reference["finish_reason"] == "length"
@@ -241,25 +283,17 @@ async def test_a_call_admitted_before_a_hold_that_waits_in_the_paused_engine_has
     assert (call.weight_version, call.weight_version_end) == (1, 1)
 
 
-async def test_an_aborted_call_made_again_is_recorded_with_the_version_it_was_made_under(vllm: str) -> None:
+async def test_an_aborted_call_made_again_is_recorded_with_the_version_it_was_made_under(
+    vllm: str, vllm_output: VllmOutput
+) -> None:
     # prompt_logprobs cannot be continued by a completion: the proxy makes the whole call again after the update.
     body = chat(False, max_tokens=LONG, prompt_logprobs=1)
     async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
-        async with anyio.create_task_group() as tg:
-            answers: list[Any] = []
-
-            async def call_json() -> None:
-                async with http.post(f"{base}/chat/completions", json=body) as r:
-                    answers.append(await r.json())
-
-            tg.start_soon(call_json)
-            probe_body = chat(True, max_tokens=LONG) | {"return_token_ids": True}
-            async with http.post(f"{vllm}/v1/chat/completions", json=probe_body) as p:
-                await Stream(p).until_more_than(20)
-                await abort_and_resume(proxy, vllm, 1)
+        # the JSON call is cut after ~20 of its LONG tokens
+        answer = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
         [call] = finish(store, rid, aid)
     assert proxy.m_regenerated.value() == 1
-    [choice] = answers[0]["choices"]
+    [choice] = answer["choices"]
     assert choice["finish_reason"] == "length" and call.response_token_ids == choice["token_ids"]
     assert (call.weight_version, call.weight_version_end) == (1, 1)  # made wholly under the new weights

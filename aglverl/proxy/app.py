@@ -217,7 +217,6 @@ class _Admission:
         call.headers["Accept-Encoding"] = "identity"
         empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        call.max_tokens = _token_limit(obj)
         if "return_token_ids" not in obj:
             fill["return_token_ids"] = True
         if self.request_logprobs and "logprobs" not in obj:
@@ -232,6 +231,8 @@ class _Admission:
             call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
         obj.update(fill)
         call.request = obj
+        # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
+        call.max_tokens = _token_limit(obj)
 
     def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Check the call's sampling parameters against its trainer's; return the parameters to add.

@@ -13,7 +13,7 @@ never sees that. :class:`_Resumer` (whole answers, and what every continuation n
   keeps no backend busy in ``activity``), then sends :meth:`_Resumer._continuation_body` (a token-in
   ``/v1/completions`` call with the call's own sampling parameters, ``seed`` moved on) to the rollout's
   backend; refusals are retried with the retry policy's backoff until ``pause_timeout`` has passed without a
-  new token (503).
+  new token (503), the time spent waiting for a hold not counted.
 - A stream goes on in the agent's chunk shape (:meth:`_StreamResumer._resume_stream`,
   :meth:`_StreamResumer._relay_continuation`, :meth:`_StreamResumer._converted`); a whole answer becomes
   one body covering the whole generation (:meth:`_Resumer._resume_whole`, :func:`_merged`); a whole answer
@@ -357,16 +357,18 @@ class _Resumer(_Recorder, _Pool):
         calls, ``n > 1``, structured output: :func:`_resume_blocker`): the agent has seen none of it, so once
         the proxy is no longer held the call is made again from the start, and that answer (generated under
         the new weights) is the call's, recorded with its own ids and version. An answer aborted again is made
-        again; :class:`ProxyError` (503) once ``pause_timeout`` passed without a whole answer, 502 for an
-        error answer; cancellation closes the upstream request."""
+        again; :class:`ProxyError` (503) once ``pause_timeout`` passed without a whole answer (time spent
+        waiting for a hold not counted), 502 for an error answer; cancellation closes the upstream request."""
         deadline = time.monotonic() + self.pause_timeout
         refusals = 0
         while True:
-            if not await self._held_back(deadline):
+            moved = await self._held_back(deadline)
+            if moved is None:
                 self.m_resume_failed.inc(1, "refused")
                 raise ProxyError(
                     503, f"an aborted call waited to be made again for over {self.pause_timeout:g}s"
                 )
+            deadline = moved  # a wait for the hold spends none of the budget for refusals
             if refusals:
                 await anyio.sleep(min(self.retry.backoff(refusals), max(0.0, deadline - time.monotonic())))
                 if time.monotonic() >= deadline:
@@ -416,16 +418,19 @@ class _Resumer(_Recorder, _Pool):
         It goes once the proxy is neither paused nor held, to the rollout's backend (whose prefix cache holds
         the prompt and the partial output). A refusal (no connection, a 5xx or 429, or an answer aborted again
         without a token) is retried after the retry policy's backoff; :class:`ProxyError` (503) once
-        ``pause_timeout`` has passed since the last token (held, or refused), 502/504 for other failures.
+        ``pause_timeout`` has passed since the last token without a token, time spent waiting for a hold not
+        counted (a hold is bounded by ``hold_timeout``), 502/504 for other failures.
         """
         while True:
-            if not await self._held_back(state.deadline):
+            moved = await self._held_back(state.deadline)
+            if moved is None:
                 self.m_resume_failed.inc(1, "refused")
                 raise ProxyError(
                     503,
                     f"an aborted generation waited to continue for over pause_timeout={self.pause_timeout:g}s "
                     "while the proxy was held",
                 )
+            state.deadline = moved  # a wait for the hold spends none of the budget for refusals
             if state.refusals:
                 left = max(0.0, state.deadline - time.monotonic())
                 await anyio.sleep(min(self.retry.backoff(state.refusals), left))
@@ -499,13 +504,20 @@ class _Resumer(_Recorder, _Pool):
         )
         return None
 
-    async def _held_back(self, deadline: float) -> bool:
-        """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``)."""
+    async def _held_back(self, deadline: float) -> float | None:
+        """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``).
+
+        Returns ``deadline`` (the call's budget for refusals, monotonic) moved on by the time spent waiting:
+        however long a hold lasts (an update longer than ``pause_timeout``), the budget is left whole for
+        after it. ``None`` when the wait ended at its own limit, the proxy still closed."""
         if self._gate is None:
-            return True
+            return deadline
         self.activity.end()
+        since = time.monotonic()
         try:
-            return await self._released(deadline)
+            if not await self._released(deadline):
+                return None
+            return deadline + (time.monotonic() - since)
         finally:
             self.activity.begin()
 

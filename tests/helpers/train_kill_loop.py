@@ -87,7 +87,9 @@ async def main(directory: Path, run: int, mode: str, moment: str) -> None:
                     _log(logs["groups"], {"run": run, "uid": prompt.uid, "rollout_ids": ids})
 
         def logged_take_stats(uids: Any) -> Any:
-            _log(logs["steps"], {"run": run, "step": int(algo.trainer.global_steps), "uids": sorted(set(uids) - {"pad"})})
+            # the step's groups: aglverl.verl_v1 leaves verl's padding rows out (tagged is_padding, keyed
+            # pad{hex}_{i}_0), so every uid here is a dispatched group's
+            _log(logs["steps"], {"run": run, "step": int(algo.trainer.global_steps), "uids": sorted(set(uids))})
             return take_stats(uids)
 
         producer.dispatch, producer.take_stats = logged_dispatch, logged_take_stats

