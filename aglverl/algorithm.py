@@ -131,6 +131,12 @@ VLLM_CPU_ROLLOUT: dict[str, Any] = {
     "max_num_seqs": 16,
 }
 
+#: What verl's vLLM rollout needs on every platform, each unless the user set it: the token-in endpoints
+#: (``/v1/chat/completions/render``, ``/inference/v1/generate``, ``/v1/chat/completions/derender``) the proxy
+#: generates multi-turn chat calls with (``aglverl.proxy.tokenin``); verl turns the key into
+#: ``--enable_scale_out`` on ``vllm serve``'s command line (``rollout.engine_kwargs.vllm``).
+VLLM_TOKEN_IN: dict[str, Any] = {"enable_scale_out": True}
+
 #: What aglverl changes on GPUs: verl's vLLM rollout.
 GPU_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref": {"rollout": {"name": "vllm", "mode": "async"}},
@@ -160,6 +166,9 @@ class DaemonOptions:
     - ``hold_timeout``: how long an agent's LLM call may wait while the trainer holds the proxy for its update
       (old/ref log-probs, actor and critic updates, checkpoint save, weight sync); the default, 4 hours, fits
       hour-long steps. Leases do not run meanwhile: no agent loses its task for time spent in a held call.
+    - ``token_in``: token-in chat (default on): a chat call whose messages extend an earlier call's messages +
+      answer is generated from that call's exact ids, so a conversation an agent re-sends as text trains as
+      one row (``aglverl.proxy.tokenin``); ``false`` relays every call as text.
     - ``max_failed_groups``: a training group whose every rollout failed is replaced by a fresh prompt (verl's
       refill, in every mode); after this many such groups in a row the run stops with
       :class:`~aglverl.producer.AgentsFailing`, naming the agents' most frequent errors. ``None`` (default):
@@ -181,6 +190,7 @@ class DaemonOptions:
     sampling_mismatch: Literal["refuse", "mask"] = "refuse"
     max_failed_groups: int | None = None
     hold_timeout: float = 4 * 3600.0
+    token_in: bool = True
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -474,10 +484,16 @@ def _mode_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
 
 
 def _rollout_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
-    """What the rollout backend needs on the platform by default, each unless the user set it: on the CPU
-    platform, verl's vLLM rollout gets :data:`VLLM_CPU_ROLLOUT` (selected by ``rollout.name: vllm`` alone)."""
+    """What the rollout backend needs on the platform by default, each unless the user set it: verl's vLLM
+    rollout gets :data:`VLLM_TOKEN_IN` in its engine arguments, and on the CPU platform :data:`VLLM_CPU_ROLLOUT`
+    (selected by ``rollout.name: vllm`` alone)."""
     rollout = config.actor_rollout_ref.rollout
-    if platform != "cpu" or rollout.name != "vllm":
+    if rollout.name != "vllm":
+        return
+    for key, value in VLLM_TOKEN_IN.items():
+        if not _given(user, f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}"):
+            rollout.engine_kwargs.vllm[key] = value
+    if platform != "cpu":
         return
     for key, value in VLLM_CPU_ROLLOUT.items():
         if not _given(user, f"actor_rollout_ref.rollout.{key}"):
@@ -1185,6 +1201,7 @@ def _daemon_kwargs(config: Any, options: DaemonOptions, trainer: Any) -> dict[st
         "llm_resource": options.llm_resource,
         "lease_seconds": options.lease_seconds,
         "hold_timeout": options.hold_timeout,
+        "token_in": options.token_in,
         "max_attempts": options.max_attempts,
         "step_timeout": options.step_timeout,
         "vocab_size": len(trainer.tokenizer),

@@ -37,6 +37,7 @@ from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .producer import OWNER_PREFIX, GroupSink, TrajectoryProducer
 from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, Outcome, RetryPolicy, SamplingMismatch
+from .proxy.tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 from .server import TaskServer
 from .signals import SignalConfig
 from .store import TaskStore
@@ -83,6 +84,9 @@ class AgentDaemon:
     - ``sampling_mismatch``: what the proxy does with a call that sets other sampling parameters than its
       rollout's ``main_llm`` names: ``"refuse"`` (400 naming the parameter) or ``"mask"`` (kept, recorded
       ``off_policy``, its rows kept out of the loss). Parameters a call omits are filled in either way.
+    - ``token_in``: token-in chat (default on): a chat call whose messages extend an earlier call's messages +
+      answer is generated from that call's exact ids, so a conversation an agent re-sends as text trains as
+      one row (see :mod:`aglverl.proxy.tokenin`); off, every call is relayed as text.
     - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.producer.GroupSink`); with it the
       daemon runs a :class:`~aglverl.producer.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
       bounds each group.
@@ -120,6 +124,7 @@ class AgentDaemon:
         sampling_mismatch: SamplingMismatch = "refuse",
         trajectory_sink: GroupSink | None = None,
         registry: Registry | None = None,
+        token_in: bool = True,
     ) -> None:
         if max_buffered_batches != 1:
             warnings.warn(
@@ -158,6 +163,7 @@ class AgentDaemon:
             request_logprobs=signal.request_logprobs,
             sampling_of=self._sampling_of,
             sampling_mismatch=sampling_mismatch,
+            token_in=token_in,
         )
         self.store.on_forget(self.proxy.forget)
         self._sampling_cache: dict[str, Mapping[str, Any] | None] = {}
@@ -378,6 +384,9 @@ class AgentDaemon:
         counters["proxy/regenerated"] = proxy.m_regenerated.value()
         for reason in ("unsupported", "refused"):
             counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
+        if proxy.token_in is not None:
+            for outcome in TOKEN_IN_OUTCOMES:
+                counters[f"proxy/token_in_{outcome}"] = proxy.token_in.m_calls.value(outcome)
         return counters
 
     # ------------------------------------------------------------------ trainer API

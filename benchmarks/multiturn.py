@@ -11,11 +11,26 @@ Two parts, each variant a child process that trains with ``AsyncVERL`` and repor
   (median over the steps after the first), generated tokens per step, and the drift rate (calls that began
   with their chain's last prompt but not with its exact answer ids, over all calls) with the tiny model's chat
   template.
-- **Learning** (``--learn-steps``, 0 to skip): ``aglverl demo --task multiturn`` (3 turns, chat messages the
-  tiny model's chat template renders) under each trajectory: the reward per step, the time to ``--target``, and
-  the drift rate with that template (early and late in training).
+- **Chat** (``--chat-steps``; token-in chat, ``aglverl.proxy.tokenin``): the demo's multiturn agent, an ordinary
+  openai SDK chat agent that echoes the text it got (no ids kept), a tool message as a user turn after each of
+  its three answers, trained with ``AsyncVERL`` (``trajectory: merge``) under the tiny model's plain template and a copy whose
+  template trims every message (Llama 3's way, ``aglverl.testing.chat_templates``), token-in on and off in the
+  same run: the drift rate (target 0 with token-in), rows per rollout, trainer tokens per rollout, seconds per
+  step, and the proxy's token-in counters. ``--rollout vllm`` trains on verl's vLLM rollout instead of the
+  embedded engine (run it with the vLLM tier's venv).
+- **Proxy** (``--proxy-turns``, default 2 8 32): what token-in costs per call as the conversation grows,
+  without training: a mock vLLM backend (or ``--proxy-backend URL``, a ``vllm serve --enable-scale-out``), and
+  two proxies in front of it in their own processes, token-in on and off; ``--conversations`` conversations of
+  T turns each (a 64-token tool result per turn) are played up to turn T-1, then the last calls are timed: the
+  latency the agent sees, its excess over the same request sent straight to the backend's chat endpoint, and
+  the proxy process's CPU per call (``/proc``), for each T. Target: flat in T; the token-in figures against
+  the text relay's are the cost (render + generate + derender round trips against one chat call).
+- **Learning** (``--learn-steps``, 0 to skip; ``--seeds``): ``aglverl demo --task multiturn`` (3 turns, chat
+  messages the agent echoes as text) under each trajectory, merged (token-in) and ``per_call``, a few seeds
+  each: the reward per step, the time to ``--target``, the drift rate and the trainer tokens per rollout.
 
-Targets (8 turns): at least 4x fewer trainer tokens and at least 2x less time per step with ``merge``.
+Targets (8 turns): at least 4x fewer trainer tokens and at least 2x less time per step with ``merge``; drift 0
+with token-in; the proxy's cost per call flat in the turns.
 """
 
 from __future__ import annotations
@@ -31,9 +46,10 @@ from typing import Any
 import orjson
 
 HERE = Path(__file__).resolve().parent
+SCRIPT = str(Path(__file__).resolve())
 sys.path.insert(0, str(HERE))
 
-from _common import emit, machine_info  # noqa: E402
+from _common import JsonChild, child_args, emit, machine_info, percentile, stdin_commands  # noqa: E402
 
 SYSTEM_TOKENS = 256
 TOOL_TOKENS = 64
@@ -91,7 +107,25 @@ def tool_agent(turns: int, tokenizer: Any, system: str, tool_result: str) -> Any
     return agent
 
 
-def child(kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: int) -> None:
+CHAT_ANSWER_TOKENS = 8
+
+
+def _model_with(template: str, logs: Path) -> str:
+    """``"tiny"`` for the plain template; else a copy of the tiny model with ``template`` (under ``logs``)."""
+    if template == "plain":
+        return "tiny"
+    from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
+    from aglverl.tiny import tiny_model_path
+
+    target = logs / f"model-{template}"
+    if not target.exists():
+        with_chat_template(tiny_model_path(), target, TEMPLATES[template])
+    return str(target)
+
+
+def child(
+    kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: int, extra: dict[str, Any]
+) -> None:
     """Train one variant; one JSON line per step on stdout, then ``{"done": ...}``."""
     import anyio
     import ray
@@ -105,7 +139,21 @@ def child(kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: i
     started = time.monotonic()
     if kind == "learn":
         config = demo_config(steps, task="multiturn", trajectory=trajectory)
+        seed = int(extra.get("seed", 0))
+        config["data"]["seed"] = seed
+        config["actor_rollout_ref"]["rollout"]["seed"] = seed
+        config["actor_rollout_ref"]["actor"]["fsdp_config"] = {"seed": seed}
         agent = TASKS["multiturn"][0]
+    elif kind == "chat":
+        config = demo_config(
+            steps, model=extra["model"], task="multiturn", trajectory="merge", prompts=prompts
+        )
+        config["data"].update({"max_prompt_length": 256, "max_response_length": 256})
+        config["actor_rollout_ref"]["rollout"]["n"] = n
+        config["aglverl"]["token_in"] = bool(extra["token_in"])
+        if extra.get("rollout") == "vllm":
+            config["actor_rollout_ref"]["rollout"]["name"] = "vllm"
+        agent = TASKS["multiturn"][0]  # the demo's: an openai SDK agent that echoes text, no ids kept
     else:
         config = demo_config(steps, trajectory=trajectory)
         tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path()))
@@ -129,6 +177,30 @@ def child(kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: i
     algo.on_step.append(on_step)
     anyio.run(algo.run, demo_samples(64))
     sys.stdout.buffer.write(orjson.dumps({"done": time.monotonic() - started}) + b"\n")
+
+
+def summarize_chat(rows: list[dict[str, Any]], rollouts_per_step: int) -> dict[str, Any]:
+    timed = rows[1:] or rows
+    calls = _sum(rows, "batch/n_calls")
+    last = rows[-1]["metrics"]
+    counters = {
+        k.removeprefix("proxy/token_in_"): v for k, v in last.items() if k.startswith("proxy/token_in_") and v
+    }
+    return {
+        "steps": len(rows),
+        "drift_rate": round(_sum(rows, "batch/n_calls_drifted") / calls, 4) if calls else None,
+        "rows_per_rollout": round(_sum(rows, "step/n_rows") / (len(rows) * rollouts_per_step), 3),
+        "calls_per_rollout": round(calls / (len(rows) * rollouts_per_step), 3),
+        "trainer_tokens_per_rollout": round(
+            statistics.mean(r["metrics"]["step/trainer_tokens_per_rollout"] for r in rows), 1
+        ),
+        "per_call_tokens_per_rollout": round(
+            statistics.mean(r["metrics"]["step/trainer_tokens_per_rollout_per_call"] for r in rows), 1
+        ),
+        "seconds_per_step": round(statistics.median(r["metrics"]["timing_s/step"] for r in timed), 3),
+        "token_in_calls": counters,
+        "reward": [round(r["metrics"].get("training/reward", 0.0), 3) for r in rows],
+    }
 
 
 def run_child(args: list[str], log: Path) -> list[dict[str, Any]]:
@@ -204,27 +276,189 @@ def summarize_learning(rows: list[dict[str, Any]], target: float) -> dict[str, A
     }
 
 
+# ---------------------------------------------------------------------------------------------- proxy cost
+PROXY_SYSTEM = "You are a careful assistant. Use the tools when they help, answer in one word otherwise. "
+PROXY_RESULT = "value 42, unit none, status ok, source cache, fetched from the primary store; "
+
+
+async def _proxy_child(cfg: dict[str, Any]) -> None:
+    """A benchmark child: a mock backend (``role: mock``) or a proxy (``role: proxy``) that claims rollouts on
+    command (``{"claim": n}`` -> ``{"bases": [...]}``); it leaves when its stdin closes."""
+    import anyio
+
+    if cfg["role"] == "mock":
+        from aglverl.testing import MockVLLM
+
+        async with MockVLLM(
+            completion_tokens=CHAT_ANSWER_TOKENS, record_requests=False, max_model_len=1 << 16
+        ) as mock:
+            emit({"url": mock.url})
+            async for _ in stdin_commands():
+                pass
+        return
+    from aglverl.proxy import LLMProxy
+    from aglverl.store import TaskStore
+
+    store = TaskStore(lease_seconds=3600)
+    proxy = LLMProxy(store, backends=[cfg["backend"]], token_in=cfg["token_in"])
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)
+        emit({"url": proxy.url})
+        async for command in stdin_commands():
+            bases = []
+            for i in range(int(command["claim"])):
+                store.enqueue({"i": i})
+                task = store.try_claim()
+                assert task is not None and task.attempt_id is not None
+                bases.append(proxy.llm_resource(cfg["model"]).get_base_url(task.rollout_id, task.attempt_id))
+            outcomes = {}
+            if proxy.token_in is not None:
+                from aglverl.proxy.tokenin import OUTCOMES
+
+                outcomes = {o: v for o in OUTCOMES if (v := proxy.token_in.m_calls.value(o))}
+            emit({"bases": bases, "token_in": outcomes})
+        tg.cancel_scope.cancel()
+
+
+async def _chat_call(session: Any, url: str, model: str, messages: list[Any]) -> tuple[float, str]:
+    body = orjson.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": CHAT_ANSWER_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+    )
+    started = time.perf_counter()
+    async with session.post(
+        url + "/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as r:
+        raw = await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {raw[:300]!r}")
+    elapsed = time.perf_counter() - started
+    return elapsed, orjson.loads(raw)["choices"][0]["message"].get("content") or ""
+
+
+async def proxy_cost(
+    turns_list: list[int],
+    conversations: int,
+    repeats: int,
+    backend: str | None,
+    model: str,
+    result_repeat: int = 4,
+) -> dict[str, Any]:
+    """The proxy part (see the module docstring): per T, per mode, the timed last calls' latency, excess over
+    the backend's chat endpoint, and the proxy's CPU per call."""
+    import aiohttp
+
+    script = SCRIPT
+    mock = None
+    if backend is None:
+        mock = await JsonChild.start(child_args(script, "proxy-child", {"role": "mock"}))
+        backend, model = mock.info["url"], "mock"
+    proxies = {
+        mode: await JsonChild.start(
+            child_args(
+                script,
+                "proxy-child",
+                {"role": "proxy", "backend": backend, "token_in": mode == "token_in", "model": model},
+            )
+        )
+        for mode in ("token_in", "text")
+    }
+    out: dict[str, Any] = {"backend": "mock" if mock is not None else backend}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for turns in turns_list:
+                row: dict[str, Any] = {}
+                for mode, proxy in proxies.items():
+                    bases = (await proxy.request({"claim": conversations}))["bases"]
+                    histories = [[{"role": "system", "content": PROXY_SYSTEM}, {"role": "user", "content": f"Question {i}?"}] for i in range(conversations)]  # fmt: skip
+                    for turn in range(turns - 1):  # played, not timed
+                        for base, history in zip(bases, histories, strict=True):
+                            _, answer = await _chat_call(session, base, model, history)
+                            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Result {turn}: {PROXY_RESULT * result_repeat}"}]  # fmt: skip
+                    # the timed calls: each conversation's call T, sent `repeats` times (an agent retrying it)
+                    timed = [
+                        (base, h) for base, h in zip(bases, histories, strict=True) for _ in range(repeats)
+                    ]
+                    cpu = proxy.cpu_seconds()
+                    proxied = [(await _chat_call(session, base, model, h))[0] for base, h in timed]
+                    cpu = proxy.cpu_seconds() - cpu
+                    direct = [(await _chat_call(session, backend + "/v1", model, h))[0] for _, h in timed]
+                    counts = (await proxy.request({"claim": 0}))["token_in"]
+                    row[mode] = {
+                        "latency_ms_p50": round(percentile(proxied, 50) * 1000, 3),
+                        "latency_ms_mean": round(statistics.mean(proxied) * 1000, 3),
+                        "backend_chat_ms_p50": round(percentile(direct, 50) * 1000, 3),
+                        "added_ms_p50": round((percentile(proxied, 50) - percentile(direct, 50)) * 1000, 3),
+                        "proxy_cpu_ms_per_call": round(cpu / len(timed) * 1000, 3),
+                        "token_in_calls_so_far": counts,
+                    }
+                row["token_in_extra_ms_p50"] = round(
+                    row["token_in"]["latency_ms_p50"] - row["text"]["latency_ms_p50"], 3
+                )
+                row["token_in_extra_cpu_ms"] = round(
+                    row["token_in"]["proxy_cpu_ms_per_call"] - row["text"]["proxy_cpu_ms_per_call"], 3
+                )
+                out[f"{turns}_turns"] = row
+    finally:
+        for child_ in [*proxies.values(), *([mock] if mock is not None else [])]:
+            await child_.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--kind", default="cost", choices=["cost", "learn"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="cost", choices=["cost", "learn", "chat"], help=argparse.SUPPRESS)
     parser.add_argument("--trajectory", default="merge", help=argparse.SUPPRESS)
+    parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--parts", nargs="+", default=["cost", "chat", "proxy", "learn"], choices=["cost", "chat", "proxy", "learn"])  # fmt: skip
     parser.add_argument("--turns", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--cost-steps", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per step in the cost runs")
-    parser.add_argument("--n", type=int, default=4, help="samples per prompt in the cost runs")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step in the cost and chat runs")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt in the cost and chat runs")
+    parser.add_argument("--chat-steps", type=int, default=4)
+    parser.add_argument(
+        "--chat-templates", nargs="+", default=["plain", "trim"], choices=["plain", "trim", "think"]
+    )
+    parser.add_argument(
+        "--rollout", default="embedded", choices=["embedded", "vllm"], help="the chat runs' engine"
+    )
+    parser.add_argument("--proxy-turns", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--conversations", type=int, default=16, help="conversations per T in the proxy part")
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed sends of each conversation's last call"
+    )
+    parser.add_argument(
+        "--result-repeat", type=int, default=4, help="tool result length per turn (x 14 words)"
+    )
+    parser.add_argument(
+        "--proxy-backend", default=None, help="a vLLM URL (--enable-scale-out) instead of the mock"
+    )
+    parser.add_argument("--model-name", default="tiny", help="the served model's name at --proxy-backend")
     parser.add_argument("--learn-steps", type=int, default=20, help="steps of the multiturn demo (0: skip)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per trajectory in the learning runs")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--logs", default="/tmp/aglverl-bench-multiturn")
     args = parser.parse_args()
-    if args.child:
-        child(args.kind, args.turns[0], args.trajectory, args.cost_steps, args.prompts, args.n)
+    if args.child is not None:
+        if args.child[:1] == ["proxy-child"]:
+            import anyio
+
+            anyio.run(_proxy_child, orjson.loads(args.child[1]))
+            return
+        extra = orjson.loads(args.extra)
+        child(args.kind, args.turns[0], args.trajectory, args.cost_steps, args.prompts, args.n, extra)
         return
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     cost: dict[str, Any] = {}
-    for turns in args.turns:
+    for turns in args.turns if "cost" in args.parts else ():
         runs = {}
         for trajectory in ("merge", "per_call"):
             common = ["--turns", str(turns), "--trajectory", trajectory, "--cost-steps", str(args.cost_steps)]
@@ -237,18 +471,79 @@ def main() -> None:
         )
         runs["step_speedup"] = round(per_call["seconds_per_step"] / merge["seconds_per_step"], 2)
         cost[f"{turns}_turns"] = runs
+    chat: dict[str, Any] = {}
+    for template in args.chat_templates if "chat" in args.parts else ():
+        model = _model_with(template, logs)
+        runs = {}
+        for token_in in (True, False):
+            extra = {"model": model, "token_in": token_in, "rollout": args.rollout}
+            common = ["--kind", "chat", "--cost-steps", str(args.chat_steps)]
+            common += [
+                "--prompts",
+                str(args.prompts),
+                "--n",
+                str(args.n),
+                "--extra",
+                orjson.dumps(extra).decode(),
+            ]
+            name = f"chat-{template}-{'token_in' if token_in else 'text'}"
+            rows = run_child(common, logs / f"{name}.log")
+            runs["token_in" if token_in else "text"] = summarize_chat(rows, args.prompts * args.n)
+        chat[template] = runs
+    proxy: dict[str, Any] = {}
+    if "proxy" in args.parts:
+        import anyio
+
+        proxy = anyio.run(
+            proxy_cost,
+            args.proxy_turns,
+            args.conversations,
+            args.repeats,
+            args.proxy_backend,
+            args.model_name,
+            args.result_repeat,
+        )
     learning: dict[str, Any] = {}
-    if args.learn_steps:
+    if args.learn_steps and "learn" in args.parts:
         for trajectory in ("merge", "per_call"):
-            common = ["--kind", "learn", "--trajectory", trajectory, "--cost-steps", str(args.learn_steps)]
-            rows = run_child(common, logs / f"learn-{trajectory}.log")
-            learning[trajectory] = summarize_learning(rows, args.target)
+            runs_ = []
+            for seed in range(args.seeds):
+                common = [
+                    "--kind",
+                    "learn",
+                    "--trajectory",
+                    trajectory,
+                    "--cost-steps",
+                    str(args.learn_steps),
+                ]
+                common += ["--extra", orjson.dumps({"seed": seed}).decode()]
+                rows = run_child(common, logs / f"learn-{trajectory}-seed{seed}.log")
+                runs_.append(summarize_learning(rows, args.target))
+            finals = [r["rewards"][-1] for r in runs_]
+            learning[trajectory] = {
+                "seeds": runs_,
+                "final_reward_mean": round(statistics.mean(finals), 3),
+                "final_reward_stdev": round(statistics.stdev(finals), 3) if len(finals) > 1 else 0.0,
+                "trainer_tokens_per_rollout_mean": round(
+                    statistics.mean(r["trainer_tokens_per_rollout"] for r in runs_), 1
+                ),
+                "drift_rate_mean": round(statistics.mean(r["drift_rate"] for r in runs_), 4),
+            }
     widest = cost.get(f"{max(args.turns)}_turns", {})
     emit(
         {
             "benchmark": "multiturn",
             "machine": machine_info(),
             "settings": {
+                "parts": args.parts,
+                "chat_steps": args.chat_steps,
+                "chat_templates": args.chat_templates,
+                "rollout": args.rollout,
+                "proxy_turns": args.proxy_turns,
+                "conversations": args.conversations,
+                "repeats": args.repeats,
+                "result_repeat": args.result_repeat,
+                "seeds": args.seeds,
                 "turns": args.turns,
                 "system_tokens": SYSTEM_TOKENS,
                 "tool_tokens": TOOL_TOKENS,
@@ -259,6 +554,8 @@ def main() -> None:
                 "target": args.target,
             },
             "cost": cost,
+            "chat": chat,
+            "proxy": proxy,
             "learning": learning,
             "targets": {
                 "tokens_ratio_at_least": TARGET_TOKENS_RATIO,
@@ -266,6 +563,9 @@ def main() -> None:
                 "turns": max(args.turns),
                 "tokens_ratio_met": widest.get("tokens_ratio", 0.0) >= TARGET_TOKENS_RATIO,
                 "step_speedup_met": widest.get("step_speedup", 0.0) >= TARGET_STEP_SPEEDUP,
+                "token_in_drift_zero": all(r["token_in"]["drift_rate"] == 0 for r in chat.values())
+                if chat
+                else None,
             },
             "wall_s": round(time.monotonic() - started, 1),
         }

@@ -87,6 +87,18 @@ def test_rollout_name_vllm_alone_selects_verls_vllm_rollout_with_its_cpu_default
     assert embedded.actor_rollout_ref.rollout.max_num_seqs == 256
 
 
+def test_verls_vllm_rollout_serves_the_token_in_endpoints_unless_the_user_says_otherwise() -> None:
+    config, options = compose_config({"actor_rollout_ref.rollout.name": "vllm"})
+    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is True  # --enable_scale_out
+    assert options.token_in is True
+    config, options = compose_config(
+        {"actor_rollout_ref.rollout": {"name": "vllm", "engine_kwargs": {"vllm": {"enable_scale_out": False}}}, "aglverl.token_in": False}
+    )
+    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is False and not options.token_in
+    embedded, _ = compose_config({})
+    assert "enable_scale_out" not in embedded.actor_rollout_ref.rollout.engine_kwargs.vllm
+
+
 def test_aglverl_section_configures_the_daemon() -> None:
     _, options = compose_config(
         {**SMALL, "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None}}

@@ -50,9 +50,11 @@ def _chat_agent(turns: int, *, stream: bool = False):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_step_through_proxy_yields_batch_with_the_backends_token_ids(stream: bool) -> None:
+    # Relayed as text (token_in=False): the mock's chat answers for re-rendered histories, one row per call
+    # (tests/test_tokenin.py has the same agents generated from ids, one row per conversation).
     async with (
         MockVLLM(completion_tokens=4) as mock,
-        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH) as daemon,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, token_in=False) as daemon,
     ):
         assert isinstance(daemon.main_llm(), ProxyLLM)
         async with anyio.create_task_group() as tg:

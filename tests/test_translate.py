@@ -614,7 +614,8 @@ async def test_a_backend_refusal_reaches_the_sdk_in_its_apis_shape(api: str) -> 
 
 # ---------------------------------------------------------------------------------------------- SDKs, vLLM-shaped mock
 async def test_responses_tool_call_round_trips_through_the_backends_tool_calls() -> None:
-    async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url) as (proxy, store):
+    # Relayed as text (token_in=False): the chat body the backend gets is the translation of the echoed items.
+    async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url, token_in=False) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         async with openai_sdk(base) as client:
             first = await client.responses.create(
@@ -652,7 +653,7 @@ async def test_responses_tool_call_round_trips_through_the_backends_tool_calls()
 
 
 async def test_messages_tool_use_round_trips_streamed_through_the_backends_tool_calls() -> None:
-    async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url) as (proxy, store):
+    async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url, token_in=False) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         async with anthropic_sdk(base) as client:
             messages: list[Any] = [{"role": "user", "content": "Look x up."}]
@@ -699,7 +700,7 @@ async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_to
         tools=[lookup],
         model_settings=ModelSettings(tool_choice="required"),
     )
-    async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url) as (proxy, store):
+    async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url, token_in=False) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         async with openai_sdk(base) as client:
             config = RunConfig(model="mock", model_provider=OpenAIProvider(openai_client=client))
@@ -880,7 +881,7 @@ async def test_a_step_of_translated_agents_trains_on_the_backends_ids(api: str) 
     config = BatchConfig(max_prompt_length=256, max_response_length=16)
     async with (
         MockVLLM(completion_tokens=4) as vllm,
-        AgentDaemon(backends=[vllm.url], model="mock", batch=config) as daemon,
+        AgentDaemon(backends=[vllm.url], model="mock", batch=config, token_in=False) as daemon,
     ):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_agents(daemon.server_url, api_agent(api), concurrency=4))
@@ -889,7 +890,7 @@ async def test_a_step_of_translated_agents_trains_on_the_backends_ids(api: str) 
                 batch = await daemon.batches.receive()
             tg.cancel_scope.cancel()
     data = batch.data
-    assert len(data) == 8  # 2 samples x n=2 x 2 turns, every call a row
+    assert len(data) == 8  # 2 samples x n=2 x 2 turns relayed as text: every call a row (the ids drift)
     answered = {}
     for seen in vllm.generation_requests():
         [(prompt, response)] = vllm.expected(seen.json)

@@ -9,6 +9,7 @@ vLLM gives uninterrupted (greedy). vLLM sends no ``X-Weight-Version``: the versi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -297,3 +298,27 @@ async def test_an_aborted_call_made_again_is_recorded_with_the_version_it_was_ma
     [choice] = answer["choices"]
     assert choice["finish_reason"] == "length" and call.response_token_ids == choice["token_ids"]
     assert (call.weight_version, call.weight_version_end) == (1, 1)  # made wholly under the new weights
+
+
+# ---------------------------------------------------------------------------------------------- token-in
+async def test_a_vllm_without_scale_out_is_warned_about_once_and_its_calls_relayed_as_text(
+    vllm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # This module's server runs without --enable-scale-out: vLLM answers the token-in routes 403.
+    caplog.set_level(logging.WARNING, logger="aglverl.proxy.tokenin")
+    async with proxied(vllm) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        messages: list[Any] = [{"role": "user", "content": "hello"}]
+        async with openai_sdk(base) as client:
+            for _ in range(3):
+                reply = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+                messages += [
+                    {"role": "assistant", "content": reply.choices[0].message.content},
+                    {"role": "user", "content": "and?"},
+                ]
+        calls = finish(store, rid, aid)
+    assert proxy.token_in is not None
+    assert [proxy.token_in.m_calls.value(o) for o in ("first_call", "no_backend", "generated")] == [1, 2, 0]
+    [warning] = [r.getMessage() for r in caplog.records if "has no token-in chat" in r.getMessage()]
+    assert "403" in warning and "Scale-out endpoints are disabled" in warning and "--enable-scale-out" in warning
+    assert all(c.status == "ok" and c.response_token_ids for c in calls)

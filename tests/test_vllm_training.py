@@ -114,3 +114,40 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
     # recomputation of the rows' log-probs agrees with vLLM's to float32 rounding. vLLM starts from dummy
     # weights (load_format: dummy), so this also says verl's weight sync reached its CPU layers (W2).
     assert steps[1]["logprobs/abs_diff_mean"] < 1e-5, steps[1]["logprobs/abs_diff_mean"]
+
+
+async def echoing_chat(task: Mapping[str, Any], llm: LLM) -> float:
+    """An ordinary chat agent that keeps no ids: two calls, the first answer echoed as text before a tool result."""
+    params = dict(llm.sampling_parameters)
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="-", max_retries=0) as client:
+        for turn in range(2):
+            reply = await client.chat.completions.create(
+                model=llm.model, messages=messages, max_tokens=16, temperature=params.get("temperature", 1.0)
+            )
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"Tool: noted {turn}."},
+            ]
+    return float((reply.choices[0].message.content or "").count("e") % 2)
+
+
+async def test_verls_vllm_replicas_serve_token_in_chat_one_row_per_conversation(shared_ray: None) -> None:
+    # aglverl starts verl's vLLM servers with --enable_scale_out: the second call of each conversation is
+    # generated from the first's exact ids, so a conversation is one row and nothing drifts.
+    composed, _ = compose_config(config("sync"))
+    assert composed.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is True
+    algo = AsyncVERL(
+        config("sync") | {"trainer": {**config("sync")["trainer"], "total_training_steps": 1}},
+        agent=echoing_chat,
+    )
+    steps: dict[int, dict[str, float]] = {}
+    algo.on_step.append(lambda step, metrics: steps.__setitem__(step, dict(metrics)))
+    await algo.run(TRAIN, None)
+    [metrics] = steps.values()
+    assert (
+        metrics["batch/n_calls"] == 8
+        and metrics["batch/n_calls_drifted"] == 0
+        and metrics["step/n_rows"] == 4
+    )
+    assert metrics["proxy/token_in_generated"] == 4 and metrics["proxy/token_in_no_backend"] == 0

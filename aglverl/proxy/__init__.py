@@ -22,6 +22,21 @@ trainer recomputes log-probs for. A call that sets a different value (or a non-n
 ``"mask"`` forwards it and records it ``off_policy`` (its rows are kept out of the loss). Every call records
 the values it used; ``aglverl_proxy_sampling_total{action}`` counts fills, refusals and masked calls.
 
+Token-in chat (``token_in``, on by default): a black-box agent sends its history back as text, and re-rendered
+its ids drift from the ids the engine generated. Per rollout attempt the proxy keeps every recorded chat call's
+messages, its answer as the agent got it and the exact prompt + generated ids
+(:mod:`~aglverl.proxy.session`); a chat call whose messages extend a recorded call's messages + answer
+(compared canonicalised: role, text stripped, tool calls as name + parsed arguments; tool-call ids and
+reasoning fields not compared) under the same tools, template arguments and model is generated from that
+call's ids + the ids of the new tail alone (:mod:`~aglverl.proxy.tokenin`: the backend's
+``/v1/chat/completions/render``, ``/inference/v1/generate`` and ``/v1/chat/completions/derender``, vLLM's with
+``--enable-scale-out``), so its recorded prompt extends the earlier call's prompt + response exactly and the
+conversation trains as one row. The agent gets the answer the backend's chat endpoint would give for the same
+ids (its own tool-call and reasoning parsers), JSON or SSE, in the agent's API. What matches nothing (a first
+call, an edited history, another system prompt or tool list, ``n > 1``) or a backend without those endpoints
+(warned about once) is relayed as text and starts a new chain; ``aglverl_proxy_token_in_total{outcome}`` counts
+each call by how it was made.
+
 ``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
 family, are translated by :mod:`aglverl.translate`: the body becomes a chat completion before anything else
 looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
@@ -52,7 +67,9 @@ covering the whole generation (text, ``token_ids``, logprobs, finish reason, usa
 on in its own chunk shape (same ``id``) to its final chunk, usage and ``[DONE]``; a Responses / Messages call
 gets the same through its translator. The call is recorded once, with all its ids and the weight versions
 of its first and last tokens (each the backend's ``X-Weight-Version`` when it sends one, else the proxy's
-version). A backend that keeps aborting (or refusing) a continuation, or a hold longer than
+version). A token-in call is continued the same way by another generate call from its prompt + the ids so far,
+tool calls included (the derender parses the whole output); under structured output a whole answer is made
+again and a stream ends with a 503, as below. A backend that keeps aborting (or refusing) a continuation, or a hold longer than
 ``pause_timeout`` after the last token, ends the call with a 503 error saying so (an SSE error event once
 the stream started), recorded as failed. Calls with ``n > 1``, tools, a ``response_format``, vLLM guided
 decoding or ``prompt_logprobs`` are not continued (a completion cannot carry their state on): a JSON answer
@@ -73,7 +90,8 @@ after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` 
 it as ``APIError``) and recorded as failed.
 
 The package, one module per job (each module's docstring states its contract); dependencies run one way,
-``app`` → ``relay`` → ``resume`` → ``capture``, ``pool`` → ``call``, ``sse``:
+``app`` → ``relay`` → ``resume`` → ``capture``, ``pool`` → ``call`` → ``session``, ``sse``, and ``app`` →
+``tokenin`` → ``resume``, ``capture``, ``pool``, ``session``:
 
 - :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: routes, admission, auth, body limits, sampling
   reconciliation, the gate that :meth:`~LLMProxy.pause` / :meth:`~LLMProxy.hold` close, metrics, life cycle.
@@ -81,6 +99,9 @@ The package, one module per job (each module's docstring states its contract); d
 - :mod:`~aglverl.proxy.resume` — aborted generations: holding, continuing token-exactly, making again.
 - :mod:`~aglverl.proxy.capture` — token ids, log-probs and stop reasons out of answers and streams, into
   :class:`~aglverl.store.LLMCall` records.
+- :mod:`~aglverl.proxy.tokenin` — :class:`~aglverl.proxy.tokenin.TokenIn`, a part the proxy holds: calls that
+  extend a recorded turn, generated from its ids; :mod:`~aglverl.proxy.session` — the attempts' recorded turns
+  and the message matching (pure).
 - :mod:`~aglverl.proxy.pool` — backends: picking, ejection, probes, sending a try, :class:`RetryPolicy`.
 - :mod:`~aglverl.proxy.sse` — SSE framing; :mod:`~aglverl.proxy.call` — the call, :class:`ProxyError`,
   header forwarding. :mod:`aglverl.translate` (other APIs as chat completions) stays beside the package.

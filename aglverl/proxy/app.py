@@ -41,12 +41,14 @@ from anyio.abc import TaskGroup, TaskStatus
 from .._net import bind_listener, url_of
 from ..metrics import ActivityTimeline, Counter, Registry
 from ..models import ProxyLLM
-from ..store import StoreError, TaskStore
+from ..store import StoreError
 from ..translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
 from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
 from .capture import CAPTURED_PATHS, _Capture
 from .pool import UPSTREAM_KEEPALIVE, RetryPolicy, _Backend
 from .relay import _Relay
+from .store_view import ProxyStore
+from .tokenin import TokenIn
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +122,12 @@ class _Admission:
     """Checks and reads a request into its call (see the module docstring); a part of :class:`LLMProxy`."""
 
     if TYPE_CHECKING:  # the host's state, and the gate's wait (LLMProxy)
-        store: TaskStore
+        store: ProxyStore
         max_request_bytes: int
         request_logprobs: bool
         sampling_of: Callable[[str], Mapping[str, Any] | None] | None
         sampling_mismatch: SamplingMismatch
+        token_in: TokenIn | None
         _auth: bytes | None
         _backend_auth: str | None
         _gate: anyio.Event | None
@@ -160,6 +163,8 @@ class _Admission:
             kind = self._translate_request(call, call.translator)
         if kind is not None and call.rollout_id is not None:
             self._prepare_capture(call, kind)
+            if kind == "chat" and self.token_in is not None:
+                self.token_in.admit(call)
         if self._gate is not None:
             await self._wait_resumed()
 
@@ -285,12 +290,15 @@ class LLMProxy(_Admission, _Relay):
     ``logprobs`` itself (a trainer's behaviour log-probs); the agent then receives them in its answers too.
     ``sampling_of(rollout_id)``: the sampling parameters the rollout's trainer expects (``None``: unchecked);
     ``sampling_mismatch``: what happens to a call that sets other ones (see :mod:`aglverl.proxy`).
+    ``token_in`` (default on): a recorded chat call whose messages extend an earlier call's messages + answer
+    is generated from that call's exact ids (:mod:`~aglverl.proxy.tokenin`); off, every call is relayed as
+    text (and multi-turn rows drift wherever the chat template re-renders the history differently).
     :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
     """
 
     def __init__(
         self,
-        store: TaskStore,
+        store: ProxyStore,
         *,
         backends: Sequence[str] = (),
         host: str = "127.0.0.1",
@@ -311,6 +319,7 @@ class LLMProxy(_Admission, _Relay):
         request_logprobs: bool = False,
         sampling_of: Callable[[str], Mapping[str, Any] | None] | None = None,
         sampling_mismatch: SamplingMismatch = "refuse",
+        token_in: bool = True,
     ) -> None:
         if sampling_mismatch not in ("refuse", "mask"):
             raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {sampling_mismatch!r}")
@@ -354,6 +363,9 @@ class LLMProxy(_Admission, _Relay):
         self._url: str | None = None
         self.set_backends(backends)
         self._register_metrics(registry or Registry())
+        #: Token-in chat (:mod:`~aglverl.proxy.tokenin`): calls that extend a recorded turn are generated from
+        #: its exact ids; ``None`` when turned off (every call relayed as text).
+        self.token_in: TokenIn | None = TokenIn(self, self.registry) if token_in else None
 
     # ------------------------------------------------------------------ metrics
     def _register_metrics(self, r: Registry) -> None:
@@ -483,6 +495,13 @@ class LLMProxy(_Admission, _Relay):
         if self._gate is not None:
             self._gate.set()
             self._gate = None
+
+    def forget(self, rollout_ids: Sequence[str]) -> None:
+        """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
+        when it forgets them)."""
+        super().forget(rollout_ids)
+        if self.token_in is not None:
+            self.token_in.forget(rollout_ids)
 
     def _close_gate(self) -> None:
         if self._gate is None:
@@ -634,9 +653,14 @@ class LLMProxy(_Admission, _Relay):
 
     # ------------------------------------------------------------------ forwarding
     async def _run(self, request: web.Request, call: _Call) -> web.StreamResponse:
-        """Forward ``call``, always ending with it recorded and counted, whatever happens."""
+        """Forward ``call`` (generated from ids when it extends a recorded turn, else relayed), always ending
+        with it recorded and counted, whatever happens."""
         call.weight_version = self.weight_version
         try:
+            if self.token_in is not None and call.tokenin is not None and call.tokenin.match is not None:
+                response = await self.token_in.run(request, call)
+                if response is not None:
+                    return response
             return await self._attempts(request, call)
         except ProxyError as exc:
             call.fail(exc.message)

@@ -26,6 +26,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..store import LLMCall
 from ..translate import Translator
+from .session import Plan
 
 if TYPE_CHECKING:
     from .capture import _Capture
@@ -121,6 +122,7 @@ class _Call:
         "t0",
         "tail",
         "target",
+        "tokenin",
         "translator",
         "upstream_end",
         "upstream_start",
@@ -167,6 +169,8 @@ class _Call:
         self.error: str | None = None
         self.records: list[LLMCall] | None = None  # what was put in the store, once it was
         self.delivered = False  # the agent has the complete response: nothing can fail the call any more
+        # Its attempt's token-in session: the turn it extends (generated from ids), and what to remember it by.
+        self.tokenin: Plan | None = None
 
     def fail(self, error: str, outcome: Outcome = "failed") -> None:
         """Mark the call failed with its first error; a call already delivered stays as it is."""

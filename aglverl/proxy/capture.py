@@ -21,15 +21,17 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import orjson
 from multidict import CIMultiDictProxy
 
 from ..metrics import Counter, Histogram
 from ..models import checked_token_ids
-from ..store import LLMCall, TaskStore
+from ..store import LLMCall
 from .call import _Call, _error_message
+from .session import Answer
+from .store_view import ProxyStore
 
 #: Paths (after ``/v1/``) whose token ids are captured, and the response shape each one has.
 CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
@@ -50,9 +52,19 @@ WEIGHT_VERSION_HEADER = "X-Weight-Version"
 
 
 class _ChoiceCapture:
-    __slots__ = ("chars", "finish_reason", "ids", "ids_missing", "logprobs", "logprobs_bad", "prompt_ids")
+    __slots__ = (
+        "answer",
+        "chars",
+        "finish_reason",
+        "ids",
+        "ids_missing",
+        "logprobs",
+        "logprobs_bad",
+        "prompt_ids",
+    )
 
     def __init__(self) -> None:
+        self.answer: Answer | None = None  # the chat answer as the agent gets it (for token-in sessions)
         self.chars = 0  # completions: characters of text so far (where a continuation's text_offset starts)
         self.prompt_ids: list[int] | None = None
         self.ids: list[int] | None = None
@@ -71,10 +83,23 @@ class _Capture:
     capture ``broken``: its response ids are then reported as absent rather than incomplete.
     """
 
-    __slots__ = ("_buf", "_crlf", "_data", "broken", "choices", "done", "kind", "model", "prompt_ids")
+    __slots__ = (
+        "_buf",
+        "_crlf",
+        "_data",
+        "answers",
+        "broken",
+        "choices",
+        "done",
+        "kind",
+        "model",
+        "prompt_ids",
+    )
 
-    def __init__(self, kind: Literal["chat", "completion"]) -> None:
+    def __init__(self, kind: Literal["chat", "completion"], answers: bool = False) -> None:
         self.kind = kind
+        #: Also assemble each chat choice's answer (content, tool calls) as the agent gets it.
+        self.answers = answers
         self.prompt_ids: list[int] | None = None
         self.model: str | None = None
         self.choices: dict[int, _ChoiceCapture] = {}
@@ -149,6 +174,13 @@ class _Capture:
             c = self.choices.get(idx)
             if c is None:
                 c = self.choices[idx] = _ChoiceCapture()
+                if self.answers:
+                    c.answer = Answer()
+            if c.answer is not None:
+                if (delta := ch.get("delta")) is not None:
+                    c.answer.add_delta(delta)
+                elif (message := ch.get("message")) is not None:
+                    c.answer.set_message(message)
             ids = ch.get("token_ids")
             if ids is not None:
                 if c.ids is None:
@@ -230,16 +262,23 @@ def _stop_limit(
 
 
 # ---------------------------------------------------------------------------------------------- recording
+class _TurnKeeper(Protocol):
+    """What keeps recorded calls' turns for token-in chat (:class:`~aglverl.proxy.tokenin.TokenIn`)."""
+
+    def remember(self, call: _Call) -> None: ...
+
+
 class _Recorder:
     """Records and counts calls (see the module docstring); a part of :class:`~aglverl.proxy.LLMProxy`."""
 
     if TYPE_CHECKING:  # the host's state (set by LLMProxy.__init__)
-        store: TaskStore
+        store: ProxyStore
         m_calls: Counter
         m_no_ids: Counter
         m_unrecorded: Counter
         m_generated: Counter
         m_resume_failed: Counter
+        token_in: _TurnKeeper | None
         m_upstream: Histogram
         m_first_byte: Histogram
         m_added: Histogram
@@ -284,6 +323,8 @@ class _Recorder:
         call.records = self._records(call, time.monotonic() - call.t0)
         if not self.store.record_calls(call.rollout_id, call.attempt_id, call.records):
             self.m_unrecorded.inc()
+        elif call.tokenin is not None and self.token_in is not None:
+            self.token_in.remember(call)
 
     def _finish(self, call: _Call) -> None:
         """Count the call; record it if that has not happened, or mark its records failed if delivery failed."""

@@ -239,15 +239,20 @@ class _Relay(_StreamResumer):
         elif whole is not None:
             self._capture_body(call, status, bytes(whole))  # an abort in it went out already: not resumed
         self._commit(call)
+        await self._close_stream(call, response)
+        return response
+
+    async def _close_stream(self, call: _Call, response: web.StreamResponse) -> None:
+        """End a streamed answer whose last event went out: a translated call's last bytes, then EOF; the call
+        is delivered unless the agent has gone (then it is failed as cancelled)."""
         try:
-            if translator is not None and (last := translator.close()):
+            if call.translator is not None and (last := call.translator.close()):
                 await response.write(last)
             await response.write_eof()
         except ConnectionError:
             call.fail("agent disconnected", "cancelled")
         else:
             call.delivered = True
-        return response
 
     async def _forward(
         self,

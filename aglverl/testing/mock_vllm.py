@@ -75,29 +75,64 @@ _SSE_TYPE = "text/event-stream; charset=utf-8"
 _JSON_TYPE = "application/json"
 _DONE = b"data: [DONE]\n\n"
 
-FaultKind = Literal["error", "throttle", "stall", "break", "no_ids"]
+FaultKind = Literal["error", "throttle", "stall", "break", "no_ids", "abort"]
 
 
 # ---------------------------------------------------------------------------------------------- token ids
-def render_chat(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The prompt text the mock "tokenizes" for chat messages (one byte = one token id)."""
+#: The mock's chat templates: ``plain`` renders every message alike; ``think`` renders a conversation's final
+#: assistant message (no generation prompt after it) with an empty ``<think></think>`` block before its content,
+#: the way Qwen3's template renders a last assistant turn differently from earlier ones.
+Template = Literal["plain", "think"]
+
+
+def _tool_call_text(call: Any) -> str:
+    function = call.get("function") if isinstance(call, dict) else None
+    function = function if isinstance(function, dict) else {}
+    spelled = {"name": function.get("name"), "arguments": function.get("arguments")}
+    return "<tool_call>" + orjson.dumps(spelled).decode() + "</tool_call>"
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Any = None,
+    template: Template = "plain",
+) -> str:
+    """The prompt text the mock "tokenizes" for chat messages (one byte = one token id): the tools' names, then
+    ``<|role|>content`` + tool calls + ``"\n"`` per message (``"\n"`` ends a turn), then ``<|assistant|>``
+    when ``add_generation_prompt``."""
     parts = []
-    for message in messages:
+    if isinstance(tools, list) and tools:
+        names = [str((t.get("function") or {}).get("name", "")) for t in tools if isinstance(t, dict)]
+        parts.append(f"<|tools|>{','.join(names)}\n")
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        parts.append(f"<|{message.get('role', '')}|>{content or ''}\n")
-    parts.append("<|assistant|>")
+        role = message.get("role", "")
+        calls = "".join(_tool_call_text(c) for c in message.get("tool_calls") or ())
+        final = template == "think" and role == "assistant" and i == last and not add_generation_prompt
+        parts.append(f"<|{role}|>{'<think></think>' if final else ''}{content or ''}{calls}\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>")
     return "".join(parts)
 
 
-def prompt_token_ids(body: Mapping[str, Any]) -> list[list[int]]:
+def prompt_token_ids(body: Mapping[str, Any], template: Template = "plain") -> list[list[int]]:
     """The prompt ids the mock assigns to a request: one list per prompt (chat has exactly one).
 
     Text is tokenized as its UTF-8 bytes; a completions prompt given as token ids is taken as it is.
     """
     if "messages" in body:
-        return [list(render_chat(body["messages"]).encode())]
+        text = render_chat(
+            body["messages"],
+            add_generation_prompt=body.get("add_generation_prompt") is not False,
+            tools=body.get("tools"),
+            template=template,
+        )
+        return [list(text.encode())]
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
         return [list(prompt.encode())]
@@ -161,7 +196,8 @@ class _Fault:
     kind: FaultKind
     status: int = 500
     retry_after: float = 0.0
-    after_events: int = 1
+    after_events: int = 1  # "break": stream events sent first; "abort": tokens generated first
+    release: anyio.Event | None = None  # "abort": a stream sends the abort once this is set
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +271,13 @@ class _Generation:
     """What one generation request asks for and the deterministic answer to it."""
 
     def __init__(
-        self, kind: str, body: Mapping[str, Any], budget: Budget, with_ids: bool, model: str
+        self,
+        kind: str,
+        body: Mapping[str, Any],
+        budget: Budget,
+        with_ids: bool,
+        model: str,
+        template: Template = "plain",
     ) -> None:
         self.kind = kind
         self.body = body
@@ -243,7 +285,7 @@ class _Generation:
         self.model = model
         self.created = int(time.time())
         n = int(body.get("n") or 1)
-        prompts = prompt_token_ids(body)
+        prompts = prompt_token_ids(body, template)
         self.prompts = prompts
         self.choices = []
         for p, prompt in enumerate(prompts):
@@ -260,6 +302,11 @@ class _Generation:
         if self.tool is not None:
             for c in self.choices:
                 c.finish = "tool_calls" if c.finish == "stop" else c.finish
+
+    def abort_after(self, tokens: int) -> None:
+        """Every choice cut after ``tokens`` ids with finish reason ``"abort"`` (a weight update)."""
+        for c in self.choices:
+            c.ids, c.finish = c.ids[:tokens], "abort"
 
     def _call_id(self, c: _Choice) -> str:
         return f"chatcmpl-tool-{c.index}{sum(c.prompt) % 10**8:08d}"
@@ -434,6 +481,8 @@ class MockVLLM:
         latency_jitter: float = 0.0,
         seed: int | None = None,
         max_model_len: int | None = None,
+        template: Template = "plain",
+        scale_out: bool | None = True,
     ) -> None:
         if not 0.0 <= failure_rate <= 1.0:
             raise ValueError(f"failure_rate is a probability in [0, 1], got {failure_rate}")
@@ -446,6 +495,8 @@ class MockVLLM:
         self.chunk_latency = chunk_latency
         self.completion_tokens = completion_tokens
         self.max_model_len = max_model_len
+        self.template: Template = template
+        self.scale_out = scale_out
         self.record_requests = record_requests
         self.response_headers = dict(response_headers or {})
         self.eof_delay = eof_delay
@@ -467,6 +518,8 @@ class MockVLLM:
         self.active = 0
         #: Generation calls answered with ``failure_status`` by the random ``failure_rate``.
         self.failed_randomly = 0
+        #: Streams holding their abort until the event given to :meth:`abort_next` is set.
+        self.aborting = 0
         self._faults: deque[_Fault] = deque()
         self._ids = itertools.count()
         self._changed: anyio.Event | None = None  # exists while someone is in wait_until()
@@ -493,6 +546,15 @@ class MockVLLM:
         """The next ``count`` calls lose their connection: streams after ``after_events`` events, others at once."""
         self._faults.extend(_Fault("break", after_events=after_events) for _ in range(count))
 
+    def abort_next(self, count: int = 1, *, after_tokens: int = 2, release: anyio.Event | None = None) -> None:
+        """The next ``count`` generation calls are aborted (finish reason ``"abort"``, as an engine aborts them for
+        a weight update) after ``after_tokens`` tokens. With ``release``, a token-in generation
+        (``/inference/v1/generate``) sends its abort only once it is set: a stream its tokens before the abort
+        first, a whole answer all of it (:attr:`aborting` counts the answers waiting so)."""
+        self._faults.extend(
+            _Fault("abort", after_events=after_tokens, release=release) for _ in range(count)
+        )
+
     def omit_ids_next(self, count: int = 1) -> None:
         """The next ``count`` generation calls are answered without token ids, as if not asked for them."""
         self._faults.extend(_Fault("no_ids") for _ in range(count))
@@ -511,7 +573,7 @@ class MockVLLM:
     def expected(self, body: Mapping[str, Any]) -> list[tuple[list[int], list[int]]]:
         """``(prompt_ids, response_ids)`` per choice, in index order, that this mock answers ``body`` with."""
         kind = "chat" if "messages" in body else "completion"
-        gen = _Generation(kind, body, functools.partial(self._budget, body), True, self.model)
+        gen = _Generation(kind, body, functools.partial(self._budget, body), True, self.model, self.template)
         return [(c.prompt, c.ids) for c in gen.choices]
 
     async def wait_until(self, predicate: Callable[[MockVLLM], bool]) -> None:
@@ -540,6 +602,10 @@ class MockVLLM:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        if self.scale_out is not None:
+            app.router.add_post("/v1/chat/completions/render", self._render)
+            app.router.add_post("/inference/v1/generate", self._generate_ids)
+            app.router.add_post("/v1/chat/completions/derender", self._derender)
         runner = web.AppRunner(
             app,
             handler_cancellation=True,
@@ -598,7 +664,7 @@ class MockVLLM:
     async def _models(self, request: web.Request) -> web.Response:
         self._seen(request, b"", None)
         card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm"}
-        card |= {"root": self.model, "parent": None, "max_model_len": 4096}
+        card |= {"root": self.model, "parent": None, "max_model_len": self.max_model_len or 4096}
         return web.Response(body=orjson.dumps({"object": "list", "data": [card]}), content_type=_JSON_TYPE)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -623,7 +689,9 @@ class MockVLLM:
     def _budget(self, body: Mapping[str, Any], prompt: Sequence[int]) -> tuple[int, str]:
         """Tokens generated for ``prompt`` and the finish reason: "length" when ``max_tokens`` or the context
         window (``max_model_len``, which a request without ``max_tokens`` may fill) cut the answer short."""
-        limit = self._max_tokens(body)
+        return self._budget_for(self._max_tokens(body), prompt)
+
+    def _budget_for(self, limit: int | None, prompt: Sequence[int]) -> tuple[int, str]:
         if limit is None and self.max_model_len is not None:
             limit = self.max_model_len - len(prompt)  # vLLM's default: the rest of the window
         if limit is not None and limit <= self.completion_tokens:
@@ -690,7 +758,7 @@ class MockVLLM:
             self._seen(request, raw, None)
             return _json_error(400, f"invalid JSON body: {exc}", "BadRequestError")
         self._seen(request, raw, body)
-        if fault is not None and fault.kind != "no_ids":
+        if fault is not None and fault.kind not in ("no_ids", "abort"):
             return await self._fault(request, fault, body)
         delay = self._delay()
         if delay > 0:
@@ -699,13 +767,17 @@ class MockVLLM:
             return await self._replay_answer(request, body)
         if not isinstance(body, dict):
             return _json_error(400, "request body must be a JSON object", "BadRequestError")
+        if kind == "tokens":
+            return await self._answer_ids(request, body, fault)
         if body.get("model") != self.model:
             return _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         refusal = self._too_long(body)
         if refusal is not None:
             return refusal
-        with_ids = body.get("return_token_ids") is True and fault is None
-        gen = _Generation(kind, body, functools.partial(self._budget, body), with_ids, self.model)
+        with_ids = body.get("return_token_ids") is True and (fault is None or fault.kind == "abort")
+        gen = _Generation(kind, body, functools.partial(self._budget, body), with_ids, self.model, self.template)
+        if fault is not None and fault.kind == "abort":
+            gen.abort_after(fault.after_events)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-mock{next(self._ids)}"
         if body.get("stream") is True:
@@ -714,13 +786,24 @@ class MockVLLM:
         return web.Response(body=gen.response(request_id), headers=headers)
 
     async def _stream(
-        self, request: web.Request, events: Sequence[bytes], break_after: int = -1
+        self,
+        request: web.Request,
+        events: Sequence[bytes],
+        break_after: int = -1,
+        release: tuple[int, anyio.Event] | None = None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**self.response_headers, "Content-Type": _SSE_TYPE})
         await response.prepare(request)
         for i, event in enumerate(events):
             if i == break_after:
                 await self._break(request)
+            if release is not None and i == release[0]:
+                self.aborting += 1
+                self._notify()
+                try:
+                    await release[1].wait()
+                finally:
+                    self.aborting -= 1
             if i and self.chunk_latency > 0:
                 await anyio.sleep(self.chunk_latency)
             await response.write(event)
@@ -780,6 +863,208 @@ class MockVLLM:
             await response.write(piece)
         await response.write_eof()
         return response
+
+
+    # ------------------------------------------------------------------ token-in (vLLM --enable-scale-out)
+    def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
+        if self.scale_out:
+            return None
+        self._seen(request, b"", None)
+        message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+        return _json_error(403, message, "PermissionDeniedError")
+
+    async def _read_json(self, request: web.Request) -> tuple[Any, web.Response | None]:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            self._seen(request, raw, None)
+            return None, _json_error(400, f"invalid JSON body: {exc}", "BadRequestError")
+        self._seen(request, raw, body)
+        if not isinstance(body, dict):
+            return None, _json_error(400, "request body must be a JSON object", "BadRequestError")
+        if body.get("model") not in (None, self.model):
+            return None, _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        return body, None
+
+    async def _render(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/render``: the chat request's prompt ids and sampling parameters."""
+        if (refusal := self._scale_out_refusal(request)) is not None:
+            return refusal
+        body, error = await self._read_json(request)
+        if error is not None:
+            return error
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return _json_error(400, "messages must be a non-empty list", "BadRequestError")
+        [ids] = prompt_token_ids(body, self.template)
+        limit = self._max_tokens(body)
+        if limit is None and self.max_model_len is not None:
+            limit = self.max_model_len - len(ids)
+        logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+        forced = _forced_tool(body)
+        sampling = {
+            "n": 1,
+            "temperature": body.get("temperature", 1.0),
+            "top_p": body.get("top_p", 1.0),
+            "top_k": body.get("top_k", 0),
+            "seed": body.get("seed"),
+            "max_tokens": limit if limit is not None else 16,
+            "min_tokens": body.get("min_tokens", 0),
+            "logprobs": logprobs,
+            "stop": body.get("stop") or [],
+            "structured_outputs": {"json": {"type": "array"}} if forced is not None else None,
+        }
+        answer = {
+            "request_id": f"chatcmpl-mock{next(self._ids)}",
+            "token_ids": ids,
+            "features": None,
+            "sampling_params": sampling,
+            "model": body.get("model"),
+            "stream": bool(body.get("stream")),
+            "stream_options": body.get("stream_options") if body.get("stream") else None,
+            "output_mode": "tokens",
+            "cache_salt": None,
+            "priority": 0,
+        }
+        return web.Response(body=orjson.dumps(answer), content_type=_JSON_TYPE)
+
+    async def _generate_ids(self, request: web.Request) -> web.StreamResponse:
+        """``POST /inference/v1/generate``: ids in, ids out (a generation call: faults apply)."""
+        if (refusal := self._scale_out_refusal(request)) is not None:
+            return refusal
+        return await self._generate(request, "tokens")
+
+    async def _answer_ids(self, request: web.Request, body: dict[str, Any], fault: _Fault | None) -> web.StreamResponse:
+        prompt = body.get("token_ids")
+        sampling = body.get("sampling_params")
+        if type(prompt) is not list or not prompt or not isinstance(sampling, dict):
+            return _json_error(400, "token_ids (non-empty) and sampling_params are required", "BadRequestError")
+        if body.get("model") not in (None, self.model):
+            return _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        asked = sampling.get("max_tokens")
+        limit = asked if type(asked) is int else None
+        if self.max_model_len is not None:
+            if len(prompt) + (limit or 0) > self.max_model_len or len(prompt) >= self.max_model_len:
+                message = (
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                    f"{len(prompt) + (limit or 0)} tokens. Please reduce the length of the prompt."
+                )
+                return _json_error(400, message, "BadRequestError")
+            if limit is None:
+                limit = self.max_model_len - len(prompt)
+        count, finish = self._budget_for(limit, prompt)
+        ids = completion_token_ids(prompt, 0, count)
+        if fault is not None and fault.kind == "abort":
+            ids, finish = ids[: fault.after_events], "abort"
+        request_id = str(body.get("request_id") or f"mock{next(self._ids)}")
+        logprobs = sampling.get("logprobs") is not None
+
+        def entries(part: Sequence[int]) -> dict[str, Any] | None:
+            if not logprobs:
+                return None
+            return {"content": [{"token_id": t, "logprob": token_logprob(t), "rank": None, "top_logprobs": []} for t in part]}
+
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+        if body.get("stream") is not True:
+            if fault is not None and fault.kind == "abort" and fault.release is not None:
+                self.aborting += 1
+                self._notify()
+                try:
+                    await fault.release.wait()
+                finally:
+                    self.aborting -= 1
+            choice = {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None}
+            choice |= {"logprobs": entries(ids), "weight_versions": None}
+            answer = {"request_id": request_id, "model": self.model, "created": int(time.time()), "choices": [choice]}
+            answer |= {"usage": usage, "output_mode": "tokens"}
+            headers = {**self.response_headers, "Content-Type": _JSON_TYPE}
+            return web.Response(body=orjson.dumps(answer), headers=headers)
+        pieces = [[t] for t in ids] or [[]]
+        events = []
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            choice = {"index": 0, "token_ids": piece, "finish_reason": finish if last else None}
+            choice |= {"stop_reason": None, "logprobs": entries(piece)}
+            events.append(_sse({"request_id": request_id, "output_mode": "tokens", "choices": [choice]}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append(_sse({"request_id": request_id, "output_mode": "tokens", "choices": [], "usage": usage}))
+        events.append(_DONE)
+        release = None
+        if fault is not None and fault.kind == "abort" and fault.release is not None:
+            release = (len(pieces) - 1, fault.release)
+        return await self._stream(request, events, release=release)
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        """``POST /v1/chat/completions/derender``: generated ids as a chat answer (whole, or one stream chunk
+        with the caller's ``stream_state``), tool calls as the chat endpoint makes them."""
+        if (refusal := self._scale_out_refusal(request)) is not None:
+            return refusal
+        body, error = await self._read_json(request)
+        if error is not None:
+            return error
+        chat = body.get("chat_request") or {}
+        tool = _forced_tool(chat)
+        ids_back = chat.get("return_token_ids") is True
+        model = body.get("model") or self.model
+        if body.get("stream") is not True:
+            generated = body.get("generate_response") or {}
+            [choice] = generated.get("choices") or [{}]
+            ids = choice.get("token_ids")
+            if not ids:
+                return _json_error(400, f"choice {choice.get('index', 0)} has empty or null token_ids", "BadRequestError")
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(map(_text, ids)), "reasoning": None}
+            finish = choice.get("finish_reason")
+            if tool is not None:
+                call_id = f"chatcmpl-tool-{sum(ids) % 10**8:08d}"
+                function = {"name": tool, "arguments": "".join(tool_arguments(ids))}
+                message |= {"content": None, "tool_calls": [{"id": call_id, "type": "function", "function": function}]}
+                finish = "tool_calls" if finish == "stop" else finish
+            out_choice = {"index": 0, "message": message, "logprobs": self._chat_logprobs_of(choice), "finish_reason": finish}
+            out_choice |= {"stop_reason": choice.get("stop_reason"), "token_ids": ids if ids_back else None}
+            prompt_tokens = body.get("prompt_tokens") or 0
+            usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(ids), "completion_tokens": len(ids)}
+            answer = {"id": generated.get("request_id"), "object": "chat.completion", "created": int(time.time())}
+            answer |= {"model": model, "choices": [out_choice], "usage": usage}
+            return web.Response(body=orjson.dumps(answer), content_type=_JSON_TYPE)
+        generated = body.get("generate_chunk") or {}
+        state = dict(body.get("stream_state") or {"role_sent": False, "tokens": 0})
+        choices = []
+        for choice in generated.get("choices") or ():
+            ids = choice.get("token_ids") or []
+            finish = choice.get("finish_reason")
+            delta: dict[str, Any] = {} if state["role_sent"] else {"role": "assistant"}
+            if tool is None:
+                if ids:
+                    delta["content"] = "".join(map(_text, ids))
+            else:
+                pieces = "".join(f"t{t}" if state["tokens"] + k == 0 else f" t{t}" for k, t in enumerate(ids))
+                arguments = ('{"value": "' if state["tokens"] == 0 and ids else "") + pieces
+                if finish is not None:
+                    arguments += '"}' if state["tokens"] + len(ids) else '{"value": ""}'
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+                if state["tokens"] == 0 and (ids or finish is not None):
+                    call |= {"id": f"chatcmpl-tool-{generated.get('request_id')}", "type": "function"}
+                    call["function"]["name"] = tool
+                delta["tool_calls"] = [call]
+                finish = "tool_calls" if finish == "stop" else finish
+            state = {"role_sent": True, "tokens": state["tokens"] + len(ids)}
+            out = {"index": 0, "delta": delta, "logprobs": self._chat_logprobs_of(choice), "finish_reason": finish}
+            out |= {"stop_reason": choice.get("stop_reason"), "token_ids": ids if ids_back else None}
+            choices.append(out)
+        chunk = {"id": generated.get("request_id"), "object": "chat.completion.chunk", "created": int(time.time())}
+        chunk |= {"model": model, "choices": choices, "usage": None}
+        return web.Response(body=orjson.dumps({"chunk": chunk, "stream_state": state}), content_type=_JSON_TYPE)
+
+    @staticmethod
+    def _chat_logprobs_of(choice: Mapping[str, Any]) -> dict[str, Any] | None:
+        content = (choice.get("logprobs") or {}).get("content")
+        if not isinstance(content, list):
+            return None
+        out = []
+        for entry in content:
+            text = _text(entry["token_id"])
+            out.append({"token": text, "logprob": entry["logprob"], "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": out}
 
 
 def _json_error(status: int, message: str, type_: str) -> web.Response:
