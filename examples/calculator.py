@@ -7,7 +7,8 @@ The agent asks the model with ``tools=[calculate]``; its first call insists on t
 "required"``: the engine's constrained decoding makes the model write a well-formed call whose ``expression``
 matches the tool's schema), the agent runs the tool and sends its result back as a ``tool`` message, and the
 model answers (``tool_choice: "auto"``; more tool calls are run the same way, up to ``MAX_TURNS`` calls). The
-reward is the share of the numbers in the final answer that are the right result.
+reward: 0.5 when a tool call computed the right result, plus 0.5 times the share of the numbers in the final
+answer that are it.
 
 Every call after the first re-sends the conversation as text (tool call and result included); aglverl's
 proxy generates it from the exact token ids of the previous call plus the new messages (token-in chat), so a
@@ -15,9 +16,11 @@ rollout's calls merge into one training row: ``rows per rollout`` is printed, 1.
 merged.
 
 The built-in tiny model is random and cannot read numbers yet: by default every question's answer is 12 (``3 *
-4``, ``20 - 8``...), so what it can learn within the 15 default steps is to answer what the tool returned for
-them: the reward rises from ~0.0 past 0.25 (0.43 at step 15 in one run). ``--questions varied`` asks random sums and products, what a real
-instruction model learns (``--model PATH`` on a GPU; ``examples/train_gpu.py`` trains this agent on GSM8K).
+4``, ``9 + 3``...), and the reward is half for a tool call worth the answer, half for an answer that is it, so
+what it can learn within the 15 default steps is to write an expression worth 12 and to answer with the tool's
+result: the reward rises from ~0.0 past 0.25 (0.43 at step 15 in one run). ``--questions varied`` asks random
+sums and products, which a real instruction model learns (``--model PATH`` on a GPU; ``examples/train_gpu.py``
+trains this agent on GSM8K).
 """
 
 from __future__ import annotations
