@@ -794,7 +794,8 @@ def _select_platform_in_driver(platform: Literal["cpu", "gpu"]) -> None:
 
 
 def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gpu"]) -> bool:
-    """Start a local Ray (loopback only) or join ``RAY_ADDRESS``; returns True if this call started it."""
+    """Start a local Ray of this run's own (loopback only), or join ``RAY_ADDRESS`` (or ``ray_init.address``);
+    returns True if this call started or joined it (and so must shut it down)."""
     import ray
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
@@ -811,9 +812,12 @@ def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gp
         if value is not None:
             runtime_env[key] = value
     init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS") or init_kwargs.get("address") not in (None, "local"):
         ray.init(runtime_env=runtime_env, **init_kwargs)
         return True
+    # A Ray of this run's own: without ``address``, ray.init joins any cluster another program started on this
+    # machine with ``ray start`` (and then refuses num_cpus / num_gpus); RAY_ADDRESS is how to join one.
+    init_kwargs["address"] = "local"
     from .verl_plugin.patches import loopback_only_ray
 
     loopback_only_ray()
