@@ -1,6 +1,6 @@
 """A LangGraph agent with a tool (langchain-openai's ChatOpenAI), trained with AsyncVERL.
 
-    python examples/langgraph_tool.py                  # ChatOpenAI's default: chat completions (~4 min on CPU)
+    python examples/langgraph_tool.py                  # ChatOpenAI's default: chat completions (~3 min on CPU)
     python examples/langgraph_tool.py --api responses  # ChatOpenAI(use_responses_api=True)
     python examples/langgraph_tool.py --questions varied   # any product: for a real model (a GPU)
 
