@@ -75,10 +75,10 @@ class ShardsGone(RuntimeError):
 
 
 def check_shard_count(value: Any, name: str = "proxy_shards") -> ShardCount:
-    """``value`` if it is an int >= 1 or ``"per_node"``; else a ``ValueError`` naming ``name``."""
+    """``value`` if it is an integer >= 1 or ``"per_node"``; else a ``ValueError`` naming ``name``."""
     if value == "per_node" or (type(value) is int and value >= 1):
         return value
-    raise ValueError(f"{name} must be an int >= 1 or 'per_node', got {value!r}")
+    raise ValueError(f"{name} must be an integer >= 1 or 'per_node', got {value!r}")
 
 
 def place_shards(count: ShardCount, backend_nodes: Mapping[str, str] | None = None) -> list[str]:

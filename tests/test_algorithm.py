@@ -101,12 +101,16 @@ def test_verls_vllm_rollout_serves_the_token_in_endpoints_unless_the_user_says_o
 
 def test_aglverl_section_configures_the_daemon() -> None:
     _, options = compose_config(
-        {**SMALL, "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None}}
+        {
+            **SMALL,
+            "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None, "proxy_shards": "per_node"},
+        }
     )
     assert options.max_attempts == 5
     assert options.llm_resource == "plain"
     assert options.agents == 3
     assert options.journal is None
+    assert options.proxy_shards == "per_node"
 
 
 @pytest.mark.parametrize(
@@ -163,6 +167,11 @@ def test_unknown_keys_and_bad_values_are_errors_naming_the_key(overrides: dict, 
         ({"aglverl": {"platform": "tpu"}}, "aglverl.platform must be one of 'auto', 'cpu', 'gpu', got 'tpu' (str)"),
         ({"aglverl": {"token": 123}}, "aglverl.token must be a string or null, got 123 (int)"),
         ({"aglverl": {"signal": "strict"}}, "aglverl.signal must be a mapping of SignalConfig's fields"),
+        ({"aglverl": {"proxy_shards": 0}}, "aglverl.proxy_shards must be an integer >= 1 or 'per_node', got 0"),
+        (
+            {"aglverl": {"proxy_shards": "per-node"}},
+            "aglverl.proxy_shards must be an integer or one of 'per_node', got 'per-node' (str)",
+        ),
         (
             {"actor_rollout_ref.actor.ppo_mini_batch_size": 8},
             "actor_rollout_ref.actor.ppo_mini_batch_size (8) is larger than data.train_batch_size (4): verl would "

@@ -299,5 +299,5 @@ def test_shards_go_beside_the_backends_nodes_or_on_every_alive_node(ray_cluster:
     assert place_shards("per_node", beside) == [alive[1]]  # one per node hosting replicas
     assert place_shards(2, beside) == [alive[1], alive[1]]
     assert place_shards(1, {"http://127.0.0.1:3": "a-node-that-is-gone"}) == [alive[0]]
-    with pytest.raises(ValueError, match="proxy_shards must be an int >= 1 or 'per_node', got 0"):
+    with pytest.raises(ValueError, match="proxy_shards must be an integer >= 1 or 'per_node', got 0"):
         AgentDaemon(proxy_shards=0)

@@ -33,6 +33,7 @@ TRAIN = [{"prompt": "Say yes.", "id": i} for i in range(16)]
 
 def config(mode: str, steps: int) -> dict[str, Any]:
     return {
+        "ray_kwargs": {"ray_init": {"address": os.environ["RAY_ADDRESS"]}},  # the module's cluster, named
         "data": {"train_batch_size": 2, "max_prompt_length": 96, "max_response_length": 32, "shuffle": False},
         "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
         "algorithm": {"adv_estimator": "grpo"},
