@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 class _BusyTimeline(Protocol):
-    def busy_intervals(self, start: float, stop: float) -> list[tuple[float, float]]: ...
+    """When at least one LLM call was in flight: the proxy's own timeline, or the union of its shards'."""
 
+    def busy_intervals(self, start: float, stop: float) -> list[tuple[float, float]]: ...
 
 
 class AgentDaemon:

@@ -70,7 +70,10 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
         from aglverl.verl_plugin.patches import loopback_only_ray
 
         loopback_only_ray()
-        await anyio.to_thread.run_sync(lambda: ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False))
+        # a Ray of this child's own (never a cluster another program started on this machine)
+        await anyio.to_thread.run_sync(
+            lambda: ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        )
     try:
         started = time.monotonic()
         async with AgentDaemon(
@@ -105,7 +108,7 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
         if shards > 1:
             import ray
 
-            ray.shutdown()
+            await anyio.to_thread.run_sync(ray.shutdown)
 
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
