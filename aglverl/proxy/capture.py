@@ -1,37 +1,27 @@
-"""Token capture: reading token ids, log-probs and stop reasons out of answers and streams, into records.
+"""Token capture: reading token ids, log-probs and stop reasons out of answers and streams.
 
 :class:`_Capture` assembles one call's choices from a whole JSON body (``apply``) or from its SSE stream fed in
 chunks cut anywhere (``feed``; each complete event is parsed once). Choices are kept by ``index`` (``n > 1``
 streams interleave them). A choice's ids are reported only when complete: one piece of output without ids
 (``ids_missing``) or one event that cannot be parsed (``broken``) makes them absent, never partial; log-probs
-only when there is exactly one float per id.
+only when there is exactly one float per id. With ``answers``, each chat choice's answer as the agent gets it
+(content, tool calls) is assembled too (:class:`~aglverl.proxy.session.Answer`, for token-in sessions).
 
-:class:`_Recorder` (a part of :class:`~aglverl.proxy.LLMProxy`) turns a call into
-:class:`~aglverl.store.LLMCall` rows, one per choice, and puts them in the store: :meth:`_Recorder._commit`
-once, as soon as the outcome is known and before the agent can see the end of its answer (an agent that
-reports its rollout done on its last byte must find its last call recorded); :meth:`_Recorder._finish` counts
-every call once and, if the delivery failed after the commit, turns its records into failed ones. Ids that are
-not valid int64 ids below the store's vocabulary size are recorded as absent; a failed call's partial output is
-never recorded as a response; an abort nobody resumed fails the call. It reads the host's ``store`` and
-metrics, and nothing of the relay or the resumption.
+Pure and synchronous: no I/O, no clock, nothing awaited. Bad input (an event that is not JSON, or not shaped
+like an OpenAI answer) is never raised: it makes the capture ``broken``. What becomes of a capture (records in
+the store) is :mod:`~aglverl.proxy.recorder`'s.
 """
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import orjson
 from multidict import CIMultiDictProxy
 
-from ..metrics import Counter, Histogram
-from ..models import checked_token_ids
-from ..store import LLMCall
-from .call import _Call, _error_message
 from .session import Answer
-from .store_view import ProxyStore
 
 #: Paths (after ``/v1/``) whose token ids are captured, and the response shape each one has.
 CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
@@ -243,158 +233,3 @@ def _reported_version(headers: CIMultiDictProxy[str]) -> int | None:
     if value is None or not value.isdigit():
         return None
     return int(value)
-
-
-def _stop_limit(
-    finish_reason: str | None, ids: Sequence[int] | None, max_tokens: int | None
-) -> Literal["max_tokens", "context"] | None:
-    """Which limit ended a response that the backend says stopped on ``"length"``, if it did.
-
-    An engine stops on length at the request's ``max_tokens`` or at its context window; a request without
-    ``max_tokens`` gets the rest of the window (vLLM's default), so stopping short of ``max_tokens`` (or with
-    none asked for) means the window was full.
-    """
-    if finish_reason != "length":
-        return None
-    if max_tokens is not None and (ids is None or len(ids) >= max_tokens):
-        return "max_tokens"
-    return "context"
-
-
-# ---------------------------------------------------------------------------------------------- recording
-class _TurnKeeper(Protocol):
-    """What keeps recorded calls' turns for token-in chat (:class:`~aglverl.proxy.tokenin.TokenIn`)."""
-
-    def remember(self, call: _Call) -> None: ...
-
-
-class _Recorder:
-    """Records and counts calls (see the module docstring); a part of :class:`~aglverl.proxy.LLMProxy`."""
-
-    if TYPE_CHECKING:  # the host's state (set by LLMProxy.__init__)
-        store: ProxyStore
-        m_calls: Counter
-        m_no_ids: Counter
-        m_unrecorded: Counter
-        m_generated: Counter
-        m_resume_failed: Counter
-        token_in: _TurnKeeper | None
-        m_upstream: Histogram
-        m_first_byte: Histogram
-        m_added: Histogram
-
-    def _capture_body(self, call: _Call, status: int, body: bytes) -> Any:
-        """Capture a whole answer's ids; returns the parsed body (``None`` when nothing was captured)."""
-        if status >= 400:
-            self._upstream_refused(call, status, body)
-            return None
-        if call.capture is None:
-            return None
-        try:
-            answer = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            call.fail(f"backend answered {status} with a body that is not JSON")
-            return None
-        call.capture.apply(answer)
-        return answer
-
-    @staticmethod
-    def _upstream_refused(call: _Call, status: int, body: bytes) -> None:
-        """Fail a call the backend answered with an error; note a prompt refused for the context window."""
-        message = _error_message(body)
-        if 400 <= status < 500 and status != 429 and CONTEXT_REFUSAL.search(message):
-            call.limit = "context"
-        call.fail(f"backend answered {status}: {message}", "upstream_error")
-
-    def _commit(self, call: _Call) -> None:
-        """Put an attributed call in the store (once), as soon as its outcome is known.
-
-        That is before the agent can see the end of the response: an agent that reports its rollout the
-        moment it has its answer must not finish the rollout before its last call is recorded.
-        """
-        if call.records is not None or call.rollout_id is None or call.kind is None:
-            return
-        assert call.attempt_id is not None
-        if call.capture is not None and call.capture.aborted and call.error is None:
-            # An abort the proxy could not take out (a chunked JSON answer, an event it did not recognise):
-            # a partial response must not be trained on as a whole one.
-            self.m_resume_failed.inc(1, "unsupported")
-            call.fail("the backend aborted the generation (finish_reason 'abort') and it was not resumed")
-        call.records = self._records(call, time.monotonic() - call.t0)
-        if not self.store.record_calls(call.rollout_id, call.attempt_id, call.records):
-            self.m_unrecorded.inc()
-        elif call.tokenin is not None and self.token_in is not None:
-            self.token_in.remember(call)
-
-    def _finish(self, call: _Call) -> None:
-        """Count the call; record it if that has not happened, or mark its records failed if delivery failed."""
-        end = time.monotonic()
-        self.m_calls.inc(1, call.outcome)
-        if call.upstream_end:
-            upstream = call.upstream_end - call.upstream_start
-            self.m_upstream.observe(upstream)
-            self.m_added.observe(max(0.0, (end - call.t0) - upstream))
-        if call.first_byte:
-            self.m_first_byte.observe(call.first_byte - call.t0)
-        if call.records is None:
-            self._commit(call)
-        elif call.error is not None:
-            for record in call.records:  # recorded as answered, then the agent never got the answer
-                if record.status == "ok":
-                    record.status, record.error = "failed", call.error
-                    record.response_token_ids = record.logprobs = record.finish_reason = record.limit = None
-
-    def _records(self, call: _Call, latency: float) -> list[LLMCall]:
-        capture = call.capture
-        ok = call.error is None
-        common: dict[str, Any] = {
-            "rollout_id": call.rollout_id,
-            "attempt_id": call.attempt_id,
-            "seq": call.seq,
-            "path": call.path,
-            "backend": call.backend,
-            "started_at": call.started_at,
-            "latency": latency,
-            "status": "ok" if ok else "failed",
-            "error": call.error,
-            "model": (capture.model if capture is not None else None) or call.model,
-            "weight_version": call.weight_version,
-            "weight_version_end": (
-                call.weight_version if call.weight_version_end is None else call.weight_version_end
-            ),
-            "sampling": call.sampling,
-            "off_policy": call.off_policy,
-        }
-        vocab = self.store.vocab_size
-        choices = capture.result() if capture is not None else []
-        if not choices:
-            prompt = checked_token_ids(capture.prompt_ids, vocab) if capture is not None else None
-            if ok:
-                self.m_no_ids.inc()
-            return [LLMCall(**common, prompt_token_ids=prompt, limit=call.limit)]
-        records = []
-        for idx, choice, ids, logprobs in choices:
-            prompt = choice.prompt_ids if choice.prompt_ids is not None else capture.prompt_ids  # type: ignore[union-attr]
-            # Whatever a backend sends as ids must be valid int64 ids below the vocabulary size, or it is
-            # recorded as "no ids": one malformed answer must not reach (and break) a training batch.
-            prompt, ids = checked_token_ids(prompt, vocab), checked_token_ids(ids, vocab)
-            if ids is None:
-                logprobs = None
-            if not ok:
-                ids = logprobs = None  # a broken call's partial output is never passed off as a response
-            elif ids is None or prompt is None:
-                self.m_no_ids.inc()
-            if ids is not None:
-                self.m_generated.inc(len(ids))
-            records.append(
-                LLMCall(
-                    **common,
-                    choice_index=idx,
-                    prompt_token_ids=prompt,
-                    response_token_ids=ids,
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason if ok else None,
-                    limit=_stop_limit(choice.finish_reason, ids, call.max_tokens) if ok else call.limit,
-                )
-            )
-        return records

@@ -1,0 +1,237 @@
+"""The proxy's package as parts: its imports run one way, no part is built from another's class, and parts
+work alone (the gate, the pool, the recorder), each given only what its constructor takes."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pkgutil
+import time
+from collections.abc import Sequence
+from importlib import import_module
+from pathlib import Path
+
+import anyio
+import orjson
+import pytest
+from anyio.lowlevel import checkpoint
+
+import aglverl.proxy
+from aglverl.metrics import Registry
+from aglverl.proxy import ProxyError, RetryPolicy, _Call, _Capture
+from aglverl.proxy.config import ProxyConfig
+from aglverl.proxy.gate import Gate
+from aglverl.proxy.meters import Meters
+from aglverl.proxy.pool import Pool
+from aglverl.proxy.recorder import Recorder
+from aglverl.proxy.session import Sessions
+from aglverl.store import LLMCall, StoreError
+
+pytestmark = pytest.mark.anyio
+
+PACKAGE = Path(aglverl.proxy.__file__).parent
+MODULES = sorted(info.name for info in pkgutil.iter_modules([str(PACKAGE)]))
+
+
+def _imports(module: str) -> set[str]:
+    """The package's modules that ``module`` imports anywhere (``TYPE_CHECKING`` blocks and functions too)."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:  # from .x import ..., or from . import x
+                names = [node.module] if node.module else [alias.name for alias in node.names]
+            elif node.level == 0 and (node.module or "").startswith("aglverl.proxy."):
+                names = [(node.module or "").split(".")[2]]
+            else:
+                continue
+            found.update(name.split(".")[0] for name in names if name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("aglverl.proxy."):
+                    found.add(alias.name.split(".")[2])
+    return found & set(MODULES)
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (``[a, b, ..., a]``), or ``None`` when it has none."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_the_proxy_package_has_no_import_circle() -> None:
+    graph = {module: _imports(module) - {module} for module in MODULES if module != "__init__"}
+    assert {"app", "gate", "pool", "recorder", "relay", "resume", "tokenin"} <= set(graph)
+    assert _circle(graph) is None, f"import circle in aglverl.proxy: {' -> '.join(_circle(graph) or [])}"
+    # the parts stand on the vocabulary, never the other way round
+    assert not _imports("call") & {"app", "gate", "pool", "recorder", "relay", "resume", "tokenin", "respond"}
+    assert _imports("capture") <= {"session"} and _imports("session") == set()
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_class_of_the_proxy_is_built_from_another_of_its_classes() -> None:
+    for name in MODULES:
+        module = import_module(f"aglverl.proxy.{name}")
+        assert module.__doc__ and len(module.__doc__) > 200, f"aglverl.proxy.{name} states no contract"
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            inherited = [base for base in cls.__mro__[1:] if base.__module__.startswith("aglverl.proxy")]
+            assert not inherited, f"{cls.__qualname__} inherits {inherited}: parts hold each other instead"
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+async def test_the_gate_alone_drains_on_pause_and_lets_waiting_calls_go_on_resume() -> None:
+    meters = Meters(Registry())
+    gate = Gate(ProxyConfig(pause_timeout=30.0), meters)
+    gate.enter()
+    drained, admitted = anyio.Event(), anyio.Event()
+
+    async def pause() -> None:
+        await gate.pause()
+        drained.set()
+
+    async def admit() -> None:
+        await gate.admit()
+        admitted.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pause)
+        tg.start_soon(admit)
+        while gate.waiting < 1:  # the admission is parked at the gate
+            await checkpoint()
+        assert gate.paused and gate.closed and not drained.is_set()
+        gate.leave()  # the last call in flight ends: the pause returns
+        await drained.wait()
+        assert not admitted.is_set() and gate.in_flight == 0
+        gate.resume(7)
+        await admitted.wait()
+    assert gate.weight_version == 7 and not gate.closed and gate.waiting == 0
+    assert meters.held.value() == 1
+    assert gate.activity.busy_intervals(0.0, float("inf"))  # the call's time in flight was recorded
+
+
+async def test_the_gate_alone_refuses_a_new_call_held_past_hold_timeout() -> None:
+    meters = Meters(Registry())
+    gate = Gate(ProxyConfig(pause_timeout=0.05, hold_timeout=0.05), meters)
+    gate.hold()
+    with pytest.raises(ProxyError) as refused:
+        await gate.admit()
+    assert refused.value.status == 503 and "paused for a weight update" in refused.value.message
+    assert gate.held and gate.waiting == 0
+
+
+async def test_the_gate_alone_gives_up_a_retried_continuation_once_its_budget_is_spent() -> None:
+    meters = Meters(Registry())
+    config = ProxyConfig(retry=RetryPolicy(backoff_initial=0.01, backoff_max=0.01, jitter=0.0))
+    gate = Gate(config, meters)
+    deadline = time.monotonic() + 10.0
+    assert await gate.clear_to_retry(deadline, 0, "held", "refused") == deadline  # open, no refusal: go now
+    assert await gate.clear_to_retry(deadline, 3, "held", "refused") == deadline  # after a 10 ms backoff
+    with pytest.raises(ProxyError) as refused:  # the backoff would end past the budget
+        await gate.clear_to_retry(time.monotonic() + 0.005, 3, "held", "kept refusing")
+    assert refused.value.status == 503 and refused.value.message == "kept refusing"
+    assert meters.resume_failed.value("refused") == 1
+
+
+# ---------------------------------------------------------------------------------------------- the pool
+def test_the_pool_alone_keeps_a_rollout_on_its_backend_and_sends_a_new_one_to_the_least_loaded() -> None:
+    pool = Pool(ProxyConfig(), Meters(Registry()), ["http://127.0.0.1:1", "http://127.0.0.1:2/"])
+    assert pool.backends == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    first = pool.pick("r1", ())
+    assert first is not None
+    first.in_flight += 1
+    second = pool.pick("r2", ())
+    assert second is not None and second is not first  # the least loaded
+    second.in_flight += 2
+    assert pool.pick("r1", ()) is first  # sticky, though now the busier one
+    assert pool.pick("r1", [first]) is second  # a retry goes elsewhere
+    pool.forget(["r1"])
+    assert pool.pick("r1", ()) is first  # a new rollout again: the least loaded
+    with pytest.raises(ValueError, match="no path"):
+        pool.set_backends(["http://127.0.0.1:1/v1"])
+
+
+# ---------------------------------------------------------------------------------------------- the recorder
+class _Kept:
+    """A :class:`~aglverl.proxy.store_view.ProxyStore` that keeps one attempt's records (as a shard does)."""
+
+    vocab_size: int | None = 1000
+
+    def __init__(self) -> None:
+        self.calls: list[LLMCall] = []
+        self.open = True
+
+    def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
+        if (rollout_id, attempt_id) != ("r", "a"):
+            raise StoreError(f"unknown attempt {attempt_id!r}", 404)
+
+    def record_calls(self, rollout_id: str, attempt_id: str, calls: Sequence[LLMCall]) -> bool:
+        if not self.open:
+            return False
+        self.calls.extend(calls)
+        return True
+
+
+def _answered_call(seq: int, ids: list[int], prompt: list[int]) -> tuple[_Call, bytes]:
+    """A recorded chat call that asked for at most 3 tokens, and the backend's JSON answer to it."""
+    call = _Call(seq, 0.0, "r", "a")
+    call.kind, call.path, call.max_tokens = "chat", "/v1/chat/completions", 3
+    call.capture = _Capture("chat")
+    answer = {
+        "model": "m",
+        "prompt_token_ids": prompt,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "yes"},
+                "finish_reason": "length",
+                "token_ids": ids,
+                "logprobs": {"content": [{"logprob": -0.5} for _ in ids]},
+            }
+        ],
+    }
+    return call, orjson.dumps(answer)
+
+
+def test_the_recorder_alone_records_once_through_the_store_view_and_counts_what_it_cannot() -> None:
+    store, meters = _Kept(), Meters(Registry())
+    recorder = Recorder(store, meters, Sessions())
+    call, body = _answered_call(0, [5, 6, 7], [1, 2])
+    assert recorder.capture_body(call, 200, body)["model"] == "m"
+    recorder.commit(call)
+    recorder.commit(call)  # once only
+    assert [(c.prompt_token_ids, c.response_token_ids, c.logprobs, c.limit) for c in store.calls] == [
+        ([1, 2], [5, 6, 7], [-0.5, -0.5, -0.5], "max_tokens")
+    ]
+    recorder.finish(call)
+    assert meters.calls.value("ok") == 1 and meters.generated.value() == 3
+
+    bad, body = _answered_call(1, [5, 10_000], [1])  # an id past the vocabulary
+    recorder.capture_body(bad, 200, body)
+    store.open = False  # the attempt ended meanwhile: the store keeps nothing more
+    recorder.finish(bad)
+    assert len(store.calls) == 1 and meters.unrecorded.value() == 1
+    assert bad.records is not None and bad.records[0].response_token_ids is None
+    assert meters.no_ids.value() == 1
