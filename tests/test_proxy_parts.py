@@ -26,10 +26,12 @@ from aglverl.proxy.pool import Pool
 from aglverl.proxy.recorder import Recorder
 from aglverl.proxy.session import Sessions
 from aglverl.store import LLMCall, StoreError
+from aglverl.testing import load_replay_cases
 
 pytestmark = pytest.mark.anyio
 
 PACKAGE = Path(aglverl.proxy.__file__).parent
+CASES = load_replay_cases(Path(__file__).parent / "fixtures" / "vllm")
 MODULES = sorted(info.name for info in pkgutil.iter_modules([str(PACKAGE)]))
 
 
@@ -219,7 +221,7 @@ def test_the_recorder_alone_records_once_through_the_store_view_and_counts_what_
     store, meters = _Kept(), Meters(Registry())
     recorder = Recorder(store, meters, Sessions())
     call, body = _answered_call(0, [5, 6, 7], [1, 2])
-    assert recorder.capture_body(call, 200, body)["model"] == "m"
+    assert recorder.capture_body(call, 200, body) and call.capture is not None and call.capture.model == "m"
     recorder.commit(call)
     recorder.commit(call)  # once only
     assert [(c.prompt_token_ids, c.response_token_ids, c.logprobs, c.limit) for c in store.calls] == [
@@ -235,3 +237,64 @@ def test_the_recorder_alone_records_once_through_the_store_view_and_counts_what_
     assert len(store.calls) == 1 and meters.unrecorded.value() == 1
     assert bad.records is not None and bad.records[0].response_token_ids is None
     assert meters.no_ids.value() == 1
+
+    garbled, _ = _answered_call(2, [5], [1])
+    assert not recorder.capture_body(garbled, 200, b'{"choices": [')  # not JSON: the call fails, says why
+    assert garbled.error == "backend answered 200 with a body that is not JSON"
+
+
+# ---------------------------------------------------------------------------------------------- capture
+def _assembled(capture: _Capture) -> list[tuple[object, object, object, object]]:
+    return [(i, c.prompt_ids, ids, lps) for i, c, ids, lps in capture.result()]
+
+
+@pytest.mark.parametrize("name", ["chat_stream", "chat_stream_n2_logprobs", "completion_stream"])
+def test_capture_takes_reads_of_whole_events_as_it_takes_bytes_cut_anywhere(name: str) -> None:
+    case = CASES[name]
+    kind = "chat" if "chat" in case.path else "completion"
+    events = [e + b"\n\n" for e in case.response.split(b"\n\n") if e.strip()]
+    cut_anywhere, one_by_one, in_reads = _Capture(kind), _Capture(kind), _Capture(kind)
+    for i in range(0, len(case.response), 7):
+        cut_anywhere.feed(case.response[i : i + 7])
+    for event in events:
+        one_by_one.take_events(event)
+    for i in range(0, len(events), 3):  # three events a read: decoded together
+        in_reads.take_events(b"".join(events[i : i + 3]))
+    assert cut_anywhere.done and one_by_one.done and in_reads.done and not in_reads.broken
+    assert _assembled(one_by_one) == _assembled(in_reads) == _assembled(cut_anywhere)
+    assert all(ids for _, _, ids, _ in _assembled(in_reads))
+
+
+def test_capture_of_a_read_with_a_garbled_event_is_broken_and_still_sees_the_abort_after_it() -> None:
+    capture = _Capture("chat")
+    good = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5],"finish_reason":null}]}\n\n'
+    garbled = b'data: {"choices":[{"index":0,"delta":\n\n'
+    aborted = (
+        b'data: {"choices":[{"index":0,"delta":{"content":""},"token_ids":[],"finish_reason":"abort"}]}\n\n'
+    )
+    capture.take_events(good + garbled + aborted + b"data: [DONE]\n\n")
+    assert capture.broken and capture.aborted and capture.done
+    assert _assembled(capture) == [(0, None, None, None)]  # ids from a broken stream are never reported
+
+
+def test_capture_reports_logprobs_only_as_one_number_per_id() -> None:
+    def answer(logprobs: list[object]) -> bytes:
+        entries = [{"token": "x", "logprob": v, "bytes": [120], "top_logprobs": []} for v in logprobs]
+        choice = {
+            "index": 0,
+            "message": {"content": "xx"},
+            "token_ids": [1, 2],
+            "logprobs": {"content": entries},
+        }
+        return orjson.dumps({"choices": [choice]})
+
+    for logprobs, expected in (
+        ([-1, -0.5], [-1.0, -0.5]),  # an integer is a number: made a float
+        ([-1.0, None], None),  # not a number: none recorded, ids kept
+        ([-1.0, True], None),  # a boolean is not a log-prob
+        ([-1.0], None),  # not one per id
+    ):
+        capture = _Capture("chat")
+        assert capture.take_body(answer(logprobs))
+        [(_, _, ids, lps)] = capture.result()
+        assert ids == [1, 2] and lps == expected and all(type(v) is float for v in lps or ())

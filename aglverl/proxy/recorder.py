@@ -3,8 +3,8 @@ its attempt's token-in session.
 
 :class:`Recorder` is what every path that answers an attributed call ends with. Its interface:
 
-- :meth:`Recorder.capture_body` — capture a whole answer's ids (the parsed body is returned, for an abort to be
-  continued); :meth:`Recorder.upstream_refused` — fail a call the backend answered with an error, noting a
+- :meth:`Recorder.capture_body` — capture a whole answer's ids (decoded once, without building its per-token
+  entries); :meth:`Recorder.upstream_refused` — fail a call the backend answered with an error, noting a
   prompt refused for the context window (``limit`` ``"context"``).
 - :meth:`Recorder.commit` — put the call's rows in the store (:class:`~aglverl.proxy.store_view.ProxyStore`),
   once, one per choice, as soon as the outcome is known and before the agent can see the end of its answer (an
@@ -25,8 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
-
-import orjson
 
 from ..models import checked_token_ids
 from ..store import LLMCall
@@ -64,20 +62,18 @@ class Recorder:
         #: The attempts' token-in sessions (``None``: token-in is off).
         self.sessions = sessions
 
-    def capture_body(self, call: _Call, status: int, body: bytes) -> Any:
-        """Capture a whole answer's ids; returns the parsed body (``None`` when nothing was captured)."""
+    def capture_body(self, call: _Call, status: int, body: bytes) -> bool:
+        """Capture a whole answer's ids; ``False`` when nothing was captured (an error answer, a call not
+        captured, a body that is not JSON: the call then fails)."""
         if status >= 400:
             self.upstream_refused(call, status, body)
-            return None
+            return False
         if call.capture is None:
-            return None
-        try:
-            answer = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            return False
+        if not call.capture.take_body(body):
             call.fail(f"backend answered {status} with a body that is not JSON")
-            return None
-        call.capture.apply(answer)
-        return answer
+            return False
+        return True
 
     @staticmethod
     def upstream_refused(call: _Call, status: int, body: bytes) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -166,11 +167,11 @@ class Relay:
             # Nothing has reached the agent yet, so this is as retryable as a refused connection.
             raise _Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
         call.upstream_end = time.monotonic()
-        answer = self.recorder.capture_body(call, upstream.status, body)
-        if answer is not None and call.capture is not None and call.capture.aborted:
+        captured = self.recorder.capture_body(call, upstream.status, body)
+        if captured and call.capture is not None and call.capture.aborted:
             assert call.request is not None
             if _resume_blocker(call.request, call.kind) is None:
-                body = await self.resumer.resume_whole(call, answer)
+                body = await self.resumer.resume_whole(call, orjson.loads(body))
             else:
                 body = await self.resumer.regenerate_whole(call)
             call.upstream_end = time.monotonic()
@@ -209,6 +210,7 @@ class Relay:
         refusal = bytearray()  # the start of an error body, to say what was refused
         limit, size = self.config.max_response_bytes, 0
         content = upstream.content
+        taker = capture if events else None  # what takes the ids of each piece of complete events
         while True:
             try:
                 chunk = await content.readany()
@@ -223,7 +225,9 @@ class Relay:
             if not chunk:
                 if cut is None or head is not None or not (chunk := cut.rest()):
                     break
-                cut = None  # the stream ended with an event that had no blank line after it
+                # The stream ended with an event that had no blank line after it: relayed, not dispatched
+                # (as an SSE client drops it).
+                cut = taker = None
             else:
                 size += len(chunk)
             if size > limit:
@@ -242,7 +246,9 @@ class Relay:
                     chunk, head = self.resumer.take_abort(call, chunk)
                 if not chunk:
                     continue
-            if not await self.responder.forward(call, response, chunk, capture, whole):
+            elif whole is not None:
+                whole += chunk
+            if not await self.responder.forward(call, response, chunk, taker):
                 return response
         if head is not None and not await self.resumer.resume_stream(call, response, head):
             return response

@@ -6,9 +6,10 @@ as ``cancelled`` instead, and the method says so where it matters):
 
 - :meth:`Responder.send_whole` — a whole answer: the call is committed (recorded) first, then the response is
   prepared and ended; delivered unless the agent left.
-- :meth:`Responder.forward` — a piece of a streamed answer (translated for a translated call), its ids
-  captured after the write (before it, when the piece may complete the stream: the call is committed before the
-  agent can read ``[DONE]`` and report its rollout done). ``False`` when the agent has gone.
+- :meth:`Responder.forward` — a piece of a streamed answer (translated for a translated call); for a recorded
+  stream, complete events whose ids are captured after the write (before it, when they may complete the
+  stream: the call is committed before the agent can read ``[DONE]`` and report its rollout done). ``False``
+  when the agent has gone.
 - :meth:`Responder.close_stream` — the end of a streamed answer whose last event went out (a translated call's
   last bytes, then EOF): the call is delivered.
 - :meth:`Responder.end_broken` — a response whose head already went out, broken off: a final SSE error event
@@ -29,7 +30,6 @@ from aiohttp import web
 from .call import _Call, _error_body
 from .capture import _Capture
 from .recorder import Recorder
-from .sse import _may_end_stream
 
 logger = logging.getLogger(__name__)
 
@@ -67,25 +67,18 @@ class Responder:
             call.delivered = True
 
     async def forward(
-        self,
-        call: _Call,
-        response: web.StreamResponse,
-        chunk: bytes,
-        capture: _Capture | None,
-        whole: bytearray | None,
+        self, call: _Call, response: web.StreamResponse, chunk: bytes, capture: _Capture | None = None
     ) -> bool:
-        """Send a piece of a streamed answer to the agent (translated, for a translated call) and capture its
-        ids; ``False`` if the agent has gone (the call is then failed as cancelled).
+        """Send a piece of a streamed answer to the agent (translated, for a translated call); ``False`` if the
+        agent has gone (the call is then failed as cancelled).
 
-        ``whole``: a chunked answer that is not SSE, kept whole to be captured at its end instead."""
-        parse_after = capture is not None
-        if whole is not None:
-            whole += chunk
-            parse_after = False
-        elif capture is not None and _may_end_stream(call.tail, chunk):
-            parse_after = False
-            capture.feed(chunk)
-            if capture.done:  # record before the agent can read [DONE] and report its rollout done
+        ``capture``: the piece is complete SSE events, whose ids it takes: after the write (the agent is not kept
+        waiting for the parse), or before it when they may end the stream, so that the call is committed
+        before the agent can read ``[DONE]`` and report its rollout done."""
+        last = capture is not None and b"[DONE]" in chunk
+        if last:
+            capture.take_events(chunk)  # type: ignore[union-attr]
+            if capture.done:  # type: ignore[union-attr]
                 call.upstream_end = time.monotonic()
                 self.recorder.commit(call)
         try:
@@ -99,8 +92,8 @@ class Responder:
         call.tail = chunk
         if call.records is not None:
             call.delivered = True
-        elif parse_after:
-            capture.feed(chunk)  # type: ignore[union-attr]  # parsed once the agent has the bytes
+        elif capture is not None and not last:
+            capture.take_events(chunk)
         return True
 
     async def end_broken(self, call: _Call, status: int, message: str) -> None:

@@ -403,8 +403,7 @@ class Resumer:
                     502, f"backend {backend.url} refused the call made again: {status}: {_error_message(raw)}"
                 )
             call.capture = _Capture(call.kind or "chat")
-            answer = self.recorder.capture_body(call, status, raw)
-            if answer is not None and call.capture.aborted:
+            if self.recorder.capture_body(call, status, raw) and call.capture.aborted:
                 refusals += 1
                 continue
             # Made again wholly after the hold: the proxy's current version when the backend reports none.
@@ -578,9 +577,7 @@ class Resumer:
                 if state.left == 0:  # cut exactly at the limit: nothing is left to generate
                     end = {"choices": [dict(_LENGTH_END)]}
                     events, _ = self._converted(call, state, end)
-                    if not await self.responder.forward(
-                        call, response, events + _DONE_EVENT, call.capture, None
-                    ):
+                    if not await self.responder.forward(call, response, events + _DONE_EVENT, call.capture):
                         return False
                     break
                 upstream = await self._continuation(call, state)
@@ -642,7 +639,7 @@ class Resumer:
                 out.append(converted)
                 if aborted:
                     break
-            if out and not await self.responder.forward(call, response, b"".join(out), call.capture, None):
+            if out and not await self.responder.forward(call, response, b"".join(out), call.capture):
                 return None
             if aborted:
                 await _drain(content)

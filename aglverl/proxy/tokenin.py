@@ -1060,7 +1060,7 @@ class TokenIn:
                     call.fail("agent disconnected", "cancelled")
                     return call.response
                 call.first_byte = time.monotonic()
-            if not await self.responder.forward(call, call.response, out, None, None):
+            if not await self.responder.forward(call, call.response, out):
                 return call.response
             if finish is not None:
                 break
