@@ -7,7 +7,6 @@ import ast
 import inspect
 import pkgutil
 import time
-from collections.abc import Sequence
 from importlib import import_module
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from anyio.lowlevel import checkpoint
 
 import aglverl.proxy
 from aglverl.metrics import Registry
+from aglverl.models import Rollout
 from aglverl.proxy import ProxyError, RetryPolicy, _Call, _Capture
 from aglverl.proxy.config import ProxyConfig
 from aglverl.proxy.gate import Gate
@@ -25,7 +25,7 @@ from aglverl.proxy.meters import Meters
 from aglverl.proxy.pool import Pool
 from aglverl.proxy.recorder import Recorder
 from aglverl.proxy.session import Sessions
-from aglverl.store import LLMCall, StoreError
+from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import load_replay_cases
 
 pytestmark = pytest.mark.anyio
@@ -176,29 +176,13 @@ def test_the_pool_alone_keeps_a_rollout_on_its_backend_and_sends_a_new_one_to_th
 
 
 # ---------------------------------------------------------------------------------------------- the recorder
-class _Kept:
-    """A :class:`~aglverl.proxy.store_view.ProxyStore` that keeps one attempt's records (as a shard does)."""
-
-    vocab_size: int | None = 1000
-
-    def __init__(self) -> None:
-        self.calls: list[LLMCall] = []
-        self.open = True
-
-    def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
-        if (rollout_id, attempt_id) != ("r", "a"):
-            raise StoreError(f"unknown attempt {attempt_id!r}", 404)
-
-    def record_calls(self, rollout_id: str, attempt_id: str, calls: Sequence[LLMCall]) -> bool:
-        if not self.open:
-            return False
-        self.calls.extend(calls)
-        return True
-
-
-def _answered_call(seq: int, ids: list[int], prompt: list[int]) -> tuple[_Call, bytes]:
-    """A recorded chat call that asked for at most 3 tokens, and the backend's JSON answer to it."""
-    call = _Call(seq, 0.0, "r", "a")
+def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple[_Call, bytes]:
+    """A recorded chat call of a newly claimed attempt that asked for at most 3 tokens, and the backend's JSON
+    answer to it."""
+    rollout_id = store.enqueue({"question": "?"})
+    task = store.try_claim()
+    assert task is not None and task.attempt_id is not None
+    call = _Call(0, 0.0, rollout_id, task.attempt_id)
     call.kind, call.path, call.max_tokens = "chat", "/v1/chat/completions", 3
     call.capture = _Capture("chat")
     answer = {
@@ -210,35 +194,44 @@ def _answered_call(seq: int, ids: list[int], prompt: list[int]) -> tuple[_Call, 
                 "message": {"role": "assistant", "content": "yes"},
                 "finish_reason": "length",
                 "token_ids": ids,
-                "logprobs": {"content": [{"logprob": -0.5} for _ in ids]},
+                "logprobs": {"content": [{"token": "x", "logprob": -0.5, "top_logprobs": []} for _ in ids]},
             }
         ],
     }
     return call, orjson.dumps(answer)
 
 
+def _finished(store: TaskStore, call: _Call) -> list[LLMCall]:
+    assert call.rollout_id is not None
+    store.submit_result(Rollout(rollout_id=call.rollout_id, attempt_id=call.attempt_id, final_reward=1.0))
+    return store.record(call.rollout_id).calls
+
+
 def test_the_recorder_alone_records_once_through_the_store_view_and_counts_what_it_cannot() -> None:
-    store, meters = _Kept(), Meters(Registry())
+    store, meters = TaskStore(vocab_size=1000), Meters(Registry())
     recorder = Recorder(store, meters, Sessions())
-    call, body = _answered_call(0, [5, 6, 7], [1, 2])
+    call, body = _answered_call(store, [5, 6, 7], [1, 2])
     assert recorder.capture_body(call, 200, body) and call.capture is not None and call.capture.model == "m"
     recorder.commit(call)
     recorder.commit(call)  # once only
-    assert [(c.prompt_token_ids, c.response_token_ids, c.logprobs, c.limit) for c in store.calls] == [
-        ([1, 2], [5, 6, 7], [-0.5, -0.5, -0.5], "max_tokens")
-    ]
     recorder.finish(call)
+    assert [
+        (c.prompt_token_ids, c.response_token_ids, c.logprobs, c.limit) for c in _finished(store, call)
+    ] == [([1, 2], [5, 6, 7], [-0.5, -0.5, -0.5], "max_tokens")]
     assert meters.calls.value("ok") == 1 and meters.generated.value() == 3
 
-    bad, body = _answered_call(1, [5, 10_000], [1])  # an id past the vocabulary
+    bad, body = _answered_call(store, [5, 10_000], [1])  # an id past the vocabulary: recorded as none
     recorder.capture_body(bad, 200, body)
-    store.open = False  # the attempt ended meanwhile: the store keeps nothing more
     recorder.finish(bad)
-    assert len(store.calls) == 1 and meters.unrecorded.value() == 1
-    assert bad.records is not None and bad.records[0].response_token_ids is None
-    assert meters.no_ids.value() == 1
+    assert [c.response_token_ids for c in _finished(store, bad)] == [None] and meters.no_ids.value() == 1
 
-    garbled, _ = _answered_call(2, [5], [1])
+    late, body = _answered_call(store, [5], [1])
+    recorder.capture_body(late, 200, body)
+    _finished(store, late)  # the attempt ended before its call did: the store keeps nothing more
+    recorder.finish(late)
+    assert meters.unrecorded.value() == 1 and store.record(late.rollout_id or "").calls == []
+
+    garbled, _ = _answered_call(store, [5], [1])
     assert not recorder.capture_body(garbled, 200, b'{"choices": [')  # not JSON: the call fails, says why
     assert garbled.error == "backend answered 200 with a body that is not JSON"
 
