@@ -11,8 +11,11 @@ The config is verl's own: the user's overrides (nested mappings, or dotted keys 
 are merged onto verl's packaged ``ppo_trainer.yaml``, composed by Hydra exactly as
 ``python -m verl.trainer.main_ppo`` composes it, plus an ``aglverl:`` section for the daemon
 (:class:`DaemonOptions`). A key verl's YAML does not have is an error naming it (free-form mappings such as
-``model.override_config`` accept any key). On a machine without a GPU the CPU platform and the embedded rollout
-are selected (:data:`CPU_DEFAULTS`, each of which the user may override); with GPUs, verl's vLLM rollout.
+``model.override_config`` accept any key), and so is a value of the wrong type, out of its range or not one of
+verl's registered choices (:mod:`aglverl.validation`). verl's defaults that only fit GPU-sized batches are
+fitted or flagged, one line each (:func:`_batch_defaults`); a run is named after its script, so its
+checkpoints are its own (:func:`_run_names`). On a machine without a GPU the CPU platform and the embedded
+rollout are selected (:data:`CPU_DEFAULTS`, each of which the user may override); with GPUs, verl's vLLM rollout.
 
 ``run`` starts or joins Ray (``RAY_ADDRESS``; a Ray started here listens on loopback only), starts verl's V1
 trainer (``trainer.v1.trainer_mode``: its workers, inference replicas and TransferQueue), hosts an
@@ -23,22 +26,30 @@ producer, and runs verl's ``fit`` (:mod:`aglverl.verl_v1`). Blocking Ray and tor
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import inspect
+import io
 import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, asynccontextmanager, contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any, Literal, TextIO, cast
 
 import anyio
 import anyio.to_thread
 
-from .client import AgentFn, run_agents
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+from .client import AgentFn, check_agent, run_agents
 from .signals import SignalConfig
+from .validation import ConfigError, check_fields, check_types, check_values, unknown_key_message
 
 __all__ = [
     "CPU_DEFAULTS",
@@ -132,10 +143,6 @@ GPU_DEFAULTS: dict[str, Any] = {
 }
 
 
-class ConfigError(ValueError):
-    """The training config is invalid; the message names the key."""
-
-
 @dataclasses.dataclass(frozen=True)
 class DaemonOptions:
     """The ``aglverl:`` section: how the daemon (task server + LLM proxy) is run.
@@ -187,42 +194,48 @@ class DaemonOptions:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
-        """Build from the ``aglverl:`` mapping; an unknown key or a bad value raises :class:`ConfigError`."""
+        """Build from the ``aglverl:`` mapping; an unknown key, a value of the wrong type or out of range raises
+        :class:`ConfigError` naming the key, the value and what is allowed."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"the aglverl section must be a mapping of its options, got {values!r}")
         names = {f.name for f in dataclasses.fields(cls)}
         for key in values:
             if key not in names:
-                raise ConfigError(_unknown_key_message(f"aglverl.{key}", key, names))
-        values = dict(values)
+                raise ConfigError(unknown_key_message(f"aglverl.{key}", key, names))
+        values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
+        check_fields(cls, {k: v for k, v in values.items() if k != "signal"}, "aglverl")
+        signal = values.get("signal")
+        if signal is not None and not isinstance(signal, Mapping):
+            raise ConfigError(f"aglverl.signal must be a mapping of SignalConfig's fields, got {signal!r}")
         try:
-            values["signal"] = SignalConfig.from_dict(values.get("signal"))
+            values["signal"] = SignalConfig.from_dict(signal)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"aglverl.signal: {exc}") from exc
         options = cls(**values)
-        if options.llm_resource not in ("proxy", "plain"):
-            raise ConfigError(f"aglverl.llm_resource must be 'proxy' or 'plain', got {options.llm_resource!r}")
-        if options.platform not in ("auto", "cpu", "gpu"):
-            raise ConfigError(f"aglverl.platform must be 'auto', 'cpu' or 'gpu', got {options.platform!r}")
-        if options.agents is not None and options.agents < 1:
-            raise ConfigError(f"aglverl.agents must be >= 1, got {options.agents}")
-        if options.max_attempts < 1:
-            raise ConfigError(f"aglverl.max_attempts must be >= 1, got {options.max_attempts}")
-        if not options.hold_timeout > 0:
-            raise ConfigError(f"aglverl.hold_timeout must be > 0 seconds, got {options.hold_timeout!r}")
-        if options.max_failed_groups is not None and (
-            type(options.max_failed_groups) is not int or options.max_failed_groups < 0
-        ):
-            raise ConfigError(f"aglverl.max_failed_groups must be an int >= 0, got {options.max_failed_groups!r}")
-        if options.sampling_mismatch not in ("refuse", "mask"):
-            raise ConfigError(
-                f"aglverl.sampling_mismatch must be 'refuse' or 'mask', got {options.sampling_mismatch!r}"
-            )
+        for key, low, high, bound in _OPTION_RANGES:
+            value = getattr(options, key)
+            if value is None:
+                continue
+            fits = (value > low if bound == ">" else value >= low) and (high is None or value <= high)
+            if not fits:  # NaN fits no bound
+                allowed = f"{bound} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+                null = " (or null)" if key in _NULLABLE_OPTIONS else ""
+                raise ConfigError(f"aglverl.{key} must be {allowed}{null}, got {value!r}")
         return options
 
 
-def _unknown_key_message(full_key: str, key: str, known: Sequence[str] | set[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=3)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return f"unknown config key {full_key!r}{hint}"
+#: Bounds of the ``aglverl:`` options: (field, low, high, ">" or ">=").
+_OPTION_RANGES: tuple[tuple[str, float, float | None, str], ...] = (
+    ("port", 0, 65535, ">="),
+    ("proxy_port", 0, 65535, ">="),
+    ("lease_seconds", 0, None, ">"),
+    ("max_attempts", 1, None, ">="),
+    ("step_timeout", 0, None, ">"),
+    ("agents", 1, None, ">="),
+    ("hold_timeout", 0, None, ">"),
+    ("max_failed_groups", 0, None, ">="),
+)
+_NULLABLE_OPTIONS = frozenset({"step_timeout", "agents", "max_failed_groups"})
 
 
 def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -232,6 +245,7 @@ def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(key, str):
             raise ConfigError(f"config keys must be strings, got {key!r}")
         value = _nest(value) if isinstance(value, Mapping) else value
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
         *parents, leaf = key.split(".")
         node = nested
         for part in parents:
@@ -275,7 +289,7 @@ def _check_keys(base: Any, overrides: Mapping[str, Any], path: str = "") -> None
     for key, value in overrides.items():
         full = f"{path}.{key}" if path else key
         if key not in known:
-            raise ConfigError(_unknown_key_message(full, key, known))
+            raise ConfigError(unknown_key_message(full, key, known))
         child = base._get_node(key) if isinstance(base, DictConfig) and key in in_yaml else None
         if isinstance(value, Mapping) and isinstance(child, DictConfig) and len(child) > 0:
             _check_keys(child, value, full)
@@ -301,6 +315,11 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     ``validate_config``, and the :class:`DaemonOptions`. Raises :class:`ConfigError` naming the key for an
     unknown key or an unsupported setting.
     """
+    with _quiet_verl_import():
+        return _compose_config(overrides)
+
+
+def _compose_config(overrides: Mapping[str, Any] | None) -> tuple[Any, DaemonOptions]:
     from omegaconf import OmegaConf
 
     user = _nest(dict(overrides or {}))
@@ -310,16 +329,41 @@ def compose_config(overrides: Mapping[str, Any] | None = None) -> tuple[Any, Dae
     defaults = CPU_DEFAULTS if platform == "cpu" else GPU_DEFAULTS
     _check_keys(base, defaults)  # our own defaults must name real keys of this verl release
     _check_keys(base, user)
+    check_types(base, user, free_form=FREE_FORM)
     OmegaConf.set_struct(base, False)  # keys were checked above; the dataclass fields the YAML omits merge in
     config = OmegaConf.merge(base, defaults, user)
     _resolve_model_paths(config, user)
     _refuse_unsupported(config, options.signal)
+    check_values(config)
+    _batch_defaults(config, user, platform)
+    _run_names(config, user)
     _mode_defaults(config, user, platform)
     _rollout_defaults(config, user, platform)
     options = _connect_to_verl(config, options, user)
     OmegaConf.set_struct(config, True)
     _validate_with_verl(config)
     return config, options
+
+
+@contextmanager
+def _quiet_verl_import() -> Iterator[None]:
+    """Importing verl warns about every optional training engine that is not installed (torchtitan, veomni,
+    megatron...) and, on a machine without a GPU, about falling back to its CUDA platform (aglverl selects its
+    own): for the block, those notices are not shown. Other warnings are."""
+    platform_logger = logging.getLogger("verl.plugin.platform.platform_manager")
+    drop_warnings = _BelowError()  # a filter: verl sets the logger's level when the module is imported
+    platform_logger.addFilter(drop_warnings)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
+            yield
+    finally:
+        platform_logger.removeFilter(drop_warnings)
+
+
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
 
 
 #: The embedded engine's checkpoint engine for standalone replicas (no NCCL; ``aglverl.verl_plugin.checkpoint``).
@@ -334,6 +378,77 @@ def _given(user: Mapping[str, Any], dotted: str) -> bool:
             return False
         node = node[part]
     return True
+
+
+def _batch_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
+    """verl's batch defaults that only fit GPU-sized batches, fitted to this config unless the user set them.
+
+    - ``actor.ppo_mini_batch_size`` (verl: 256 prompts) larger than ``data.train_batch_size``: verl pads each
+      step's rows with rows of no loss up to a whole mini-batch (``_balance_batch``), so a 16-prompt batch
+      would cost 16x its work. Left at verl's default, it becomes the batch (one actor update per step) and a
+      line says so; set by the user, it is an error (verl itself refuses it without dynamic batch sizes). The
+      critic's follows the actor's unless set, and is checked the same way when a critic trains.
+    - a batch that is not a whole number of mini-batches is padded the same way: a warning.
+    - on the CPU platform, ``data.max_response_length`` left at verl's default (512) bounds every LLM call's
+      answer (the agents' ``max_tokens``) at 512 tokens: a warning (the task decides what it needs).
+    """
+    from verl.trainer.ppo.utils import need_critic
+
+    batch = int(config.data.train_batch_size)
+    sections = [("actor_rollout_ref.actor", config.actor_rollout_ref.actor)]
+    if _given(user, "critic.ppo_mini_batch_size") and need_critic(config):
+        sections.append(("critic", config.critic))
+    for name, section in sections:
+        key = f"{name}.ppo_mini_batch_size"
+        mini = int(section.ppo_mini_batch_size)
+        if mini > batch and _given(user, key):
+            raise ConfigError(
+                f"{key} ({mini}) is larger than data.train_batch_size ({batch}): verl would pad every step with "
+                f"rows of no loss up to a whole mini-batch ({mini / batch:g}x the work); set it to at most {batch}"
+            )
+        if mini > batch:
+            section.ppo_mini_batch_size = batch
+            logger.warning(
+                "aglverl: set %s = %d: verl's default (%d) is larger than data.train_batch_size (%d) and would pad "
+                "every step with rows of no loss up to %d prompts (%gx the work); set it yourself to silence this",
+                key, batch, mini, batch, mini, mini / batch,
+            )
+        elif batch % mini:
+            logger.warning(
+                "aglverl: data.train_batch_size (%d) is not a multiple of %s (%d): verl pads every step with rows "
+                "of no loss to a whole number of mini-batches (%d prompts)",
+                batch, key, mini, -(-batch // mini) * mini,
+            )
+    if platform == "cpu" and not _given(user, "data.max_response_length"):
+        logger.warning(
+            "aglverl: data.max_response_length is verl's default (%d): every LLM call may generate that many "
+            "tokens (the agents' max_tokens), which on CPUs costs seconds per call; set it to what your task's "
+            "answers need",
+            int(config.data.max_response_length),
+        )
+
+
+def _run_names(config: Any, user: Mapping[str, Any]) -> None:
+    """``trainer.project_name`` / ``experiment_name`` name the run, unless given: ``aglverl`` and the script's name.
+
+    verl's defaults (``verl_examples`` / ``gsm8k``) are shared by every run, and they name the checkpoint
+    directory (``trainer.default_local_dir: checkpoints/<project>/<experiment>``), where verl resumes from.
+    """
+    if not _given(user, "trainer.project_name"):
+        config.trainer.project_name = "aglverl"
+    if not _given(user, "trainer.experiment_name"):
+        config.trainer.experiment_name = script_name()
+
+
+def script_name() -> str:
+    """The name of what runs in this process: the ``__main__`` script's stem (``one_word`` for
+    ``python examples/one_word.py``), the package of a ``python -m pkg`` run; ``run`` when there is none."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else "")
+    stem = Path(path).stem if path and not path.startswith("-") else ""
+    if stem == "__main__":
+        stem = Path(path).parent.name
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("._-") or "run"
 
 
 def _mode_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
@@ -511,11 +626,21 @@ def _validate_with_verl(config: Any) -> None:
     from verl.utils.config import validate_config
 
     OmegaConf.resolve(config)
+    printed = io.StringIO()
     try:
-        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        # verl prints its verdict ("All configuration checks passed") and warns that a critic is off unless the
+        # estimator is gae: noise on every start. What else it prints (notices, deprecations) is logged.
+        with redirect_stdout(printed), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Disabled critic")
+            critic, reference = need_critic(config), need_reference_policy(config)
+            validate_config(config, use_reference_policy=reference, use_critic=critic)
     except Exception as exc:  # verl asserts, raises ValueError, or Hydra wraps a dataclass's error
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         raise ConfigError(f"verl rejected the config: {cause}") from exc
+    finally:
+        for line in printed.getvalue().splitlines():
+            if line.strip() and "checks passed" not in line:
+                logger.warning("verl: %s", line.strip())
 
 
 # ---------------------------------------------------------------------------------------------- datasets
@@ -551,11 +676,37 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
 
         return list(pq.read_table(path).to_pylist())
     if suffix in (".jsonl", ".json"):
-        import orjson
-
-        with path.open("rb") as f:
-            return [orjson.loads(line) for line in f if line.strip()]
+        return _read_json_rows(path)
     raise ConfigError(f"dataset file {str(path)!r}: expected .parquet, .jsonl or .json")
+
+
+def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+    """JSON lines (one object a line), or for ``.json`` also one JSON array of objects; a line or item that is
+    not an object is a :class:`ConfigError` naming it."""
+    import orjson
+
+    data = path.read_bytes()
+    if path.suffix.lower() == ".json" and data.lstrip().startswith(b"["):
+        try:
+            rows = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"dataset file {str(path)!r} is not valid JSON: {exc}") from None
+        where = "item"
+    else:
+        rows = []
+        for number, line in enumerate(data.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(orjson.loads(line))
+                except orjson.JSONDecodeError as exc:
+                    raise ConfigError(f"dataset file {str(path)!r}, line {number}: not JSON ({exc})") from None
+        where = "row"
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(
+                f"dataset file {str(path)!r}: {where} {i} must be a JSON object (a task input), got {row!r:.80}"
+            )
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- Ray
@@ -643,7 +794,8 @@ def _select_platform_in_driver(platform: Literal["cpu", "gpu"]) -> None:
 
 
 def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gpu"]) -> bool:
-    """Start a local Ray (loopback only) or join ``RAY_ADDRESS``; returns True if this call started it."""
+    """Start a local Ray of this run's own (loopback only), or join ``RAY_ADDRESS`` (or ``ray_init.address``);
+    returns True if this call started or joined it (and so must shut it down)."""
     import ray
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
@@ -660,9 +812,12 @@ def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gp
         if value is not None:
             runtime_env[key] = value
     init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS") or init_kwargs.get("address") not in (None, "local"):
         ray.init(runtime_env=runtime_env, **init_kwargs)
         return True
+    # A Ray of this run's own: without ``address``, ray.init joins any cluster another program started on this
+    # machine with ``ray start`` (and then refuses num_cpus / num_gpus); RAY_ADDRESS is how to join one.
+    init_kwargs["address"] = "local"
     from .verl_plugin.patches import loopback_only_ray
 
     loopback_only_ray()
@@ -699,10 +854,15 @@ class AsyncVERL:
     """Train agents with verl's V1 PPO trainer, an :class:`~aglverl.daemon.AgentDaemon` as its trajectory producer.
 
     ``config``: verl overrides plus an ``aglverl:`` section (see the module docstring). ``agent``: an agent
-    function as for :func:`~aglverl.client.run_agents` (``async fn(task_input, llm) -> reward | Rollout``);
-    without it, agents connect from elsewhere to the task server URL that is logged (and in
+    function as for :func:`~aglverl.client.run_agents` (``async def agent(task_input, llm) -> reward |
+    Rollout``); without it, agents connect from elsewhere to the task server URL that is logged (and in
     :attr:`server_url` once running). ``progress``: a progress bar on stderr (or on the text stream given).
-    Construction validates the config (and raises :class:`ConfigError`); :meth:`run` does the work.
+
+    Construction checks everything it can before anything starts: every value of the config and of the
+    ``aglverl:`` section (:class:`ConfigError` naming the key, the value and what is allowed) and the agent
+    (``TypeError``: a plain ``def``, or a function that does not take ``(task_input, llm)``). It also fits
+    verl's GPU-sized batch defaults the user left alone, logging one line per key it sets. :meth:`run` does
+    the work.
     """
 
     def __init__(
@@ -712,7 +872,10 @@ class AsyncVERL:
         *,
         progress: bool | TextIO = True,
     ) -> None:
+        if agent is not None:
+            check_agent(agent)
         self.config, self.options = compose_config(config)
+        self._overrides = _nest(dict(config or {}))
         self.agent = agent
         self.progress = progress
         self.daemon: Any = None
@@ -721,6 +884,10 @@ class AsyncVERL:
         self.on_serving: list[Callable[[Any], None]] = []
         #: Called with ``(step, metrics)`` after each training step's metrics are logged.
         self.on_step: list[Callable[[int, Mapping[str, float]], None]] = []
+        #: Called with the daemon when training has ended (or failed), before the daemon stops serving: the
+        #: place to stop agents of your own while the task server still answers them (awaited when it returns
+        #: an awaitable; shielded from cancellation, for up to ``STOPPING_SECONDS``).
+        self.on_stopping: list[Callable[[Any], Awaitable[None] | None]] = []
 
     @property
     def server_url(self) -> str | None:
@@ -731,15 +898,55 @@ class AsyncVERL:
         """Run the whole training; returns the last step's metrics (with the final validation, if any).
 
         Datasets are lists of task-input dicts or parquet / JSON-lines paths (default: ``data.train_files`` /
-        ``data.val_files``); without a validation set there is no validation. Cancellation stops training
-        after the blocking verl call in progress returns, then shuts the daemon, the agents, verl's workers
-        and (if started here) Ray down.
+        ``data.val_files``); without a validation set there is no validation. Before Ray starts, the data is
+        checked against the config (:class:`ConfigError`: an empty dataset, fewer tasks than a batch), prompts
+        the task inputs carry are measured against ``data.max_prompt_length`` (a warning when they do not
+        fit), and verl's checkpoint directory is looked at: a resume is announced with its step and
+        directory, and a run whose checkpoint already is its last step says so and returns that step's
+        metrics (saved beside the checkpoint) without starting anything.
+
+        Errors reach the caller as themselves (:class:`~aglverl.producer.AgentsFailing`, ``ConfigError``...),
+        not wrapped in the exception groups of the task groups they crossed. Cancellation stops training after
+        the blocking verl call in progress returns, then shuts the daemon, the agents, verl's workers and (if
+        started here) Ray down.
         """
+        try:
+            return await self._run(train_dataset, val_dataset)
+        except BaseExceptionGroup as group:
+            error = _the_error(group)
+            if error is None:
+                raise
+        raise error  # outside the handler: the error's own traceback and context, not the groups'
+
+    async def _run(self, train_dataset: Samples, val_dataset: Samples) -> dict[str, float]:
         train = load_samples(train_dataset, self.config.data.train_files)
         val = load_samples(val_dataset, self.config.data.val_files)
         if not train:
             raise ConfigError("the training dataset is empty (pass train_dataset or set data.train_files)")
         config = _run_config(self.config, has_validation=bool(val))
+        total = _total_steps(config, len(train))
+        checkpoint = _latest_checkpoint(config)
+        if checkpoint is not None:
+            step, path = checkpoint
+            if step >= total:
+                logger.warning(
+                    "aglverl: nothing left to train: the checkpoint %s is step %d of %d; returning its metrics "
+                    "(to train again, remove %s or set trainer.resume_mode: disable)",
+                    path,
+                    step,
+                    total,
+                    config.trainer.default_local_dir,
+                )
+                return await anyio.to_thread.run_sync(_saved_metrics, path)
+            logger.warning(
+                "aglverl: resuming from step %d of %d: %s (trainer.resume_mode: %s; 'disable' starts over)",
+                step,
+                total,
+                path,
+                config.trainer.resume_mode,
+            )
+        width_given = _given(self._overrides, "data.max_prompt_length")
+        await anyio.to_thread.run_sync(_check_prompt_widths, config, width_given, train)
         stack = ExitStack()
         try:
             runtime = await anyio.to_thread.run_sync(stack.enter_context, verl_runtime(config))
@@ -760,6 +967,7 @@ class AsyncVERL:
         def remember(step: int, metrics: Mapping[str, float]) -> None:
             last.clear()
             last.update(metrics)
+            _save_metrics(config, step, metrics)
 
         @asynccontextmanager
         async def serve(daemon: Any) -> AsyncIterator[None]:
@@ -773,6 +981,11 @@ class AsyncVERL:
                 try:
                     yield
                 finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(STOPPING_SECONDS):
+                        for stopping in self.on_stopping:
+                            result = stopping(daemon)
+                            if inspect.isawaitable(result):
+                                await result
                     tg.cancel_scope.cancel()
 
         def daemon_kwargs(trainer: Any) -> dict[str, Any]:
@@ -794,6 +1007,161 @@ class AsyncVERL:
     async def _run_agents(self, concurrency: int) -> None:
         assert self.agent is not None and self.daemon is not None
         await run_agents(self.daemon.server_url, self.agent, concurrency=concurrency, token=self.options.token)
+
+
+#: How long :attr:`AsyncVERL.on_stopping` callbacks may take, all together, before the daemon stops anyway.
+STOPPING_SECONDS = 60.0
+
+
+def _the_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The error a group of errors stands for: its only one (cancellations aside), or else its only aglverl
+    error; ``None`` when it holds several (the group is raised as it is then)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        elif not isinstance(error, cancelled):
+            leaves.append(error)
+
+    collect(group)
+    if len(leaves) == 1:
+        return leaves[0]
+    ours = [error for error in leaves if type(error).__module__.startswith("aglverl.")]
+    return ours[0] if len(ours) == 1 else None
+
+
+def _total_steps(config: Any, n_train: int) -> int:
+    """The steps verl's trainer will run (``trainer_base.py``: ``total_training_steps``, else the dataset's
+    whole batches times ``total_epochs``); :class:`ConfigError` when the dataset holds less than one batch."""
+    batch = int(config.data.train_batch_size)
+    if n_train < batch:
+        raise ConfigError(
+            f"the training dataset has {n_train} tasks, fewer than data.train_batch_size ({batch}): a step "
+            f"dispatches train_batch_size tasks (each rollout.n times); lower data.train_batch_size or add tasks"
+        )
+    steps = config.trainer.total_training_steps
+    return int(steps) if steps is not None else (n_train // batch) * int(config.trainer.total_epochs)
+
+
+def _latest_checkpoint(config: Any) -> tuple[int, str] | None:
+    """``(step, directory)`` of the checkpoint verl's trainer will resume from (``_load_checkpoint``: the
+    tracker file of ``trainer.default_local_dir`` with ``resume_mode: auto``, ``resume_from_path`` with
+    ``resume_path``); ``None`` for a fresh start."""
+    trainer = config.trainer
+    if trainer.resume_mode == "resume_path":
+        path = os.path.abspath(str(trainer.resume_from_path))
+    elif trainer.resume_mode == "auto":
+        from verl.utils.checkpoint.checkpoint_manager import get_checkpoint_tracker_filename
+
+        folder = os.path.abspath(str(trainer.default_local_dir))
+        try:
+            with open(get_checkpoint_tracker_filename(folder), "rb") as tracker:
+                path = os.path.join(folder, f"global_step_{int(tracker.read().decode())}")
+        except (OSError, ValueError):
+            return None
+        if not os.path.isdir(path):
+            return None
+    else:
+        return None
+    return int(path.rsplit("global_step_", 1)[-1]), path
+
+
+#: The file beside each of verl's checkpoints (``global_step_<n>/``) holding that step's metrics.
+METRICS_FILE = "aglverl_metrics.json"
+
+
+def _save_metrics(config: Any, step: int, metrics: Mapping[str, float]) -> None:
+    """Keep the metrics of a step that saved a checkpoint beside it (a run resumed with nothing left to train
+    returns them). Small and rare: written on the loop, between the step and the next."""
+    if int(config.trainer.save_freq) <= 0:
+        return
+    folder = os.path.join(os.path.abspath(str(config.trainer.default_local_dir)), f"global_step_{step}")
+    if os.path.isdir(folder):
+        import orjson
+
+        Path(folder, METRICS_FILE).write_bytes(orjson.dumps(dict(metrics), option=orjson.OPT_SERIALIZE_NUMPY))
+
+
+def _saved_metrics(checkpoint: str) -> dict[str, float]:
+    """The metrics saved beside ``checkpoint`` (blocking); empty, with a line saying so, when there are none."""
+    import orjson
+
+    try:
+        return dict(orjson.loads(Path(checkpoint, METRICS_FILE).read_bytes()))
+    except (OSError, orjson.JSONDecodeError) as exc:
+        logger.warning("aglverl: no metrics saved beside %s (%s); returning none", checkpoint, exc)
+        return {}
+
+
+#: How many task inputs :func:`_check_prompt_widths` renders (spread over the dataset), and how much wider
+#: than the longest of them verl's default ``max_prompt_length`` must be to be worth a line.
+PROMPTS_MEASURED = 256
+WIDTH_SLACK = 8
+
+
+def _prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The chat messages a task input carries as its prompt (``prompt``: a string or messages, as verl's
+    datasets; or ``messages``); ``None`` when it carries none (the agent builds its prompt)."""
+    prompt = row.get("prompt", row.get("messages"))
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) and "role" in m for m in prompt):
+        return [dict(m) for m in prompt]
+    return None
+
+
+def _check_prompt_widths(config: Any, width_given: bool, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Measure the prompts the task inputs carry (chat template included) against ``data.max_prompt_length``
+    (blocking: loads the tokenizer). A prompt longer than it is cut to its last ids and its row kept out of
+    the loss: a warning. verl's default width (512) left alone (``width_given`` false) and far wider than
+    every prompt: a warning too, since it is also each sequence's context in the engine. Inputs without a prompt, or a tokenizer that cannot be
+    loaded here, are not measured."""
+    step = max(1, len(rows) // PROMPTS_MEASURED)
+    conversations = [m for row in rows[::step] if (m := _prompt_messages(row)) is not None]
+    if not conversations:
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(config.actor_rollout_ref.model.path))
+        lengths = [_rendered_length(tokenizer, messages) for messages in conversations]
+    except Exception as exc:  # a hub id unreachable from here, a template that needs other fields
+        logger.debug("prompts not measured: %s", exc)
+        return
+    width, longest = int(config.data.max_prompt_length), max(lengths)
+    over = sum(length > width for length in lengths)
+    if over:
+        logger.warning(
+            "aglverl: %d of %d prompts measured are longer than data.max_prompt_length (%d; the longest has %d "
+            "tokens with the chat template): such a prompt is cut to its last %d ids and its row kept out of "
+            "the loss; raise data.max_prompt_length",
+            over,
+            len(lengths),
+            width,
+            longest,
+            width,
+        )
+    elif not width_given and width > WIDTH_SLACK * longest:
+        logger.warning(
+            "aglverl: data.max_prompt_length is verl's default (%d), %dx the longest prompt of the training data "
+            "(%d tokens with the chat template); it bounds prompts and, with max_response_length, each "
+            "sequence's context in the engine: set it to what your agent's prompts need (history and tool "
+            "results included)",
+            width,
+            width // longest,
+            longest,
+        )
+
+
+def _rendered_length(tokenizer: Any, messages: list[dict[str, Any]]) -> int:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _rollouts_per_step(config: Any) -> int:

@@ -1,11 +1,15 @@
 """``aglverl`` command line.
 
 - ``aglverl serve`` runs the daemon (task server + LLM proxy) for external agents and inference servers;
-  ``--local-model tiny|PATH`` also starts the embedded inference server and puts it behind the proxy.
+  ``--local-model tiny|PATH`` also starts the embedded inference server and puts it behind the proxy. Tasks
+  come from ``--tasks FILE`` (JSON lines, JSON or parquet, one task input per row) and from ``POST /tasks``
+  on the task server (behind ``--token``); each finished rollout is printed as one JSON line
+  ``{"rollout_id", "input", "status": "succeeded"|"failed", "final_reward", "error"}``.
 - ``aglverl serve-model --model tiny|PATH`` runs the embedded inference server alone (what ``vllm serve`` is
   on a GPU).
 
-Both print one JSON line with their URLs once serving, and stop cleanly on Ctrl-C or SIGTERM.
+Both print one JSON line with their URLs once serving (``serve``: then one per finished rollout), and stop
+cleanly on Ctrl-C or SIGTERM.
 
 - ``aglverl demo`` runs the embedded end-to-end training (verl's trainer on CPU, the tiny model, agents on the
   toy task); its last stdout line is a JSON summary (see :mod:`aglverl.demo`).
@@ -14,6 +18,7 @@ Both print one JSON line with their URLs once serving, and stop cleanly on Ctrl-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -23,6 +28,7 @@ from typing import Any
 
 import anyio
 import orjson
+from anyio.abc import TaskGroup
 
 __all__ = ["main"]
 
@@ -60,6 +66,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--token", default=None, help="bearer token required by the task server and the proxy")
     p.add_argument("--lease-seconds", type=float, default=600.0, help="claim lease without heartbeat")
     p.add_argument("--max-attempts", type=int, default=3, help="claims per rollout before it fails")
+    p.add_argument(
+        "--tasks",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="queue one task per row of FILE (.jsonl, .json or .parquet; repeatable); more can be posted to "
+        "POST /tasks. Each finished rollout is printed as a JSON line",
+    )
     p.add_argument("--log-level", default="INFO")
 
 
@@ -79,7 +93,17 @@ def _serve_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--log-level", default="INFO")
 
 
-async def _until_signalled(run: Callable[[AsyncExitStack], Awaitable[dict[str, Any]]]) -> None:
+@dataclasses.dataclass
+class _Serving:
+    """What a command's ``run`` gets: the stack its servers are entered into, the task group that runs until
+    the signal, and an event set once the command's JSON line is printed (later lines wait for it)."""
+
+    stack: AsyncExitStack
+    tg: TaskGroup
+    announced: anyio.Event
+
+
+async def _until_signalled(run: Callable[[_Serving], Awaitable[dict[str, Any]]]) -> None:
     """Start what ``run`` enters into the stack, print its JSON line, serve until SIGTERM (or Ctrl-C)."""
     async with anyio.create_task_group() as tg:
 
@@ -91,8 +115,10 @@ async def _until_signalled(run: Callable[[AsyncExitStack], Awaitable[dict[str, A
 
         tg.start_soon(stop_on_sigterm)
         async with AsyncExitStack() as stack:
-            info = await run(stack)
+            serving = _Serving(stack, tg, anyio.Event())
+            info = await run(serving)
             print(orjson.dumps(info).decode(), flush=True)
+            serving.announced.set()
             await anyio.sleep_forever()
 
 
@@ -104,15 +130,24 @@ def _local_server(model: str, *, host: str, port: int, **options: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    from .algorithm import ConfigError, load_samples
     from .daemon import AgentDaemon  # imports verl (~4 s); keep `aglverl --help` instant
 
-    async def run(stack: AsyncExitStack) -> dict[str, Any]:
+    files: list[tuple[str, list[dict[str, Any]]]] = []
+    for path in args.tasks:
+        try:
+            rows = await anyio.to_thread.run_sync(load_samples, path)
+        except (ConfigError, ValueError) as exc:  # a missing file, an unknown format, a malformed line
+            raise SystemExit(f"aglverl serve: --tasks {path}: {exc}") from None
+        files.append((path, rows or []))
+
+    async def run(serving: _Serving) -> dict[str, Any]:
         backends = list(args.backend)
         info: dict[str, Any] = {}
         model, vocab_size = args.model or "default", None
         if args.local_model is not None:
             server = _local_server(args.local_model, host=args.host, port=args.local_model_port)
-            await stack.enter_async_context(server)
+            await serving.stack.enter_async_context(server)
             backends.append(server.url)
             model, vocab_size = args.model or server.served_model_name, server.vocab_size
             info["model_url"] = server.url
@@ -128,14 +163,79 @@ async def _serve(args: argparse.Namespace) -> None:
             lease_seconds=args.lease_seconds,
             max_attempts=args.max_attempts,
         )
-        await stack.enter_async_context(daemon)
+        await serving.stack.enter_async_context(daemon)
+        results = _Results(daemon, serving)
+        daemon.server.accept_tasks = True
+        daemon.server.on_tasks_queued.append(results.follow)
+        for path, rows in files:
+            ids = [await daemon.queue_task(row) for row in rows]
+            results.follow(ids, rows, source=str(path))
+        info["queued"] = sum(len(rows) for _, rows in files)
         return {"server_url": daemon.server_url, "proxy_url": daemon.proxy_url, "backends": backends} | info
 
     await _until_signalled(run)
 
 
+class _Results:
+    """Prints each followed rollout's result as a JSON line on stdout once it finishes (after the command's
+    own line), and logs one line when every task of a ``--tasks`` file has finished."""
+
+    def __init__(self, daemon: Any, serving: _Serving) -> None:
+        self.daemon = daemon
+        self.serving = serving
+
+    def follow(self, rollout_ids: list[str], inputs: list[Any], source: str | None = None) -> None:
+        tally = _Tally(source, len(rollout_ids)) if source is not None else None
+        for rollout_id, value in zip(rollout_ids, inputs, strict=True):
+            self.serving.tg.start_soon(self._report, rollout_id, value, tally)
+
+    async def _report(self, rollout_id: str, value: Any, tally: _Tally | None) -> None:
+        rollout = await self.daemon.wait_for_rollout(rollout_id)
+        await self.serving.announced.wait()
+        error = rollout.metadata.get("error") if rollout.metadata else None
+        status = rollout.status
+        line = {
+            "rollout_id": rollout_id,
+            "input": value,
+            "status": status,
+            "final_reward": rollout.final_reward,
+            "error": error,
+        }
+        print(orjson.dumps(line).decode(), flush=True)
+        if tally is not None:
+            tally.add(status, rollout.final_reward)
+
+
+@dataclasses.dataclass
+class _Tally:
+    """How the rollouts of one ``--tasks`` file ended; one log line when the last one has."""
+
+    source: str
+    total: int
+    succeeded: int = 0
+    failed: int = 0
+    rewards: float = 0.0
+
+    def add(self, status: str, reward: float | None) -> None:
+        if status == "failed":
+            self.failed += 1
+        else:
+            self.succeeded += 1
+            self.rewards += reward or 0.0
+        if self.succeeded + self.failed == self.total:
+            mean = f" (mean reward {self.rewards / self.succeeded:.3f})" if self.succeeded else ""
+            logging.getLogger("aglverl.cli").info(
+                "all %d tasks of %s finished: %d succeeded%s, %d failed",
+                self.total,
+                self.source,
+                self.succeeded,
+                mean,
+                self.failed,
+            )
+
+
 async def _serve_model(args: argparse.Namespace) -> None:
-    async def run(stack: AsyncExitStack) -> dict[str, Any]:
+    async def run(serving: _Serving) -> dict[str, Any]:
         server = _local_server(
             args.model,
             host=args.host,
@@ -145,7 +245,7 @@ async def _serve_model(args: argparse.Namespace) -> None:
             batch_wait=args.batch_wait_ms / 1000,
             torch_threads=args.torch_threads,
         )
-        await stack.enter_async_context(server)
+        await serving.stack.enter_async_context(server)
         return {"url": server.url, "model": server.served_model_name, "model_path": str(server.model_path)}
 
     await _until_signalled(run)

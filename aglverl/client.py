@@ -18,7 +18,9 @@ task is retried while attempts remain), never silently dropped.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import math
 import random
 import traceback
 from collections.abc import Awaitable, Callable
@@ -32,7 +34,7 @@ from pydantic import ValidationError
 
 from .models import INSTANCE_HEADER, LLM, ProxyLLM, ResourcesUpdate, Rollout, Task, TaskIfAny, dumps
 
-__all__ = ["AgentClient", "AgentFn", "TaskServerError", "run_agents"]
+__all__ = ["AgentClient", "AgentFn", "AgentResultError", "TaskServerError", "check_agent", "run_agents"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +148,61 @@ class AgentClient:
         return llm
 
 
+class AgentResultError(TypeError):
+    """The agent function returned something that is not a result: ``None``, a string, a NaN..."""
+
+
+def check_agent(fn: Any, *, name: str = "agent") -> None:
+    """Raise ``TypeError`` unless ``fn`` can be an agent: ``async def fn(task_input, llm)`` (or an object whose
+    ``__call__`` is one, or a ``functools.partial`` of one), callable with those two arguments.
+
+    A plain ``def`` is refused rather than run in a worker thread: agents are awaited concurrently on the event
+    loop (one per rollout in flight), and a blocking function would either stall the loop (the task server and
+    the LLM proxy run there) or take a thread each, silently capping the concurrency at the thread pool's size.
+    """
+    if not callable(fn):
+        raise TypeError(f"{name} must be an async function `async def {name}(task_input, llm)`, got {fn!r}")
+    label = getattr(fn, "__name__", None) or type(fn).__name__
+    plain = inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, functools.partial)
+    target = fn if plain else type(fn).__call__
+    if inspect.isasyncgenfunction(target):
+        raise TypeError(
+            f"{name} {label!r} is an async generator (it yields); it must return its reward: "
+            f"`async def {label}(task_input, llm): ... return reward`"
+        )
+    if not inspect.iscoroutinefunction(target):
+        raise TypeError(
+            f"{name} {label!r} is a plain function; agents are awaited for every rollout: make it "
+            f"`async def {label}(task_input, llm)` (run blocking code in it with "
+            f"`await anyio.to_thread.run_sync(...)`)"
+        )
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"{name} {label!r} must take two positional arguments (task_input, llm); its signature is "
+            f"{label}{inspect.signature(fn)}"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): it will say so itself when called
+        return
+
+
 def _to_rollout(task: Task, result: AgentResult) -> Rollout:
+    """The agent's return value as the rollout to post: a number is its final reward, a :class:`Rollout` is
+    posted as is (ids filled in); anything else raises :class:`AgentResultError` (the rollout then fails with
+    that reason, as if the agent had raised it)."""
     if isinstance(result, Rollout):
         # the agent function is never told its rollout's ids: they are the task's, whatever it put there
         return result.model_copy(update={"rollout_id": task.rollout_id, "attempt_id": task.attempt_id})
-    reward = None if result is None else float(result)
+    if result is None:
+        raise AgentResultError("the agent returned None: return a float reward or a Rollout")
+    if isinstance(result, bool) or not (isinstance(result, (int, float)) or hasattr(result, "__float__")):
+        raise AgentResultError(
+            f"the agent returned {result!r} ({type(result).__name__}): return a float reward or a Rollout"
+        )
+    reward = float(result)
+    if not math.isfinite(reward):
+        raise AgentResultError(f"the agent returned the reward {reward}: a reward must be a finite number")
     return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward)
 
 
@@ -164,6 +216,57 @@ def _failure(task: Task, exc: BaseException) -> Rollout:
     )
 
 
+class _Reachability:
+    """Whether the task server answers, shared by every agent loop: one line when it stops answering, one when
+    it is back (not a line per retry of every loop), and the moment to give up."""
+
+    def __init__(self, url: str, give_up_after: float | None) -> None:
+        self.url = url
+        self.give_up_after = give_up_after
+        self.down_since: float | None = None
+
+    def failed(self, problem: str) -> bool:
+        """Note a failed call; ``True`` when the server has been unreachable longer than ``give_up_after``."""
+        now = anyio.current_time()
+        if self.down_since is None:
+            self.down_since = now
+            logger.warning(
+                "task server %s unreachable (%s); agents retry with backoff%s",
+                self.url,
+                problem,
+                f" for up to {self.give_up_after:g} s" if self.give_up_after is not None else "",
+            )
+            return False
+        return self.give_up_after is not None and now - self.down_since > self.give_up_after
+
+    def answered(self) -> None:
+        if self.down_since is not None:
+            logger.warning(
+                "task server %s reachable again after %.1f s", self.url, anyio.current_time() - self.down_since
+            )
+            self.down_since = None
+
+
+class _FailureLog:
+    """Agents' failures, logged once per distinct error (the first rollout it failed), counted after that."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def failed(self, rollout_id: str, exc: BaseException) -> None:
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        seen = self.counts.get(error, 0)
+        self.counts[error] = seen + 1
+        if seen:
+            logger.debug("agent failed on %s: %s", rollout_id, error)
+        else:
+            logger.warning(
+                "agent failed on %s: %s (its rollout fails; this error is logged once, then only counted)",
+                rollout_id,
+                error,
+            )
+
+
 async def run_agents(
     server_url: str,
     fn: AgentFn,
@@ -173,23 +276,34 @@ async def run_agents(
     max_tasks: int | None = None,
     llm_name: str = "main_llm",
     heartbeat_seconds: float | None = None,
+    give_up_after: float | None = None,
 ) -> int:
     """Run ``concurrency`` agent loops against the task server until cancelled (or ``max_tasks`` are done).
 
-    Each loop long-polls a task, resolves its LLM, awaits ``fn(task.input, llm)`` and posts the result: a
-    number is the final reward, a :class:`Rollout` is posted as is (ids filled in), ``None`` posts no reward.
-    If ``fn`` raises, a failed rollout carrying the error is posted instead. With ``heartbeat_seconds``, the
-    claim's lease is extended that often while ``fn`` runs (for rollouts longer than the daemon's lease).
-    Returns how many tasks were done.
+    ``fn`` must be ``async def fn(task_input, llm)`` (checked at once: :func:`check_agent` raises
+    ``TypeError``). Each loop long-polls a task, resolves its LLM, awaits ``fn(task.input, llm)`` and posts the
+    result: a number is the final reward, a :class:`Rollout` is posted as is (ids filled in). If ``fn`` raises,
+    or returns anything else (``None``: "the agent returned None: return a float reward or a Rollout"), a
+    failed rollout carrying that error is posted instead (the task is retried while attempts remain); each
+    distinct error is logged once. With ``heartbeat_seconds``, the claim's lease is extended that often while
+    ``fn`` runs (for rollouts longer than the daemon's lease).
+
+    While the task server is unreachable (a restart, or not started yet) the loops retry with capped backoff,
+    logging one line when it stops answering and one when it is back; with ``give_up_after`` seconds of that,
+    ``run_agents`` returns (one line says so). Returns how many tasks were done.
     Cancellation stops the loops; a task in progress is then left to its lease (or to the server noticing
     the dropped long-poll).
     """
+    check_agent(fn)
     done = 0
     polling: set[anyio.CancelScope] = set()
     stopping = False
     rng = random.Random()
+    reachability = _Reachability(server_url, give_up_after)
+    stop = anyio.CancelScope()
+    failures = _FailureLog()
 
-    async def reach(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def reach(call: Callable[[], Awaitable[Any]]) -> Any:
         """``call()``, retried with capped, jittered backoff while the task server is unreachable or 5xx.
 
         Agents outlive a daemon restart (the journal lets it resume its step): they wait and try again.
@@ -197,14 +311,18 @@ async def run_agents(
         delay = RECONNECT_INITIAL
         while True:
             try:
-                return await call()
+                result = await call()
             except (aiohttp.ClientError, OSError) as exc:
-                problem = repr(exc)
+                gone = reachability.failed(repr(exc))
             except TaskServerError as exc:
                 if exc.status < 500:
                     raise
-                problem = str(exc)
-            logger.warning("%s failed (%s); retrying in %.2fs", what, problem, delay)
+                gone = reachability.failed(str(exc))
+            else:
+                reachability.answered()
+                return result
+            if gone:
+                stop.cancel()  # every loop: the task server is gone for good
             await anyio.sleep(delay * (0.5 + rng.random()))
             delay = min(delay * 2, RECONNECT_MAX)
 
@@ -214,19 +332,17 @@ async def run_agents(
             task = None
             with anyio.CancelScope() as scope:
                 polling.add(scope)
-                task = await reach("GET /task", client.next_task)
+                task = await reach(client.next_task)
             polling.discard(scope)
             if task is None:
                 continue
             try:
                 rollout = await attempt(client, task)
             except (Exception, ValidationError) as exc:  # the agent's failure is data, not a crash
-                logger.warning("agent failed on %s: %s", task.rollout_id, exc)
+                failures.failed(task.rollout_id, exc)
                 rollout = _failure(task, exc)
             try:
-                await reach(
-                    f"POST /rollout {task.rollout_id}", functools.partial(client.post_rollout, rollout)
-                )
+                await reach(functools.partial(client.post_rollout, rollout))
             except TaskServerError as exc:  # e.g. another attempt finished first; the loop goes on
                 logger.warning("result for %s not taken: %s", task.rollout_id, exc.detail)
             done += 1
@@ -261,7 +377,15 @@ async def run_agents(
                 return
 
     async with AgentClient(server_url, token=token, connections=max(concurrency, 1) + 4) as client:
-        async with anyio.create_task_group() as tg:
-            for _ in range(concurrency):
-                tg.start_soon(worker, client)
+        with stop:
+            async with anyio.create_task_group() as tg:
+                for _ in range(concurrency):
+                    tg.start_soon(worker, client)
+        if stop.cancel_called:
+            logger.warning(
+                "task server %s unreachable for more than %g s: agents stop (%d tasks done)",
+                server_url,
+                give_up_after,
+                done,
+            )
     return done

@@ -5,10 +5,11 @@ share of the answer's words that are that word. Agents are ordinary ``openai`` S
 proxy URL; the trainer is verl's V1 PPO trainer (GRPO, sync mode) through :class:`~aglverl.algorithm.AsyncVERL`; the
 inference server is the embedded one inside verl's actor worker. Output, in ``--out DIR``:
 
-- a progress bar on stderr (step, reward, generated tokens/s);
+- a progress bar on stderr (step, reward, generated tokens/s), through :class:`aglverl.console.Console`;
 - ``DIR/metrics.jsonl``: one JSON object per step (reward, response length, seconds per phase, all of verl's
   and aglverl's step metrics);
-- ``DIR/reward.png``: the mean training reward per step;
+- ``DIR/reward.png``: the mean training reward per step; ``DIR/train.log``: what verl, Ray and TransferQueue
+  printed;
 - as the last line of stdout, a JSON summary ``{"first_reward", "final_reward", "steps", "wall_s", ...}``.
 
 ``--task multiturn`` is the same word over a conversation (:func:`multiturn_agent`): the agent asks, then after
@@ -18,17 +19,10 @@ answers' :func:`word_reward`. Each conversation trains as one merged row (``aglv
 
 from __future__ import annotations
 
-import math
 import re
-import sys
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import anyio
-import orjson
 
 from .models import LLM
 
@@ -217,130 +211,20 @@ async def run_demo(
     trajectory: str = "merge",
     prompts: int = 16,
 ) -> dict[str, Any]:
-    """Run the demo; returns the summary (also written as the last stdout line by the CLI).
+    """Run the demo through the quiet :class:`~aglverl.console.Console`; returns its summary (also written as
+    the last stdout line by the CLI), with the demo's ``mode``, ``task`` and ``trajectory``.
 
     ``library_log``: a file for everything verl, Ray and TransferQueue print or log in this process while
     the demo runs, so that the console shows only the progress bar (or the JSON lines) and the summary.
     """
     from .algorithm import AsyncVERL
+    from .console import Console
 
-    started = time.monotonic()
-    await anyio.Path(out).mkdir(parents=True, exist_ok=True)
-    rewards: list[float] = []
     config = demo_config(steps, model, agents, rejection_sampling, mode, task, trajectory, prompts)
-    first_step_at: list[float] = []
-    walls: list[float] = []
-
-    with _open_log(out / "metrics.jsonl") as log, _libraries_to(library_log):
-        # the bar goes to the console's stderr as it was before the libraries' output was redirected
-        algo = AsyncVERL(config, agent=TASKS[task][0], progress=False if json_lines else _CONSOLE_ERR)
-
-        def on_step(step: int, metrics: Mapping[str, float]) -> None:
-            if not first_step_at:
-                first_step_at.append(time.monotonic() - metrics.get("timing_s/step", 0.0))
-            reward = float(metrics.get("training/reward", 0.0))
-            rewards.append(reward)
-            walls.append(time.monotonic() - started)
-            row = {
-                "step": step,
-                "reward": reward,
-                "response_length": metrics.get("response_length/mean", 0.0),
-                "wall_s": time.monotonic() - started,
-                **metrics,
-            }
-            line = orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY)
-            log.write(line + b"\n")
-            log.flush()
-            if json_lines:
-                _CONSOLE.write(line.decode() + "\n")
-                _CONSOLE.flush()
-
-        algo.on_step.append(on_step)
-        try:
-            await algo.run(train_dataset=demo_samples(64))
-        finally:
-            if rewards:
-                plot_rewards(rewards, out / "reward.png")
-    wall = time.monotonic() - started
-    startup = (first_step_at[0] - started) if first_step_at else wall
-    return {
-        "first_reward": rewards[0] if rewards else math.nan,
-        "final_reward": rewards[-1] if rewards else math.nan,
-        "max_reward": max(rewards) if rewards else math.nan,
-        "steps": len(rewards),
-        "wall_s": round(wall, 2),
-        "startup_s": round(startup, 2),
-        "seconds_per_step": round((wall - startup) / len(rewards), 3) if rewards else math.nan,
-        "first_step_reaching_0.9": next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None),
-        "seconds_to_0.9": next((round(w, 2) for w, r in zip(walls, rewards, strict=True) if r >= 0.9), None),
-        "mode": mode,
-        "task": task,
-        "trajectory": trajectory,
-        "out": str(out),
-        "log": str(library_log) if library_log is not None else None,
-    }
-
-
-def _open_log(path: Path) -> Any:
-    return path.open("wb")
-
-
-#: The console as it was when this module was imported (the demo's own lines go there, whatever is redirected).
-_CONSOLE, _CONSOLE_ERR = sys.stdout, sys.stderr
-
-
-@contextmanager
-def _libraries_to(path: Path | None) -> Iterator[None]:
-    """Send what verl, Ray and TransferQueue print or log in this process to ``path`` for the block.
-
-    Their ``print``s go to ``sys.stdout``, their log records and Python warnings to handlers that write to the
-    process's streams (some created during the block, e.g. by ``ray.init``): for the block, ``sys.stdout`` and
-    ``sys.stderr`` are the file, every stream handler writing to the console writes to the file, and warnings
-    are logged. The demo's progress bar and lines keep the console streams. ``None``: nothing is redirected.
-    """
-    if path is None:
-        yield
-        return
-    import logging
-
-    with path.open("a", buffering=1) as sink:
-        handlers: list[tuple[logging.StreamHandler, Any]] = []
-        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-            for handler in getattr(logger, "handlers", ()):
-                if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr):
-                    try:
-                        handlers.append((handler, handler.setStream(sink)))
-                    except AttributeError:  # a handler whose stream is fixed (logging's last resort)
-                        continue
-        root = logging.getLogger()
-        added = logging.StreamHandler(sink)
-        added.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(added)
-        logging.captureWarnings(True)
-        with redirect_stdout(sink), redirect_stderr(sink):
-            try:
-                yield
-            finally:
-                logging.captureWarnings(False)
-                root.removeHandler(added)
-                for handler, stream in handlers:
-                    handler.setStream(stream)
-
-
-def plot_rewards(rewards: list[float], path: Path) -> None:
-    """Mean training reward per step, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    ax.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(f"mean reward (share of words = {TARGET_WORD!r})")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title("aglverl demo: GRPO on the tiny model, verl on CPU")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    algo = AsyncVERL(config, agent=TASKS[task][0])
+    console = Console(
+        out, json_lines=json_lines, title="aglverl demo: GRPO on the tiny model, verl on CPU", log=library_log
+    )
+    summary = await console.run(algo, demo_samples(64))
+    summary.pop("metrics")
+    return summary | {"mode": mode, "task": task, "trajectory": trajectory}

@@ -7,6 +7,10 @@ Routes (JSON via orjson; errors are ``{"detail": "..."}`` like the FastAPI serve
 - ``GET /resources/latest``, ``GET /resources/{resources_id}`` -> ``ResourcesUpdate`` (404 when none).
 - ``POST /rollout`` with a ``Rollout`` body -> ``{"status": "ok", "message": ...}``.
 - ``POST /rollout/{rollout_id}/heartbeat`` (body ``{"attempt_id": ...}`` optional) extends the claim's lease.
+- ``POST /tasks`` with ``{"inputs": [<task input>, ...], "mode": "train"|"val"|"test"|null, "metadata": {}}``
+  queues one task per input (with the latest resources) -> ``{"status": "ok", "rollout_ids": [...]}``, in the
+  inputs' order. Only on a server made with ``accept_tasks=True`` (``aglverl serve``; a trainer's daemon queues
+  its own tasks and answers 403); :attr:`TaskServer.on_tasks_queued` hears of every batch queued.
 - ``GET /healthz`` (never needs the token, reveals nothing) and ``GET /metrics`` (Prometheus text).
 
 Every answer carries ``X-Aglverl-Instance``, an id drawn when the server is made: a daemon restarted on the same
@@ -31,7 +35,7 @@ import anyio
 import orjson
 import uvicorn
 from anyio.abc import TaskStatus
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -40,10 +44,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ._net import bind_listener, url_of
-from .models import INSTANCE_HEADER, GenericResponse, Rollout, TaskIfAny, dumps
+from .models import INSTANCE_HEADER, GenericResponse, Mode, Rollout, TaskIfAny, dumps
 from .store import StoreError, TaskStore
 
-__all__ = ["TaskServer", "validation_message"]
+__all__ = ["MAX_TASKS_PER_POST", "TaskBatch", "TaskServer", "validation_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,19 @@ MAX_WAIT_SECONDS = 300.0
 KEEP_ALIVE_SECONDS = 120
 #: How long shutdown waits for in-flight requests (e.g. a rollout post) before closing their connections.
 SHUTDOWN_GRACE_SECONDS = 5.0
+#: Most task inputs one ``POST /tasks`` may queue (the body limit bounds their size).
+MAX_TASKS_PER_POST = 100_000
+
+
+class TaskBatch(BaseModel):
+    """The body of ``POST /tasks``: task inputs (any JSON value each, as ``Task.input``), queued in order with
+    the same ``mode`` and ``metadata``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[Any] = Field(min_length=1, max_length=MAX_TASKS_PER_POST)
+    mode: Mode | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -149,7 +166,8 @@ class TaskServer:
     """Serves the store to agents over HTTP; start it with ``await tg.start(server.serve)``.
 
     ``token``: when set, every route but ``/healthz`` requires ``Authorization: Bearer <token>``.
-    ``max_body_bytes`` bounds a posted rollout (413 beyond it).
+    ``max_body_bytes`` bounds a posted rollout or task batch (413 beyond it). ``accept_tasks``: whether
+    ``POST /tasks`` queues tasks (a daemon without a trainer: ``aglverl serve``) or answers 403.
     """
 
     def __init__(
@@ -160,8 +178,12 @@ class TaskServer:
         port: int = 0,
         token: str | None = None,
         max_body_bytes: int = 64 << 20,
+        accept_tasks: bool = False,
     ) -> None:
         self.store = store
+        self.accept_tasks = accept_tasks
+        #: Called with ``(rollout_ids, inputs)`` after each ``POST /tasks`` queued its tasks (on the loop).
+        self.on_tasks_queued: list[Callable[[list[str], list[Any]], None]] = []
         self.host = host
         self.port = port
         self.max_body_bytes = max_body_bytes
@@ -183,6 +205,7 @@ class TaskServer:
                 self._guard("heartbeat", self.post_heartbeat),
                 methods=["POST"],
             ),
+            Route("/tasks", self._guard("tasks", self.post_tasks), methods=["POST"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self._guard("metrics", self.metrics), methods=["GET"]),
         ]
@@ -376,6 +399,26 @@ class TaskServer:
             attempt_id = data.get("attempt_id")
         lease = self.store.heartbeat(rollout_id, attempt_id)
         return _json({"status": "ok", "message": f"lease of {rollout_id} extended", "lease_seconds": lease})
+
+    async def post_tasks(self, request: Request) -> Response:
+        if not self.accept_tasks:
+            raise _HttpError(
+                403, "this task server does not take tasks over HTTP: its trainer queues them (`aglverl serve` does)"
+            )
+        data = await self._read_json(request)
+        try:
+            batch = TaskBatch.model_validate(data)
+        except ValidationError as exc:
+            raise _HttpError(422, f"invalid tasks: {validation_message(exc)}") from None
+        resources_id = self.store.latest_resources_id
+        ids = [
+            self.store.enqueue(value, mode=batch.mode, resources_id=resources_id, metadata=batch.metadata)
+            for value in batch.inputs
+        ]
+        await self.store.commit()  # durable (by the journal's policy) before the caller hears "ok"
+        for callback in self.on_tasks_queued:
+            callback(ids, batch.inputs)
+        return _json({"status": "ok", "rollout_ids": ids})
 
     async def healthz(self, request: Request) -> Response:
         return _json({"status": "ok"})

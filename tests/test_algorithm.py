@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,8 +17,10 @@ from aglverl.algorithm import (
     AsyncVERL,
     ConfigError,
     DaemonOptions,
+    _check_prompt_widths,
     compose_config,
     load_samples,
+    script_name,
 )
 from aglverl.signals import SignalConfig
 from aglverl.tiny import tiny_model_path
@@ -121,6 +126,150 @@ def test_unknown_keys_and_bad_values_are_errors_naming_the_key(overrides: dict, 
     with pytest.raises(ConfigError) as info:
         compose_config({**SMALL, **overrides})
     assert named in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"data": {"train_batch_size": "sixteen"}}, "data.train_batch_size must be an integer, got 'sixteen' (str)"),
+        ({"aglverl": {"agents": "many"}}, "aglverl.agents must be an integer or null, got 'many' (str)"),
+        (
+            {"algorithm": {"adv_estimator": "grpoo"}},
+            "algorithm.adv_estimator: 'grpoo' is not one of verl's advantage estimators (gae, gdpo, gpg, grpo,",
+        ),
+        ({"algorithm": {"adv_estimator": "grpoo"}}, "rloo_vectorized, tir_optimal_token_baseline); did you mean 'grpo'?"),
+        ({"actor_rollout_ref.rollout.n": 0}, "actor_rollout_ref.rollout.n must be an integer >= 1, got 0 (int)"),
+        ({"actor_rollout_ref.rollout.top_p": 1.5}, "actor_rollout_ref.rollout.top_p must be a number > 0 and <= 1, got 1.5"),
+        ({"actor_rollout_ref.actor.ppo_epochs": 1.5}, "actor_rollout_ref.actor.ppo_epochs must be an integer, got 1.5"),
+        ({"actor_rollout_ref.actor.optim.lr": "1e-3"}, "actor_rollout_ref.actor.optim.lr must be a number, got '1e-3'"),
+        ({"actor_rollout_ref.actor.use_kl_loss": "yes"}, "actor_rollout_ref.actor.use_kl_loss must be true or false"),
+        (
+            {"trainer.v1.trainer_mode": "fast"},
+            "trainer.v1.trainer_mode: 'fast' is not one of verl's V1 trainer modes (colocate_async, separate_async, sync)",
+        ),
+        ({"trainer.logger": ["console", "tensorbord"]}, "'tensorbord' is not one of verl's logger backends ("),
+        ({"trainer.logger": ["console", "tensorbord"]}, "did you mean 'tensorboard'?"),
+        (
+            {"actor_rollout_ref.actor.policy_loss.loss_mode": "vanila"},
+            "actor_rollout_ref.actor.policy_loss.loss_mode: 'vanila' is not one of verl's policy losses (",
+        ),
+        ({"actor_rollout_ref.rollout.name": "vllmm"}, "'vllmm' is not one of the rollout engines (aglverl, sglang,"),
+        ({"trainer.resume_mode": "yes"}, "trainer.resume_mode: 'yes' is not one of verl's resume modes (auto, disable"),
+        ({"trainer.total_training_steps": 0}, "trainer.total_training_steps must be an integer >= 1 (or null), got 0"),
+        ({"data": 5}, "data must be a mapping, got 5 (int)"),
+        ({"aglverl": "many"}, "the aglverl section must be a mapping of its options, got 'many'"),
+        ({"aglverl": {"lease_seconds": -1}}, "aglverl.lease_seconds must be > 0, got -1"),
+        ({"aglverl": {"port": 70000}}, "aglverl.port must be >= 0 and <= 65535, got 70000"),
+        ({"aglverl": {"platform": "tpu"}}, "aglverl.platform must be one of 'auto', 'cpu', 'gpu', got 'tpu' (str)"),
+        ({"aglverl": {"token": 123}}, "aglverl.token must be a string or null, got 123 (int)"),
+        ({"aglverl": {"signal": "strict"}}, "aglverl.signal must be a mapping of SignalConfig's fields"),
+        (
+            {"actor_rollout_ref.actor.ppo_mini_batch_size": 8},
+            "actor_rollout_ref.actor.ppo_mini_batch_size (8) is larger than data.train_batch_size (4): verl would "
+            "pad every step with rows of no loss up to a whole mini-batch (2x the work); set it to at most 4",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_or_range_is_refused_at_construction_naming_key_value_and_choices(
+    overrides: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        AsyncVERL({**SMALL, **overrides})
+    assert message in str(info.value)
+
+
+def test_verls_mini_batch_default_larger_than_the_batch_becomes_the_batch_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="aglverl.algorithm")
+    overrides = {"data": {"train_batch_size": 16, "max_prompt_length": 64}, "actor_rollout_ref.rollout.n": 8}
+    config, _ = compose_config(overrides)
+    assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 16
+    assert config.critic.ppo_mini_batch_size == 16  # verl's critic follows the actor's
+    lines = [record.getMessage() for record in caplog.records]
+    assert any(
+        "set actor_rollout_ref.actor.ppo_mini_batch_size = 16: verl's default (256) is larger than "
+        "data.train_batch_size (16)" in line
+        for line in lines
+    ), lines
+    # verl's default answer width on CPUs: a warning, no change (the task decides)
+    assert any("data.max_response_length is verl's default (512)" in line for line in lines), lines
+    assert config.data.max_response_length == 512
+    caplog.clear()
+    config, _ = compose_config({**overrides, "actor_rollout_ref.actor.ppo_mini_batch_size": 6})
+    assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 6  # the user's, never changed
+    assert any("not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (6)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_is_named_after_its_script_so_its_checkpoints_are_its_own() -> None:
+    config, _ = compose_config(SMALL)
+    assert (config.trainer.project_name, config.trainer.experiment_name) == ("aglverl", script_name())
+    assert config.trainer.default_local_dir == f"checkpoints/aglverl/{script_name()}"
+    config, _ = compose_config({**SMALL, "trainer": {"project_name": "p", "experiment_name": "e"}})
+    assert config.trainer.default_local_dir == "checkpoints/p/e"
+
+
+def test_the_agent_is_checked_at_construction() -> None:
+    def plain(task: dict, llm: object) -> float:
+        return 1.0
+
+    async def no_llm(task: dict) -> float:
+        return 1.0
+
+    with pytest.raises(TypeError, match=r"agent 'plain' is a plain function.*make it `async def plain"):
+        AsyncVERL(SMALL, agent=plain)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"agent 'no_llm' must take two positional arguments \(task_input, llm\)"):
+        AsyncVERL(SMALL, agent=no_llm)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_data_that_cannot_fill_a_batch_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ConfigError, match=r"the training dataset has 3 tasks, fewer than data.train_batch_size \(4\)"):
+        await AsyncVERL(SMALL).run([{"prompt": "Say yes."}] * 3)
+
+
+@pytest.mark.anyio
+async def test_a_finished_run_started_again_says_so_and_returns_its_saved_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl's checkpoint of the last step, with the metrics aglverl keeps beside it: nothing starts (no Ray)."""
+    folder = tmp_path / "ckpt"
+    (folder / "global_step_3").mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("3")
+    (folder / "global_step_3" / "aglverl_metrics.json").write_text(json.dumps({"training/reward": 0.75}))
+    caplog.set_level(logging.WARNING, logger="aglverl.algorithm")
+    overrides = {**SMALL, "trainer": {"total_training_steps": 3, "default_local_dir": str(folder)}}
+    assert await AsyncVERL(overrides).run([{"prompt": "Say yes."}] * 4) == {"training/reward": 0.75}
+    assert f"nothing left to train: the checkpoint {folder / 'global_step_3'} is step 3 of 3" in caplog.text
+
+
+def test_prompts_the_tasks_carry_are_measured_against_the_width() -> None:
+    config, _ = compose_config(SMALL)  # max_prompt_length 64
+    long_prompt = [{"prompt": "word " * 100}, {"prompt": [{"role": "user", "content": "Say yes."}]}]
+    logger = logging.getLogger("aglverl.algorithm")
+    with _records(logger) as records:
+        _check_prompt_widths(config, True, long_prompt)
+    assert len(records) == 1 and "1 of 2 prompts measured are longer than data.max_prompt_length (64" in records[0]
+    wide, _ = compose_config({**SMALL, "data": {"train_batch_size": 4, "max_response_length": 16}})
+    with _records(logger) as records:
+        _check_prompt_widths(wide, False, [{"prompt": "Say yes."}])  # verl's 512 for a ~20-token prompt
+    assert len(records) == 1 and "data.max_prompt_length is verl's default (512)" in records[0]
+    with _records(logger) as records:
+        _check_prompt_widths(wide, True, [{"prompt": "Say yes."}])  # the user's own width: not second-guessed
+        _check_prompt_widths(wide, False, [{"question": "no prompt here"}])  # the agent builds its prompt
+    assert records == []
+
+
+@contextmanager
+def _records(logger: logging.Logger) -> Iterator[list[str]]:
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_failed_groups_are_refilled_in_sync_mode_unless_the_user_says_otherwise() -> None:

@@ -154,3 +154,53 @@ async def test_serve_with_a_local_model_puts_it_behind_the_proxy(tiny_model: Pat
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_serve_hands_out_tasks_from_a_file_and_the_route_and_prints_each_result(tmp_path: Path) -> None:
+    """`aglverl serve --tasks FILE` queues the file's rows, `POST /tasks` more, and every finished rollout is a
+    JSON line on stdout after the command's own; agents run anywhere (here: run_agents in this process)."""
+    from aglverl import run_agents
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(orjson.dumps({"x": x}).decode() + "\n" for x in (0.25, 0.5, 0.75)))
+    cmd = [sys.executable, "-m", "aglverl.cli", "serve", "--port", "0", "--proxy-port", "0", "--token", "tok"]
+    process = await anyio.open_process([*cmd, "--tasks", str(tasks)])
+    try:
+        assert process.stdout is not None
+        lines = BufferedByteReceiveStream(process.stdout)
+        with anyio.fail_after(60):
+            info = orjson.loads(await lines.receive_until(b"\n", 1 << 16))
+        assert info["queued"] == 3
+
+        async def agent(task_input: dict, llm: object) -> float:
+            return float(task_input["x"])
+
+        headers = {"Authorization": "Bearer tok"}
+        async with anyio.create_task_group() as tg, aiohttp.ClientSession() as http:
+            tg.start_soon(lambda: run_agents(info["server_url"], agent, concurrency=2, token="tok"))
+            body = orjson.dumps({"inputs": [{"x": 1.0}]})
+            async with http.post(f"{info['server_url']}/tasks", data=body, headers=headers) as resp:
+                assert resp.status == 200
+                (posted,) = (await resp.json())["rollout_ids"]
+            with anyio.fail_after(30):
+                results = [orjson.loads(await lines.receive_until(b"\n", 1 << 16)) for _ in range(4)]
+            tg.cancel_scope.cancel()
+        assert sorted((r["input"]["x"], r["final_reward"], r["status"]) for r in results) == [
+            (x, x, "succeeded") for x in (0.25, 0.5, 0.75, 1.0)
+        ]
+        assert posted in {r["rollout_id"] for r in results}
+        await _stop(process, signal.SIGTERM, 0, [info["server_url"], info["proxy_url"]])
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_serve_refuses_a_tasks_file_it_cannot_read_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text('{"x": 1}\nnot json\n')
+    for path, named in ((tmp_path / "missing.jsonl", "does not exist"), (bad, "line 2: not JSON")):
+        cmd = [sys.executable, "-m", "aglverl.cli", "serve", "--port", "0", "--proxy-port", "0", "--tasks", str(path)]
+        done = await anyio.run_process(cmd, check=False)
+        assert done.returncode == 1
+        assert f"--tasks {path}" in done.stderr.decode() and named in done.stderr.decode()

@@ -63,16 +63,6 @@ def shared_ray(tiny_model: Path) -> Iterator[None]:
         yield
 
 
-def _agents_failing(exc: BaseException) -> AgentsFailing | None:
-    """The AgentsFailing in ``exc`` (or in the exception group it is wrapped in)."""
-    if isinstance(exc, AgentsFailing):
-        return exc
-    for inner in getattr(exc, "exceptions", ()):
-        if (found := _agents_failing(inner)) is not None:
-            return found
-    return _agents_failing(exc.__cause__) if exc.__cause__ is not None else None
-
-
 async def test_a_step_whose_every_rollout_raises_is_replaced_by_fresh_prompts_sync(
     shared_ray: None, tmp_path: Path
 ) -> None:
@@ -117,13 +107,27 @@ async def test_agents_that_keep_failing_stop_the_run_with_their_error_named(shar
     algo = AsyncVERL(_config(mode, 3), agent=agent)  # default bound: train_batch_size (2) groups in a row
     steps: list[int] = []
     algo.on_step.append(lambda step, metrics: steps.append(step))
-    with pytest.raises(BaseException) as caught:
+    with pytest.raises(AgentsFailing) as caught:  # itself, not wrapped in the task groups it crossed
         await algo.run(TRAIN, None)
-    error = _agents_failing(caught.value)
-    assert error is not None, repr(caught.value)
+    error = caught.value
     assert steps == []
     assert error.groups >= 2 and error.rollouts >= 4
     message = str(error)
     assert "ModelBehaviorError: Max output tokens reached" in message
     assert error.errors[0][0].endswith("ModelBehaviorError: Max output tokens reached")  # the most frequent
     assert "materializable" not in message
+
+
+async def test_an_agent_that_forgets_its_reward_stops_the_run_saying_so(shared_ray: None) -> None:
+    """The agent returns None: every rollout fails with that reason (nothing trains on a made-up 0), and the
+    run stops with the reason named once a batch's worth of groups failed."""
+
+    async def agent(task: Mapping[str, Any], llm: LLM) -> float:
+        await one_word_agent(task, llm)  # the reward is computed... and not returned
+
+    algo = AsyncVERL(_config("sync", 2), agent=agent)  # type: ignore[arg-type]
+    with pytest.raises(AgentsFailing) as caught:
+        await algo.run(TRAIN, None)
+    assert caught.value.errors[0][0] == (
+        "aglverl.client.AgentResultError: the agent returned None: return a float reward or a Rollout"
+    )

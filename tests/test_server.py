@@ -262,3 +262,63 @@ async def test_shutdown_answers_parked_polls_releases_port_and_leaves_no_task_or
         socket.create_connection((host, int(port)), timeout=1).close()
     assert asyncio.all_tasks() - tasks_before == set()
     assert set(threading.enumerate()) <= threads_before
+
+
+async def test_tasks_posted_to_a_server_that_accepts_them_are_queued_in_order_behind_the_token() -> None:
+    store = TaskStore(lease_seconds=30)
+    server = TaskServer(store, token="s3cret", accept_tasks=True)
+    queued: list[tuple[list[str], list]] = []
+    server.on_tasks_queued.append(lambda ids, inputs: queued.append((ids, inputs)))
+    update = store.add_resources({"prompt": PromptTemplate(template="{q}", engine="f-string")})
+    auth = {"Authorization": "Bearer s3cret"}
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        await tg.start(server.serve)
+        async with aiohttp.ClientSession(server.url) as http:
+            body = orjson.dumps({"inputs": [{"q": "a"}, {"q": "b"}], "mode": "val", "metadata": {"batch": 7}})
+            async with http.post("/tasks", data=body) as resp:
+                assert resp.status == 401  # the token guards it like every other route
+            async with http.post("/tasks", data=body, headers=auth) as resp:
+                assert resp.status == 200
+                ids = (await _json(resp))["rollout_ids"]
+            assert len(ids) == 2 and queued == [(ids, [{"q": "a"}, {"q": "b"}])]
+            for rollout_id, q in zip(ids, "ab", strict=True):
+                async with http.get("/task", headers=auth) as resp:
+                    task = (await _json(resp))["task"]
+                assert (task["rollout_id"], task["input"], task["mode"]) == (rollout_id, {"q": q}, "val")
+                assert task["metadata"] == {"batch": 7} and task["resources_id"] == update.resources_id
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (b'{"inputs": []}', "field 'inputs': List should have at least 1 item"),
+        (b'{"tasks": [{"q": 1}]}', "field 'inputs': Field required"),
+        (b'{"inputs": [{"q": 1}], "mode": "eval"}', "field 'mode': Input should be 'train', 'val' or 'test'"),
+        (b'{"inputs": [{"q": 1}], "metadata": [1]}', "field 'metadata': Input should be a valid dictionary"),
+        (b'[{"q": 1}]', "invalid tasks: field 'body'"),
+    ],
+)
+async def test_a_bad_task_batch_is_refused_naming_the_field_and_queues_nothing(body: bytes, named: str) -> None:
+    store = TaskStore(lease_seconds=30)
+    server = TaskServer(store, accept_tasks=True)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.serve)
+        await tg.start(server.serve)
+        async with aiohttp.ClientSession(server.url) as http:
+            async with http.post("/tasks", data=body) as resp:
+                assert resp.status == 422
+                assert named in (await _json(resp))["detail"]
+            async with http.get("/task") as resp:
+                assert (await _json(resp))["is_available"] is False
+        tg.cancel_scope.cancel()
+
+
+async def test_a_trainers_task_server_does_not_take_tasks_over_http(served) -> None:
+    _, _, http = served
+    async with http.post("/tasks", data=b'{"inputs": [{"q": 1}]}') as resp:
+        assert resp.status == 403
+        assert "does not take tasks over HTTP" in (await _json(resp))["detail"]
+    async with http.get("/task") as resp:
+        assert (await _json(resp))["is_available"] is False

@@ -1,0 +1,46 @@
+"""The README's ``AsyncVERL`` snippet as code, for the test that runs it as written and the benchmark that times it.
+
+:func:`readme_snippet` reads the first ``python`` block under the README's ``## Training: `AsyncVERL``` heading;
+:func:`with_steps` changes only its ``total_training_steps`` (a short run of the same code); :func:`load_snippet`
+executes it as a module (its ``if __name__ == "__main__":`` part does not run) to reach its ``config``,
+``agent`` and tasks.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from pathlib import Path
+
+__all__ = ["README", "load_snippet", "readme_snippet", "with_steps"]
+
+#: The project's README (beside the package, in a checkout).
+README = Path(__file__).resolve().parents[2] / "README.md"
+HEADING = "## Training: `AsyncVERL`"
+_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+_STEPS = re.compile(r'"total_training_steps": (\d+)')
+
+
+def readme_snippet(readme: Path = README) -> str:
+    """The code of the first ``python`` block after :data:`HEADING`; ``LookupError`` if there is none."""
+    text = readme.read_text()
+    at = text.find(HEADING)
+    match = _BLOCK.search(text, at) if at >= 0 else None
+    if match is None:
+        raise LookupError(f"{readme}: no python block under {HEADING!r}")
+    return match.group(1)
+
+
+def with_steps(code: str, steps: int) -> str:
+    """``code`` with its one ``"total_training_steps": N`` set to ``steps``; ``LookupError`` unless there is
+    exactly one."""
+    if len(_STEPS.findall(code)) != 1:
+        raise LookupError('the snippet must set "total_training_steps" exactly once')
+    return _STEPS.sub(f'"total_training_steps": {steps}', code)
+
+
+def load_snippet(code: str, name: str = "readme_snippet") -> types.ModuleType:
+    """``code`` executed as the module ``name`` (not ``__main__``): its definitions, nothing run."""
+    module = types.ModuleType(name)
+    exec(compile(code, f"<{name}>", "exec"), module.__dict__)
+    return module

@@ -1,0 +1,84 @@
+"""run_agents against a real daemon on loopback: what it refuses, what a bad result becomes, how it logs outages."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import anyio
+import pytest
+
+from aglverl import LLM, AgentDaemon, run_agents
+from aglverl.client import check_agent
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_an_agent_that_returns_nothing_fails_its_rollout_with_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def forgetful(task_input: Any, llm: LLM) -> float:
+        if task_input["kind"] == "text":
+            return "yes"  # type: ignore[return-value]
+        return None  # type: ignore[return-value]
+
+    caplog.set_level(logging.WARNING, logger="aglverl.client")
+    async with AgentDaemon(max_attempts=1) as daemon, anyio.create_task_group() as tg:
+        ids = [await daemon.queue_task({"kind": kind}) for kind in ("none", "none", "none", "text")]
+        tg.start_soon(lambda: run_agents(daemon.server_url, forgetful, concurrency=2))
+        with anyio.fail_after(20):
+            results = [await daemon.wait_for_rollout(rollout_id) for rollout_id in ids]
+        tg.cancel_scope.cancel()
+    for result in results[:3]:
+        assert result is not None and result.status == "failed" and result.final_reward is None
+        assert "the agent returned None: return a float reward or a Rollout" in result.metadata["error"]
+    assert results[3] is not None
+    assert "the agent returned 'yes' (str): return a float reward or a Rollout" in results[3].metadata["error"]
+    # each distinct error is logged once, however many rollouts it failed
+    logged = [r.getMessage() for r in caplog.records if "agent failed on" in r.getMessage()]
+    assert len(logged) == 2, logged
+
+
+async def test_agents_that_cannot_be_awaited_with_task_and_llm_are_refused_before_any_task() -> None:
+    def plain(task_input: Any, llm: LLM) -> float:
+        return 1.0
+
+    async def one_argument(task_input: Any) -> float:
+        return 1.0
+
+    async def generator(task_input: Any, llm: LLM) -> Any:
+        yield 1.0
+
+    with pytest.raises(TypeError, match=r"'plain' is a plain function.*make it `async def plain\(task_input, llm\)`"):
+        await run_agents("http://127.0.0.1:9", plain)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"must take two positional arguments \(task_input, llm\).*one_argument\("):
+        check_agent(one_argument)
+    with pytest.raises(TypeError, match="async generator"):
+        check_agent(generator)
+
+    class Agent:
+        async def __call__(self, task_input: Any, llm: LLM) -> float:
+            return 1.0
+
+    check_agent(Agent())  # an object whose __call__ is async is an agent
+
+
+async def test_an_unreachable_task_server_is_one_line_and_the_agents_give_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with socket.socket() as sock:  # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    async def agent(task_input: Any, llm: LLM) -> float:
+        return 1.0
+
+    caplog.set_level(logging.WARNING, logger="aglverl.client")
+    with anyio.fail_after(30):
+        done = await run_agents(f"http://127.0.0.1:{port}", agent, concurrency=8, give_up_after=1.0)
+    assert done == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "aglverl.client"]
+    assert len(lines) == 2, lines  # eight loops retrying for a second: one line when it went, one when they stop
+    assert "unreachable" in lines[0] and "retry with backoff for up to 1 s" in lines[0]
+    assert "unreachable for more than 1 s: agents stop (0 tasks done)" in lines[1]
