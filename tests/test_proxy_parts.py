@@ -270,6 +270,19 @@ def test_capture_of_a_read_with_a_garbled_event_is_broken_and_still_sees_the_abo
     assert _assembled(capture) == [(0, None, None, None)]  # ids from a broken stream are never reported
 
 
+def test_capture_of_a_read_with_an_event_holding_two_values_is_broken_as_that_event_alone_is() -> None:
+    # An event whose data is "{...}, {...}" is not JSON; decoding a read's events as one array must not let it
+    # pass as two events.
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}]}\n\n'
+    two = b'data: {"choices":[{"index":0,"delta":{"content":"b"},"token_ids":[6]}]}, {"model":"m"}\n\n'
+    alone, in_a_read = _Capture("chat"), _Capture("chat")
+    alone.take_events(first)
+    alone.take_events(two)
+    in_a_read.take_events(first + two)
+    assert alone.broken and in_a_read.broken
+    assert _assembled(alone) == _assembled(in_a_read) == [(0, None, None, None)]
+
+
 def test_capture_reports_logprobs_only_as_one_number_per_id() -> None:
     def answer(logprobs: list[object]) -> bytes:
         entries = [{"token": "x", "logprob": v, "bytes": [120], "top_logprobs": []} for v in logprobs]

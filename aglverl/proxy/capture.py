@@ -42,7 +42,8 @@ CONTEXT_REFUSAL = re.compile(
     r"context[ _]length|max_model_len|maximum model length|prompt is too long|too long and exceeds", re.I
 )
 
-#: embedded server sends it; vLLM does not, and the proxy's own version is recorded then).
+#: The response header with the weight version an answer's tokens came from (the embedded inference server
+#: sends it; vLLM does not, and the proxy's own version is recorded then).
 WEIGHT_VERSION_HEADER = "X-Weight-Version"
 
 
@@ -207,6 +208,10 @@ class _Capture:
         try:
             pieces = [_decode_piece(datas[0])] if len(datas) == 1 else _decode_pieces(_as_array(datas))
         except msgspec.DecodeError:
+            pieces = None
+        # Joined into one array, an event that is not one JSON value (``{...}, {...}``) would pass as several:
+        # one piece per event, or each event is decoded alone.
+        if pieces is None or len(pieces) != len(datas):
             self.broken = True  # not an OpenAI-shaped event: ids from this stream cannot be trusted
             pieces = [piece for data in datas if (piece := _decoded_or_none(data)) is not None]
         for piece in pieces:

@@ -346,6 +346,8 @@ class Pool:
                 cards = (await response.json(content_type=None)).get("data") or []
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
             raise _Unreachable(repr(exc)) from exc
+        if not isinstance(cards, list):
+            return None
         for card in cards:
             if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
                 continue

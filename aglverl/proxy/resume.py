@@ -318,11 +318,10 @@ class Resumer:
             raise ProxyError(503, message)
         assert choice is not None and prompt is not None
         limit = _token_limit(request)
+        # No ids and no output (ids_missing unset): aborted before its first token.
         return _Resumption(
             list(prompt),
-            list(
-                choice.ids or ()
-            ),  # no ids and no output (ids_missing unset): aborted before its first token
+            list(choice.ids or ()),
             limit,
             time.monotonic() + self.config.pause_timeout,
             head or {},
@@ -332,7 +331,7 @@ class Resumer:
     async def resume_whole(self, call: _Call, answer: Any) -> bytes:
         """Continue a whole (JSON) answer the backend aborted; returns the one body, in the call's shape,
         covering the whole generation (and captures it). Raises :class:`ProxyError` when it cannot be
-        continued (see :meth:`_resume_stream`); cancellation closes the continuation's upstream request."""
+        continued (see :meth:`resume_stream`); cancellation closes the continuation's upstream request."""
         state = self._resumption(call)
         pieces: list[dict[str, Any]] = []
         while True:
