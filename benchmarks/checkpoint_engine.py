@@ -255,7 +255,7 @@ def main() -> None:
 
     loopback_only_ray()
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     results: dict[str, Any] = {"sizes": {}, "seconds_per_sync": {t: {} for t in args.transports}}
     try:
         for size in args.sizes:

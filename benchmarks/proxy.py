@@ -126,21 +126,39 @@ async def _run_bare(backend: str) -> None:
         await _until_terminated()
 
 
+#: What a recording proxy adds to a chat call (the floor asks the same, so the backend does the same work).
+RECORDED_FIELDS = b',"return_token_ids":true,"logprobs":true}'
+
+
 @asynccontextmanager
-async def bare_hop(backend: str) -> AsyncIterator[str]:
-    """The floor: an aiohttp server that forwards the body to the backend with one ClientSession, nothing else."""
+async def bare_hop(backend: str, *, recorded_work: bool = False) -> AsyncIterator[str]:
+    """The floor: an aiohttp server that forwards the body to the backend with one ClientSession, nothing else.
+
+    A streamed answer is relayed read by read (each read written at once); with ``recorded_work`` the request
+    asks for what a recording proxy asks for (token ids, log-probs), so the floor moves the same bytes."""
     from aiohttp import web
 
     from aglverl._net import bind_listener, url_of
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
 
-        async def forward(request: web.Request) -> web.Response:
+        async def forward(request: web.Request) -> web.StreamResponse:
             body = await request.read()
+            if recorded_work:
+                body = body.rstrip()[:-1] + RECORDED_FIELDS
             url = f"{backend}/v1/{request.match_info['path']}"
             async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as upstream:
-                data = await upstream.read()
-                return web.Response(status=upstream.status, body=data, content_type="application/json")
+                if upstream.content_length is not None:
+                    data = await upstream.read()
+                    return web.Response(status=upstream.status, body=data, content_type="application/json")
+                content_type = upstream.headers.get("Content-Type", "")
+                response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type})
+                await response.prepare(request)
+                while chunk := await upstream.content.readany():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
 
         app = web.Application()
         app.router.add_post("/v1/{path:.*}", forward)

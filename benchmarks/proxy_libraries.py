@@ -157,7 +157,7 @@ async def retry() -> dict[str, Any]:
     async def bare() -> int:
         return await try_once()
 
-    async def ours() -> int:  # the shape of LLMProxy._attempts, backend picking left out
+    async def ours() -> int:  # the shape of the proxy's Relay.attempts, backend picking left out
         deadline = time.monotonic() + policy.total_timeout
         failure: Exception | None = None
         for attempt in range(policy.attempts):

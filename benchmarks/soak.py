@@ -191,7 +191,7 @@ def _internals(daemon: Any) -> dict[str, int]:
         "store_waiters": len(store._waiters),
         "store_leases_heap": len(store._leases),
         "store_tombstones": len(store._tombstones),
-        "proxy_sticky_rollouts": len(proxy._sticky),
+        "proxy_sticky_rollouts": len(proxy._pool._sticky),
         "proxy_handlers": len(proxy._handlers),
         "collector_open_steps": len(daemon.collector.steps),
     }

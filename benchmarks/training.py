@@ -159,8 +159,13 @@ def _start_ray(config: Any, impl: str) -> None:
         rollout = config.actor_rollout_ref.rollout
         gpus += int(rollout.nnodes) * int(rollout.n_gpus_per_node)
     loopback_only_ray()
-    ray.init(
-        num_cpus=16, num_gpus=gpus, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env
+    ray.init(  # a Ray of the benchmark's own: never a cluster another program left on the machine
+        address="local",
+        num_cpus=16,
+        num_gpus=gpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=runtime_env,
     )
 
 

@@ -475,7 +475,7 @@ async def test_proxy_keeps_no_routing_state_for_rollouts_whose_step_was_handed_o
         _, batch = await run_step(daemon, ChatAgent(), 3)
         routed = set(batch.data.non_tensor_batch["rollout_id_list"].tolist())
         assert len(routed) == 3
-        assert routed.isdisjoint(daemon.proxy._sticky)  # today: all 3 are still there
+        assert routed.isdisjoint(daemon.proxy._pool._sticky)  # today: all 3 are still there
 
 
 async def test_run_agents_keeps_serving_across_a_task_server_restart() -> None:

@@ -89,33 +89,57 @@ request at once (aiohttp's ``handler_cancellation``); the call is recorded as fa
 after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` event (the OpenAI SDK raises
 it as ``APIError``) and recorded as failed.
 
-The package, one module per job (each module's docstring states its contract); dependencies run one way,
-``app`` → ``relay`` → ``resume`` → ``capture``, ``pool`` → ``call`` → ``session``, ``sse``, and ``app`` →
-``tokenin`` → ``resume``, ``capture``, ``pool``, ``session``:
+The package: the proxy composed of parts, each a class handed what it uses by its constructor (no part is
+built from another's class, nothing shares ``self``), each module's docstring stating its part's contract: what
+it is for, what it awaits, cancellation, errors. :class:`LLMProxy` builds them and holds them; they hold each
+other downward only, so the imports run one way (``tests/test_proxy_parts.py`` checks that the package has no
+import circle):
 
-- :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: routes, admission, auth, body limits, sampling
-  reconciliation, the gate that :meth:`~LLMProxy.pause` / :meth:`~LLMProxy.hold` close, metrics, life cycle.
-- :mod:`~aglverl.proxy.relay` — the retry loop and relaying answers (JSON, SSE), disconnects, broken streams.
-- :mod:`~aglverl.proxy.resume` — aborted generations: holding, continuing token-exactly, making again.
-- :mod:`~aglverl.proxy.capture` — token ids, log-probs and stop reasons out of answers and streams, into
-  :class:`~aglverl.store.LLMCall` records.
-- :mod:`~aglverl.proxy.tokenin` — :class:`~aglverl.proxy.tokenin.TokenIn`, a part the proxy holds: calls that
-  extend a recorded turn, generated from its ids; :mod:`~aglverl.proxy.session` — the attempts' recorded turns
-  and the message matching (pure).
-- :mod:`~aglverl.proxy.pool` — backends: picking, ejection, probes, sending a try, :class:`RetryPolicy`.
-- :mod:`~aglverl.proxy.sse` — SSE framing; :mod:`~aglverl.proxy.call` — the call, :class:`ProxyError`,
-  header forwarding. :mod:`aglverl.translate` (other APIs as chat completions) stays beside the package.
+::
+
+    LLMProxy ─┬─▶ Admission ─▶ TokenIn ─────────┐       (an arrow: holds, handed by the constructor)
+              └─▶ Relay ─────▶ Resumer ─────────┴─▶ Responder ─▶ Recorder ─┬─▶ ProxyStore (the store's view)
+                                                                           └─▶ Sessions (token-in turns)
+    and, each as it needs them: Pool (backends), Gate (pause / hold / resume), ProxyConfig, Meters
+
+- :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: builds the parts, routes, the handler that always ends with
+  the call recorded and counted, the public API, life cycle.
+- :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: auth, the attempt against the
+  store, path and body limits, translation, the capture request, sampling reconciliation, the gate's wait.
+- :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
+  (JSON, SSE), disconnects, broken streams.
+- :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued
+  token-exactly, or made again.
+- :mod:`~aglverl.proxy.tokenin` — :class:`~aglverl.proxy.tokenin.TokenIn`: calls that extend a recorded turn,
+  generated from its ids; :mod:`~aglverl.proxy.session` — the attempts' recorded turns and the message matching
+  (pure).
+- :mod:`~aglverl.proxy.respond` — :class:`~aglverl.proxy.respond.Responder`: writing to the agent, whole or in
+  pieces, ending a stream well or broken; the call committed before the agent sees its end.
+- :mod:`~aglverl.proxy.recorder` — :class:`~aglverl.proxy.recorder.Recorder`: captures into
+  :class:`~aglverl.store.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
+  the proxy reaches the store), turns into token-in sessions, every call counted once.
+- :mod:`~aglverl.proxy.pool` — :class:`~aglverl.proxy.pool.Pool`: backends: picking, ejection, probes, sending
+  a try, the upstream session.
+- :mod:`~aglverl.proxy.gate` — :class:`~aglverl.proxy.gate.Gate`: pause / hold / resume, the weight version,
+  the calls in flight and the drain, every wait at the gate.
+- The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
+  :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
+  forwarding), :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and
+  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing). :mod:`aglverl.translate` (other APIs as chat
+  completions) stays beside the package.
 """
 
 from __future__ import annotations
 
-from .app import SAMPLING_NEUTRAL, TRAINER_SAMPLING, LLMProxy, SamplingMismatch, reconcile_sampling
+from .admission import SAMPLING_NEUTRAL, TRAINER_SAMPLING, reconcile_sampling
+from .app import LLMProxy
 from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
 from .call import _Call as _Call  # private names re-exported (``as``): tests reach in for them
 from .call import _forward_headers as _forward_headers
 from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
 from .capture import _Capture as _Capture
 from .capture import _ChoiceCapture as _ChoiceCapture
+from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
 from .pool import (
     COMPLETIONS_TARGET,
     EJECT_AFTER_TIMEOUTS,
@@ -123,8 +147,6 @@ from .pool import (
     PROBE_READ_TIMEOUT,
     RETRY_STATUSES,
     STICKY_ROLLOUTS,
-    UPSTREAM_KEEPALIVE,
-    RetryPolicy,
 )
 from .pool import _Backend as _Backend
 from .resume import CONTINUED_FIELDS

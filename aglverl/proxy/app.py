@@ -1,52 +1,51 @@
-"""The proxy's application: routes, admission, authentication, body limits, the gate, and its life cycle.
+"""The proxy's application: the parts put together, the routes, and the life cycle.
 
-:class:`LLMProxy` assembles the parts: :class:`_Admission` (here), :class:`~aglverl.proxy.relay._Relay`, and
-below it :class:`~aglverl.proxy.resume._StreamResumer`, :class:`~aglverl.proxy.resume._Resumer`,
-:class:`~aglverl.proxy.capture._Recorder` and :class:`~aglverl.proxy.pool._Pool`. It owns the state they share (set in ``__init__``), the metrics, and:
+:class:`LLMProxy` builds its parts, each handed what it uses by its constructor (nothing shares ``self``):
 
-- Routes: ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` (attributed, recorded), ``/v1/{path}``
-  (unattributed), anything else a 404. Every handler counts its call once and tracks it for shutdown.
-- Admission (:meth:`_Admission._admit`): the agent's API (a translated one is known first, so that every
-  refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time),
-  the attempt against the store (unknown 404, finished 409: never forwarded), the path (no ``.``/``..``
-  segments), the body (``max_request_bytes``: 413), the translation to a chat completion, and for a recorded
-  call the capture request (``return_token_ids``, logprobs) and the sampling reconciliation
-  (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``).
-- The gate: :meth:`LLMProxy.pause` and :meth:`LLMProxy.hold` close it, :meth:`LLMProxy.resume` opens it and
-  sets the weight version; a new call waits at it up to ``pause_timeout`` (then 503), and so does an aborted
-  generation's continuation (through :meth:`LLMProxy._released`). ``pause`` also waits for the calls in
-  flight to drain.
-- Life cycle: :meth:`LLMProxy.serve` binds, serves until cancelled, then stops accepting, gives in-flight
-  calls ``shutdown_grace`` seconds, cancels the rest and closes server and session.
+- :class:`~aglverl.proxy.config.ProxyConfig` (the settings every part reads as it goes) and
+  :class:`~aglverl.proxy.meters.Meters` (the series every part counts into);
+- :class:`~aglverl.proxy.gate.Gate` (pause / hold / resume, the calls in flight, every wait on the gate);
+- :class:`~aglverl.proxy.pool.Pool` (backends, picking, ejection, probes, sending a try);
+- :class:`~aglverl.proxy.recorder.Recorder` (captures into records, through the store view; token-in turns);
+- :class:`~aglverl.proxy.respond.Responder` (writing to the agent; commits before the last byte);
+- :class:`~aglverl.proxy.resume.Resumer` (aborted generations) and :class:`~aglverl.proxy.relay.Relay` (tries,
+  JSON / SSE relaying), :class:`~aglverl.proxy.tokenin.TokenIn` (calls generated from ids; optional);
+- :class:`~aglverl.proxy.admission.Admission` (a request checked and read into its call).
+
+Here: routes (``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` attributed and recorded, ``/v1/{path}``
+unattributed, anything else a 404), one handler that admits, forwards and always ends with the call recorded
+and counted (:meth:`LLMProxy._run`), the public API (which hands on to the parts), and the life cycle:
+:meth:`LLMProxy.serve` binds, serves until cancelled, then stops accepting, gives in-flight calls
+``shutdown_grace`` seconds, cancels the rest and closes server and pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
-import math
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import aiohttp
 import anyio
-import orjson
 from aiohttp import web
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskStatus
 
 from .._net import bind_listener, url_of
-from ..metrics import ActivityTimeline, Counter, Registry
+from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
-from ..store import StoreError
-from ..translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
-from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
-from .capture import CAPTURED_PATHS, _Capture
-from .pool import UPSTREAM_KEEPALIVE, RetryPolicy, _Backend
-from .relay import _Relay
+from .admission import Admission
+from .call import ProxyError, _Call
+from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
+from .gate import Gate
+from .meters import Meters
+from .pool import Pool
+from .recorder import Recorder
+from .relay import Relay
+from .respond import Responder
+from .resume import Resumer
+from .session import Sessions
 from .store_view import ProxyStore
 from .tokenin import TokenIn
 
@@ -55,222 +54,8 @@ logger = logging.getLogger(__name__)
 #: Bound on each closing step (server, runner, session) after the grace period.
 _CLOSE_TIMEOUT = 1.0
 
-SamplingMismatch = Literal["refuse", "mask"]
-#: Sampling parameters that change the distribution tokens are drawn from, and each one's neutral value.
-SAMPLING_NEUTRAL: Mapping[str, float | None] = {
-    "temperature": None,  # no neutral value: the trainer always names one
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
-#: Of those, the ones a trainer's ``main_llm`` names (and the proxy fills in when a call omits them).
-TRAINER_SAMPLING = ("temperature", "top_p", "top_k")
 
-
-def _same_value(key: str, a: Any, b: Any) -> bool:
-    if key == "top_k":  # vLLM: -1 and 0 both mean "no top-k"
-        a, b = (-1 if v in (0, -1, None) else v for v in (a, b))
-    if a is None or b is None:
-        return a is b
-    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6)
-
-
-def reconcile_sampling(
-    request: Mapping[str, Any], expected: Mapping[str, Any]
-) -> tuple[dict[str, Any], dict[str, float], list[str]]:
-    """Compare a call's sampling parameters with the trainer's ``expected`` ones.
-
-    Returns ``(fill, used, mismatches)``: the parameters to add to the request (the trainer's values the call
-    omits, and ``max_tokens`` when it sets no limit), the values the call is made with, and a description of
-    each parameter it sets differently (``"temperature=0.7 (the trainer samples at 1.0)"``); ``used`` names the
-    trainer's parameters and those the call sets. A ``null`` in the request counts as omitted; a parameter
-    the trainer does not name must be at its neutral value.
-    """
-    fill: dict[str, Any] = {}
-    used: dict[str, float] = {}
-    mismatches: list[str] = []
-    for key, neutral in SAMPLING_NEUTRAL.items():
-        want = expected.get(key, neutral) if key in TRAINER_SAMPLING else neutral
-        got = request.get(key)
-        if got is None:
-            if want is not None and key in expected:
-                fill[key] = want
-                used[key] = float(want)
-            continue
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            continue  # the backend rejects a wrong type with its own 400
-        used[key] = float(got)
-        if want is not None and not _same_value(key, got, want):
-            mismatches.append(f"{key}={got!r} (the trainer samples at {key}={want!r})")
-    if request.get("logit_bias"):
-        mismatches.append("logit_bias (the trainer samples without one)")
-    limit = expected.get("max_tokens")
-    if (
-        limit is not None
-        and request.get("max_tokens") is None
-        and request.get("max_completion_tokens") is None
-    ):
-        fill["max_tokens"] = limit
-    return fill, used, mismatches
-
-
-# ---------------------------------------------------------------------------------------------- admission
-class _Admission:
-    """Checks and reads a request into its call (see the module docstring); a part of :class:`LLMProxy`."""
-
-    if TYPE_CHECKING:  # the host's state, and the gate's wait (LLMProxy)
-        store: ProxyStore
-        max_request_bytes: int
-        request_logprobs: bool
-        sampling_of: Callable[[str], Mapping[str, Any] | None] | None
-        sampling_mismatch: SamplingMismatch
-        token_in: TokenIn | None
-        _auth: bytes | None
-        _backend_auth: str | None
-        _gate: anyio.Event | None
-        m_sampling: Counter
-
-        async def _wait_resumed(self) -> None: ...
-
-    async def _admit(self, request: web.Request, call: _Call, target: str) -> None:
-        """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
-        path = request.match_info["path"]
-        api = TRANSLATED_PATHS.get(path) if request.method == "POST" else None
-        if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = new_translator(api)
-        self._authorize(request)
-        if call.rollout_id is not None:
-            assert call.attempt_id is not None
-            try:
-                self.store.check_attempt(call.rollout_id, call.attempt_id)
-            except StoreError as exc:
-                raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
-        if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
-            raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
-        query = request.rel_url.raw_query_string
-        call.method = request.method
-        call.path = "/v1/" + path
-        call.target = f"{target}?{query}" if query else target
-        call.headers = _forward_headers(request.headers, _REQUEST_DROP)
-        if self._backend_auth is not None:
-            call.headers["Authorization"] = self._backend_auth
-        call.body = await self._read_body(request)
-        kind = CAPTURED_PATHS.get(path) if call.method == "POST" else None
-        if call.translator is not None:
-            kind = self._translate_request(call, call.translator)
-        if kind is not None and call.rollout_id is not None:
-            self._prepare_capture(call, kind)
-            if kind == "chat" and self.token_in is not None:
-                self.token_in.admit(call)
-        if self._gate is not None:
-            await self._wait_resumed()
-
-    def _authorize(self, request: web.Request) -> None:
-        if self._auth is None:
-            return
-        header = request.headers.get("Authorization")
-        if header is None and "x-api-key" in request.headers:  # how Anthropic's SDK sends its api_key
-            header = "Bearer " + request.headers["x-api-key"]
-        given = (header or "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, self._auth):
-            raise ProxyError(
-                401, "missing or wrong proxy token: send 'Authorization: Bearer <token>' (or 'x-api-key')"
-            )
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        length = request.content_length
-        limit = self.max_request_bytes
-        if length is not None and length > limit:
-            raise ProxyError(
-                413, f"request body of {length} bytes exceeds the proxy's limit of {limit} bytes"
-            )
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
-
-    @staticmethod
-    def _translate_request(call: _Call, translator: Translator) -> Literal["chat"]:
-        """Turn a Responses / Messages body into the chat completion the backend gets (before any capture
-        preparation, which then sees an ordinary chat call); a body that cannot be translated is a 400."""
-        try:
-            call.body = translator.request(call.body)
-        except TranslationError as exc:
-            raise ProxyError(exc.status, exc.message, exc.param) from None
-        call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
-        call.headers["Content-Type"] = _JSON
-        call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated
-        return "chat"
-
-    def _prepare_capture(self, call: _Call, kind: Literal["chat", "completion"]) -> None:
-        """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
-        try:
-            obj = orjson.loads(call.body)
-        except orjson.JSONDecodeError as exc:
-            raise ProxyError(400, f"request body of {call.path} is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ProxyError(
-                400, f"request body of {call.path} must be a JSON object, not {type(obj).__name__}"
-            )
-        model = obj.get("model")
-        call.model = model if isinstance(model, str) else None
-        call.kind = kind
-        call.capture = _Capture(kind)
-        call.headers["Accept-Encoding"] = "identity"
-        empty = not obj
-        fill = self._reconcile_sampling(call, obj)
-        if "return_token_ids" not in obj:
-            fill["return_token_ids"] = True
-        if self.request_logprobs and "logprobs" not in obj:
-            # Completions take a count of alternatives: 0 asks for the sampled tokens' logprobs alone.
-            fill["logprobs"] = True if kind == "chat" else 0
-        if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
-            call.body = orjson.dumps({**obj, **fill})
-        elif fill:
-            # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
-            i = call.body.index(b"{") + 1
-            added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
-            call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
-        obj.update(fill)
-        call.request = obj
-        # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
-        call.max_tokens = _token_limit(obj)
-
-    def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Check the call's sampling parameters against its trainer's; return the parameters to add.
-
-        Raises :class:`ProxyError` (400) for an off-policy call under the ``"refuse"`` rule, marks it
-        ``off_policy`` under ``"mask"``.
-        """
-        expected = (
-            self.sampling_of(call.rollout_id) if self.sampling_of is not None and call.rollout_id else None
-        )
-        if not expected:
-            return {}
-        fill, call.sampling, mismatches = reconcile_sampling(obj, expected)
-        if mismatches:
-            if self.sampling_mismatch == "refuse":
-                self.m_sampling.inc(1, "refused")
-                raise ProxyError(
-                    400,
-                    f"{call.path}: {'; '.join(mismatches)}: this rollout trains on-policy, so its calls must "
-                    "sample as the trainer does (omit the parameter to get the trainer's value, or start the "
-                    "trainer with aglverl.sampling_mismatch: mask to keep such calls out of the loss)",
-                )
-            self.m_sampling.inc(1, "masked")
-            call.off_policy = True
-        if fill:
-            self.m_sampling.inc(1, "filled")
-        return fill
-
-
-# ---------------------------------------------------------------------------------------------- the proxy
-
-
-class LLMProxy(_Admission, _Relay):
+class LLMProxy:
     """Token-recording reverse proxy in front of OpenAI-compatible backends (see :mod:`aglverl.proxy`).
 
     Serve it with ``await tg.start(proxy.serve)``; :attr:`url` is valid once ``start`` returns.
@@ -294,7 +79,26 @@ class LLMProxy(_Admission, _Relay):
     is generated from that call's exact ids (:mod:`~aglverl.proxy.tokenin`); off, every call is relayed as
     text (and multi-turn rows drift wherever the chat template re-renders the history differently).
     :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
+
+    Each setting is also an attribute (``proxy.pause_timeout``), read by the parts at each use: a change holds
+    from the next call on.
     """
+
+    host = _Setting[str]()
+    port = _Setting[int]()
+    retry = _Setting[RetryPolicy]()
+    request_timeout = _Setting[float]()
+    connect_timeout = _Setting[float]()
+    max_request_bytes = _Setting[int]()
+    max_response_bytes = _Setting[int]()
+    eject_seconds = _Setting[float]()
+    pause_timeout = _Setting[float]()
+    hold_timeout = _Setting[float]()
+    shutdown_grace = _Setting[float]()
+    upstream_keepalive = _Setting[float]()
+    request_logprobs = _Setting[bool]()
+    sampling_of = _Setting[SamplingOf | None]()
+    sampling_mismatch = _Setting[SamplingMismatch]()
 
     def __init__(
         self,
@@ -317,126 +121,74 @@ class LLMProxy(_Admission, _Relay):
         backend_api_key: str | None = None,
         upstream_keepalive: float = UPSTREAM_KEEPALIVE,
         request_logprobs: bool = False,
-        sampling_of: Callable[[str], Mapping[str, Any] | None] | None = None,
+        sampling_of: SamplingOf | None = None,
         sampling_mismatch: SamplingMismatch = "refuse",
         token_in: bool = True,
     ) -> None:
-        if sampling_mismatch not in ("refuse", "mask"):
-            raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {sampling_mismatch!r}")
-        self.store = store
-        self.host = host
-        self.port = port
-        self.retry = retry
-        self.request_timeout = request_timeout
-        self.connect_timeout = connect_timeout
-        self.max_request_bytes = max_request_bytes
-        self.max_response_bytes = max_response_bytes
-        self.eject_seconds = eject_seconds
-        self.pause_timeout = pause_timeout
-        self.hold_timeout = pause_timeout if hold_timeout is None else hold_timeout
-        self.shutdown_grace = shutdown_grace
-        self.upstream_keepalive = upstream_keepalive
-        self.request_logprobs = request_logprobs
-        self.sampling_of = sampling_of
-        self.sampling_mismatch = sampling_mismatch
-        #: When calls were in flight: the backends' busy time as the proxy sees it.
-        self.activity = ActivityTimeline()
-        #: Model weights version recorded on every call; set or incremented by :meth:`resume`.
-        self.weight_version = 0
-        self._auth = f"Bearer {token}".encode() if token is not None else None
-        self._backend_auth = f"Bearer {backend_api_key}" if backend_api_key is not None else None
-        self._backends: list[_Backend] = []
-        self._sticky: OrderedDict[str, _Backend] = OrderedDict()
-        self._seq = itertools.count()
-        self._in_flight = 0
-        self._drained: anyio.Event | None = None  # created by a pause() waiting for in-flight calls
-        self._paused = False
-        self._held = False
-        self._gate: anyio.Event | None = None  # exists while paused or held; set by resume()
-        self._waiting = (
-            0  # calls waiting for the gate now (at admission, or to continue an aborted generation)
+        config = self._config = ProxyConfig(
+            host=host,
+            port=port,
+            retry=retry,
+            request_timeout=request_timeout,
+            connect_timeout=connect_timeout,
+            max_request_bytes=max_request_bytes,
+            max_response_bytes=max_response_bytes,
+            eject_seconds=eject_seconds,
+            pause_timeout=pause_timeout,
+            hold_timeout=pause_timeout if hold_timeout is None else hold_timeout,
+            shutdown_grace=shutdown_grace,
+            upstream_keepalive=upstream_keepalive,
+            request_logprobs=request_logprobs,
+            sampling_of=sampling_of,
+            sampling_mismatch=sampling_mismatch,
+            auth=None if token is None else f"Bearer {token}".encode(),
+            backend_auth=None if backend_api_key is None else f"Bearer {backend_api_key}",
         )
-        self._handlers: set[asyncio.Task[Any]] = set()
-        self._closing = False
-        self._session: aiohttp.ClientSession | None = None
-        self._tg: TaskGroup | None = None
-        self._url: str | None = None
-        self.set_backends(backends)
-        self._register_metrics(registry or Registry())
+        self._store = store
+        self.registry = registry or Registry()
+        meters = self._meters = Meters(self.registry)
+        # The parts, each holding what it uses.
+        gate = self._gate = Gate(config, meters)
+        pool = self._pool = Pool(config, meters, backends)
+        sessions = Sessions() if token_in else None
+        recorder = self._recorder = Recorder(store, meters, sessions)
+        responder = Responder(recorder)
+        resumer = Resumer(config, pool, gate, recorder, responder, meters)
+        self._relay = Relay(config, pool, gate, recorder, responder, resumer, meters)
         #: Token-in chat (:mod:`~aglverl.proxy.tokenin`): calls that extend a recorded turn are generated from
         #: its exact ids; ``None`` when turned off (every call relayed as text).
-        self.token_in: TokenIn | None = TokenIn(self, self.registry) if token_in else None
-
-    # ------------------------------------------------------------------ metrics
-    def _register_metrics(self, r: Registry) -> None:
-        self.registry = r
-        self.m_calls = r.counter("aglverl_proxy_calls_total", "LLM calls handled by the proxy.", ["outcome"])
-        self.m_retries = r.counter("aglverl_proxy_retries_total", "Upstream tries repeated after a failure.")
-        self.m_ejections = r.counter(
-            "aglverl_proxy_backend_ejections_total",
-            "Backends taken out of rotation after failed connections.",
+        self.token_in: TokenIn | None = (
+            None if sessions is None else TokenIn(config, pool, gate, recorder, responder, meters, sessions)
         )
-        self.m_no_ids = r.counter(
-            "aglverl_proxy_calls_without_token_ids_total",
-            "Recorded calls (choices) the backend sent no ids for.",
-        )
-        self.m_unrecorded = r.counter(
-            "aglverl_proxy_calls_unrecorded_total",
-            "Attributed calls dropped because their rollout had ended.",
-        )
-        self.m_upstream = r.histogram(
-            "aglverl_proxy_upstream_seconds", "Upstream request sent to last upstream byte (seconds)."
-        )
-        self.m_first_byte = r.histogram(
-            "aglverl_proxy_first_byte_seconds", "Request arrival to first byte sent to the agent (seconds)."
-        )
-        self.m_added = r.histogram(
-            "aglverl_proxy_added_seconds",
-            "Time a call spent in the proxy beyond its last upstream try (seconds).",
-        )
-        self.m_sampling = r.counter(
-            "aglverl_proxy_sampling_total",
-            "Recorded calls whose sampling parameters were filled in, refused or masked as off-policy.",
-            ["action"],
-        )
-        self.m_generated = r.counter(
-            "aglverl_proxy_generated_tokens_total", "Response token ids recorded, over every recorded call."
-        )
-        r.gauge("aglverl_proxy_in_flight", "Calls being forwarded now.", lambda: self._in_flight)
-        self.m_held = r.counter(
-            "aglverl_proxy_held_calls_total",
-            "Calls that arrived while the proxy was paused or held, and waited.",
-        )
-        r.gauge(
-            "aglverl_proxy_waiting_calls",
-            "Calls waiting now for a pause or hold to end (new calls, and aborted generations to continue).",
-            lambda: self._waiting,
-        )
-        self.m_resumed = r.counter(
-            "aglverl_proxy_resumed_total",
-            "Recorded calls whose generation a backend aborted and the proxy continued to its end.",
-        )
-        self.m_continuations = r.counter(
-            "aglverl_proxy_continuations_total",
-            "Token-in continuation requests sent for aborted generations.",
-        )
-        self.m_regenerated = r.counter(
-            "aglverl_proxy_regenerated_total",
-            "Aborted whole answers that a completion cannot continue (tool calls, n > 1, structured output), "
-            "made again from the start (the agent had seen none of them).",
-        )
-        self.m_resume_failed = r.counter(
-            "aglverl_proxy_resume_failures_total",
-            "Aborted generations not continued: calls the proxy does not resume (unsupported), or a backend "
-            "that kept aborting or refusing for pause_timeout (refused).",
-            ["reason"],
-        )
-        self.m_resume_latency = r.histogram(
-            "aglverl_proxy_resume_seconds",
-            "An aborted generation free to continue (not held) to its continuation's first token (seconds).",
-        )
+        self._admission = Admission(config, store, gate, meters, self.token_in)
+        # The series, under the names the daemon and tests read them by.
+        self.m_calls: Counter = meters.calls
+        self.m_retries: Counter = meters.retries
+        self.m_ejections: Counter = meters.ejections
+        self.m_no_ids: Counter = meters.no_ids
+        self.m_unrecorded: Counter = meters.unrecorded
+        self.m_upstream: Histogram = meters.upstream
+        self.m_first_byte: Histogram = meters.first_byte
+        self.m_added: Histogram = meters.added
+        self.m_sampling: Counter = meters.sampling
+        self.m_generated: Counter = meters.generated
+        self.m_held: Counter = meters.held
+        self.m_resumed: Counter = meters.resumed
+        self.m_continuations: Counter = meters.continuations
+        self.m_regenerated: Counter = meters.regenerated
+        self.m_resume_failed: Counter = meters.resume_failed
+        self.m_resume_latency: Histogram = meters.resume_latency
+        self._seq = itertools.count()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._closing = False
+        self._url: str | None = None
 
     # ------------------------------------------------------------------ public API
+    @property
+    def store(self) -> ProxyStore:
+        """The store the proxy admits calls against and records them in."""
+        return self._store
+
     @property
     def url(self) -> str:
         """``http://host:port`` of the proxy; valid once :meth:`serve` has started."""
@@ -457,6 +209,24 @@ class LLMProxy(_Admission, _Relay):
             sampling_parameters=dict(sampling_parameters or {}),
         )
 
+    @property
+    def backends(self) -> list[str]:
+        """The configured backend URLs, in order."""
+        return self._pool.backends
+
+    @property
+    def healthy_backends(self) -> list[str]:
+        """The backends currently taking traffic (not ejected)."""
+        return self._pool.healthy_backends
+
+    def set_backends(self, urls: Sequence[str]) -> None:
+        """Replace the backends (``http://host:port``, no ``/v1``); raises ``ValueError`` for anything else.
+
+        A backend kept from the previous list keeps its health and load; calls already running on a removed
+        backend finish there, and rollouts pinned to it move on their next call.
+        """
+        self._pool.set_backends(urls)
+
     async def pause(self) -> None:
         """Hold new calls (for a weight update) and return once every call in flight has finished.
 
@@ -465,13 +235,7 @@ class LLMProxy(_Admission, _Relay):
         generation waits to continue (see :meth:`hold`) is in flight: a drain waits for it, so a pause while
         backends abort generations returns once those calls ended (at the latest after ``pause_timeout``).
         """
-        if not self._paused:
-            self._paused = True
-            self._close_gate()
-        while self._in_flight:
-            if self._drained is None:
-                self._drained = anyio.Event()
-            await self._drained.wait()
+        await self._gate.pause()
 
     def hold(self) -> None:
         """Hold new calls, without draining the calls in flight: they go on (the asynchronous trainer modes).
@@ -481,8 +245,7 @@ class LLMProxy(_Admission, _Relay):
         aborts the engines' generations to swap their weights): it continues under the new weights once
         :meth:`resume` is called, and its agent sees one uninterrupted answer. Idempotent; returns at once.
         """
-        self._held = True
-        self._close_gate()
+        self._gate.hold()
 
     def resume(self, weight_version: int | None = None) -> None:
         """End a pause or a hold: waiting calls go on, and so do aborted generations waiting to continue.
@@ -490,53 +253,60 @@ class LLMProxy(_Admission, _Relay):
         ``weight_version`` becomes the proxy's version (default: the current one + 1), recorded on calls whose
         backend reports none (``X-Weight-Version``).
         """
-        self.weight_version = self.weight_version + 1 if weight_version is None else weight_version
-        self._paused = self._held = False
-        if self._gate is not None:
-            self._gate.set()
-            self._gate = None
+        self._gate.resume(weight_version)
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
         when it forgets them)."""
-        super().forget(rollout_ids)
+        self._pool.forget(rollout_ids)
         if self.token_in is not None:
             self.token_in.forget(rollout_ids)
 
-    def _close_gate(self) -> None:
-        if self._gate is None:
-            self._gate = anyio.Event()
+    @property
+    def weight_version(self) -> int:
+        """Model weights version recorded on every call whose backend reports none; set by :meth:`resume` (or
+        directly, by a trainer that counts its own steps)."""
+        return self._gate.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._gate.weight_version = version
+
+    @property
+    def activity(self) -> ActivityTimeline:
+        """When calls were in flight: the backends' busy time as the proxy sees it."""
+        return self._gate.activity
 
     @property
     def paused(self) -> bool:
         """Whether :meth:`pause` was called and :meth:`resume` not yet."""
-        return self._paused
+        return self._gate.paused
 
     @property
     def held(self) -> bool:
         """Whether :meth:`hold` was called and :meth:`resume` not yet."""
-        return self._held
+        return self._gate.held
 
     @property
     def in_flight(self) -> int:
         """Calls admitted and not yet finished."""
-        return self._in_flight
+        return self._gate.in_flight
 
     # ------------------------------------------------------------------ life cycle
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; ``task_status.started()`` once the listener accepts connections.
 
         On cancellation (shielded, bounded by ``shutdown_grace`` plus a few seconds): stop accepting, let
-        in-flight calls finish within ``shutdown_grace``, cancel the rest, close the server and the session.
+        in-flight calls finish within ``shutdown_grace``, cancel the rest, close the server and the pool.
         """
-        if self._session is not None:
+        if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
-        sock = bind_listener(self.host, self.port)
+        sock = bind_listener(self._config.host, self._config.port)
         app = self._make_app()
         runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=_CLOSE_TIMEOUT
         )
-        self._session = self._make_session()
+        self._pool.open()
         self._closing = False
         site: web.SockSite | None = None
         try:
@@ -545,17 +315,17 @@ class LLMProxy(_Admission, _Relay):
             await site.start()
             self._url = url_of(sock)
             async with anyio.create_task_group() as tg:
-                self._tg = tg
+                self._pool.probes = tg
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
-            self._tg = None
+            self._pool.probes = None
             with anyio.CancelScope(shield=True):
                 await self._close(runner, site)
             sock.close()
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_request_bytes)
+        app = web.Application(client_max_size=self._config.max_request_bytes)
         app.router.add_route("*", "/v1/{path:.*}", self._unattributed)
         app.router.add_route("*", "/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:.*}", self._attributed)
         app.router.add_route("*", "/{tail:.*}", self._no_route)
@@ -563,24 +333,23 @@ class LLMProxy(_Admission, _Relay):
 
     async def _close(self, runner: web.AppRunner, site: web.SockSite | None) -> None:
         self._closing = True
-        with anyio.move_on_after(self.shutdown_grace + 4 * _CLOSE_TIMEOUT):
+        grace = self._config.shutdown_grace
+        with anyio.move_on_after(grace + 4 * _CLOSE_TIMEOUT):
             if site is not None:
                 await site.stop()
             if self._handlers:
-                await asyncio.wait(set(self._handlers), timeout=self.shutdown_grace)
+                await asyncio.wait(set(self._handlers), timeout=grace)
             for task in self._handlers:
                 task.cancel()
             if self._handlers:
                 await asyncio.wait(set(self._handlers), timeout=_CLOSE_TIMEOUT)
             await runner.cleanup()
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._pool.close()
 
     # ------------------------------------------------------------------ handlers
     async def _no_route(self, request: web.Request) -> web.Response:
         try:
-            self._authorize(request)
+            self._admission.authorize(request)
         except ProxyError as exc:
             return exc.response()
         message = f"no such route {request.path!r}: use /v1/... or /rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1/..."
@@ -604,64 +373,31 @@ class LLMProxy(_Admission, _Relay):
         call = _Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
         try:
             try:
-                await self._admit(request, call, target)
+                await self._admission.admit(request, call, target)
             except ProxyError as exc:
-                self.m_calls.inc(1, "rejected")
+                self._meters.calls.inc(1, "rejected")
                 return exc.response(call.translator)
             except asyncio.CancelledError:  # the agent left while its body was read or while paused
-                self.m_calls.inc(1, "cancelled")
+                self._meters.calls.inc(1, "cancelled")
                 raise
-            self._enter()
+            self._gate.enter()
             try:
                 return await self._run(request, call)
             finally:
-                self._leave()
+                self._gate.leave()
         finally:
             self._handlers.discard(task)
 
-    async def _wait_resumed(self) -> None:
-        self.m_held.inc()
-        if not await self._released(time.monotonic() + self.pause_timeout):
-            raise ProxyError(503, f"the proxy is paused for a weight update for over {self.hold_timeout:g}s")
-
-    async def _released(self, deadline: float) -> bool:
-        """Wait until the proxy is neither paused nor held; ``False`` if ``deadline`` (monotonic) came first.
-
-        The trainer holds the proxy for as long as its update takes: while held, the wait lasts up to
-        ``hold_timeout`` from now even when ``deadline`` (a ``pause_timeout`` bound) comes earlier."""
-        self._waiting += 1
-        if self._gate is not None:
-            deadline = max(deadline, time.monotonic() + self.hold_timeout)
-        try:
-            with anyio.move_on_after(deadline - time.monotonic()):
-                while self._gate is not None:  # a new hold may close a new gate before this task runs again
-                    await self._gate.wait()
-        finally:
-            self._waiting -= 1
-        return self._gate is None
-
-    def _enter(self) -> None:
-        self._in_flight += 1
-        self.activity.begin()
-
-    def _leave(self) -> None:
-        self._in_flight -= 1
-        self.activity.end()
-        if self._in_flight == 0 and self._drained is not None:
-            self._drained.set()
-            self._drained = None
-
-    # ------------------------------------------------------------------ forwarding
     async def _run(self, request: web.Request, call: _Call) -> web.StreamResponse:
         """Forward ``call`` (generated from ids when it extends a recorded turn, else relayed), always ending
         with it recorded and counted, whatever happens."""
-        call.weight_version = self.weight_version
+        call.weight_version = self._gate.weight_version
         try:
             if self.token_in is not None and call.tokenin is not None and call.tokenin.match is not None:
                 response = await self.token_in.run(request, call)
                 if response is not None:
                     return response
-            return await self._attempts(request, call)
+            return await self._relay.attempts(request, call)
         except ProxyError as exc:
             call.fail(exc.message)
             return exc.response(call.translator)
@@ -675,4 +411,4 @@ class LLMProxy(_Admission, _Relay):
                 return call.response
             return ProxyError(500, f"internal proxy error: {exc!r}").response(call.translator)
         finally:
-            self._finish(call)
+            self._recorder.finish(call)

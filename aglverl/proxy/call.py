@@ -1,6 +1,7 @@
 """One call on its way through the proxy, the errors the proxy answers itself, and header forwarding.
 
-The vocabulary every other module of :mod:`aglverl.proxy` shares, and depends on nothing of theirs:
+The vocabulary every part of :mod:`aglverl.proxy` shares; it depends only on the pure modules (a call carries
+its :mod:`~aglverl.proxy.capture` and its token-in :mod:`~aglverl.proxy.session` plan):
 
 - :class:`_Call` — one agent request from admission to its records: what goes upstream (method, target,
   end-to-end headers, body, the parsed request), what came back (backend, weight versions, timings), how it
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import orjson
 from aiohttp import web
@@ -26,10 +27,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..store import LLMCall
 from ..translate import Translator
+from .capture import _Capture
 from .session import Plan
-
-if TYPE_CHECKING:
-    from .capture import _Capture
 
 HOP_BY_HOP: frozenset[str] = frozenset(
     {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}

@@ -1,23 +1,29 @@
 """The backend pool: which backend a call goes to, how a try is sent, and when a backend is left alone.
 
-Picking (:meth:`_Pool._pick`): every call of a rollout goes to the backend its first call went to while that
-backend is healthy (vLLM's prefix cache then holds the conversation; the last ``STICKY_ROLLOUTS`` rollouts are
-remembered, LRU); a new rollout, a retry, or a rollout whose backend is ejected, removed or asked to wait by a
-429 goes to the healthy backend with the fewest calls in flight (then the fewest picks).
+:class:`Pool` holds the backends, the rollouts' sticky backends, the upstream connection pool (one
+:class:`aiohttp.ClientSession` while serving) and the probes of ejected backends. Its interface:
 
-Sending (:meth:`_Pool._send`): one upstream try, returning the response head. No response at all is
-:class:`~aglverl.proxy.call._Unreachable` (safe to retry: nothing reached the agent); a refused connection
-also ejects the backend. ``request_timeout`` before the head is a 504, and a backend that outlives it
-``EJECT_AFTER_TIMEOUTS`` calls in a row is ejected too (:meth:`_Pool._timed_out` moves the rollout off it at
-once). Retry policy (:class:`RetryPolicy`): how many tries, within what budget, with what capped exponential
-backoff and jitter; :meth:`_Pool._hold` keeps a retryable 5xx/429 answer (bounded) and notes a 429's
-``Retry-After``. The retry loop itself is the relay's (:meth:`~aglverl.proxy.relay._Relay._attempts`).
+- :meth:`Pool.pick` — every call of a rollout goes to the backend its first call went to while that backend is
+  healthy (vLLM's prefix cache then holds the conversation; the last ``STICKY_ROLLOUTS`` rollouts are
+  remembered, LRU); a new rollout, a retry, or a rollout whose backend is ejected, removed or asked to wait by a
+  429 goes to the healthy backend with the fewest calls in flight (then the fewest picks). Synchronous.
+- :meth:`Pool.send` — one upstream try, awaiting the response head. No response at all is
+  :class:`~aglverl.proxy.call._Unreachable` (safe to retry: nothing reached the agent); a refused connection
+  also ejects the backend. ``request_timeout`` before the head is a 504
+  (:class:`~aglverl.proxy.call.ProxyError`), and a backend that outlives it ``EJECT_AFTER_TIMEOUTS`` calls in
+  a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); anything else that is not
+  HTTP a 502. Cancelled, the request is dropped with its connection (aiohttp closes it).
+- :meth:`Pool.keep` keeps a retryable 5xx/429 answer (bounded) in case no retry does better and notes a 429's
+  ``Retry-After``; :func:`_read_bounded` reads a whole body under ``max_response_bytes``;
+  :meth:`Pool.context_window` reads a backend's ``max_model_len``. The retry loop itself is the relay's
+  (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is :class:`~aglverl.proxy.config.RetryPolicy`.
+- Ejection and probes: an ejected backend takes no traffic for ``eject_seconds``; one task per ejected backend
+  (in :attr:`Pool.probes`, the serving task group) sleeps until that deadline and probes ``GET /health``; a
+  200 puts it back, anything else renews the ejection; a removed backend's probe stops.
+- Life cycle: :meth:`Pool.open` makes the session (idle keep-alive below the backends' own), :meth:`Pool.close`
+  closes it with its connections.
 
-Ejection and probes: an ejected backend takes no traffic for ``eject_seconds``; one task per ejected backend
-sleeps until that deadline and probes ``GET /health``; a 200 puts it back, anything else renews the
-ejection; a removed backend's probe stops. Connection pooling: :meth:`_Pool._make_session` (idle keep-alive
-below the backends' own). A part of :class:`~aglverl.proxy.LLMProxy`; depends only on
-:mod:`~aglverl.proxy.call`.
+Holds the config (timeouts, keep-alive, ``eject_seconds``, read at each use) and the meters (``ejections``).
 """
 
 from __future__ import annotations
@@ -25,12 +31,10 @@ from __future__ import annotations
 import email.utils
 import logging
 import math
-import random
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 import anyio
@@ -38,7 +42,6 @@ from anyio.abc import TaskGroup
 from multidict import CIMultiDict
 from yarl import URL
 
-from ..metrics import Counter
 from .call import (
     _JSON,
     _RESPONSE_DROP,
@@ -49,6 +52,8 @@ from .call import (
     _forward_headers,
     _Unreachable,
 )
+from .config import ProxyConfig
+from .meters import Meters
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +64,6 @@ RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 STICKY_ROLLOUTS = 100_000
 #: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
 EJECT_AFTER_TIMEOUTS = 3
-#: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
-#: drops an idle connection before the server does and never sends a request into one being closed.
-UPSTREAM_KEEPALIVE = 4.0
 #: What an ejected backend must answer 200 to before it takes traffic again (vLLM and the mock serve it).
 PROBE_PATH = "/health"
 #: Seconds a probe may take on top of ``connect_timeout``.
@@ -69,35 +71,6 @@ PROBE_READ_TIMEOUT = 2.0
 
 #: Where an aborted generation is continued: token ids in, token ids out.
 COMPLETIONS_TARGET = "/v1/completions"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RetryPolicy:
-    """How hard the proxy tries before the first byte reaches the agent.
-
-    ``attempts`` upstream tries per call, across backends. ``total_timeout`` is the budget, from the call's
-    arrival, within which a retry may still start (a backoff or ``Retry-After`` that would end past it is not
-    waited for: the last failure is returned instead); a single try is bounded by the proxy's
-    ``request_timeout``, since a non-streamed generation sends nothing until it is done. Retry ``k`` (1-based)
-    waits ``min(backoff_max, backoff_initial * 2**(k-1))`` reduced by a random fraction up to ``jitter``.
-    """
-
-    attempts: int = 3
-    total_timeout: float = 30.0
-    backoff_initial: float = 0.05
-    backoff_max: float = 2.0
-    jitter: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.total_timeout < 0 or self.backoff_initial < 0 or self.backoff_max < 0:
-            raise ValueError("RetryPolicy needs attempts >= 1 and non-negative times")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError("RetryPolicy.jitter is a fraction in [0, 1]")
-
-    def backoff(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (1-based)."""
-        delay = min(self.backoff_max, self.backoff_initial * 2 ** (retry - 1))
-        return delay * (1.0 - self.jitter * random.random())
 
 
 class _Backend:
@@ -152,6 +125,20 @@ def _retry_after(value: str | None) -> float:
         return 0.0
 
 
+async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+    """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
+    whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
+    if (upstream.content_length or 0) > limit:
+        raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
+    parts, size = [], 0
+    while chunk := await upstream.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def _normalise_backend(url: str) -> str:
     parsed = URL(url)
     if parsed.scheme not in ("http", "https") or not parsed.host:
@@ -163,20 +150,18 @@ def _normalise_backend(url: str) -> str:
     return url.rstrip("/")
 
 
-class _Pool:
-    """The backends and how calls are sent to them (see the module docstring); a part of
-    :class:`~aglverl.proxy.LLMProxy`."""
+class Pool:
+    """The backends and how calls are sent to them (see the module docstring)."""
 
-    if TYPE_CHECKING:  # the host's state (set by LLMProxy.__init__ and serve)
-        request_timeout: float
-        connect_timeout: float
-        eject_seconds: float
-        upstream_keepalive: float
-        _backends: list[_Backend]
-        _sticky: OrderedDict[str, _Backend]
-        _session: aiohttp.ClientSession | None
-        _tg: TaskGroup | None
-        m_ejections: Counter
+    def __init__(self, config: ProxyConfig, meters: Meters, backends: Sequence[str] = ()) -> None:
+        self.config = config
+        self.meters = meters
+        #: The task group the probes of ejected backends run in (the proxy's, while it serves).
+        self.probes: TaskGroup | None = None
+        self._backends: list[_Backend] = []
+        self._sticky: OrderedDict[str, _Backend] = OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        self.set_backends(backends)
 
     @property
     def backends(self) -> list[str]:
@@ -206,22 +191,46 @@ class _Pool:
         for rollout_id in rollout_ids:
             self._sticky.pop(rollout_id, None)
 
+    # ------------------------------------------------------------------ life cycle
+    @property
+    def is_open(self) -> bool:
+        """Whether the upstream session exists (between :meth:`open` and :meth:`close`)."""
+        return self._session is not None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The upstream session (the pool must be open)."""
+        assert self._session is not None, "the pool is not open"
+        return self._session
+
+    def open(self) -> None:
+        """Make the upstream session: connections pooled per backend, idle ones kept ``upstream_keepalive``."""
+        self._session = self._make_session()
+
+    async def close(self) -> None:
+        """Close the session and its connections (idempotent)."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
     def _make_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is bounded by the agents, and a pool cap would queue calls invisibly
-            keepalive_timeout=self.upstream_keepalive,
+            keepalive_timeout=self.config.upstream_keepalive,
         )
         return aiohttp.ClientSession(
             connector=connector,
             # request_timeout bounds each upstream try, body included; aiohttp arms one timer per request anyway.
-            timeout=aiohttp.ClientTimeout(total=self.request_timeout, sock_connect=self.connect_timeout),
+            timeout=aiohttp.ClientTimeout(
+                total=self.config.request_timeout, sock_connect=self.config.connect_timeout
+            ),
             auto_decompress=False,  # bodies are relayed byte for byte; captured calls ask for identity
             skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),  # forward the agent's, add none
             cookie_jar=aiohttp.DummyCookieJar(),  # a backend's cookie must not leak from one agent to another
             trust_env=False,  # nothing but the configured backends is ever contacted
         )
 
-    def _timed_out(self, call: _Call) -> str:
+    def timed_out(self, call: _Call) -> str:
         """Note a call that outlived ``request_timeout`` and describe it.
 
         The rollout is moved off that backend at once (its next call or attempt goes elsewhere), and a backend
@@ -239,9 +248,11 @@ class _Pool:
                     self._sticky[call.rollout_id] = min(others, key=lambda b: (b.in_flight, b.picks))
                 else:
                     del self._sticky[call.rollout_id]
-        return f"backend {call.backend} did not finish within request_timeout={self.request_timeout:g}s"
+        return (
+            f"backend {call.backend} did not finish within request_timeout={self.config.request_timeout:g}s"
+        )
 
-    def _pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None:
+    def pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None:
         """The backend for the next try: the rollout's own while healthy, else the least loaded healthy one."""
         if not self._backends:
             return None
@@ -266,7 +277,7 @@ class _Pool:
                 self._sticky.popitem(last=False)
         return best
 
-    async def _send(
+    async def send(
         self, backend: _Backend, call: _Call, continuation: bytes | None = None
     ) -> aiohttp.ClientResponse:
         """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came.
@@ -297,7 +308,7 @@ class _Pool:
                 f"backend {backend.url} closed the connection without answering: {exc!r}"
             ) from exc
         except TimeoutError:  # request_timeout (aiohttp's total timeout) before the response head
-            raise ProxyError(504, self._timed_out(call)) from None
+            raise ProxyError(504, self.timed_out(call)) from None
         except aiohttp.ClientError as exc:  # e.g. a malformed response head: the backend is not speaking HTTP
             raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc!r}") from exc
         backend.timeouts = 0
@@ -305,7 +316,7 @@ class _Pool:
             self._restore(backend)
         return upstream
 
-    async def _hold(self, backend: _Backend, upstream: aiohttp.ClientResponse) -> _Held:
+    async def keep(self, backend: _Backend, upstream: aiohttp.ClientResponse) -> _Held:
         """Keep a retryable answer (bounded) and free its connection; note a 429's ``Retry-After``."""
         try:
             if upstream.status == 429:
@@ -326,16 +337,35 @@ class _Pool:
         finally:
             upstream.close()
 
+    async def context_window(self, backend: _Backend, model: str | None) -> int | None:
+        """``backend``'s context window for ``model``: ``max_model_len`` of its ``/v1/models`` card, as vLLM and the
+        embedded server report it (``None`` when it does not say); :class:`_Unreachable` when it did not answer
+        (its message is the error's ``repr``)."""
+        try:
+            async with self.session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
+                cards = (await response.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+            raise _Unreachable(repr(exc)) from exc
+        if not isinstance(cards, list):
+            return None
+        for card in cards:
+            if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
+                continue
+            window = card.get("max_model_len")
+            if type(window) is int:
+                return window
+        return None
+
     def _eject(self, backend: _Backend, exc: BaseException) -> None:
         if backend.ejected or backend.removed:
             return
         backend.ejected = True
-        backend.ejected_until = time.monotonic() + self.eject_seconds
-        self.m_ejections.inc()
-        logger.warning("backend %s ejected for %gs: %s", backend.url, self.eject_seconds, exc)
-        if self._tg is not None and not backend.probing:
+        backend.ejected_until = time.monotonic() + self.config.eject_seconds
+        self.meters.ejections.inc()
+        logger.warning("backend %s ejected for %gs: %s", backend.url, self.config.eject_seconds, exc)
+        if self.probes is not None and not backend.probing:
             backend.probing = True
-            self._tg.start_soon(self._probe, backend)
+            self.probes.start_soon(self._probe, backend)
 
     def _restore(self, backend: _Backend) -> None:
         if backend.ejected:
@@ -352,7 +382,7 @@ class _Pool:
                 if await self._probe_once(backend):
                     self._restore(backend)
                 else:
-                    backend.ejected_until = time.monotonic() + self.eject_seconds
+                    backend.ejected_until = time.monotonic() + self.config.eject_seconds
         finally:
             backend.probing = False
 
@@ -361,7 +391,7 @@ class _Pool:
         if session is None:
             return False
         try:
-            with anyio.fail_after(self.connect_timeout + PROBE_READ_TIMEOUT):
+            with anyio.fail_after(self.config.connect_timeout + PROBE_READ_TIMEOUT):
                 async with session.get(URL(backend.url + PROBE_PATH), allow_redirects=False) as response:
                     await response.read()
                     return response.status == 200

@@ -1,48 +1,51 @@
 """Aborted generations: holding them, continuing them token-exactly, or making them again.
 
 A backend answers a recorded call with ``finish_reason: "abort"`` when the trainer swaps its weights. The agent
-never sees that. :class:`_Resumer` (whole answers, and what every continuation needs) and
-:class:`_StreamResumer` (streams), parts of :class:`~aglverl.proxy.LLMProxy`, take over from the relay:
+never sees that: :class:`Resumer` takes over from the relay, which calls it in four places:
 
-- :meth:`_StreamResumer._take_abort` takes the aborting event out of complete SSE events before the agent
-  gets any of it (the events before it go out unchanged, its last tokens without the finish reason).
-- :meth:`_Resumer._resumption` collects what a continuation needs (:class:`_Resumption`: the prompt and the ids
-  so far, the limit, the stream's head), or refuses a call no completion can carry on
-  (:func:`_resume_blocker`: ``n > 1``, tools, structured output, ``prompt_logprobs``...) with a 503.
-- :meth:`_Resumer._continuation` waits while the proxy is held (:meth:`_Resumer._held_back`: a call waiting
-  keeps no backend busy in ``activity``), then sends :meth:`_Resumer._continuation_body` (a token-in
-  ``/v1/completions`` call with the call's own sampling parameters, ``seed`` moved on) to the rollout's
-  backend; refusals are retried with the retry policy's backoff until ``pause_timeout`` has passed without a
-  new token (503), the time spent waiting for a hold not counted.
-- A stream goes on in the agent's chunk shape (:meth:`_StreamResumer._resume_stream`,
-  :meth:`_StreamResumer._relay_continuation`, :meth:`_StreamResumer._converted`); a whole answer becomes
-  one body covering the whole generation (:meth:`_Resumer._resume_whole`, :func:`_merged`); a whole answer
-  that cannot be continued is made again from the start once the hold ends (:meth:`_Resumer._regenerate_whole`).
-  :meth:`_Resumer._progressed` moves the call's weight versions, the refusal budget and the resume latency.
+- :meth:`Resumer.take_abort` (synchronous) takes the aborting event out of complete SSE events before the agent
+  gets any of it (the events before it go out unchanged, its last tokens without the finish reason);
+  :meth:`Resumer.resume_stream` then continues the stream in the agent's chunk shape (same ``id``) to its
+  final chunk, usage and ``[DONE]``.
+- :meth:`Resumer.resume_whole` continues a whole (JSON) answer into one body covering the whole generation
+  (:func:`_merged`); :meth:`Resumer.regenerate_whole` makes a whole answer that no completion can carry on
+  (:func:`_resume_blocker`: ``n > 1``, tools, structured output...) again from the start once the hold ends.
 
-Below it: :mod:`~aglverl.proxy.capture` (it records through ``_capture_body`` and re-captures merged answers)
-and :mod:`~aglverl.proxy.pool` (``_pick``, ``_send``, ``_timed_out``). It needs two things from above, named in
-its classes' ``TYPE_CHECKING`` blocks and provided by the relay and the app: ``_forward`` / ``_end_broken``
-(write to the agent, end a started response with an error event) and ``_released`` (wait for the gate).
+How: :meth:`Resumer._resumption` collects what a continuation needs (:class:`_Resumption`: the prompt and the
+ids so far, the limit, the stream's head), or refuses a call no completion can carry on with a 503. Each
+continuation waits at the gate (:meth:`~aglverl.proxy.gate.Gate.clear_to_retry`: a call waiting keeps no
+backend busy, and a hold spends none of its budget), then sends :meth:`Resumer._continuation_body` (a
+token-in ``/v1/completions`` call with the call's own sampling parameters, ``seed`` moved on) to the rollout's
+backend; refusals are retried with the retry policy's backoff until ``pause_timeout`` has passed without a new
+token. :meth:`Resumer._progressed` moves the call's weight versions, the refusal budget and the resume latency.
+
+Errors: a call not resumed, a backend that kept refusing, a broken continuation are a
+:class:`~aglverl.proxy.call.ProxyError` (503, 502, 504) from the whole-answer methods; ``resume_stream`` ends
+the stream with an error event instead and returns ``False`` (also when the agent left). Cancellation (the
+agent left, shutdown) closes the continuation's upstream request. Holds the config, the pool (picking and
+sending), the gate (waits, the weight version), the recorder (re-capturing a merged answer), the responder
+(writing a stream's continuation) and the meters.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import aiohttp
-import anyio
 import orjson
 from aiohttp import web
-from yarl import URL
 
-from ..metrics import ActivityTimeline, Counter, Histogram
 from .call import _SSE, ERROR_BODY_LIMIT, ProxyError, _Call, _error_message, _token_limit, _Unreachable
-from .capture import _Capture, _Recorder, _reported_version
-from .pool import RETRY_STATUSES, RetryPolicy, _Backend, _Pool
+from .capture import _Capture, _reported_version
+from .config import ProxyConfig
+from .gate import Gate
+from .meters import Meters
+from .pool import RETRY_STATUSES, Pool, _Backend, _read_bounded
+from .recorder import Recorder
+from .respond import Responder
 from .sse import (
     _DONE_EVENT,
     _EVENT_END,
@@ -144,24 +147,21 @@ def _unfinish(choice: dict[str, Any], kind: Literal["chat", "completion"] | None
         holder["content"] = holder["content"].rstrip("\ufffd")
 
 
-async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
-    """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
-    whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
-    if (upstream.content_length or 0) > limit:
-        raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
-    parts, size = [], 0
-    while chunk := await upstream.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 class _Resumption:
     """An aborted generation on its way to its end: what its continuations need and what they did."""
 
-    __slots__ = ("chars", "context", "deadline", "head", "ids", "limit", "prompt", "ready", "refusals", "version")
+    __slots__ = (
+        "chars",
+        "context",
+        "deadline",
+        "head",
+        "ids",
+        "limit",
+        "prompt",
+        "ready",
+        "refusals",
+        "version",
+    )
 
     def __init__(
         self,
@@ -181,7 +181,7 @@ class _Resumption:
         self.refusals = 0  # continuations in a row that brought no token
         self.ready = 0.0  # when the current continuation was free to go (for the resume latency)
         self.version = 0  # the weight version of the current continuation
-        self.context: int | None = None  # the backend's context window (max_model_len), for a call without a limit
+        self.context: int | None = None  # the backend's max_model_len, for a call without a limit
 
     @property
     def left(self) -> int | None:
@@ -201,6 +201,13 @@ class _Resumption:
             "total_tokens": prompt + completion,
         }
         return {**usage, **counts}
+
+
+def _refused_message(pause_timeout: float, refusals: int) -> str:
+    return (
+        f"the backend aborted the generation and refused to continue it for pause_timeout={pause_timeout:g}s "
+        f"({refusals} continuations refused or aborted at once)"
+    )
 
 
 def _continued_choice(raw: bytes) -> dict[str, Any]:
@@ -274,23 +281,24 @@ def _offset_logprobs(logprobs: Any, offset: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- the resumer
-class _Resumer(_Recorder, _Pool):
-    """Carries aborted generations to their end (see the module docstring); a part of
-    :class:`~aglverl.proxy.LLMProxy`."""
+class Resumer:
+    """Carries aborted generations to their end (see the module docstring)."""
 
-    if TYPE_CHECKING:  # the host's state, and the gate's wait (the app's)
-        retry: RetryPolicy
-        pause_timeout: float
-        max_response_bytes: int
-        weight_version: int
-        activity: ActivityTimeline
-        _gate: anyio.Event | None
-        m_resumed: Counter
-        m_continuations: Counter
-        m_regenerated: Counter
-        m_resume_latency: Histogram
-
-        async def _released(self, deadline: float) -> bool: ...
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: Pool,
+        gate: Gate,
+        recorder: Recorder,
+        responder: Responder,
+        meters: Meters,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.gate = gate
+        self.recorder = recorder
+        self.responder = responder
+        self.meters = meters
 
     def _resumption(self, call: _Call, head: dict[str, Any] | None = None) -> _Resumption:
         """What the continuations of ``call``'s aborted answer need; :class:`ProxyError` (503) for a call the
@@ -305,26 +313,25 @@ class _Resumer(_Recorder, _Pool):
         if why is None and (choice is None or choice.ids_missing or capture.broken or prompt is None):
             why = "a call whose answer carries no token ids"
         if why is not None:
-            self.m_resume_failed.inc(1, "unsupported")
+            self.meters.resume_failed.inc(1, "unsupported")
             message = f"the backend aborted the generation (a weight update), and {why} is not resumed"
             raise ProxyError(503, message)
         assert choice is not None and prompt is not None
         limit = _token_limit(request)
+        # No ids and no output (ids_missing unset): aborted before its first token.
         return _Resumption(
             list(prompt),
-            list(
-                choice.ids or ()
-            ),  # no ids and no output (ids_missing unset): aborted before its first token
+            list(choice.ids or ()),
             limit,
-            time.monotonic() + self.pause_timeout,
+            time.monotonic() + self.config.pause_timeout,
             head or {},
             choice.chars,
         )
 
-    async def _resume_whole(self, call: _Call, answer: Any) -> bytes:
+    async def resume_whole(self, call: _Call, answer: Any) -> bytes:
         """Continue a whole (JSON) answer the backend aborted; returns the one body, in the call's shape,
         covering the whole generation (and captures it). Raises :class:`ProxyError` when it cannot be
-        continued (see :meth:`_resume_stream`); cancellation closes the continuation's upstream request."""
+        continued (see :meth:`resume_stream`); cancellation closes the continuation's upstream request."""
         state = self._resumption(call)
         pieces: list[dict[str, Any]] = []
         while True:
@@ -333,9 +340,9 @@ class _Resumer(_Recorder, _Pool):
                 break
             upstream = await self._continuation(call, state)
             try:
-                raw = await _read_bounded(upstream, self.max_response_bytes, "backend continuation")
+                raw = await _read_bounded(upstream, self.config.max_response_bytes, "backend continuation")
             except TimeoutError:
-                raise ProxyError(504, self._timed_out(call)) from None
+                raise ProxyError(504, self.pool.timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
                 raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
             finally:
@@ -349,38 +356,30 @@ class _Resumer(_Recorder, _Pool):
         merged = _merged(call, answer, pieces, state)
         call.capture = _Capture(call.kind or "chat")
         call.capture.apply(merged)
-        self.m_resumed.inc()
+        self.meters.resumed.inc()
         return orjson.dumps(merged)
 
-    async def _regenerate_whole(self, call: _Call) -> bytes:
+    async def regenerate_whole(self, call: _Call) -> bytes:
         """A whole (JSON) answer the backend aborted that a completion cannot continue token-exactly (tool
         calls, ``n > 1``, structured output: :func:`_resume_blocker`): the agent has seen none of it, so once
         the proxy is no longer held the call is made again from the start, and that answer (generated under
         the new weights) is the call's, recorded with its own ids and version. An answer aborted again is made
         again; :class:`ProxyError` (503) once ``pause_timeout`` passed without a whole answer (time spent
         waiting for a hold not counted), 502 for an error answer; cancellation closes the upstream request."""
-        deadline = time.monotonic() + self.pause_timeout
+        deadline = time.monotonic() + self.config.pause_timeout
         refusals = 0
         while True:
-            moved = await self._held_back(deadline)
-            if moved is None:
-                self.m_resume_failed.inc(1, "refused")
-                raise ProxyError(
-                    503, f"an aborted call waited to be made again for over {self.pause_timeout:g}s"
-                )
-            deadline = moved  # a wait for the hold spends none of the budget for refusals
-            if refusals:
-                await anyio.sleep(min(self.retry.backoff(refusals), max(0.0, deadline - time.monotonic())))
-                if time.monotonic() >= deadline:
-                    self.m_resume_failed.inc(1, "refused")
-                    raise ProxyError(503, f"the backend kept aborting a call made again ({refusals} times)")
-                if self._gate is not None:
-                    continue
-            backend = self._pick(call.rollout_id, ())
+            deadline = await self.gate.clear_to_retry(
+                deadline,
+                refusals,
+                f"an aborted call waited to be made again for over {self.config.pause_timeout:g}s",
+                f"the backend kept aborting a call made again ({refusals} times)",
+            )
+            backend = self.pool.pick(call.rollout_id, ())
             if backend is None:
                 raise ProxyError(503, "no backends are configured")
             try:
-                upstream = await self._send(backend, call)
+                upstream = await self.pool.send(backend, call)
             except _Unreachable:
                 refusals += 1
                 continue
@@ -388,10 +387,10 @@ class _Resumer(_Recorder, _Pool):
                 if upstream.status in RETRY_STATUSES:
                     refusals += 1
                     continue
-                raw = await _read_bounded(upstream, self.max_response_bytes, "backend answer")
+                raw = await _read_bounded(upstream, self.config.max_response_bytes, "backend answer")
                 status, version = upstream.status, _reported_version(upstream.headers)
             except TimeoutError:
-                raise ProxyError(504, self._timed_out(call)) from None
+                raise ProxyError(504, self.pool.timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
                 raise ProxyError(
                     502, f"backend {call.backend} broke off the call made again: {exc!r}"
@@ -403,13 +402,14 @@ class _Resumer(_Recorder, _Pool):
                     502, f"backend {backend.url} refused the call made again: {status}: {_error_message(raw)}"
                 )
             call.capture = _Capture(call.kind or "chat")
-            answer = self._capture_body(call, status, raw)
-            if answer is not None and call.capture.aborted:
+            if self.recorder.capture_body(call, status, raw) and call.capture.aborted:
                 refusals += 1
                 continue
             # Made again wholly after the hold: the proxy's current version when the backend reports none.
-            call.weight_version = call.weight_version_end = self.weight_version if version is None else version
-            self.m_regenerated.inc()
+            call.weight_version = call.weight_version_end = (
+                self.gate.weight_version if version is None else version
+            )
+            self.meters.regenerated.inc()
             return raw
 
     async def _continuation(self, call: _Call, state: _Resumption) -> aiohttp.ClientResponse:
@@ -422,28 +422,14 @@ class _Resumer(_Recorder, _Pool):
         counted (a hold is bounded by ``hold_timeout``), 502/504 for other failures.
         """
         while True:
-            moved = await self._held_back(state.deadline)
-            if moved is None:
-                self.m_resume_failed.inc(1, "refused")
-                raise ProxyError(
-                    503,
-                    f"an aborted generation waited to continue for over pause_timeout={self.pause_timeout:g}s "
-                    "while the proxy was held",
-                )
-            state.deadline = moved  # a wait for the hold spends none of the budget for refusals
-            if state.refusals:
-                left = max(0.0, state.deadline - time.monotonic())
-                await anyio.sleep(min(self.retry.backoff(state.refusals), left))
-                if time.monotonic() >= state.deadline:
-                    self.m_resume_failed.inc(1, "refused")
-                    raise ProxyError(
-                        503,
-                        f"the backend aborted the generation and refused to continue it for pause_timeout="
-                        f"{self.pause_timeout:g}s ({state.refusals} continuations refused or aborted at once)",
-                    )
-                if self._gate is not None:
-                    continue  # held meanwhile: wait for the hold to end first
-            backend = self._pick(call.rollout_id, ())
+            state.deadline = await self.gate.clear_to_retry(
+                state.deadline,
+                state.refusals,
+                f"an aborted generation waited to continue for over pause_timeout={self.config.pause_timeout:g}s "
+                "while the proxy was held",
+                _refused_message(self.config.pause_timeout, state.refusals),
+            )
+            backend = self.pool.pick(call.rollout_id, ())
             if backend is None:
                 raise ProxyError(503, "no backends are configured")
             if state.limit is None and state.context is None:
@@ -451,10 +437,10 @@ class _Resumer(_Recorder, _Pool):
                 # gets vLLM's default of 16 tokens, so the continuation asks for the rest explicitly.
                 state.context = await self._context_window(backend, call.model)
             state.ready = time.monotonic()
-            state.version = self.weight_version
-            self.m_continuations.inc()
+            state.version = self.gate.weight_version
+            self.meters.continuations.inc()
             try:
-                upstream = await self._send(backend, call, self._continuation_body(call, state))
+                upstream = await self.pool.send(backend, call, self._continuation_body(call, state))
             except _Unreachable:
                 state.refusals += 1
                 continue
@@ -480,46 +466,22 @@ class _Resumer(_Recorder, _Pool):
             return upstream
 
     async def _context_window(self, backend: _Backend, model: str | None) -> int | None:
-        """The backend's context window for ``model`` (``max_model_len`` of its ``/v1/models`` card, as vLLM
-        and the embedded server report it); ``None`` (logged) when it does not say."""
-        assert self._session is not None
+        """The backend's context window for ``model`` (:meth:`~aglverl.proxy.pool.Pool.context_window`);
+        ``None`` (logged) when it does not say."""
         try:
-            async with self._session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
-                cards = (await response.json(content_type=None)).get("data") or []
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
-            cards, error = [], repr(exc)
+            window = await self.pool.context_window(backend, model)
+        except _Unreachable as exc:
+            window, error = None, str(exc)
         else:
             error = "no max_model_len in its /v1/models"
-        for card in cards:
-            if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
-                continue
-            window = card.get("max_model_len")
-            if type(window) is int:
-                return window
-        logger.warning(
-            "backend %s did not tell its context window (%s): the continuation of an aborted call without "
-            "max_tokens gets the backend's default limit",
-            backend.url,
-            error,
-        )
-        return None
-
-    async def _held_back(self, deadline: float) -> float | None:
-        """:meth:`_released` for a call in flight: while it waits, it keeps no backend busy (``activity``).
-
-        Returns ``deadline`` (the call's budget for refusals, monotonic) moved on by the time spent waiting:
-        however long a hold lasts (an update longer than ``pause_timeout``), the budget is left whole for
-        after it. ``None`` when the wait ended at its own limit, the proxy still closed."""
-        if self._gate is None:
-            return deadline
-        self.activity.end()
-        since = time.monotonic()
-        try:
-            if not await self._released(deadline):
-                return None
-            return deadline + (time.monotonic() - since)
-        finally:
-            self.activity.begin()
+        if window is None:
+            logger.warning(
+                "backend %s did not tell its context window (%s): the continuation of an aborted call without "
+                "max_tokens gets the backend's default limit",
+                backend.url,
+                error,
+            )
+        return window
 
     def _continuation_body(self, call: _Call, state: _Resumption) -> bytes:
         """The ``/v1/completions`` body that continues ``state`` token-exactly: the prompt ids and the ids so
@@ -567,24 +529,12 @@ class _Resumer(_Recorder, _Pool):
         state.ids.extend(ids)
         now = time.monotonic()
         if state.ready:
-            self.m_resume_latency.observe(now - state.ready)
+            self.meters.resume_latency.observe(now - state.ready)
             state.ready = 0.0
         state.refusals = 0
-        state.deadline = now + self.pause_timeout
+        state.deadline = now + self.config.pause_timeout
 
-
-class _StreamResumer(_Resumer):
-    """Carries aborted streams to their end: the abort taken out of the agent's stream, the continuations' events
-    relayed in its chunk shape (see the module docstring); a part of :class:`~aglverl.proxy.LLMProxy`."""
-
-    if TYPE_CHECKING:  # what the relay provides: writing to the agent, ending a started response
-        _forward: Callable[
-            [_Call, web.StreamResponse, bytes, _Capture | None, bytearray | None], Awaitable[bool]
-        ]
-
-        async def _end_broken(self, call: _Call, status: int, message: str) -> None: ...
-
-    def _take_abort(self, call: _Call, chunk: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    def take_abort(self, call: _Call, chunk: bytes) -> tuple[bytes, dict[str, Any] | None]:
         """Take an abort out of complete SSE events: ``(what the agent gets, the aborting event's head)``.
 
         The head (``id``, ``object``, ``created``, ``model``) is ``None`` when no choice was aborted (the word
@@ -611,7 +561,7 @@ class _StreamResumer(_Resumer):
             return b"".join(out), head
         return chunk, None
 
-    async def _resume_stream(self, call: _Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
+    async def resume_stream(self, call: _Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
         """Continue a streamed answer the backend aborted: the continuations' events go on in the agent's
         stream, in its chunk shape, until one ends otherwise than aborted.
 
@@ -626,7 +576,7 @@ class _StreamResumer(_Resumer):
                 if state.left == 0:  # cut exactly at the limit: nothing is left to generate
                     end = {"choices": [dict(_LENGTH_END)]}
                     events, _ = self._converted(call, state, end)
-                    if not await self._forward(call, response, events + _DONE_EVENT, call.capture, None):
+                    if not await self.responder.forward(call, response, events + _DONE_EVENT, call.capture):
                         return False
                     break
                 upstream = await self._continuation(call, state)
@@ -639,9 +589,9 @@ class _StreamResumer(_Resumer):
                 if not again:
                     break
         except ProxyError as exc:
-            await self._end_broken(call, exc.status, exc.message)
+            await self.responder.end_broken(call, exc.status, exc.message)
             return False
-        self.m_resumed.inc()
+        self.meters.resumed.inc()
         return True
 
     async def _relay_continuation(
@@ -653,12 +603,12 @@ class _StreamResumer(_Resumer):
             raise ProxyError(502, f"backend {call.backend} answered the streamed continuation with no stream")
         cut = _EventCut()
         content = upstream.content
-        size, limit = 0, self.max_response_bytes
+        size, limit = 0, self.config.max_response_bytes
         while True:
             try:
                 chunk = await content.readany()
             except TimeoutError:
-                raise ProxyError(504, self._timed_out(call)) from None
+                raise ProxyError(504, self.pool.timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
                 raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
             if not chunk:
@@ -688,7 +638,7 @@ class _StreamResumer(_Resumer):
                 out.append(converted)
                 if aborted:
                     break
-            if out and not await self._forward(call, response, b"".join(out), call.capture, None):
+            if out and not await self.responder.forward(call, response, b"".join(out), call.capture):
                 return None
             if aborted:
                 await _drain(content)

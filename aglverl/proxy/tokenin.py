@@ -53,8 +53,13 @@ generated from ids counts ``generated``, and the calls never matched count their
 :data:`~aglverl.proxy.session.MISSES` cause. Past that point a failure ends the answer the way the relay ends
 a broken stream. Cancellation (the agent left, shutdown) closes every upstream request of the call.
 
-The part holds its host (:class:`_Host`: the proxy's pool, gate, recorder and relay endings) and is held by
-it; it keeps per backend whether it has token-in, its context window and its anchors.
+Its interface, as the proxy uses it: :meth:`TokenIn.admit` (synchronous: read a recorded chat call against its
+attempt's session), :meth:`TokenIn.run` (make a matched call from ids and answer the agent; ``None``: relay it
+as text), :meth:`TokenIn.forget` (the rollouts the store forgets); the recorder remembers each recorded turn in
+the same :class:`~aglverl.proxy.session.Sessions`. It holds the config, the pool (picking, the session, the
+context window), the gate (continuations wait there; the weight version), the recorder (commit before the last
+byte), the responder (writing to the agent) and the meters; it keeps per backend whether it has token-in, its
+context window and its anchors.
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import anyio
@@ -71,12 +76,15 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from ..metrics import Counter, Histogram, Registry
 from ..translate import TranslationError
 from .call import _JSON, ProxyError, _Call, _error_message, _token_limit, _Unreachable
 from .capture import _Capture, _ChoiceCapture, _reported_version
-from .pool import RETRY_STATUSES, RetryPolicy, _Backend
-from .resume import _read_bounded
+from .config import ProxyConfig
+from .gate import Gate
+from .meters import Meters
+from .pool import RETRY_STATUSES, Pool, _Backend, _read_bounded
+from .recorder import Recorder
+from .respond import Responder
 from .session import MISSES, Answer, Match, Plan, Sessions
 from .sse import _DONE_EVENT, _choices_of, _drain, _EventCut, _json_object, _payloads, _sse_event
 
@@ -103,47 +111,6 @@ _ANCHOR_FIELDS = ("model", "tools", "chat_template", "chat_template_kwargs", "do
 _SEED_SPACE = 2**63
 _TOOL_CALL_PREFIX = "chatcmpl-tool-"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-
-
-class _Host(Protocol):
-    """What the token-in part uses of the proxy: its pool, gate, recorder and the relay's endings."""
-
-    retry: RetryPolicy
-    pause_timeout: float
-    hold_timeout: float
-    max_response_bytes: int
-    weight_version: int
-    _session: aiohttp.ClientSession | None
-    _backend_auth: str | None
-    _gate: anyio.Event | None
-    m_continuations: Counter
-    m_resumed: Counter
-    m_regenerated: Counter
-    m_resume_failed: Counter
-    m_resume_latency: Histogram
-
-    def _pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None: ...
-
-    async def _held_back(self, deadline: float) -> float | None: ...
-
-    def _commit(self, call: _Call) -> None: ...
-
-    async def _send_whole(self, request: web.Request, call: _Call, response: web.Response) -> None: ...
-
-    async def _end_broken(self, call: _Call, status: int, message: str) -> None: ...
-
-    async def _forward(
-        self,
-        call: _Call,
-        response: web.StreamResponse,
-        chunk: bytes,
-        capture: _Capture | None,
-        whole: bytearray | None,
-    ) -> bool: ...
-
-    async def _close_stream(self, call: _Call, response: web.StreamResponse) -> None: ...
-
-    def _timed_out(self, call: _Call) -> str: ...
 
 
 class _Fallback(Exception):
@@ -361,15 +328,30 @@ class TokenIn:
     """Token-in chat for a proxy (see the module docstring): sessions, and generation from ids.
 
     The proxy calls :meth:`admit` for every attributed chat call once it is read, :meth:`run` to make a
-    matched call (``None``: relay it as text), :meth:`remember` once a call is recorded and :meth:`forget` for
-    rollouts the store forgets.
+    matched call (``None``: relay it as text) and :meth:`forget` for rollouts the store forgets; the recorder
+    remembers each recorded call's turn in :attr:`sessions`.
     """
 
-    def __init__(self, host: _Host, registry: Registry) -> None:
-        self.host = host
-        self.sessions = Sessions()
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pool: Pool,
+        gate: Gate,
+        recorder: Recorder,
+        responder: Responder,
+        meters: Meters,
+        sessions: Sessions,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.gate = gate
+        self.recorder = recorder
+        self.responder = responder
+        self.meters = meters
+        #: The attempts' recorded turns (the recorder remembers a turn once its call is recorded).
+        self.sessions = sessions
         self._backends: dict[str, _BackendState] = {}
-        self.m_calls = registry.counter(
+        self.m_calls = meters.registry.counter(
             "aglverl_proxy_token_in_total",
             "Recorded chat calls by how they were made: generated from the session's ids (generated), or "
             "relayed as text for the reason named.",
@@ -387,23 +369,6 @@ class TokenIn:
         if miss is not None:
             self.m_calls.inc(1, miss)
 
-    def remember(self, call: _Call) -> None:
-        """Keep a recorded call's turn in its session (an answered call with one choice and its ids)."""
-        plan = call.tokenin
-        if plan is None or plan.pending is None or call.error is not None or not call.records:
-            return
-        if len(call.records) != 1:
-            return
-        record = call.records[0]
-        if record.status != "ok" or record.prompt_token_ids is None or record.response_token_ids is None:
-            return
-        answer = plan.answer
-        if answer is None and call.capture is not None:
-            choice = call.capture.choices.get(0)
-            answer = None if choice is None else choice.answer
-        if answer is not None:
-            self.sessions.remember(plan.pending, answer, record.prompt_token_ids, record.response_token_ids)
-
     def forget(self, rollout_ids: Sequence[str]) -> None:
         self.sessions.forget(rollout_ids)
 
@@ -414,7 +379,7 @@ class TokenIn:
         started; cancellation closes the call's upstream requests."""
         plan = call.tokenin
         assert plan is not None and plan.match is not None and call.request is not None
-        backend = self.host._pick(call.rollout_id, ())
+        backend = self.pool.pick(call.rollout_id, ())
         if backend is None:
             return None  # the relay answers 503
         state = self._state(backend)
@@ -614,33 +579,24 @@ class TokenIn:
         state = self._state(backend)
         if state.window_read:
             return state.window
-        session = self.host._session
-        assert session is not None
-        cards: list[Any] = []
         try:
-            async with session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
-                cards = (await response.json(content_type=None)).get("data") or []
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
-            logger.debug("GET /v1/models on %s failed: %r", backend.url, exc)
+            state.window = await self.pool.context_window(backend, model)
+        except _Unreachable as exc:
+            logger.debug("GET /v1/models on %s failed: %s", backend.url, exc)
             return None  # read again next time
         state.window_read = True
-        for card in cards:
-            if isinstance(card, dict) and (len(cards) == 1 or card.get("id") == model):
-                if type(window := card.get("max_model_len")) is int:
-                    state.window = window
         return state.window
 
     # ------------------------------------------------------------------ HTTP
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": _JSON}
-        if self.host._backend_auth is not None:
-            headers["Authorization"] = self.host._backend_auth
+        if self.config.backend_auth is not None:
+            headers["Authorization"] = self.config.backend_auth
         return headers
 
     async def _open(self, backend: _Backend, target: str, body: bytes) -> aiohttp.ClientResponse:
         """Send a POST and return its response head (the caller closes it); :class:`_Unreachable` if none came."""
-        session = self.host._session
-        assert session is not None
+        session = self.pool.session
         try:
             return await session.post(
                 URL(backend.url + target, encoded=True), data=body, headers=self._headers()
@@ -656,7 +612,7 @@ class TokenIn:
         """A whole POST: ``(status, headers, body)``; :class:`_Unreachable` or :class:`ProxyError` (too big)."""
         upstream = await self._open(backend, target, body)
         try:
-            raw = await _read_bounded(upstream, self.host.max_response_bytes, f"backend answer to {target}")
+            raw = await _read_bounded(upstream, self.config.max_response_bytes, f"backend answer to {target}")
         except TimeoutError:
             raise _Unreachable(f"backend {backend.url} did not finish answering {target} in time") from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -695,63 +651,48 @@ class TokenIn:
             gen.entries += entries if isinstance(entries, list) else [{"logprob": None}] * len(ids)
         now = time.monotonic()
         if gen.ready:
-            self.host.m_resume_latency.observe(now - gen.ready)
+            self.meters.resume_latency.observe(now - gen.ready)
             gen.ready = 0.0
         gen.refusals = 0
-        gen.deadline = now + self.host.pause_timeout
+        gen.deadline = now + self.config.pause_timeout
 
     def _version(self, headers: CIMultiDictProxy[str]) -> int:
         reported = _reported_version(headers)
-        return self.host.weight_version if reported is None else reported
+        return self.gate.weight_version if reported is None else reported
 
     async def _next_backend(self, call: _Call, gen: _Generation) -> _Backend:
         """Where the next continuation goes, once the proxy is no longer held and any refusal's backoff is
         over; :class:`ProxyError` (503) once ``pause_timeout`` passed without a token outside holds."""
-        host = self.host
-        while True:
-            moved = await host._held_back(gen.deadline)  # the budget moved on by the time held: never spent
-            if moved is None:
-                host.m_resume_failed.inc(1, "refused")
-                raise ProxyError(
-                    503,
-                    f"an aborted generation waited to continue for over hold_timeout={host.hold_timeout:g}s "
-                    "while the proxy was held",
-                )
-            gen.deadline = moved
-            if gen.refusals:
-                await anyio.sleep(
-                    min(host.retry.backoff(gen.refusals), max(0.0, gen.deadline - time.monotonic()))
-                )
-                if time.monotonic() >= gen.deadline:
-                    host.m_resume_failed.inc(1, "refused")
-                    raise ProxyError(
-                        503,
-                        f"the backend aborted the generation and refused to continue it for pause_timeout="
-                        f"{host.pause_timeout:g}s ({gen.refusals} continuations refused or aborted at once)",
-                    )
-                if host._gate is not None:
-                    continue
-            backend = host._pick(call.rollout_id, ())
-            if backend is None:
-                raise ProxyError(503, "no backends are configured")
-            gen.ready = time.monotonic()
-            host.m_continuations.inc()
-            return backend
+        config = self.config
+        gen.deadline = await self.gate.clear_to_retry(  # the budget moved on by the time held: never spent
+            gen.deadline,
+            gen.refusals,
+            f"an aborted generation waited to continue for over hold_timeout={config.hold_timeout:g}s "
+            "while the proxy was held",
+            f"the backend aborted the generation and refused to continue it for pause_timeout="
+            f"{config.pause_timeout:g}s ({gen.refusals} continuations refused or aborted at once)",
+        )
+        backend = self.pool.pick(call.rollout_id, ())
+        if backend is None:
+            raise ProxyError(503, "no backends are configured")
+        gen.ready = time.monotonic()
+        self.meters.continuations.inc()
+        return backend
 
     def _aborted(self, call: _Call, gen: _Generation) -> None:
         """A generation the backend aborted: it is continued (or, under structured output, made again)."""
         if not gen.deadline:  # aborted before its first token
-            gen.deadline = time.monotonic() + self.host.pause_timeout
+            gen.deadline = time.monotonic() + self.config.pause_timeout
         if gen.structured:
             if call.sse:
-                self.host.m_resume_failed.inc(1, "unsupported")
+                self.meters.resume_failed.inc(1, "unsupported")
                 raise ProxyError(
                     503,
                     "the backend aborted the generation (a weight update), and a stream under structured "
                     "output (tool_choice required or named, a response_format) is not resumed",
                 )
             gen.restart()  # nobody has seen it: made again from the start under the new weights
-            self.host.m_regenerated.inc()
+            self.meters.regenerated.inc()
 
     async def _generate_whole(self, call: _Call, gen: _Generation) -> None:
         """Generate to the end (not streamed), continuing aborted generations; the first refusal is a
@@ -791,7 +732,7 @@ class TokenIn:
             if not aborted:
                 gen.finish, gen.stop_reason = finish, choice.get("stop_reason")
                 if gen.requests > 1:
-                    self.host.m_resumed.inc()
+                    self.meters.resumed.inc()
                 return
             self._aborted(call, gen)
 
@@ -851,7 +792,7 @@ class TokenIn:
                     break
                 upstream = next_head
             if gen.requests > 1:
-                self.host.m_resumed.inc()
+                self.meters.resumed.inc()
             chunks.close()
         except ProxyError as exc:
             chunks.close(exc)
@@ -865,14 +806,14 @@ class TokenIn:
         finished; :class:`ProxyError` if it broke."""
         version = self._version(upstream.headers)
         cut = _EventCut()
-        size, limit = 0, self.host.max_response_bytes
+        size, limit = 0, self.config.max_response_bytes
         finished = False
         content = upstream.content
         while True:
             try:
                 chunk = await content.readany()
             except TimeoutError:
-                raise ProxyError(504, self.host._timed_out(call)) from None
+                raise ProxyError(504, self.pool.timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
                 raise ProxyError(502, f"backend {gen.backend.url} broke off the generation: {exc!r}") from exc
             if not chunk:
@@ -959,7 +900,7 @@ class TokenIn:
             except TranslationError as exc:
                 raise ProxyError(exc.status, exc.message) from None
         response = web.Response(status=200, body=body, content_type=_JSON)
-        await self.host._send_whole(request, call, response)
+        await self.responder.send_whole(request, call, response)
         return response
 
     async def _derender_whole(self, call: _Call, match: Match, gen: _Generation) -> dict[str, Any]:
@@ -1036,7 +977,7 @@ class TokenIn:
         if failure is not None:
             if call.response is None:
                 raise failure
-            await self.host._end_broken(call, failure.status, failure.message)
+            await self.responder.end_broken(call, failure.status, failure.message)
             return call.response
         assert response is not None
         return response
@@ -1103,7 +1044,7 @@ class TokenIn:
                     if isinstance(choice.get("finish_reason"), str):
                         gen.finish = choice["finish_reason"]  # recorded as the agent gets it
                 self._record(call, gen)
-                self.host._commit(call)  # before the agent can read [DONE] and report its rollout done
+                self.recorder.commit(call)  # before the agent can read [DONE] and report its rollout done
                 if usage:
                     counts = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.ids)}
                     counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
@@ -1119,11 +1060,11 @@ class TokenIn:
                     call.fail("agent disconnected", "cancelled")
                     return call.response
                 call.first_byte = time.monotonic()
-            if not await self.host._forward(call, call.response, out, None, None):
+            if not await self.responder.forward(call, call.response, out):
                 return call.response
             if finish is not None:
                 break
-        await self.host._close_stream(call, call.response)
+        await self.responder.close_stream(call, call.response)
         return call.response
 
     async def _derender_chunk(self, call: _Call, gen: _Generation, body: bytes) -> tuple[dict[str, Any], Any]:

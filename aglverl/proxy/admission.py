@@ -1,0 +1,244 @@
+"""Admission: a request checked and read into its call before anything is forwarded.
+
+:class:`Admission` has one entry, :meth:`Admission.admit` (and :meth:`Admission.authorize`, the token check
+alone, for routes that lead nowhere). In order: the agent's API (a translated one is known first, so that every
+refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time), the
+attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
+forwarded), the path (no ``.``/``..`` segments), the body (``max_request_bytes``: 413), the translation to a
+chat completion, and for a recorded call the capture request (``return_token_ids``, logprobs, identity
+encoding), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
+the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
+closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
+
+Every refusal is a :class:`~aglverl.proxy.call.ProxyError` naming what was wrong; nothing of a refused call
+was forwarded or stored. It awaits the request body and the gate; cancelled (the agent left), it stops there.
+Holds the config, the store, the gate, the meters (``sampling``) and the token-in part (``None``: off).
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+
+from ..store import StoreError
+from ..translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
+from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
+from .capture import CAPTURED_PATHS, _Capture
+from .config import ProxyConfig
+from .gate import Gate
+from .meters import Meters
+from .store_view import ProxyStore
+from .tokenin import TokenIn
+
+__all__ = ["SAMPLING_NEUTRAL", "TRAINER_SAMPLING", "Admission", "reconcile_sampling"]
+
+#: Sampling parameters that change the distribution tokens are drawn from, and each one's neutral value.
+SAMPLING_NEUTRAL: Mapping[str, float | None] = {
+    "temperature": None,  # no neutral value: the trainer always names one
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+#: Of those, the ones a trainer's ``main_llm`` names (and the proxy fills in when a call omits them).
+TRAINER_SAMPLING = ("temperature", "top_p", "top_k")
+
+
+def _same_value(key: str, a: Any, b: Any) -> bool:
+    if key == "top_k":  # vLLM: -1 and 0 both mean "no top-k"
+        a, b = (-1 if v in (0, -1, None) else v for v in (a, b))
+    if a is None or b is None:
+        return a is b
+    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6)
+
+
+def reconcile_sampling(
+    request: Mapping[str, Any], expected: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, float], list[str]]:
+    """Compare a call's sampling parameters with the trainer's ``expected`` ones.
+
+    Returns ``(fill, used, mismatches)``: the parameters to add to the request (the trainer's values the call
+    omits, and ``max_tokens`` when it sets no limit), the values the call is made with, and a description of
+    each parameter it sets differently (``"temperature=0.7 (the trainer samples at 1.0)"``); ``used`` names the
+    trainer's parameters and those the call sets. A ``null`` in the request counts as omitted; a parameter
+    the trainer does not name must be at its neutral value.
+    """
+    fill: dict[str, Any] = {}
+    used: dict[str, float] = {}
+    mismatches: list[str] = []
+    for key, neutral in SAMPLING_NEUTRAL.items():
+        want = expected.get(key, neutral) if key in TRAINER_SAMPLING else neutral
+        got = request.get(key)
+        if got is None:
+            if want is not None and key in expected:
+                fill[key] = want
+                used[key] = float(want)
+            continue
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            continue  # the backend rejects a wrong type with its own 400
+        used[key] = float(got)
+        if want is not None and not _same_value(key, got, want):
+            mismatches.append(f"{key}={got!r} (the trainer samples at {key}={want!r})")
+    if request.get("logit_bias"):
+        mismatches.append("logit_bias (the trainer samples without one)")
+    limit = expected.get("max_tokens")
+    if (
+        limit is not None
+        and request.get("max_tokens") is None
+        and request.get("max_completion_tokens") is None
+    ):
+        fill["max_tokens"] = limit
+    return fill, used, mismatches
+
+
+# ---------------------------------------------------------------------------------------------- admission
+class Admission:
+    """Checks and reads a request into its call (see the module docstring)."""
+
+    def __init__(
+        self, config: ProxyConfig, store: ProxyStore, gate: Gate, meters: Meters, token_in: TokenIn | None
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.gate = gate
+        self.meters = meters
+        self.token_in = token_in
+
+    async def admit(self, request: web.Request, call: _Call, target: str) -> None:
+        """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
+        path = request.match_info["path"]
+        api = TRANSLATED_PATHS.get(path) if request.method == "POST" else None
+        if api is not None:  # known first, so that every refusal below is in the agent's API
+            call.translator = new_translator(api)
+        self.authorize(request)
+        if call.rollout_id is not None:
+            assert call.attempt_id is not None
+            try:
+                self.store.check_attempt(call.rollout_id, call.attempt_id)
+            except StoreError as exc:
+                raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
+        if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
+            raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
+        query = request.rel_url.raw_query_string
+        call.method = request.method
+        call.path = "/v1/" + path
+        call.target = f"{target}?{query}" if query else target
+        call.headers = _forward_headers(request.headers, _REQUEST_DROP)
+        if self.config.backend_auth is not None:
+            call.headers["Authorization"] = self.config.backend_auth
+        call.body = await self._read_body(request)
+        kind = CAPTURED_PATHS.get(path) if call.method == "POST" else None
+        if call.translator is not None:
+            kind = self._translate_request(call, call.translator)
+        if kind is not None and call.rollout_id is not None:
+            self._prepare_capture(call, kind)
+            if kind == "chat" and self.token_in is not None:
+                self.token_in.admit(call)
+        await self.gate.admit()
+
+    def authorize(self, request: web.Request) -> None:
+        if self.config.auth is None:
+            return
+        header = request.headers.get("Authorization")
+        if header is None and "x-api-key" in request.headers:  # how Anthropic's SDK sends its api_key
+            header = "Bearer " + request.headers["x-api-key"]
+        given = (header or "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, self.config.auth):
+            raise ProxyError(
+                401, "missing or wrong proxy token: send 'Authorization: Bearer <token>' (or 'x-api-key')"
+            )
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        limit = self.config.max_request_bytes
+        if length is not None and length > limit:
+            raise ProxyError(
+                413, f"request body of {length} bytes exceeds the proxy's limit of {limit} bytes"
+            )
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
+
+    @staticmethod
+    def _translate_request(call: _Call, translator: Translator) -> Literal["chat"]:
+        """Turn a Responses / Messages body into the chat completion the backend gets (before any capture
+        preparation, which then sees an ordinary chat call); a body that cannot be translated is a 400."""
+        try:
+            call.body = translator.request(call.body)
+        except TranslationError as exc:
+            raise ProxyError(exc.status, exc.message, exc.param) from None
+        call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
+        call.headers["Content-Type"] = _JSON
+        call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated
+        return "chat"
+
+    def _prepare_capture(self, call: _Call, kind: Literal["chat", "completion"]) -> None:
+        """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
+        try:
+            obj = orjson.loads(call.body)
+        except orjson.JSONDecodeError as exc:
+            raise ProxyError(400, f"request body of {call.path} is not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ProxyError(
+                400, f"request body of {call.path} must be a JSON object, not {type(obj).__name__}"
+            )
+        model = obj.get("model")
+        call.model = model if isinstance(model, str) else None
+        call.kind = kind
+        call.capture = _Capture(kind)
+        call.headers["Accept-Encoding"] = "identity"
+        empty = not obj
+        fill = self._reconcile_sampling(call, obj)
+        if "return_token_ids" not in obj:
+            fill["return_token_ids"] = True
+        if self.config.request_logprobs and "logprobs" not in obj:
+            # Completions take a count of alternatives: 0 asks for the sampled tokens' logprobs alone.
+            fill["logprobs"] = True if kind == "chat" else 0
+        if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
+            call.body = orjson.dumps({**obj, **fill})
+        elif fill:
+            # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
+            i = call.body.index(b"{") + 1
+            added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
+            call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
+        obj.update(fill)
+        call.request = obj
+        # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
+        call.max_tokens = _token_limit(obj)
+
+    def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the call's sampling parameters against its trainer's; return the parameters to add.
+
+        Raises :class:`ProxyError` (400) for an off-policy call under the ``"refuse"`` rule, marks it
+        ``off_policy`` under ``"mask"``.
+        """
+        expected = (
+            self.config.sampling_of(call.rollout_id)
+            if self.config.sampling_of is not None and call.rollout_id
+            else None
+        )
+        if not expected:
+            return {}
+        fill, call.sampling, mismatches = reconcile_sampling(obj, expected)
+        if mismatches:
+            if self.config.sampling_mismatch == "refuse":
+                self.meters.sampling.inc(1, "refused")
+                raise ProxyError(
+                    400,
+                    f"{call.path}: {'; '.join(mismatches)}: this rollout trains on-policy, so its calls must "
+                    "sample as the trainer does (omit the parameter to get the trainer's value, or start the "
+                    "trainer with aglverl.sampling_mismatch: mask to keep such calls out of the loss)",
+                )
+            self.meters.sampling.inc(1, "masked")
+            call.off_policy = True
+        if fill:
+            self.meters.sampling.inc(1, "filled")
+        return fill
