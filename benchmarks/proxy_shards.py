@@ -31,6 +31,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -43,7 +44,6 @@ from _common import (
     emit,
     machine_info,
     peak_rss_bytes,
-    proc_cpu_seconds,
     stdin_commands,
     summary_ms,
 )
@@ -117,14 +117,11 @@ def _child_main(role: str, cfg: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the agents' side
-class _Processes:
-    """The proxy's processes as ``sweep`` reads a child's CPU: the sum of their CPU seconds."""
+@dataclass(frozen=True)
+class _Process:
+    """A proxy process as ``sweep`` reads its CPU (by ``pid``): the daemon's (one shard) or a shard actor's."""
 
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-
-    def cpu_seconds(self) -> float:
-        return sum(proc_cpu_seconds(pid) for pid in self.pids)
+    pid: int
 
 
 async def _claim(agent: Any, count: int) -> tuple[list[str], list[Any], list[float]]:
@@ -167,7 +164,7 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
         ready_within=180,
     )
     try:
-        processes = _Processes(daemon.info["proxy_pids"])
+        processes = [_Process(pid) for pid in daemon.info["proxy_pids"]]
         direct_url = f"{mock_url}/v1/chat/completions"
         connector = aiohttp.TCPConnector(limit=0)
         async with (
@@ -181,7 +178,7 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
             json_rates = JSON_RATES[::2] if quick else JSON_RATES
             stream_rates = STREAM_RATES[::2] if quick else STREAM_RATES
             half = time.monotonic() + (deadline - time.monotonic()) / 2
-            results: dict[str, Any] = {"shards": shards, "proxy_processes": len(processes.pids)}
+            results: dict[str, Any] = {"shards": shards, "proxy_processes": len(processes)}
             results["json"] = await sweep(
                 "json", json_rates, seconds, direct_url, proxied_urls, processes, session, half
             )
@@ -210,7 +207,7 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
             "pause_resume_ms_nothing_in_flight": gate["pause_resume_ms"],
             "driver_round_trips": _histogram_means(metrics),
         }
-        results["peak_rss_mib_per_proxy_process"] = [round(peak_rss_bytes(pid) / 2**20, 1) for pid in processes.pids]
+        results["peak_rss_mib_per_proxy_process"] = [round(peak_rss_bytes(p.pid) / 2**20, 1) for p in processes]
     finally:
         await daemon.stop()
     return results
