@@ -11,8 +11,9 @@ MoE) ``hermes``, Qwen3-Coder (its template's ``<function=`` calls) ``qwen3_coder
 vocabulary) ``llama3_json``, Llama 4 ``llama4_pythonic``, Mistral / Mixtral ``mistral``, DeepSeek-V3
 ``deepseek_v3``, GLM-4.5 ``glm45``, gpt-oss ``openai``, Granite ``granite``, InternLM2 ``internlm``, Jamba
 ``jamba``, Kimi-K2 ``kimi_k2``, ERNIE 4.5 ``ernie45``, Seed-OSS ``seed_oss``; and any model whose chat template
-writes Hermes ``<tool_call>`` blocks (Hermes 2/3, the tiny model) ``hermes``. Others get none (a warning says
-so): name the parser, as vLLM's tool calling docs list them per model.
+writes Hermes ``<tool_call>`` blocks (Hermes 2/3, the tiny model) ``hermes``. A hub name whose files are not in
+the local cache (verl downloads them later) is read by its name (``Qwen/...``, ``...Llama-3...``, ``...Mistral...``).
+Others get none (a warning says so): name the parser, as vLLM's tool calling docs list them per model.
 """
 
 from __future__ import annotations
@@ -177,5 +178,31 @@ def pick_tool_call_parser(path: str) -> tuple[str | None, str]:
     if hermes:
         return "hermes", "its chat template writes Hermes <tool_call> blocks"
     if not config:
+        by_name = _by_name(path)
+        if by_name is not None:
+            return by_name, "its name (its config.json is not here: a hub name not in the local cache)"
         return None, "its config.json cannot be read here"
     return None, f"no parser known for its family (model_type {model_type})"
+
+
+#: A hub name's family when its files are not at hand (read before verl downloads them): (words, parser),
+#: the first whose words all appear in the lower-cased name.
+_NAME_PARSERS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("qwen3", "coder"), "qwen3_coder"),
+    (("qwen",), "hermes"),
+    (("qwq",), "hermes"),
+    (("hermes",), "hermes"),
+    (("llama-4",), "llama4_pythonic"),
+    (("llama-3",), "llama3_json"),
+    (("llama3",), "llama3_json"),
+    (("mistral",), "mistral"),
+    (("mixtral",), "mistral"),
+)
+
+
+def _by_name(path: str) -> str | None:
+    name = path.lower()
+    for words, parser in _NAME_PARSERS:
+        if all(word in name for word in words):
+            return parser
+    return None

@@ -144,6 +144,28 @@ def test_the_tool_call_parser_is_picked_from_the_models_files(tmp_path: Path, fi
     assert {"hermes", "llama3_json", "mistral", "qwen3_coder"} <= set(known_tool_parsers()) & set(KNOWN_TOOL_PARSERS)
 
 
+@pytest.mark.parametrize(
+    ("name", "parser"),
+    [
+        ("Qwen/Qwen2.5-1.5B-Instruct", "hermes"),
+        ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3_coder"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama3_json"),
+        ("mistralai/Mistral-7B-Instruct-v0.3", "mistral"),
+        ("google/gemma-2-2b-it", None),
+    ],
+)
+def test_a_hub_name_not_in_the_local_cache_is_read_by_its_name(
+    name: str, parser: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from huggingface_hub import constants
+
+    from aglverl.vllm_tools import pick_tool_call_parser
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty hub cache: no file of the model here
+    monkeypatch.chdir(tmp_path)
+    assert pick_tool_call_parser(name)[0] == parser
+
+
 def test_aglverl_section_configures_the_daemon() -> None:
     _, options = compose_config(
         {**SMALL, "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None}}
