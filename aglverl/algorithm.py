@@ -26,6 +26,7 @@ producer, and runs verl's ``fit`` (:mod:`aglverl.verl_v1`). Blocking Ray and tor
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import io
 import logging
@@ -177,6 +178,12 @@ class DaemonOptions:
     - ``proxy_shards``: ``1`` (default) runs the LLM proxy in the daemon's process; ``N`` or ``"per_node"``
       runs it as that many Ray actors beside verl's rollout replicas (``"per_node"``: one per node hosting
       replicas), every rollout attempt pinned to one (:mod:`aglverl.shards`); ``proxy_port`` then does not apply.
+    - ``tool_call_parser``: the tool-call parser verl's vLLM rollout (``rollout.name: vllm``) is started with,
+      so that it answers ``tools`` (``--enable-auto-tool-choice --tool-call-parser NAME``, set in
+      ``rollout.engine_kwargs.vllm`` unless given there): ``"auto"`` (default) picks it from the model's family
+      (:func:`aglverl.vllm_tools.pick_tool_call_parser`: ``hermes`` for Qwen2.5 / Qwen3 and Hermes templates,
+      ``llama3_json`` for Llama 3.x, ``mistral`` for Mistral, ...), a name forces one of vLLM's parsers, ``None``
+      starts vLLM without tool calling. The embedded engine reads its model's chat template instead.
     """
 
     host: str = "127.0.0.1"
@@ -196,6 +203,7 @@ class DaemonOptions:
     hold_timeout: float = 4 * 3600.0
     token_in: bool = True
     proxy_shards: int | Literal["per_node"] = 1
+    tool_call_parser: str | None = "auto"
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -230,7 +238,26 @@ class DaemonOptions:
             check_shard_count(options.proxy_shards, "aglverl.proxy_shards")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        _check_tool_call_parser(options.tool_call_parser)
         return options
+
+
+def _check_tool_call_parser(value: str | None) -> None:
+    """``aglverl.tool_call_parser`` must be ``"auto"``, ``None`` or a tool parser the installed vLLM has (vLLM
+    0.32's list where vLLM is not installed)."""
+    from .vllm_tools import known_tool_parsers
+
+    if value is None or value == "auto":
+        return
+    allowed = known_tool_parsers()
+    if value not in allowed:
+        close = difflib.get_close_matches(value, allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"aglverl.tool_call_parser: {value!r} is not 'auto', null or one of vLLM's tool parsers "
+            f"({', '.join(allowed)}){hint} (a plugin's parser: set actor_rollout_ref.rollout.engine_kwargs.vllm."
+            "tool_call_parser and tool_parser_plugin instead)"
+        )
 
 
 #: Bounds of the ``aglverl:`` options: (field, low, high, ">" or ">=").
@@ -347,7 +374,7 @@ def _compose_config(overrides: Mapping[str, Any] | None) -> tuple[Any, DaemonOpt
     _batch_defaults(config, user, platform)
     _run_names(config, user)
     _mode_defaults(config, user, platform)
-    _rollout_defaults(config, user, platform)
+    _rollout_defaults(config, user, platform, options.tool_call_parser)
     options = _connect_to_verl(config, options, user)
     OmegaConf.set_struct(config, True)
     _validate_with_verl(config)
@@ -492,14 +519,20 @@ def _mode_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
         config.trainer.v1.separate_async.parameter_sync_step = max(1, int(config.data.train_batch_size) // mini)
 
 
-def _rollout_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
+def _rollout_defaults(config: Any, user: Mapping[str, Any], platform: str, tool_call_parser: str | None) -> None:
     """What the rollout backend needs on the platform by default, each unless the user set it: verl's vLLM
-    rollout gets :data:`VLLM_TOKEN_IN` in its engine arguments, and on the CPU platform :data:`VLLM_CPU_ROLLOUT`
-    (selected by ``rollout.name: vllm`` alone)."""
+    rollout gets :data:`VLLM_TOKEN_IN` and tool calling (:func:`_vllm_tool_calling`) in its engine arguments,
+    and on the CPU platform :data:`VLLM_CPU_ROLLOUT` (selected by ``rollout.name: vllm`` alone)."""
     rollout = config.actor_rollout_ref.rollout
     if rollout.name != "vllm":
         return
-    for key, value in VLLM_TOKEN_IN.items():
+    if _given(user, "actor_rollout_ref.rollout.engine_kwargs.vllm.tool_call_parser"):  # the user's parser
+        named = rollout.engine_kwargs.vllm.tool_call_parser is not None and tool_call_parser is not None
+        tools = {"enable_auto_tool_choice": True} if named else {}
+    else:
+        tools = _vllm_tool_calling(str(config.actor_rollout_ref.model.path), tool_call_parser)
+    engine = {**VLLM_TOKEN_IN, **tools}
+    for key, value in engine.items():
         if not _given(user, f"actor_rollout_ref.rollout.engine_kwargs.vllm.{key}"):
             rollout.engine_kwargs.vllm[key] = value
     if platform != "cpu":
@@ -509,6 +542,30 @@ def _rollout_defaults(config: Any, user: Mapping[str, Any], platform: str) -> No
             rollout[key] = value
     if rollout.max_model_len is None:
         rollout.max_model_len = int(rollout.prompt_length) + int(rollout.response_length)
+
+
+def _vllm_tool_calling(model_path: str, choice: str | None) -> dict[str, Any]:
+    """vLLM's engine arguments for tool calling (``aglverl.tool_call_parser``): ``enable_auto_tool_choice`` and
+    ``tool_call_parser`` (verl writes them as ``--enable_auto_tool_choice --tool_call_parser NAME``), or none."""
+    if choice is None:
+        return {}
+    if choice == "auto":
+        from .vllm_tools import known_tool_parsers, pick_tool_call_parser
+
+        picked, why = pick_tool_call_parser(model_path)
+        if picked is not None and picked not in known_tool_parsers():
+            picked, why = None, f"{why} needs vLLM's {picked!r} tool parser, which the installed vLLM lacks"
+        if picked is None:
+            logger.warning(
+                "aglverl: verl's vLLM rollout is started without tool calling (LLM calls with tools get a 400 from "
+                "vLLM): no tool-call parser known for %s (%s); set aglverl.tool_call_parser to one of vLLM's, or "
+                "to null to silence this",
+                model_path, why,
+            )
+            return {}
+        logger.info("aglverl: verl's vLLM rollout parses tool calls with %r: %s", picked, why)
+        choice = picked
+    return {"enable_auto_tool_choice": True, "tool_call_parser": choice}
 
 
 def _connect_to_verl(config: Any, options: DaemonOptions, user: Mapping[str, Any]) -> DaemonOptions:

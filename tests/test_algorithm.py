@@ -99,6 +99,73 @@ def test_verls_vllm_rollout_serves_the_token_in_endpoints_unless_the_user_says_o
     assert "enable_scale_out" not in embedded.actor_rollout_ref.rollout.engine_kwargs.vllm
 
 
+def test_verls_vllm_rollout_gets_the_tool_call_parser_of_the_models_family() -> None:
+    # the tiny model is a qwen2 with a Hermes template: vllm serve ... --enable_auto_tool_choice --tool_call_parser hermes
+    config, options = compose_config({"actor_rollout_ref.rollout.name": "vllm"})
+    vllm = config.actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert options.tool_call_parser == "auto"
+    assert (vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (True, "hermes")
+    # a name forces one, null leaves vLLM without tool calling, the user's engine arguments win
+    config, _ = compose_config({"actor_rollout_ref.rollout.name": "vllm", "aglverl.tool_call_parser": "qwen3_json"})
+    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.tool_call_parser == "qwen3_json"
+    config, _ = compose_config({"actor_rollout_ref.rollout.name": "vllm", "aglverl.tool_call_parser": None})
+    assert "tool_call_parser" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert "enable_auto_tool_choice" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
+    config, _ = compose_config(
+        {"actor_rollout_ref.rollout": {"name": "vllm", "engine_kwargs": {"vllm": {"tool_call_parser": "my_plugin"}}}}
+    )
+    vllm = config.actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert (vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (True, "my_plugin")
+    embedded, _ = compose_config({})
+    assert "tool_call_parser" not in embedded.actor_rollout_ref.rollout.engine_kwargs.vllm
+
+
+@pytest.mark.parametrize(
+    ("files", "parser"),
+    [
+        ({"config.json": {"model_type": "qwen3"}}, "hermes"),
+        ({"config.json": {"model_type": "llama", "vocab_size": 128256}}, "llama3_json"),
+        ({"config.json": {"model_type": "llama", "vocab_size": 32000}}, None),
+        # Hermes 3 on Llama 3.1: the template's <tool_call> blocks, not Llama's JSON
+        ({"config.json": {"model_type": "llama", "vocab_size": 128256}, "chat_template.jinja": "<tool_call>"}, "hermes"),
+        ({"config.json": {"model_type": "mistral"}}, "mistral"),
+        ({"config.json": {"model_type": "qwen3_moe"}, "chat_template.jinja": "<tool_call>\n<function="}, "qwen3_coder"),
+        ({"config.json": {"model_type": "phi"}, "tokenizer_config.json": {"chat_template": "<tool_call>"}}, "hermes"),
+        ({"config.json": {"model_type": "phi"}}, None),
+        ({}, None),
+    ],
+)
+def test_the_tool_call_parser_is_picked_from_the_models_files(tmp_path: Path, files: dict, parser: str | None) -> None:
+    from aglverl.vllm_tools import KNOWN_TOOL_PARSERS, known_tool_parsers, pick_tool_call_parser
+
+    for name, content in files.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    assert pick_tool_call_parser(str(tmp_path))[0] == parser
+    assert {"hermes", "llama3_json", "mistral", "qwen3_coder"} <= set(known_tool_parsers()) & set(KNOWN_TOOL_PARSERS)
+
+
+@pytest.mark.parametrize(
+    ("name", "parser"),
+    [
+        ("Qwen/Qwen2.5-1.5B-Instruct", "hermes"),
+        ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3_coder"),
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama3_json"),
+        ("mistralai/Mistral-7B-Instruct-v0.3", "mistral"),
+        ("google/gemma-2-2b-it", None),
+    ],
+)
+def test_a_hub_name_not_in_the_local_cache_is_read_by_its_name(
+    name: str, parser: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from huggingface_hub import constants
+
+    from aglverl.vllm_tools import pick_tool_call_parser
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty hub cache: no file of the model here
+    monkeypatch.chdir(tmp_path)
+    assert pick_tool_call_parser(name)[0] == parser
+
+
 def test_aglverl_section_configures_the_daemon() -> None:
     _, options = compose_config(
         {
@@ -172,6 +239,14 @@ def test_unknown_keys_and_bad_values_are_errors_naming_the_key(overrides: dict, 
             {"aglverl": {"proxy_shards": "per-node"}},
             "aglverl.proxy_shards must be an integer or one of 'per_node', got 'per-node' (str)",
         ),
+        ({"aglverl": {"tool_call_parser": 1}}, "aglverl.tool_call_parser must be a string or null, got 1 (int)"),
+        (
+            {"aglverl": {"tool_call_parser": "hermess"}},
+            "aglverl.tool_call_parser: 'hermess' is not 'auto', null or one of vLLM's tool parsers (",
+        ),
+        ({"aglverl": {"tool_call_parser": "hermess"}}, ", hermes, "),
+        ({"aglverl": {"tool_call_parser": "hermess"}}, ", llama3_json, "),
+        ({"aglverl": {"tool_call_parser": "hermess"}}, "); did you mean 'hermes'?"),
         (
             {"actor_rollout_ref.actor.ppo_mini_batch_size": 8},
             "actor_rollout_ref.actor.ppo_mini_batch_size (8) is larger than data.train_batch_size (4): verl would "

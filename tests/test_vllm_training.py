@@ -5,11 +5,15 @@ Each run trains the tiny model for 3 steps with verl's ``vLLMHttpServer`` replic
 the proxy: the CPU defaults and patches W1-W3 (weights synced into vLLM, its generations aborted for the
 update) are what make them run at all. The runs are shaped so that weight updates abort generations: long
 answers (EOS ignored) from few sequences at once, so in the asynchronous modes some are always in flight when
-verl aborts the engines, and the proxy continues them (``proxy/resumed``). One Ray session for the module.
+verl aborts the engines, and the proxy continues them (``proxy/resumed``). A tool-calling agent's run checks that
+verl's vLLM servers answer ``tools`` (``aglverl.tool_call_parser``: ``tool_choice`` "required" and "auto") and
+that its conversations train as one row each. One Ray session for the module.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
@@ -116,38 +120,96 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
     assert steps[1]["logprobs/abs_diff_mean"] < 1e-5, steps[1]["logprobs/abs_diff_mean"]
 
 
-async def echoing_chat(task: Mapping[str, Any], llm: LLM) -> float:
-    """An ordinary chat agent that keeps no ids: two calls, the first answer echoed as text before a tool result."""
-    params = dict(llm.sampling_parameters)
-    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
-    async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="-", max_retries=0) as client:
-        for turn in range(2):
-            reply = await client.chat.completions.create(
-                model=llm.model, messages=messages, max_tokens=16, temperature=params.get("temperature", 1.0)
+#: A tool without arguments. vLLM enforces ``tool_choice: "required"`` with a grammar (a structural tag:
+#: ``<tool_call>`` blocks whose arguments follow the schema) that lets any whitespace into the arguments' JSON,
+#: where a random model wanders: a one-key schema (an enum) never closed within 60 tokens in 16 tries, ``{}``
+#: closed within 80 in every one.
+NOTE = {
+    "type": "function",
+    "function": {
+        "name": "note",
+        "description": "Note the answer.",
+        "strict": True,
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+#: The forced call's budget (its answer took 42-79 tokens in those tries); a call that ran out is retried.
+TOOL_CALL_TOKENS = 112
+
+
+class ToolCalling:
+    """An ordinary chat agent that keeps no ids and calls a tool: its first call must use the tool (``tool_choice:
+    "required"``; retried, as an agent would, if the random model ran out of tokens before closing the call),
+    the call and the tool's result go back as text, and the second call may use it (``"auto"``)."""
+
+    def __init__(self) -> None:
+        self.required: list[Any] = []
+        self.auto: list[Any] = []
+        self.retries = 0
+
+    async def agent(self, task: Mapping[str, Any], llm: LLM) -> float:
+        params = dict(llm.sampling_parameters)
+        messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+        async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="-", max_retries=0) as client:
+            create = functools.partial(
+                client.chat.completions.create,
+                model=llm.model,
+                tools=[NOTE],
+                parallel_tool_calls=False,
+                temperature=params.get("temperature", 1.0),
             )
+            for _ in range(4):
+                called = await create(messages=messages, tool_choice="required", max_tokens=TOOL_CALL_TOKENS)
+                if called.choices[0].message.tool_calls:
+                    break
+                self.retries += 1
+            self.required.append(called)
+            message = called.choices[0].message
+            [call] = message.tool_calls or [None]
+            assert call is not None, f"no tool call in {TOOL_CALL_TOKENS} tokens, 4 times: {message.content!r}"
             messages += [
-                {"role": "assistant", "content": reply.choices[0].message.content},
-                {"role": "user", "content": f"Tool: noted {turn}."},
+                {"role": "assistant", "content": message.content, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "noted"},
             ]
-    return float((reply.choices[0].message.content or "").count("e") % 2)
+            answer = await create(messages=messages, tool_choice="auto", max_tokens=16)
+            self.auto.append(answer)
+        return float((answer.choices[0].message.content or "").count("e") % 2)
 
 
-async def test_verls_vllm_replicas_serve_token_in_chat_one_row_per_conversation(shared_ray: None) -> None:
-    # aglverl starts verl's vLLM servers with --enable_scale_out: the second call of each conversation is
-    # generated from the first's exact ids, so a conversation is one row and nothing drifts.
-    composed, _ = compose_config(config("sync"))
-    assert composed.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is True
-    algo = AsyncVERL(
-        config("sync") | {"trainer": {**config("sync")["trainer"], "total_training_steps": 1}},
-        agent=echoing_chat,
-    )
+async def test_verls_vllm_replicas_answer_tools_and_serve_token_in_chat_one_row_per_conversation(
+    shared_ray: None,
+) -> None:
+    # aglverl starts verl's vLLM servers with --enable_scale_out and, for the tiny model (qwen2, a Hermes
+    # template), --enable_auto_tool_choice --tool_call_parser hermes: vLLM answers the agents' tools, and the
+    # second call of each conversation is generated from the first's exact ids (tool call included), so a
+    # conversation is one row and nothing drifts. The tools section makes the prompt ~390 tokens.
+    overrides = config("sync")
+    overrides["data"] |= {"max_prompt_length": 448, "max_response_length": 192}
+    overrides["trainer"] |= {"total_training_steps": 1}
+    composed, _ = compose_config(overrides)
+    vllm = composed.actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert (vllm.enable_scale_out, vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (True, True, "hermes")
+    agent = ToolCalling()
+    algo = AsyncVERL(overrides, agent=agent.agent)
     steps: dict[int, dict[str, float]] = {}
     algo.on_step.append(lambda step, metrics: steps.__setitem__(step, dict(metrics)))
     await algo.run(TRAIN, None)
     [metrics] = steps.values()
-    assert (
-        metrics["batch/n_calls"] == 8
-        and metrics["batch/n_calls_drifted"] == 0
-        and metrics["step/n_rows"] == 4
-    )
+    # "required": vLLM's grammar made a call of the tool, its arguments what the schema allows
+    assert len(agent.required) == 4
+    for reply in agent.required:
+        [call] = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and call.id.startswith("chatcmpl-tool-")
+        assert call.function.name == "note" and json.loads(call.function.arguments) == {}
+    # "auto": answered (the random model may or may not call the tool; a call it makes parses)
+    assert len(agent.auto) == 4
+    for reply in agent.auto:
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        for call in reply.choices[0].message.tool_calls or ():
+            assert call.function.name == "note" and isinstance(json.loads(call.function.arguments), dict)
+    # recorded and trained: each conversation one whole row (a retried forced call is a row of its own)
+    assert metrics["batch/n_calls"] == 8 + agent.retries and metrics["batch/n_calls_drifted"] == 0
+    assert metrics["step/n_rows"] == 4 + agent.retries and metrics["batch/n_calls_merged"] == 4
+    assert (metrics["batch/n_calls_untrained_width"], metrics["batch/n_prompts_truncated"]) == (0, 0)
+    assert metrics["batch/n_responses_truncated"] == 0
     assert metrics["proxy/token_in_generated"] == 4 and metrics["proxy/token_in_no_backend"] == 0
