@@ -13,8 +13,10 @@ from aglverl.demo import run_demo
 pytestmark = pytest.mark.anyio
 
 #: The multi-turn task's run (8 prompts x 8 samples a step, to keep CI short): its steps, and a mean reward over
-#: the last three that no untrained model meets (it answers "yes" about 1% of the time).
-MULTITURN_STEPS = 12
+#: the last three that no untrained model meets (it answers "yes" about 1% of the time). Learning starts at the
+#: first step with a "yes" in one of its 192 answers: usually step 1, but one run saw none until step 5 (and then
+#: 0.065 at step 12), so the run has room for a late start.
+MULTITURN_STEPS = 16
 MULTITURN_END = 0.15
 
 
