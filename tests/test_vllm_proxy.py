@@ -39,7 +39,9 @@ def vllm_output() -> VllmOutput:
 
 
 @pytest.fixture(scope="module")
-def vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, vllm_output: VllmOutput) -> Iterator[str]:
+def vllm(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, vllm_output: VllmOutput
+) -> Iterator[str]:
     """The module's vLLM server (its base URL), serving the tiny model saved in Hugging Face format."""
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with vllm_server(tiny_model, log, "--enable-log-requests", output=vllm_output) as url:
@@ -56,15 +58,19 @@ async def in_engine(output: VllmOutput, count: int) -> None:
 
 async def aborted_mid_answer(
     http: aiohttp.ClientSession, vllm: str, output: VllmOutput, proxy: Any, url: str, body: dict[str, Any]
-) -> Any:
+) -> tuple[Any, bool]:
     """``body`` POSTed to ``url`` (through the proxy) as a call that a weight update aborts mid-answer
-    (:func:`abort_and_resume`); returns the answer the agent got: its JSON, or its events when ``body`` streams.
+    (:func:`abort_and_resume`); returns the answer the agent got (its JSON, or its events when ``body``
+    streams) and whether the abort came while the engine was still generating the call.
 
     The call and a streamed probe sent straight to vLLM start in the same engine step: the engine is paused
     (``keep``) until vLLM logged both in its queue, the call first, then resumed. Greedy, one token per step
     each, the probe's tokens then count the call's own progress (never an order the engine happened to
-    schedule them in): the update comes once the call has 20 of them."""
+    schedule them in): the update comes once the probe has 20 of them. The probe ends aborted if the update
+    reached the engine in time; a busy machine may read the probe's 20th token after the engine generated all
+    of them, and the probe (and so the call, as long or longer) then ends whole."""
     answers: list[Any] = []
+    probe_finishes: list[str] = []
     await control(vllm, "pause?mode=keep")
     try:
         async with anyio.create_task_group() as tg:
@@ -76,8 +82,14 @@ async def aborted_mid_answer(
             async def probe() -> None:
                 probe_body = chat(True, max_tokens=LONG) | {"return_token_ids": True}
                 async with http.post(f"{vllm}/v1/chat/completions", json=probe_body) as response:
-                    await Stream(response).until_more_than(20)
+                    stream = Stream(response)
+                    await stream.until_more_than(20)
                     await abort_and_resume(proxy, vllm, 1)
+                    for event in await stream.rest():
+                        if event != "[DONE]":
+                            probe_finishes.extend(
+                                c["finish_reason"] for c in event["choices"] if c.get("finish_reason")
+                            )
 
             seen = output.count(ADDED)
             tg.start_soon(call)
@@ -88,12 +100,32 @@ async def aborted_mid_answer(
     finally:
         await control(vllm, "resume")  # whatever happened, the next test's engine runs
     [answer] = answers
-    return answer
+    return answer, "length" not in probe_finishes
+
+
+async def abort_mid_answer(vllm: str, output: VllmOutput, body: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """:func:`aborted_mid_answer` through a fresh proxy, made again until the abort came mid-answer (at most 3
+    times); returns the proxy, the answer the agent got and the call the store recorded."""
+    for _ in range(3):
+        async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
+            rid, aid, base = claim(proxy, store)
+            answer, in_time = await aborted_mid_answer(
+                http, vllm, output, proxy, f"{base}/chat/completions", body
+            )
+            [call] = finish(store, rid, aid)
+        if in_time:
+            return proxy, answer, call
+    pytest.fail(
+        "vLLM generated the whole probe before the update's abort reached it, 3 times: too busy to test"
+    )
 
 
 async def direct(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """What vLLM answers ``body`` on ``path``, asked directly, with its token ids."""
-    async with aiohttp.ClientSession() as http, http.post(url + path, json={**body, "return_token_ids": True}) as r:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + path, json={**body, "return_token_ids": True}) as r,
+    ):
         assert r.status == 200, await r.text()
         return await r.json()
 
@@ -113,7 +145,9 @@ async def through_api(api: str, base: str, stream: bool) -> str:
     if api in ("chat", "completions"):
         async with openai_sdk(base) as client:
             if api == "chat":
-                kwargs: dict[str, Any] = dict(model="tiny", messages=MESSAGES, max_tokens=12, extra_body=extra)
+                kwargs: dict[str, Any] = dict(
+                    model="tiny", messages=MESSAGES, max_tokens=12, extra_body=extra
+                )
                 if not stream:
                     return (await client.chat.completions.create(**kwargs)).choices[0].message.content or ""
                 chunks = [c async for c in await client.chat.completions.create(**kwargs, stream=True)]
@@ -141,7 +175,9 @@ async def through_api(api: str, base: str, stream: bool) -> str:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
-async def test_every_api_through_the_proxy_records_the_ids_vllm_generated(api: str, stream: bool, vllm: str) -> None:
+async def test_every_api_through_the_proxy_records_the_ids_vllm_generated(
+    api: str, stream: bool, vllm: str
+) -> None:
     async with proxied(vllm) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         text = await through_api(api, base, stream)
@@ -177,17 +213,16 @@ async def abort_and_resume(proxy: Any, vllm: str, version: int) -> None:
     proxy.resume(version)
 
 
-async def test_an_aborted_stream_continues_token_exactly_with_its_limit(vllm: str, vllm_output: VllmOutput) -> None:
+async def test_an_aborted_stream_continues_token_exactly_with_its_limit(
+    vllm: str, vllm_output: VllmOutput
+) -> None:
     # "max_completion_tokens": null next to max_tokens: the limit is max_tokens (vLLM reads it so); the
     # continuation must carry what is left of it.
     body = chat(True, max_tokens=LONG, max_completion_tokens=None)
     reference = await direct(vllm, "/v1/chat/completions", chat(False, max_tokens=LONG))
-    async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
-        rid, aid, base = claim(proxy, store)
-        # the stream is cut after ~20 of its tokens (counted by the engine's progress, not by what the agent
-        # has read: a busy machine may read the first 20 events after the engine generated all of them)
-        events = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
-        [call] = finish(store, rid, aid)
+    # the stream is cut after ~20 of its tokens (counted by the engine's progress, not by what the agent has
+    # read: a busy machine may read the first 20 events after the engine generated all of them)
+    proxy, events, call = await abort_mid_answer(vllm, vllm_output, body)
     assert proxy.m_resumed.value() == 1
     chunks = [e for e in events if e != "[DONE]"]
     assert events[-1] == "[DONE]" and len({c["id"] for c in chunks}) == 1  # one answer
@@ -212,11 +247,7 @@ async def test_an_aborted_json_call_without_a_limit_continues_to_the_end_of_the_
     # without a limit would get vLLM's default of 16 tokens and end as context_exceeded.
     body = chat(False)
     reference = (await direct(vllm, "/v1/chat/completions", body))["choices"][0]
-    async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
-        rid, aid, base = claim(proxy, store)
-        # the JSON call is cut after ~20 of its ~490 tokens
-        answer = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
-        [call] = finish(store, rid, aid)
+    proxy, answer, call = await abort_mid_answer(vllm, vllm_output, body)  # cut after ~20 of its ~490 tokens
     assert proxy.m_resumed.value() == 1
     choice = answer["choices"][0]
     assert choice["finish_reason"] == reference["finish_reason"] == "length"
@@ -239,7 +270,9 @@ async def relay(target: str, reached: anyio.Event) -> AsyncIterator[str]:
             http.request(request.method, target + request.path_qs, data=await request.read(),
                          headers={"Content-Type": "application/json"}) as answer,
         ):  # fmt: skip
-            return web.Response(body=await answer.read(), status=answer.status, content_type=answer.content_type)
+            return web.Response(
+                body=await answer.read(), status=answer.status, content_type=answer.content_type
+            )
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", forward)
@@ -287,11 +320,7 @@ async def test_an_aborted_call_made_again_is_recorded_with_the_version_it_was_ma
 ) -> None:
     # prompt_logprobs cannot be continued by a completion: the proxy makes the whole call again after the update.
     body = chat(False, max_tokens=LONG, prompt_logprobs=1)
-    async with proxied(vllm) as (proxy, store), aiohttp.ClientSession() as http:
-        rid, aid, base = claim(proxy, store)
-        # the JSON call is cut after ~20 of its LONG tokens
-        answer = await aborted_mid_answer(http, vllm, vllm_output, proxy, f"{base}/chat/completions", body)
-        [call] = finish(store, rid, aid)
+    proxy, answer, call = await abort_mid_answer(vllm, vllm_output, body)  # cut after ~20 of its LONG tokens
     assert proxy.m_regenerated.value() == 1
     [choice] = answer["choices"]
     assert choice["finish_reason"] == "length" and call.response_token_ids == choice["token_ids"]
@@ -318,5 +347,7 @@ async def test_a_vllm_without_scale_out_is_warned_about_once_and_its_calls_relay
     assert proxy.token_in is not None
     assert [proxy.token_in.m_calls.value(o) for o in ("first_call", "no_backend", "generated")] == [1, 2, 0]
     [warning] = [r.getMessage() for r in caplog.records if "has no token-in chat" in r.getMessage()]
-    assert "403" in warning and "Scale-out endpoints are disabled" in warning and "--enable-scale-out" in warning
+    assert (
+        "403" in warning and "Scale-out endpoints are disabled" in warning and "--enable-scale-out" in warning
+    )
     assert all(c.status == "ok" and c.response_token_ids for c in calls)
