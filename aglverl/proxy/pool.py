@@ -33,7 +33,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -54,6 +54,7 @@ from .call import (
 )
 from .config import ProxyConfig
 from .meters import Meters
+from .sse import _EventCut, _payloads
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,43 @@ async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str)
             raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
         parts.append(chunk)
     return b"".join(parts)
+
+
+class _BoundedEvents:
+    """A backend's SSE body read a chunk at a time, bounded like :func:`_read_bounded`: :meth:`next` returns
+    the payloads of the complete events of the next read (a last event with no blank line after it included)
+    and ``None`` once the body ended. A timeout is a 504 with ``timed_out()``'s message; a broken connection
+    or a body past ``limit`` bytes is a 502 naming the backend and ``what`` it was sending."""
+
+    def __init__(
+        self,
+        upstream: aiohttp.ClientResponse,
+        backend: str,
+        what: str,
+        limit: int,
+        timed_out: Callable[[], str],
+    ) -> None:
+        self.content = upstream.content
+        self.backend, self.what, self.limit, self.timed_out = backend, what, limit, timed_out
+        self._cut = _EventCut()
+        self._size = 0
+
+    async def next(self) -> list[bytes] | None:
+        try:
+            chunk = await self.content.readany()
+        except TimeoutError:
+            raise ProxyError(504, self.timed_out()) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise ProxyError(502, f"backend {self.backend} broke off the {self.what}: {exc!r}") from exc
+        if not chunk:
+            rest = self._cut.rest()
+            if not rest.strip():
+                return None
+            chunk = rest + b"\n\n"  # a last event with no blank line after it
+        self._size += len(chunk)
+        if self._size > self.limit:
+            raise ProxyError(502, f"backend {self.what} exceeds max_response_bytes={self.limit}")
+        return _payloads(self._cut.feed(chunk))
 
 
 def _normalise_backend(url: str) -> str:

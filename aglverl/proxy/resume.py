@@ -43,7 +43,7 @@ from .capture import _Capture, _reported_version
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
-from .pool import RETRY_STATUSES, Pool, _Backend, _read_bounded
+from .pool import RETRY_STATUSES, Pool, _Backend, _BoundedEvents, _read_bounded
 from .recorder import Recorder
 from .respond import Responder
 from .sse import (
@@ -52,9 +52,7 @@ from .sse import (
     _choices_of,
     _drain,
     _event_json,
-    _EventCut,
     _json_object,
-    _payloads,
     _sse_event,
 )
 
@@ -601,27 +599,18 @@ class Resumer:
         tokens went out), ``False`` once it ended, ``None`` if the agent left; :class:`ProxyError` if it broke."""
         if not upstream.headers.get("Content-Type", "").startswith(_SSE):
             raise ProxyError(502, f"backend {call.backend} answered the streamed continuation with no stream")
-        cut = _EventCut()
+        reads = _BoundedEvents(
+            upstream,
+            call.backend,
+            "continuation",
+            self.config.max_response_bytes,
+            lambda: self.pool.timed_out(call),
+        )
         content = upstream.content
-        size, limit = 0, self.config.max_response_bytes
-        while True:
-            try:
-                chunk = await content.readany()
-            except TimeoutError:
-                raise ProxyError(504, self.pool.timed_out(call)) from None
-            except (aiohttp.ClientError, OSError) as exc:
-                raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
-            if not chunk:
-                rest = cut.rest()
-                if not rest.strip():
-                    return False
-                chunk = rest + b"\n\n"  # a last event with no blank line after it
-            size += len(chunk)
-            if size > limit:
-                raise ProxyError(502, f"backend continuation exceeds max_response_bytes={limit}")
+        while (payloads := await reads.next()) is not None:
             out: list[bytes] = []
             aborted = False
-            for data in _payloads(cut.feed(chunk)):
+            for data in payloads:
                 if data == b"[DONE]":
                     out.append(_DONE_EVENT)
                     continue
@@ -643,6 +632,7 @@ class Resumer:
             if aborted:
                 await _drain(content)
                 return True
+        return False
 
     def _converted(self, call: _Call, state: _Resumption, event: dict[str, Any]) -> tuple[bytes, bool]:
         """A continuation's (completions) event as an event of the call's stream: ``(bytes, aborted)``.

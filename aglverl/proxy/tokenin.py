@@ -82,11 +82,11 @@ from .capture import _Capture, _ChoiceCapture, _reported_version
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
-from .pool import RETRY_STATUSES, Pool, _Backend, _read_bounded
+from .pool import RETRY_STATUSES, Pool, _Backend, _BoundedEvents, _read_bounded
 from .recorder import Recorder
 from .respond import Responder
 from .session import MISSES, Answer, Match, Plan, Sessions
-from .sse import _DONE_EVENT, _choices_of, _drain, _EventCut, _json_object, _payloads, _sse_event
+from .sse import _DONE_EVENT, _choices_of, _drain, _json_object, _sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -805,26 +805,17 @@ class TokenIn:
         """Relay one generate stream into ``chunks``: ``True`` if the backend aborted it, ``False`` once it
         finished; :class:`ProxyError` if it broke."""
         version = self._version(upstream.headers)
-        cut = _EventCut()
-        size, limit = 0, self.config.max_response_bytes
+        reads = _BoundedEvents(
+            upstream,
+            gen.backend.url,
+            "generation",
+            self.config.max_response_bytes,
+            lambda: self.pool.timed_out(call),
+        )
         finished = False
         content = upstream.content
-        while True:
-            try:
-                chunk = await content.readany()
-            except TimeoutError:
-                raise ProxyError(504, self.pool.timed_out(call)) from None
-            except (aiohttp.ClientError, OSError) as exc:
-                raise ProxyError(502, f"backend {gen.backend.url} broke off the generation: {exc!r}") from exc
-            if not chunk:
-                rest = cut.rest()
-                if not rest.strip():
-                    break
-                chunk = rest + b"\n\n"  # a last event with no blank line after it
-            size += len(chunk)
-            if size > limit:
-                raise ProxyError(502, f"backend generation exceeds max_response_bytes={limit}")
-            for data in _payloads(cut.feed(chunk)):
+        while (payloads := await reads.next()) is not None:
+            for data in payloads:
                 if data == b"[DONE]":
                     continue
                 event = _json_object(data)
