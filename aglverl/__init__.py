@@ -26,40 +26,40 @@ from .models import (
 
 if TYPE_CHECKING:
     from .algorithm import AsyncVERL
-    from .batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
-    from .collector import RolloutCollector, Step, StepReport, TrainingBatch
     from .daemon import AgentDaemon
-    from .inference import InferenceServer, InferenceServerThread, InferenceStats
+    from .engine.server import InferenceServer, InferenceServerThread, InferenceStats
+    from .engine.tiny import resolve_model, tiny_model_path
     from .proxy import LLMProxy, RetryPolicy
     from .server import TaskServer
-    from .signals import SignalConfig, compute_advantage, logprob_mismatch
-    from .store import LLMCall, TaskStore
-    from .tiny import resolve_model, tiny_model_path
+    from .store.tasks import LLMCall, TaskStore
+    from .trajectory.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
+    from .trajectory.signals import SignalConfig, compute_advantage, logprob_mismatch
+    from .trajectory.steps import RolloutCollector, Step, StepReport, TrainingBatch
 
 _LAZY = {
     "AsyncVERL": "algorithm",
     "AgentDaemon": "daemon",
-    "BatchConfig": "batch",
-    "FinishedRollout": "batch",
-    "MissingRewardError": "batch",
-    "build_batch": "batch",
-    "RolloutCollector": "collector",
-    "Step": "collector",
-    "StepReport": "collector",
-    "TrainingBatch": "collector",
+    "BatchConfig": "trajectory.batch",
+    "FinishedRollout": "trajectory.batch",
+    "MissingRewardError": "trajectory.batch",
+    "build_batch": "trajectory.batch",
+    "RolloutCollector": "trajectory.steps",
+    "Step": "trajectory.steps",
+    "StepReport": "trajectory.steps",
+    "TrainingBatch": "trajectory.steps",
     "LLMProxy": "proxy",
     "RetryPolicy": "proxy",
     "TaskServer": "server",
-    "SignalConfig": "signals",
-    "compute_advantage": "signals",
-    "logprob_mismatch": "signals",
-    "LLMCall": "store",
-    "TaskStore": "store",
-    "InferenceServer": "inference",
-    "InferenceServerThread": "inference",
-    "InferenceStats": "inference",
-    "resolve_model": "tiny",
-    "tiny_model_path": "tiny",
+    "SignalConfig": "trajectory.signals",
+    "compute_advantage": "trajectory.signals",
+    "logprob_mismatch": "trajectory.signals",
+    "LLMCall": "store.tasks",
+    "TaskStore": "store.tasks",
+    "InferenceServer": "engine.server",
+    "InferenceServerThread": "engine.server",
+    "InferenceStats": "engine.server",
+    "resolve_model": "engine.tiny",
+    "tiny_model_path": "engine.tiny",
 }
 
 __all__ = [

@@ -30,18 +30,18 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .batch import BatchConfig
-from .collector import RolloutCollector, Step, TrainingBatch
-from .journal import Journal
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
-from .producer import OWNER_PREFIX, GroupSink, TrajectoryProducer
 from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, RetryPolicy, SamplingMismatch
 from .proxy.shard import counters_of
+from .proxy.shards import ProxyShards, ShardCount, check_shard_count
 from .server import TaskServer
-from .shards import ProxyShards, ShardCount, check_shard_count
-from .signals import SignalConfig
-from .store import TaskStore
+from .store.journal import Journal
+from .store.tasks import TaskStore
+from .trajectory.batch import BatchConfig
+from .trajectory.groups import OWNER_PREFIX, GroupSink, TrajectoryProducer
+from .trajectory.signals import SignalConfig
+from .trajectory.steps import RolloutCollector, Step, TrainingBatch
 
 __all__ = ["AgentDaemon"]
 
@@ -70,7 +70,7 @@ class AgentDaemon:
       compatibility and has no effect (a value other than 1 warns): :attr:`batches` is a rendezvous, each
       finished step's batch waits in its step until the trainer receives it, its rollouts stored and journaled
       until then (a kill while it waits loses nothing), however many steps have finished.
-    - ``signal``: the training-signal controls (:class:`~aglverl.signals.SignalConfig`: compact filtering by
+    - ``signal``: the training-signal controls (:class:`~aglverl.trajectory.signals.SignalConfig`: compact filtering by
       termination reason, rejection sampling, step-wise advantage, turn weighting, and whether the proxy
       asks the backends for behaviour logprobs); ``SignalConfig.from_dict`` reads an ``aglverl:`` section.
     - ``retry``, ``request_timeout``, ``connect_timeout``, ``eject_seconds``, ``pause_timeout``,
@@ -94,15 +94,15 @@ class AgentDaemon:
     - ``token_in``: token-in chat (default on): a chat call whose messages extend an earlier call's messages +
       answer is generated from that call's exact ids, so a conversation an agent re-sends as text trains as
       one row (see :mod:`aglverl.proxy.tokenin`); off, every call is relayed as text.
-    - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.producer.GroupSink`); with it the
-      daemon runs a :class:`~aglverl.producer.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
+    - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.trajectory.groups.GroupSink`); with it the
+      daemon runs a :class:`~aglverl.trajectory.groups.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
       bounds each group.
     - ``proxy_shards``: ``1`` (default): one :class:`~aglverl.proxy.LLMProxy` in this process, on
       ``proxy_port``; ``N`` or ``"per_node"``: that many proxies as Ray actors (Ray initialised in this process
       first), each its own process beside the inference servers, serving on its node's address, every rollout
-      attempt pinned to one of them (:mod:`aglverl.shards`, ``docs/scaling.md``); ``backend_nodes`` (backend URL
+      attempt pinned to one of them (:mod:`aglverl.proxy.shards`, ``docs/scaling.md``); ``backend_nodes`` (backend URL
       -> Ray node id) says where the backends run, to place the shards beside them (``"per_node"``: one per
-      such node; without it, one per alive node). :attr:`proxy` is then a :class:`~aglverl.shards.ProxyShards`.
+      such node; without it, one per alive node). :attr:`proxy` is then a :class:`~aglverl.proxy.shards.ProxyShards`.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The task server: Agent Lightning 0.1 routes over the :class:`~aglverl.store.TaskStore`, on uvicorn.
+"""The task server: Agent Lightning 0.1 routes over the :class:`~aglverl.store.tasks.TaskStore`, on uvicorn.
 
 Routes (JSON via orjson; errors are ``{"detail": "..."}`` like the FastAPI server old clients talk to):
 
@@ -45,7 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ._net import bind_listener, url_of
 from .models import INSTANCE_HEADER, GenericResponse, Mode, Rollout, TaskIfAny, dumps
-from .store import StoreError, TaskStore
+from .store.tasks import StoreError, TaskStore
 
 __all__ = ["MAX_TASKS_PER_POST", "TaskBatch", "TaskServer", "validation_message"]
 

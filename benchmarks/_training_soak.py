@@ -61,7 +61,7 @@ def trainer_config(directory: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
 async def run_trainer(cfg: dict[str, Any]) -> None:
     from aglverl import LLM, AsyncVERL
-    from aglverl.demo import demo_samples, one_word_agent
+    from aglverl.cli.demo import demo_samples, one_word_agent
 
     # verl and Ray print to stdout: the lines for the orchestrator get a descriptor of their own
     out = os.fdopen(os.dup(1), "wb")

@@ -1,4 +1,4 @@
-"""Time :func:`aglverl.batch.build_batch` against a per-row Python-list reference, like the old daemon's.
+"""Time :func:`aglverl.trajectory.batch.build_batch` against a per-row Python-list reference, like the old daemon's.
 
 The reference pads every row as a Python list, converts the nested lists with ``torch.LongTensor`` and finds
 the reward position with ``argmax`` over ``position_ids * attention_mask``, as Agent Lightning 0.1's
@@ -26,7 +26,7 @@ from verl import DataProto
 
 # A script's own directory is what Python puts on sys.path; the package lives one level up.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from aglverl.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
+from aglverl.trajectory.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
 
 TARGET_SPEEDUP = 10
 VOCAB = 151_000

@@ -57,7 +57,7 @@ def tiny_weights() -> list[tuple[str, torch.Tensor]]:
     """The built-in tiny model's state dict (tied embeddings appear under both names, as verl yields them)."""
     from transformers import AutoModelForCausalLM
 
-    from aglverl.tiny import build_tiny_model
+    from aglverl.engine.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as scratch:
         model = AutoModelForCausalLM.from_pretrained(build_tiny_model(scratch))

@@ -13,9 +13,9 @@ import asyncio
 import json
 import time
 
-from aglverl.chat_template import ChatTemplate
-from aglverl.constrained import hermes_structural_tag
-from aglverl.inference import InferenceServer
+from aglverl.engine.chat_template import ChatTemplate
+from aglverl.engine.constrained import hermes_structural_tag
+from aglverl.engine.server import InferenceServer
 
 TOOLS = [
     {
@@ -41,7 +41,7 @@ async def _run(server: InferenceServer, prompt: list[int], requests: int, constr
         started = time.perf_counter()
         constraints = [server.constraints.constraint(structured) for _ in range(requests)]
         compile_seconds = (time.perf_counter() - started) / requests
-    from aglverl._engine import GenSequence, SamplingParams
+    from aglverl.engine.generation import GenSequence, SamplingParams
 
     loop = asyncio.get_running_loop()
     done = asyncio.Event()

@@ -78,7 +78,7 @@ def tool_agent(turns: int, tokenizer: Any, system: str, tool_result: str) -> Any
     chat template renders the system prompt and the question once; each call sends the ids so far on the
     completions route, appends the engine's ids as they came back, then the template's ids of a tool result.
     Nothing is re-tokenized, so no call drifts (the chat runs of the learning part measure drift)."""
-    from aglverl.demo import _openai_client, word_reward
+    from aglverl.cli.demo import _openai_client, word_reward
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -114,8 +114,8 @@ def _model_with(template: str, logs: Path) -> str:
     """``"tiny"`` for the plain template; else a copy of the tiny model with ``template`` (under ``logs``)."""
     if template == "plain":
         return "tiny"
+    from aglverl.engine.tiny import tiny_model_path
     from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
-    from aglverl.tiny import tiny_model_path
 
     target = logs / f"model-{template}"
     if not target.exists():
@@ -132,8 +132,8 @@ def child(
     from transformers import AutoTokenizer
 
     from aglverl.algorithm import AsyncVERL
-    from aglverl.demo import TASKS, demo_config, demo_samples
-    from aglverl.tiny import tiny_model_path
+    from aglverl.cli.demo import TASKS, demo_config, demo_samples
+    from aglverl.engine.tiny import tiny_model_path
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = time.monotonic()
@@ -297,7 +297,7 @@ async def _proxy_child(cfg: dict[str, Any]) -> None:
                 pass
         return
     from aglverl.proxy import LLMProxy
-    from aglverl.store import TaskStore
+    from aglverl.store.tasks import TaskStore
 
     store = TaskStore(lease_seconds=3600)
     proxy = LLMProxy(store, backends=[cfg["backend"]], token_in=cfg["token_in"])

@@ -5,7 +5,7 @@ stdout.
 
 Separate processes, so each CPU figure belongs to one program:
 - a :class:`~aglverl.testing.MockVLLM` backend (zero latency, 16 completion tokens, nothing recorded);
-- an :class:`~aglverl.proxy.LLMProxy` in front of it, with its own :class:`~aglverl.store.TaskStore` holding
+- an :class:`~aglverl.proxy.LLMProxy` in front of it, with its own :class:`~aglverl.store.tasks.TaskStore` holding
   claimed rollouts, so every proxied call takes the real path (attribution check, ``return_token_ids``
   injection, token capture, one ``LLMCall`` recorded per call);
 - the floor: a bare aiohttp pass-through (one handler, one ``ClientSession``, nothing else), measured in the
@@ -96,7 +96,7 @@ async def serving_proxy(
     """An LLMProxy (``options``) in front of ``backend`` with ``rollouts`` claimed rollouts; yields its URL and
     their base URLs."""
     from aglverl.proxy import LLMProxy
-    from aglverl.store import TaskStore
+    from aglverl.store.tasks import TaskStore
 
     store = TaskStore(lease_seconds=3600)
     proxy = LLMProxy(store, backends=[backend], **options)

@@ -60,8 +60,8 @@ GATE_ROUNDS = 20
 # ---------------------------------------------------------------------------------------------- children
 async def _run_daemon(cfg: dict[str, Any]) -> None:
     from aglverl import AgentDaemon
-    from aglverl.shards import ProxyShards
-    from aglverl.signals import SignalConfig
+    from aglverl.proxy.shards import ProxyShards
+    from aglverl.trajectory.signals import SignalConfig
 
     shards = int(cfg["shards"])
     if shards > 1:

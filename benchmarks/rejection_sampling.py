@@ -1,6 +1,6 @@
 """The demo with and without rejection sampling: wall time until the training reward reaches 0.9. Prints JSON.
 
-Runs ``aglverl demo`` (:func:`aglverl.demo.run_demo`, the tiny model on CPU) ``--repeats`` times each way,
+Runs ``aglverl demo`` (:func:`aglverl.cli.demo.run_demo`, the tiny model on CPU) ``--repeats`` times each way,
 alternating, and reports for each run the step and the wall time (from the start of the run, Ray start-up
 included) at which the mean training reward first reached ``--target``, the steps that were skipped because
 every GRPO group was uniform, and the rows trained per step. ``--plot PATH`` draws every run's reward against
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import emit, machine_info
 
-from aglverl.demo import run_demo
+from aglverl.cli.demo import run_demo
 
 
 async def one_run(steps: int, rejection_sampling: bool, target: float) -> dict[str, Any]:

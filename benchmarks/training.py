@@ -97,7 +97,7 @@ def child(steps: int, mode: str, impl: str, rollout: str = "aglverl") -> None:
     import ray
 
     from aglverl.algorithm import AsyncVERL
-    from aglverl.demo import demo_config, demo_samples, one_word_agent
+    from aglverl.cli.demo import demo_config, demo_samples, one_word_agent
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     started = time.monotonic()
@@ -149,8 +149,10 @@ def _start_ray(config: Any, impl: str) -> None:
     runtime_env = get_ppo_ray_runtime_env(config)
     env = runtime_env.setdefault("env_vars", {})
     env.update(algorithm.PLATFORM_ENV)
-    if hasattr(algorithm, "_transfer_queue_threads"):
-        env.update(algorithm._transfer_queue_threads())
+    runtime = getattr(algorithm, "runtime", algorithm)  # the package's room, or the old single module
+    threads = getattr(runtime, "transfer_queue_threads_env", None) or getattr(algorithm, "_transfer_queue_threads", None)
+    if threads is not None:
+        env.update(threads())
     if impl == "legacy":
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     gpus = 1

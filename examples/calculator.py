@@ -38,7 +38,7 @@ import openai
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
-from aglverl.console import Console
+from aglverl.cli.console import Console
 
 #: Most LLM calls per rollout (the first one calls the tool, then each call may call it again or answer).
 MAX_TURNS = 3

@@ -38,7 +38,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
-from aglverl.console import Console
+from aglverl.cli.console import Console
 
 Digit = Literal[2, 3, 4, 5, 6, 7, 8, 9]
 #: Tokens a model call after the first may take (the forced tool call needs ~60 on the tiny model).

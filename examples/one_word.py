@@ -24,7 +24,7 @@ import openai
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
-from aglverl.console import Console
+from aglverl.cli.console import Console
 
 
 def reward(answer: str, word: str) -> float:

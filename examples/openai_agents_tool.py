@@ -32,7 +32,7 @@ from agents.models.openai_provider import OpenAIProvider
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL
-from aglverl.console import Console
+from aglverl.cli.console import Console
 
 set_tracing_disabled(True)  # the SDK would otherwise send its traces to OpenAI
 

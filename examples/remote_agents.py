@@ -72,7 +72,7 @@ def train(steps: int, concurrency: int, out: str) -> None:
     """Train with agents in a child process started once the task server's URL is known, and stopped (SIGTERM,
     then a wait) when training ends, while the task server still answers."""
     from aglverl.algorithm import AsyncVERL
-    from aglverl.console import Console
+    from aglverl.cli.console import Console
 
     config = {
         "actor_rollout_ref": {"rollout": {"n": 8}, "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}}},

@@ -30,7 +30,7 @@ def anyio_backend() -> str:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The built-in tiny model, built once per session under a private ``AGLVERL_HOME`` (set for the session,
     so ``"tiny"`` resolves there in this process and in the CLI processes tests start)."""
-    from aglverl.tiny import HOME_ENV, tiny_model_path
+    from aglverl.engine.tiny import HOME_ENV, tiny_model_path
 
     home = tmp_path_factory.mktemp("aglverl-home")
     old = os.environ.get(HOME_ENV)

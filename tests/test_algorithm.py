@@ -17,13 +17,13 @@ from aglverl.algorithm import (
     AsyncVERL,
     ConfigError,
     DaemonOptions,
-    _check_prompt_widths,
     compose_config,
     load_samples,
-    script_name,
 )
-from aglverl.signals import SignalConfig
-from aglverl.tiny import tiny_model_path
+from aglverl.algorithm.config import script_name
+from aglverl.algorithm.samples import check_prompt_widths
+from aglverl.engine.tiny import tiny_model_path
+from aglverl.trajectory.signals import SignalConfig
 
 pytestmark = pytest.mark.usefixtures("tiny_model")
 
@@ -136,7 +136,7 @@ def test_verls_vllm_rollout_gets_the_tool_call_parser_of_the_models_family() -> 
     ],
 )
 def test_the_tool_call_parser_is_picked_from_the_models_files(tmp_path: Path, files: dict, parser: str | None) -> None:
-    from aglverl.vllm_tools import KNOWN_TOOL_PARSERS, known_tool_parsers, pick_tool_call_parser
+    from aglverl.algorithm.vllm_tools import KNOWN_TOOL_PARSERS, known_tool_parsers, pick_tool_call_parser
 
     for name, content in files.items():
         (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
@@ -159,7 +159,7 @@ def test_a_hub_name_not_in_the_local_cache_is_read_by_its_name(
 ) -> None:
     from huggingface_hub import constants
 
-    from aglverl.vllm_tools import pick_tool_call_parser
+    from aglverl.algorithm.vllm_tools import pick_tool_call_parser
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty hub cache: no file of the model here
     monkeypatch.chdir(tmp_path)
@@ -332,15 +332,15 @@ def test_prompts_the_tasks_carry_are_measured_against_the_width() -> None:
     long_prompt = [{"prompt": "word " * 100}, {"prompt": [{"role": "user", "content": "Say yes."}]}]
     logger = logging.getLogger("aglverl.algorithm")
     with _records(logger) as records:
-        _check_prompt_widths(config, True, long_prompt)
+        check_prompt_widths(config, True, long_prompt)
     assert len(records) == 1 and "1 of 2 prompts measured are longer than data.max_prompt_length (64" in records[0]
     wide, _ = compose_config({**SMALL, "data": {"train_batch_size": 4, "max_response_length": 16}})
     with _records(logger) as records:
-        _check_prompt_widths(wide, False, [{"prompt": "Say yes."}])  # verl's 512 for a ~20-token prompt
+        check_prompt_widths(wide, False, [{"prompt": "Say yes."}])  # verl's 512 for a ~20-token prompt
     assert len(records) == 1 and "data.max_prompt_length is verl's default (512)" in records[0]
     with _records(logger) as records:
-        _check_prompt_widths(wide, True, [{"prompt": "Say yes."}])  # the user's own width: not second-guessed
-        _check_prompt_widths(wide, False, [{"question": "no prompt here"}])  # the agent builds its prompt
+        check_prompt_widths(wide, True, [{"prompt": "Say yes."}])  # the user's own width: not second-guessed
+        check_prompt_widths(wide, False, [{"question": "no prompt here"}])  # the agent builds its prompt
     assert records == []
 
 

@@ -111,7 +111,7 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
     import transfer_queue as tq
 
     from aglverl.client import AgentClient
-    from aglverl.producer import Prompt
+    from aglverl.trajectory.groups import Prompt
 
     run, trainer = live
     daemon, producer = run.daemon, run.daemon.producer
@@ -175,7 +175,7 @@ async def test_a_multi_turn_agents_chains_are_one_row_each_under_colocate_async(
     agent-loop layout, the ids between calls masked."""
     import transfer_queue as tq
 
-    from aglverl.producer import Prompt
+    from aglverl.trajectory.groups import Prompt
 
     run, _ = live
     producer = run.daemon.producer
@@ -202,7 +202,7 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
     import openai
 
     from aglverl.client import AgentClient
-    from aglverl.producer import Prompt
+    from aglverl.trajectory.groups import Prompt
 
     run, trainer = live
     daemon, producer = run.daemon, run.daemon.producer

@@ -1,4 +1,4 @@
-"""Tests for aglverl.batch: hand-computed batches for small cases, and property tests against a per-row
+"""Tests for aglverl.trajectory.batch: hand-computed batches for small cases, and property tests against a per-row
 Python-list reference built from the description in DESIGN.md and the README: a rollout's calls as a tree of
 prefixes (its chains), each chain cut into rows by trying every cut."""
 
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl import DataProto
 
-from aglverl.batch import (
+from aglverl.trajectory.batch import (
     BatchConfig,
     FinishedRollout,
     MissingRewardError,
@@ -25,7 +25,7 @@ from aglverl.batch import (
     build_batch,
     build_rows,
 )
-from aglverl.signals import SignalConfig
+from aglverl.trajectory.signals import SignalConfig
 
 TENSOR_DTYPES = {
     "prompts": torch.int64,
@@ -840,7 +840,7 @@ def test_a_later_row_whose_prompt_does_not_fit_is_counted_untrained_and_named_on
     assert built.untrained_needs == (4, 5)
 
     warning = WidthWarning(config, ("data.max_prompt_length", "data.max_response_length"))
-    with caplog.at_level(logging.WARNING, logger="aglverl.batch"):
+    with caplog.at_level(logging.WARNING, logger="aglverl.trajectory.batch"):
         warning.note(built)
         warning.note(built)
     (record,) = caplog.records

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from aglverl import AgentDaemon, SignalConfig, run_agents
-from aglverl.batch import BatchConfig
 from aglverl.client import AgentClient, AgentFn
-from aglverl.collector import RolloutCollector, TrainingBatch
 from aglverl.models import LLM, Rollout, Triplet
-from aglverl.store import LLMCall, TaskStore
+from aglverl.store.tasks import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, prompt_token_ids, token_logprob
+from aglverl.trajectory.batch import BatchConfig
+from aglverl.trajectory.steps import RolloutCollector, TrainingBatch
 
 pytestmark = pytest.mark.anyio
 

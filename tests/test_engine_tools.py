@@ -17,8 +17,8 @@ import aiohttp
 import orjson
 import pytest
 
-from aglverl.chat_parser import ChatParser, ToolRequest
-from aglverl.inference import InferenceServer
+from aglverl.engine.chat_parser import ChatParser, ToolRequest
+from aglverl.engine.server import InferenceServer
 
 pytestmark = pytest.mark.anyio
 

@@ -17,9 +17,9 @@ import ray
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL, compose_config, verl_runtime
-from aglverl.demo import one_word_agent
-from aglverl.journal import read_records
-from aglverl.producer import AgentsFailing
+from aglverl.cli.demo import one_word_agent
+from aglverl.store.journal import read_records
+from aglverl.trajectory.groups import AgentsFailing
 
 pytestmark = pytest.mark.anyio
 

@@ -15,8 +15,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aglverl import AgentDaemon, BatchConfig, Rollout, Triplet
 from aglverl.client import AgentClient
-from aglverl.journal import Journal, read_records
-from aglverl.store import LLMCall
+from aglverl.store.journal import Journal, read_records
+from aglverl.store.tasks import LLMCall
 
 pytestmark = pytest.mark.anyio
 

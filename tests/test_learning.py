@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aglverl.demo import run_demo
+from aglverl.cli.demo import run_demo
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
-from aglverl.inference import InferenceServer
-from aglverl.signals import SignalConfig
+from aglverl.engine.server import InferenceServer
+from aglverl.trajectory.signals import SignalConfig
 
 pytestmark = pytest.mark.anyio
 

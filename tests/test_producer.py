@@ -14,9 +14,15 @@ import pytest
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, SignalConfig, Triplet, run_agents
 from aglverl.client import AgentClient
-from aglverl.producer import AgentsFailing, FinishedGroup, Prompt, TrajectoryProducer, aggregate_stats
-from aglverl.store import TaskStore
+from aglverl.store.tasks import TaskStore
 from aglverl.testing import MockVLLM
+from aglverl.trajectory.groups import (
+    AgentsFailing,
+    FinishedGroup,
+    Prompt,
+    TrajectoryProducer,
+    aggregate_stats,
+)
 
 pytestmark = pytest.mark.anyio
 

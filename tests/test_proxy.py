@@ -20,12 +20,12 @@ from openai import AsyncOpenAI
 from yarl import URL
 
 from aglverl._net import bind_listener
-from aglverl.collector import termination_of
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy, _Capture
-from aglverl.store import LLMCall, TaskStore
+from aglverl.store.tasks import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
+from aglverl.trajectory.steps import termination_of
 
 pytestmark = pytest.mark.anyio
 

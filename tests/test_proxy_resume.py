@@ -23,12 +23,12 @@ import pytest
 from openai import AsyncOpenAI
 
 from aglverl import AgentDaemon
-from aglverl.collector import trajectory_of
-from aglverl.inference import InferenceServer
+from aglverl.engine.server import InferenceServer
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy
-from aglverl.store import LLMCall, TaskStore
+from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.trajectory.steps import trajectory_of
 
 pytestmark = pytest.mark.anyio
 

@@ -28,9 +28,9 @@ from aiohttp import web
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, run_agents
 from aglverl._net import bind_listener, url_of
 from aglverl.client import AgentClient
-from aglverl.collector import StepReport, TrainingBatch
 from aglverl.proxy import RetryPolicy
 from aglverl.testing import MockVLLM
+from aglverl.trajectory.steps import StepReport, TrainingBatch
 
 pytestmark = pytest.mark.anyio
 

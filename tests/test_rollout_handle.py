@@ -20,7 +20,7 @@ from aiohttp import web
 
 from aglverl._net import bind_listener, url_of
 from aglverl.algorithm import compose_config
-from aglverl.inference import WEIGHT_VERSION_HEADER, InferenceServer
+from aglverl.engine.server import WEIGHT_VERSION_HEADER, InferenceServer
 from aglverl.verl_plugin.rollout import RETRY_DELAYS, EmbeddedRollout, EmbeddedServerHandle
 
 pytestmark = pytest.mark.anyio

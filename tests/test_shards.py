@@ -21,7 +21,7 @@ from helpers.tokenin import chat_turn
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, run_agents
 from aglverl.client import AgentClient, TaskServerError
 from aglverl.proxy.shard import ShardRestarted
-from aglverl.shards import ProxyShards, place_shards
+from aglverl.proxy.shards import ProxyShards, place_shards
 from aglverl.testing.mock_vllm import MockVLLM
 
 pytestmark = pytest.mark.anyio

@@ -22,7 +22,7 @@ import ray
 
 from aglverl import LLM, AsyncVERL
 from aglverl.algorithm import compose_config, verl_runtime
-from aglverl.shards import ProxyShards
+from aglverl.proxy.shards import ProxyShards
 
 pytestmark = pytest.mark.anyio
 
@@ -263,7 +263,7 @@ async def test_a_weight_update_holds_calls_on_both_shards_and_they_go_on_under_t
                         await holding.wait()
             await client.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
 
-        from aglverl.producer import Prompt
+        from aglverl.trajectory.groups import Prompt
 
         finished = run.producer.sink.finished
         filed = anyio.Event()

@@ -1,4 +1,4 @@
-"""Tests for aglverl.signals through build_batch: hand-computed rows, scores, groups, weights and metrics for
+"""Tests for aglverl.trajectory.signals through build_batch: hand-computed rows, scores, groups, weights and metrics for
 every filter and advantage mode, and the pure functions a trainer calls (advantages, log-prob mismatch)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, compute_rloo_outcome_advantage
 
-from aglverl.batch import BatchConfig, FinishedRollout, build_batch
-from aglverl.signals import SignalConfig, compute_advantage, grpo_advantages, logprob_mismatch
+from aglverl.trajectory.batch import BatchConfig, FinishedRollout, build_batch
+from aglverl.trajectory.signals import SignalConfig, compute_advantage, grpo_advantages, logprob_mismatch
 
 SMALL = BatchConfig(max_prompt_length=4, max_response_length=3, pad_token_id=0)
 PLAIN_KEYS = {

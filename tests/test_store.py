@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from aglverl.models import Rollout, Task, Triplet
-from aglverl.store import (
+from aglverl.store.tasks import (
     AlreadyFinished,
     InvalidResult,
     LLMCall,

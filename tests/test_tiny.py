@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aglverl.tiny import (
+from aglverl.engine.tiny import (
     EOS_ID,
     PAD_ID,
     TINY_VERSION,

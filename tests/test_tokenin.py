@@ -25,7 +25,7 @@ from test_translate import claim, finish, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
 from aglverl.proxy.session import Answer, Sessions, canonical_message
-from aglverl.store import LLMCall
+from aglverl.store.tasks import LLMCall
 from aglverl.testing import MockVLLM, completion_token_ids, token_logprob, tool_arguments
 
 pytestmark = pytest.mark.anyio

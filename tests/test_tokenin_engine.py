@@ -1,4 +1,4 @@
-"""Token-in chat against the embedded engine (``aglverl.inference``: its render, generate and derender).
+"""Token-in chat against the embedded engine (``aglverl.engine.server``: its render, generate and derender).
 
 The built-in tiny model with its own template (ChatML, a Hermes tool section), and copies whose template trims
 every message (Llama 3's way) or drops earlier reasoning behind a pre-opened think block (Qwen3's way; the

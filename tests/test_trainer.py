@@ -19,7 +19,7 @@ import ray
 
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL, compose_config, verl_runtime
-from aglverl.demo import one_word_agent
+from aglverl.cli.demo import one_word_agent
 
 pytestmark = pytest.mark.anyio
 

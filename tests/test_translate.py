@@ -26,9 +26,7 @@ from aglverl import AgentDaemon, BatchConfig, InferenceServer, Rollout, run_agen
 from aglverl.metrics import Registry
 from aglverl.models import LLM
 from aglverl.proxy import LLMProxy, RetryPolicy
-from aglverl.store import LLMCall, TaskStore
-from aglverl.testing import MockVLLM, load_replay_cases, tool_arguments
-from aglverl.translate import (
+from aglverl.proxy.translate import (
     MessagesTranslator,
     ResponsesTranslator,
     TranslationError,
@@ -36,6 +34,8 @@ from aglverl.translate import (
     error_body,
     new_translator,
 )
+from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.testing import MockVLLM, load_replay_cases, tool_arguments
 
 pytestmark = pytest.mark.anyio
 

@@ -16,9 +16,9 @@ import pytest
 import ray
 from helpers.v1 import assert_rows_are_the_engines_chains, live_trainer, multi_turn_agents
 
-from aglverl.journal import read_records
 from aglverl.models import Rollout, Triplet
-from aglverl.producer import Prompt
+from aglverl.store.journal import read_records
+from aglverl.trajectory.groups import Prompt
 from aglverl.verl_v1 import trained_uids
 
 pytestmark = pytest.mark.anyio
@@ -85,8 +85,8 @@ async def _agents_answer(run: Any, count: int, reply: dict[str, tuple[list[int],
     """``count`` agents claim a task each and answer through the proxy with the openai SDK (reward by word)."""
     import openai
 
+    from aglverl.cli.demo import word_reward
     from aglverl.client import AgentClient
-    from aglverl.demo import word_reward
 
     async with AgentClient(run.daemon.server_url) as agent:
         client = openai.AsyncOpenAI(api_key="-", max_retries=0)

@@ -7,7 +7,7 @@ every HTTP method:
   the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
   ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and, with
   ``request_logprobs``, ``"logprobs"`` too (``true`` for chat, ``0`` for completions: the sampled tokens' own
-  logprobs), and are recorded in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact
+  logprobs), and are recorded in the store as :class:`~aglverl.store.tasks.LLMCall` rows, one per choice: exact
   prompt/response ids, logprobs, finish reason, the limit that ended the response (``max_tokens`` or the
   backend's context window, told apart by the request's ``max_tokens``; a prompt refused as too long is a
   ``context`` limit too), weight version, backend, latency.
@@ -38,7 +38,7 @@ call, an edited history, another system prompt or tool list, ``n > 1``) or a bac
 each call by how it was made.
 
 ``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
-family, are translated by :mod:`aglverl.translate`: the body becomes a chat completion before anything else
+family, are translated by :mod:`aglverl.proxy.translate`: the body becomes a chat completion before anything else
 looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
 agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
 gets, the proxy's own included, is in that API's shape; Anthropic's ``x-api-key`` is accepted as the token.
@@ -116,7 +116,7 @@ import circle):
 - :mod:`~aglverl.proxy.respond` — :class:`~aglverl.proxy.respond.Responder`: writing to the agent, whole or in
   pieces, ending a stream well or broken; the call committed before the agent sees its end.
 - :mod:`~aglverl.proxy.recorder` — :class:`~aglverl.proxy.recorder.Recorder`: captures into
-  :class:`~aglverl.store.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
+  :class:`~aglverl.store.tasks.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
   the proxy reaches the store), turns into token-in sessions, every call counted once.
 - :mod:`~aglverl.proxy.pool` — :class:`~aglverl.proxy.pool.Pool`: backends: picking, ejection, probes, sending
   a try, the upstream session.
@@ -125,7 +125,7 @@ import circle):
 - The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
   :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
   forwarding), :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and
-  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing). :mod:`aglverl.translate` (other APIs as chat
+  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing). :mod:`aglverl.proxy.translate` (other APIs as chat
   completions) stays beside the package.
 """
 

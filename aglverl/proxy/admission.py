@@ -25,8 +25,7 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from ..store import StoreError
-from ..translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
+from ..store.tasks import StoreError
 from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
 from .capture import CAPTURED_PATHS, _Capture
 from .config import ProxyConfig
@@ -34,6 +33,7 @@ from .gate import Gate
 from .meters import Meters
 from .store_view import ProxyStore
 from .tokenin import TokenIn
+from .translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
 
 __all__ = ["SAMPLING_NEUTRAL", "TRAINER_SAMPLING", "Admission", "reconcile_sampling"]
 

@@ -25,10 +25,10 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..store import LLMCall
-from ..translate import Translator
+from ..store.tasks import LLMCall
 from .capture import _Capture
 from .session import Plan
+from .translate import Translator
 
 HOP_BY_HOP: frozenset[str] = frozenset(
     {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}

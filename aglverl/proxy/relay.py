@@ -34,7 +34,6 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from ..translate import TranslationError
 from .call import (
     _JSON,
     _RESPONSE_DROP,
@@ -55,6 +54,7 @@ from .recorder import Recorder
 from .respond import Responder
 from .resume import Resumer, _resume_blocker
 from .sse import _EventCut, _may_abort
+from .translate import TranslationError
 
 logger = logging.getLogger(__name__)
 

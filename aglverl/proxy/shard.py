@@ -1,7 +1,7 @@
 """A proxy shard: one :class:`~aglverl.proxy.LLMProxy` in a process of its own (a Ray actor), admitting calls
 from a table the store pushes and keeping their records until the store takes them.
 
-The driver side is :class:`aglverl.shards.ProxyShards`; this module is what runs in the shard's process and
+The driver side is :class:`aglverl.proxy.shards.ProxyShards`; this module is what runs in the shard's process and
 imports nothing of Ray (the driver wraps :class:`ProxyShard` with ``ray.remote``). Who sends what:
 
 - :meth:`ProxyShard.start` (once per process; Ray re-runs the constructor after a restart, and the driver calls
@@ -40,7 +40,7 @@ from typing import Any, Literal, get_args
 import anyio
 
 from ..metrics import Registry
-from ..store import LLMCall, StepEnded, UnknownAttempt, UnknownRollout
+from ..store.tasks import LLMCall, StepEnded, UnknownAttempt, UnknownRollout
 from .app import LLMProxy
 from .call import Outcome
 from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES

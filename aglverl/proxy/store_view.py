@@ -1,6 +1,6 @@
 """What the proxy needs of the store, as an interface: admitting an attempt's calls and keeping their records.
 
-:class:`~aglverl.store.TaskStore` is one (the proxy in the daemon's process); a proxy shard in a process of its
+:class:`~aglverl.store.tasks.TaskStore` is one (the proxy in the daemon's process); a proxy shard in a process of its
 own holds another (a table of the attempts pinned to it, pushed by the store, and the records of their calls,
 taken by the store when an attempt finishes). The proxy never reaches the store by any other way.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..store import LLMCall
+from ..store.tasks import LLMCall
 
 __all__ = ["ProxyStore"]
 
@@ -24,7 +24,7 @@ class ProxyStore(Protocol):
         ...
 
     def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
-        """Admit a call of this attempt, or raise :class:`~aglverl.store.StoreError` (its ``status`` and message
+        """Admit a call of this attempt, or raise :class:`~aglverl.store.tasks.StoreError` (its ``status`` and message
         say why: an unknown rollout or attempt is a 404, a finished rollout a 409)."""
         ...
 

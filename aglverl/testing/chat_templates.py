@@ -1,6 +1,6 @@
 """Chat templates that re-render a history the way real ones do, and model directories that use them.
 
-The tiny model's own template (ChatML, :data:`aglverl.tiny.CHAT_TEMPLATE`) renders every message as it is.
+The tiny model's own template (ChatML, :data:`aglverl.engine.tiny.CHAT_TEMPLATE`) renders every message as it is.
 Real templates do not: Llama 3's trims every message's content, Qwen3's drops the reasoning of earlier
 assistant turns (and renders the last turn after the last user message unlike the others). Both make the ids
 of a re-rendered history differ from the ids the engine generated, which is what token-in chat exists for;

@@ -5,7 +5,7 @@ verl looks a rollout engine up in two registries (``verl_plugin/__init__.py`` re
 
 - :class:`EmbeddedRollout` (a ``BaseRollout``) lives in each ``ActorRolloutRefWorker`` process (hybrid
   mode), or in the ``CheckpointEngineWorker`` verl starts for a standalone replica (its own resource pool, as
-  ``trainer.v1.trainer_mode=separate_async`` uses). It hosts an :class:`~aglverl.inference.InferenceServer`
+  ``trainer.v1.trainer_mode=separate_async`` uses). It hosts an :class:`~aglverl.engine.server.InferenceServer`
   over the model on its own thread and event loop, so the server keeps answering while the worker trains;
   weights arrive through verl's checkpoint engine (``update_weights`` with full HF-named tensors, from a plain
   or an async iterator) and are copied into the served model between generations.
@@ -34,7 +34,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from ..inference import KEEPALIVE_SECONDS, WEIGHT_VERSION_HEADER, InferenceServer, InferenceServerThread
+from ..engine.server import KEEPALIVE_SECONDS, WEIGHT_VERSION_HEADER, InferenceServer, InferenceServerThread
 from . import ROLLOUT_NAME
 
 __all__ = ["ROLLOUT_NAME", "EmbeddedReplica", "EmbeddedRollout", "EmbeddedServerHandle", "local_rollout"]

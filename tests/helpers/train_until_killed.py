@@ -24,7 +24,7 @@ import anyio
 import orjson
 
 from aglverl import LLM, AsyncVERL
-from aglverl.demo import demo_samples, one_word_agent
+from aglverl.cli.demo import demo_samples, one_word_agent
 from aglverl.testing.resumable import resumable_config
 
 STEP_3_SAMPLES = {4, 5}

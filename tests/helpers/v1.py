@@ -7,14 +7,9 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
-from aglverl.algorithm import (
-    VerlRuntime,
-    _daemon_kwargs,
-    _run_config,
-    _worker_group_class,
-    compose_config,
-    verl_runtime,
-)
+from aglverl.algorithm import VerlRuntime, compose_config, verl_runtime
+from aglverl.algorithm.config import daemon_kwargs_for, run_config
+from aglverl.algorithm.runtime import worker_group_class
 from aglverl.verl_plugin.patches import use_worker_group
 from aglverl.verl_v1 import DaemonAgentLoopManager, running
 
@@ -26,12 +21,12 @@ async def live_trainer(
     """``(run, trainer, runtime)``: the trainer initialised (weights synced, replicas awake) and set up as
     verl's ``fit`` sets it up for step 1, its agent-loop manager the daemon's."""
     config, options = compose_config(overrides)
-    config = _run_config(config, has_validation=False)
+    config = run_config(config, has_validation=False)
     with ExitStack() as stack:
         runtime = stack.enter_context(verl_runtime(config))
-        use_worker_group(_worker_group_class(runtime.env, runtime.rendezvous_dir))
+        use_worker_group(worker_group_class(runtime.env, runtime.rendezvous_dir))
         async with running(
-            config, options, train, None, daemon_kwargs=lambda t: _daemon_kwargs(config, options, t), progress=False
+            config, options, train, None, daemon_kwargs=lambda t: daemon_kwargs_for(config, options, t), progress=False
         ) as (run, trainer):
             trainer.agent_loop_manager = DaemonAgentLoopManager(run)
             trainer.global_steps = 1

@@ -2,7 +2,7 @@
 
 Request models and answer shapes for ``POST /v1/chat/completions/render``, ``POST /inference/v1/generate``
 and ``POST /v1/chat/completions/derender`` (field names and nesting as vLLM's
-``entrypoints/scale_out/token_in_token_out/protocol.py``); the handlers are :class:`aglverl.inference.
+``entrypoints/scale_out/token_in_token_out/protocol.py``); the handlers are :class:`aglverl.engine.server.
 InferenceServer`'s. Pure functions and pydantic models: no I/O, nothing here touches the engine.
 
 ``sampling_params`` of a generate request take vLLM's fields; those the embedded engine does not implement

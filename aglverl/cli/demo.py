@@ -5,7 +5,7 @@ share of the answer's words that are that word. Agents are ordinary ``openai`` S
 proxy URL; the trainer is verl's V1 PPO trainer (GRPO, sync mode) through :class:`~aglverl.algorithm.AsyncVERL`; the
 inference server is the embedded one inside verl's actor worker. Output, in ``--out DIR``:
 
-- a progress bar on stderr (step, reward, generated tokens/s), through :class:`aglverl.console.Console`;
+- a progress bar on stderr (step, reward, generated tokens/s), through :class:`aglverl.cli.console.Console`;
 - ``DIR/metrics.jsonl``: one JSON object per step (reward, response length, seconds per phase, all of verl's
   and aglverl's step metrics);
 - ``DIR/reward.png``: the mean training reward per step; ``DIR/train.log``: what verl, Ray and TransferQueue
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .models import LLM
+from ..models import LLM
 
 __all__ = [
     "MODES",
@@ -211,13 +211,13 @@ async def run_demo(
     trajectory: str = "merge",
     prompts: int = 16,
 ) -> dict[str, Any]:
-    """Run the demo through the quiet :class:`~aglverl.console.Console`; returns its summary (also written as
+    """Run the demo through the quiet :class:`~aglverl.cli.console.Console`; returns its summary (also written as
     the last stdout line by the CLI), with the demo's ``mode``, ``task`` and ``trajectory``.
 
     ``library_log``: a file for everything verl, Ray and TransferQueue print or log in this process while
     the demo runs, so that the console shows only the progress bar (or the JSON lines) and the summary.
     """
-    from .algorithm import AsyncVERL
+    from ..algorithm import AsyncVERL
     from .console import Console
 
     config = demo_config(steps, model, agents, rejection_sampling, mode, task, trajectory, prompts)

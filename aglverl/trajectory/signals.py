@@ -1,6 +1,6 @@
 """Training-signal controls for multi-turn agents: which rows train, with what score, in which group, how much.
 
-Pure, vectorised numpy/torch beside :mod:`aglverl.batch`, which calls :func:`plan_rows` while it builds a batch
+Pure, vectorised numpy/torch beside :mod:`aglverl.trajectory.batch`, which calls :func:`plan_rows` while it builds a batch
 (the collector hands it the step's :class:`SignalConfig`). Four controls, each off or today's behaviour by
 default:
 
@@ -25,7 +25,7 @@ default:
   trainer calls :func:`compute_advantage` here instead of verl's (it is verl's own for every other
   estimator, whose groups are rows).
 
-Behaviour log-probs are packed by :mod:`aglverl.batch`; :func:`logprob_mismatch` compares them with the
+Behaviour log-probs are packed by :mod:`aglverl.trajectory.batch`; :func:`logprob_mismatch` compares them with the
 trainer's recomputed old log-probs.
 """
 
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from .models import TERMINATION_REASONS, TerminationReason
+from ..models import TERMINATION_REASONS, TerminationReason
 
 if TYPE_CHECKING:
     from verl import DataProto
@@ -78,7 +78,7 @@ class SignalConfig:
 
     - ``advantage``: ``"broadcast"`` or ``"per_step"``; ``gamma``: per_step's discount across turns, in [0, 1].
     - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"`` (a rollout's rows weigh ``1/k`` each in the loss).
-    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see :mod:`aglverl.batch`)
+    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see :mod:`aglverl.trajectory.batch`)
       or ``"per_call"`` (every call its own row). ``advantage="per_step"`` groups rows by turn, which a merged
       row spans several of: it needs ``"per_call"`` (``ValueError`` otherwise).
     - ``rejection_sampling``: drop GRPO groups whose scores are all equal. ``min_group_size``: drop samples

@@ -25,7 +25,7 @@ generated ids lost to the width in a row), and a chain's first row keeps a promp
 response is in exactly one row.
 
 A call recorded off-policy (its sampling parameters were masked) keeps ``response_mask`` 0 on its tokens; a row
-with no on-policy call is marked ``is_drop_mask``. ``trajectory="per_call"`` (and no :class:`~aglverl.signals.SignalConfig` at all) makes every
+with no on-policy call is marked ``is_drop_mask``. ``trajectory="per_call"`` (and no :class:`~aglverl.trajectory.signals.SignalConfig` at all) makes every
 call its own row, as batches always were: the layout below is then one call per row, and an off-policy call's
 row keeps its response mask and is marked ``is_drop_mask``.
 
@@ -43,8 +43,8 @@ and the non-tensor batch carries ``data_id_list`` / ``uid`` (the GRPO group), ``
 ``turn_index_list`` (the row's first call). A triplet with an empty response has no token to carry its reward,
 so it is dropped and counted rather than silently losing the reward (a merged chain simply continues past it).
 
-Given a :class:`~aglverl.signals.SignalConfig` (the collector always passes one), the training-signal controls
-decide which rollouts and turns become rows, each row's score and ``uid`` (see :mod:`aglverl.signals`), and
+Given a :class:`~aglverl.trajectory.signals.SignalConfig` (the collector always passes one), the training-signal controls
+decide which rollouts and turns become rows, each row's score and ``uid`` (see :mod:`aglverl.trajectory.signals`), and
 the batch also carries::
 
     advantage_weights  [B]     float32: the row's weight in the loss (1, or 1/k for a k-row rollout with
@@ -157,7 +157,7 @@ class FinishedRollout:
     Values are trusted to be what the wire models validated (ids non-negative, rewards finite); an id that
     is not an integer in the int64 range makes :func:`build_batch` raise ``ValueError`` naming the turn.
 
-    What the training-signal controls read (ignored without a :class:`~aglverl.signals.SignalConfig`):
+    What the training-signal controls read (ignored without a :class:`~aglverl.trajectory.signals.SignalConfig`):
     ``completed`` is false for a rollout that failed (its ``turns`` are its last attempt's calls, its reward is
     the config's ``failure_reward``); ``termination`` holds the reasons recorded for it (a failed rollout
     without a failure reason counts as ``agent_error``); ``turn_rewards`` the agent's reward per turn (``None``
@@ -191,7 +191,7 @@ class BuiltBatch:
     row_rollout: np.ndarray
     row_calls: list[list[int]]
     logprobs: list[np.ndarray | None]
-    #: Each rollout's reasons (:data:`~aglverl.signals.REASON_BITS`) that masked it, 0 if none.
+    #: Each rollout's reasons (:data:`~aglverl.trajectory.signals.REASON_BITS`) that masked it, 0 if none.
     masked: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: The ``max_prompt_length`` / ``max_response_length`` that would have trained every call the width left
     #: untrained (``batch/n_calls_untrained_width``); (0, 0) when none was.
@@ -225,7 +225,7 @@ def build_batch(
     when there is nothing to average).
 
     Without ``signal``, failed rollouts (``completed=False``) are left out and every other turn with a
-    response is a row, as plain GRPO batches always were. With it, :func:`aglverl.signals.plan_rows` picks the
+    response is a row, as plain GRPO batches always were. With it, :func:`aglverl.trajectory.signals.plan_rows` picks the
     rows, scores and groups (its ``filter/*`` and ``rejection/*`` metrics are added), the batch gains
     ``advantage_weights`` and ``group_weights`` (a rollout of k rows: 1/k each in its group, one member) and the
     non-tensor ``rollout_id_list`` names each GRPO group's members, and ``rollout_log_probs`` when every row has
@@ -241,7 +241,7 @@ class WidthWarning:
 
     ``names`` are how the user sets ``max_prompt_length`` / ``max_response_length``: ``BatchConfig(...)``'s
     fields for an embedder, verl's ``data.*`` keys under ``AsyncVERL``. :meth:`note` is cheap when nothing was
-    left untrained; it logs a warning (``aglverl.batch``) the first time something was, and never again.
+    left untrained; it logs a warning (``aglverl.trajectory.batch``) the first time something was, and never again.
     """
 
     def __init__(
@@ -504,7 +504,7 @@ def _check_per_turn(rollouts: Sequence[FinishedRollout]) -> None:
 
 
 def _reason_flags(rollouts: Sequence[FinishedRollout]) -> np.ndarray:
-    """The recorded reasons of each rollout as :data:`~aglverl.signals.REASON_BITS`; a failed rollout that
+    """The recorded reasons of each rollout as :data:`~aglverl.trajectory.signals.REASON_BITS`; a failed rollout that
     names no failure reason counts as an agent error."""
     failure = reason_flags(FAILURE_REASONS)
     flags = np.fromiter((reason_flags(r.termination) for r in rollouts), np.int64, count=len(rollouts))

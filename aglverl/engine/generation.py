@@ -1,4 +1,4 @@
-"""The generation engine behind :mod:`aglverl.inference`: continuous batching over a Hugging Face causal LM.
+"""The generation engine behind :mod:`aglverl.engine.server`: continuous batching over a Hugging Face causal LM.
 
 One dedicated thread (``aglverl-generate``) owns the model while it generates. Sequences (one per choice of
 a request) are submitted from any thread; the engine thread
@@ -92,7 +92,7 @@ class GenSequence:
     away, a stop string matched): the engine drops the sequence at the next step without notifying again.
     ``request_id`` names the owner's request (reported by :meth:`Engine.abort`); ``weight_version`` is set by
     the engine when the sequence is admitted (``None`` while it waits, or if it ended before admission).
-    ``constraint`` (a :class:`aglverl.constrained.TokenConstraint`) restricts each step's tokens to a grammar:
+    ``constraint`` (a :class:`aglverl.engine.constrained.TokenConstraint`) restricts each step's tokens to a grammar:
     the forbidden logits are set to ``-inf`` before sampling, so the recorded log-probs are those of the masked
     distribution (which verl's actor does not see: such tokens are slightly off-policy). A token the grammar
     rejects after all (a bug, not bad input) fails the sequence.
@@ -132,7 +132,7 @@ class GenSequence:
         constraint: TokenConstraint | None = None,
     ) -> None:
         self.prompt = prompt
-        #: The grammar this sequence's tokens must follow (:mod:`aglverl.constrained`), or ``None``.
+        #: The grammar this sequence's tokens must follow (:mod:`aglverl.engine.constrained`), or ``None``.
         self.constraint = constraint
         self.request_id = request_id
         self.params = params

@@ -12,7 +12,7 @@ Both print one JSON line with their URLs once serving (``serve``: then one per f
 cleanly on Ctrl-C or SIGTERM.
 
 - ``aglverl demo`` runs the embedded end-to-end training (verl's trainer on CPU, the tiny model, agents on the
-  toy task); its last stdout line is a JSON summary (see :mod:`aglverl.demo`).
+  toy task); its last stdout line is a JSON summary (see :mod:`aglverl.cli.demo`).
 """
 
 from __future__ import annotations
@@ -124,14 +124,14 @@ async def _until_signalled(run: Callable[[_Serving], Awaitable[dict[str, Any]]])
 
 def _local_server(model: str, *, host: str, port: int, **options: Any) -> Any:
     """The embedded inference server (loads the model: a blocking call of a few seconds, before serving)."""
-    from .inference import InferenceServer  # imports torch and transformers (~3 s)
+    from ..engine.server import InferenceServer  # imports torch and transformers (~3 s)
 
     return InferenceServer(model, host=host, port=port, **options)
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from .algorithm import ConfigError, load_samples
-    from .daemon import AgentDaemon  # imports verl (~4 s); keep `aglverl --help` instant
+    from ..algorithm import ConfigError, load_samples
+    from ..daemon import AgentDaemon  # imports verl (~4 s); keep `aglverl --help` instant
 
     files: list[tuple[str, list[dict[str, Any]]]] = []
     for path in args.tasks:

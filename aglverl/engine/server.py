@@ -14,11 +14,11 @@ Token ids are sent only when the request says ``return_token_ids: true`` (the fi
 otherwise), as vLLM does. A sequence that ends on EOS keeps the EOS id in ``token_ids`` (and its log-prob) but
 not in the text; a stop string truncates the text, the ids keep the token that completed it. Log-probs are
 ``log_softmax(logits / temperature)`` of the sampled token, what verl's actor recomputes (see
-:mod:`aglverl._engine`). Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
+:mod:`aglverl.engine.generation`). Errors are ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed
 JSON, wrong types or values (``param`` names the field) and requests longer than the context, 404 for an
 unknown model (vLLM's message).
 
-Generation: a continuous-batching engine on its own thread (:class:`aglverl._engine.Engine`); concurrent
+Generation: a continuous-batching engine on its own thread (:class:`aglverl.engine.generation.Engine`); concurrent
 requests and the ``n`` choices of one request share forward passes. Weights are swapped between generations
 by :meth:`InferenceServer.load_weights` (from any thread); :meth:`~InferenceServer.sleep` /
 :meth:`~InferenceServer.wake_up` park the engine (requests wait rather than fail).
@@ -65,15 +65,15 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import __version__
-from ._engine import THREAD_NAME as ENGINE_THREAD_NAME
-from ._engine import Engine, GenSequence, SamplingParams
-from ._net import bind_listener, url_of
+from .. import __version__
+from .._net import bind_listener, url_of
 from .chat_parser import ChatParser, ParsedMessage, ParseSession, ToolRequest
 from .chat_template import ChatTemplate, ChatTemplateError
 from .constrained import ConstraintCompiler, ConstraintError, TokenConstraint, hermes_structural_tag
+from .generation import THREAD_NAME as ENGINE_THREAD_NAME
+from .generation import Engine, GenSequence, SamplingParams
 from .tiny import TINY_NAME, quiet_progress_bars, resolve_model
-from .token_in import (
+from .token_routes import (
     NEUTRAL_SAMPLING,
     DerenderRequest,
     GenerateRequest,
@@ -502,7 +502,7 @@ class _Job:
 # ---------------------------------------------------------------------------------------------- statistics
 @dataclass(frozen=True, slots=True)
 class InferenceStats:
-    """A snapshot of the server's counters (see :class:`aglverl._engine.EngineStats` for the engine's)."""
+    """A snapshot of the server's counters (see :class:`aglverl.engine.generation.EngineStats` for the engine's)."""
 
     weight_version: int
     weight_loads: int
@@ -532,7 +532,7 @@ class InferenceStats:
 class InferenceServer:
     """OpenAI-compatible server over one causal LM; see the module docstring. Keyword-only after ``model``.
 
-    - ``model``: ``"tiny"`` (the built-in model, :mod:`aglverl.tiny`), a local Hugging Face directory, or an
+    - ``model``: ``"tiny"`` (the built-in model, :mod:`aglverl.engine.tiny`), a local Hugging Face directory, or an
       already loaded ``PreTrainedModel`` (then ``tokenizer`` is required). Nothing is ever downloaded.
     - ``tokenizer``: a directory or a loaded tokenizer; default: the model's directory.
     - ``served_model_name``: the name requests must use (default: ``model`` as given, like ``vllm serve``).

@@ -4,7 +4,7 @@ verl's V1 trainer asks for trajectories prompt by prompt and samples finished gr
 (TransferQueue). :class:`TrajectoryProducer` is the daemon's side of that contract, and knows nothing of verl::
 
     dispatch(prompts)   each prompt queued n times in the store (one GRPO group); sink.started(prompts)
-    a group's rollouts all terminal  ->  rows built by aglverl.batch with the training-signal controls
+    a group's rollouts all terminal  ->  rows built by aglverl.trajectory.batch with the training-signal controls
                         ->  sink.finished(group)  ->  version bumped: whoever waits for groups wakes
 
 The sink (:mod:`aglverl.verl_v1` writes TransferQueue) decides where rows go. A sampler waits for the next
@@ -40,12 +40,12 @@ import anyio
 import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 
+from ..metrics import Registry
+from ..models import Mode
+from ..store.tasks import TERMINAL, RolloutRecord, TaskStore
 from .batch import BatchConfig, WidthWarning, build_rows
-from .collector import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
-from .metrics import Registry
-from .models import Mode
 from .signals import REASON_BITS, SignalConfig
-from .store import TERMINAL, RolloutRecord, TaskStore
+from .steps import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
 
 __all__ = [
     "AgentsFailing",
@@ -95,7 +95,7 @@ _MASKED_MEANING: Mapping[str, str] = {
 def rollout_error(record: RolloutRecord, masked: int = 0, group_too_small: int = 0) -> str:
     """Why a rollout left no row to train, as one line: the agent's error (its type and message) when it
     posted one, else the store's reason (lease expired, deadline passed); for a completed rollout, the
-    training-signal option that masked it (``masked``: its :data:`~aglverl.signals.REASON_BITS` that did),
+    training-signal option that masked it (``masked``: its :data:`~aglverl.trajectory.signals.REASON_BITS` that did),
     its group's ``min_group_size`` (``group_too_small``), or that it had no trainable turn."""
     if record.state == "completed":
         reasons = [reason for reason, bit in REASON_BITS.items() if masked & bit]
@@ -166,7 +166,7 @@ class GroupStats:
 @dataclass(frozen=True, slots=True)
 class FinishedGroup:
     """A group whose rollouts are all terminal: its rows (``data``, a verl ``DataProto`` built by
-    :func:`aglverl.batch.build_rows`, one row per chain of calls, or per call with ``trajectory="per_call"``,
+    :func:`aglverl.trajectory.batch.build_rows`, one row per chain of calls, or per call with ``trajectory="per_call"``,
     in session then first-call order) and what a sink needs to file them: each row's session (the rollout's
     place in the group), the turn index of its first call, its number of calls, the weight version of its
     first call, the oldest / newest weight version of its calls (a call's first token's and last token's),
@@ -185,7 +185,7 @@ class FinishedGroup:
     logprobs: list[np.ndarray | None]
     stats: GroupStats
     records: list[RolloutRecord]
-    #: per rollout (session order), the reasons (:data:`~aglverl.signals.REASON_BITS`) that masked it, 0 if none
+    #: per rollout (session order), the reasons (:data:`~aglverl.trajectory.signals.REASON_BITS`) that masked it, 0 if none
     masked: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 

@@ -17,7 +17,7 @@ attempt are kept, the others discarded; a failed rollout keeps its last attempt'
 learn from them, see ``SignalConfig``). Why a rollout failed (``agent_error``, ``lease_expired``,
 ``step_timeout``) is decided and recorded here, as is the reason an agent declares for a result.
 
-With proxy shards (:attr:`TaskStore.pinning`, an :class:`AttemptPinning`: :class:`aglverl.shards.ProxyShards`)
+With proxy shards (:attr:`TaskStore.pinning`, an :class:`AttemptPinning`: :class:`aglverl.proxy.shards.ProxyShards`)
 the calls of an attempt are admitted and recorded in another process. Then a claim pins the attempt to a shard
 (the task's ``resources_id`` names that shard's copy of its resources) and :meth:`TaskStore.claim` returns the
 task once the shard admits the attempt; :meth:`TaskStore.accept_result` takes the attempt's records from its
@@ -42,8 +42,8 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
-from .metrics import Registry
-from .models import Mode, NamedResources, ResourcesUpdate, Rollout, Task, TerminationReason
+from ..metrics import Registry
+from ..models import Mode, NamedResources, ResourcesUpdate, Rollout, Task, TerminationReason
 
 __all__ = [
     "AlreadyFinished",
@@ -185,7 +185,7 @@ class Journal(Protocol):
 
 class AttemptPinning(Protocol):
     """Where attempts' calls are admitted and recorded when that is not in this process (proxy shards,
-    :class:`aglverl.shards.ProxyShards`). Called on the store's loop."""
+    :class:`aglverl.proxy.shards.ProxyShards`). Called on the store's loop."""
 
     def pin(self, rollout_id: str, attempt_id: str, resources_id: str | None) -> str | None:
         """Pin a new attempt to a shard (its admission is sent); return the resources id its task names."""

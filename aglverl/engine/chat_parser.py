@@ -23,7 +23,7 @@ Formats (what vLLM 0.32 does with the same flags, mirrored step by step; written
 
 ``tool_choice`` (see :class:`ToolRequest`): ``"none"`` or no tools: no tool parsing; ``"auto"``: parsed;
 ``"required"`` / a named function: parsed the same way (the output was constrained to the Hermes format, see
-:mod:`aglverl.constrained`), ``content`` is then ``""`` rather than ``None``. ``finish_reason`` becomes
+:mod:`aglverl.engine.constrained`), ``content`` is then ``""`` rather than ``None``. ``finish_reason`` becomes
 ``"tool_calls"`` when calls were found under ``"auto"``/``"required"`` and the sequence stopped (a named
 function keeps ``"stop"``, as OpenAI and vLLM do).
 

@@ -5,7 +5,7 @@ A step goes: :meth:`RolloutCollector.submit` queues every sample ``n`` times und
 fails whatever is still unfinished at the step's deadline, assembles triplets (client-posted triplets win;
 otherwise the proxy's recorded calls of the winning attempt, in call order), gathers why each rollout ended
 (the store's, the agent's and the proxy's recorded reasons), builds the batch with the step's training-signal
-controls (:class:`~aglverl.signals.SignalConfig`) in a worker thread and sends it into the bounded batch
+controls (:class:`~aglverl.trajectory.signals.SignalConfig`) in a worker thread and sends it into the bounded batch
 stream. The batch may be empty (every group filtered out): it is sent all the same, with its metrics.
 Validation steps produce metrics instead of a batch. Once a step's result is handed over (the trainer received
 the batch) its rollouts are dropped from the store, so memory stays flat over a long run; until then the step
@@ -27,10 +27,10 @@ import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ..models import Mode, TerminationReason, Triplet
+from ..store.tasks import LLMCall, RolloutRecord, TaskStore
 from .batch import BatchConfig, FinishedRollout, WidthWarning, build_rows
-from .models import Mode, TerminationReason, Triplet
 from .signals import SignalConfig
-from .store import LLMCall, RolloutRecord, TaskStore
 
 __all__ = [
     "RolloutCollector",
@@ -69,7 +69,7 @@ class StepReport:
 class TrainingBatch:
     """One training step's batch, as received from the collector's stream.
 
-    ``data`` is a verl ``DataProto`` (see :func:`aglverl.batch.build_batch` for its fields).
+    ``data`` is a verl ``DataProto`` (see :func:`aglverl.trajectory.batch.build_batch` for its fields).
     """
 
     step: int
@@ -160,7 +160,7 @@ def trajectory_of(record: RolloutRecord) -> Trajectory:
 
 
 def finished_rollout(record: RolloutRecord, trajectory: Trajectory, data_id: str) -> FinishedRollout:
-    """What :func:`aglverl.batch.build_batch` takes for a terminal rollout (its turns from ``trajectory``)."""
+    """What :func:`aglverl.trajectory.batch.build_batch` takes for a terminal rollout (its turns from ``trajectory``)."""
     return FinishedRollout(
         record.rollout_id,
         data_id,

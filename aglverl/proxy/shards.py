@@ -47,10 +47,10 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
-from .metrics import Registry
-from .models import LLM, ProxyLLM, ResourcesUpdate
-from .proxy.shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
-from .store import AttemptLost, LLMCall, TaskStore
+from ..metrics import Registry
+from ..models import LLM, ProxyLLM, ResourcesUpdate
+from ..store.tasks import AttemptLost, LLMCall, TaskStore
+from .shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
 
 __all__ = ["SHARD_MAX_RESTARTS", "ProxyShards", "ShardCount", "ShardsGone", "check_shard_count", "place_shards"]
 
@@ -189,7 +189,7 @@ def _labelled(text: str, shard: int) -> dict[str, tuple[list[str], list[str]]]:
 
 class ProxyShards:
     """The LLM proxy as ``count`` shards on Ray (see the module docstring); the store's
-    :class:`~aglverl.store.AttemptPinning`. Serve it with ``await tg.start(shards.serve)`` on the store's loop,
+    :class:`~aglverl.store.tasks.AttemptPinning`. Serve it with ``await tg.start(shards.serve)`` on the store's loop,
     with Ray initialised in this process.
 
     ``backends``: every inference server; ``backend_nodes`` (backend URL -> Ray node id) places the shards
@@ -433,7 +433,7 @@ class ProxyShards:
     async def take(self, rollout_id: str, attempt_id: str) -> list[LLMCall] | None:
         """The attempt's records from its shard (one round trip); ``None`` for an attempt not pinned here.
 
-        Raises :class:`~aglverl.store.AttemptLost` when its shard died (the attempt is void then).
+        Raises :class:`~aglverl.store.tasks.AttemptLost` when its shard died (the attempt is void then).
         """
         pin = self._pins.get((rollout_id, attempt_id))
         if pin is None:

@@ -1,0 +1,216 @@
+"""``AsyncVERL``: the whole training run around verl's V1 trainer (see the package docstring)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import ExitStack, asynccontextmanager
+from typing import Any, TextIO
+
+import anyio
+import anyio.to_thread
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+from ..client import AgentFn, check_agent, run_agents
+from .config import compose_config, daemon_kwargs_for, nest_overrides, run_config, user_set
+from .runtime import (
+    VerlRuntime,
+    latest_checkpoint,
+    save_step_metrics,
+    saved_step_metrics,
+    total_steps,
+    verl_runtime,
+    worker_group_class,
+)
+from .samples import Samples, check_prompt_widths, load_samples, rollouts_per_step
+from .validation import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- AsyncVERL
+class AsyncVERL:
+    """Train agents with verl's V1 PPO trainer, an :class:`~aglverl.daemon.AgentDaemon` as its trajectory producer.
+
+    ``config``: verl overrides plus an ``aglverl:`` section (see the module docstring). ``agent``: an agent
+    function as for :func:`~aglverl.client.run_agents` (``async def agent(task_input, llm) -> reward |
+    Rollout``); without it, agents connect from elsewhere to the task server URL that is logged (and in
+    :attr:`server_url` once running). ``progress``: a progress bar on stderr (or on the text stream given).
+
+    Construction checks everything it can before anything starts: every value of the config and of the
+    ``aglverl:`` section (:class:`ConfigError` naming the key, the value and what is allowed) and the agent
+    (``TypeError``: a plain ``def``, or a function that does not take ``(task_input, llm)``). It also fits
+    verl's GPU-sized batch defaults the user left alone, logging one line per key it sets. :meth:`run` does
+    the work.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | None = None,
+        agent: AgentFn | None = None,
+        *,
+        progress: bool | TextIO = True,
+    ) -> None:
+        if agent is not None:
+            check_agent(agent)
+        self.config, self.options = compose_config(config)
+        self._overrides = nest_overrides(dict(config or {}))
+        self.agent = agent
+        self.progress = progress
+        self.daemon: Any = None
+        self.trainer: Any = None
+        #: Called with the daemon once it serves (its URLs are known), before the first step.
+        self.on_serving: list[Callable[[Any], None]] = []
+        #: Called with ``(step, metrics)`` after each training step's metrics are logged.
+        self.on_step: list[Callable[[int, Mapping[str, float]], None]] = []
+        #: Called with the daemon when training has ended (or failed), before the daemon stops serving: the
+        #: place to stop agents of your own while the task server still answers them (awaited when it returns
+        #: an awaitable; shielded from cancellation, for up to ``STOPPING_SECONDS``).
+        self.on_stopping: list[Callable[[Any], Awaitable[None] | None]] = []
+
+    @property
+    def server_url(self) -> str | None:
+        """The task server agents connect to (once :meth:`run` has started the daemon)."""
+        return self.daemon.server_url if self.daemon is not None else None
+
+    async def run(self, train_dataset: Samples = None, val_dataset: Samples = None) -> dict[str, float]:
+        """Run the whole training; returns the last step's metrics (with the final validation, if any).
+
+        Datasets are lists of task-input dicts or parquet / JSON-lines paths (default: ``data.train_files`` /
+        ``data.val_files``); without a validation set there is no validation. Before Ray starts, the data is
+        checked against the config (:class:`ConfigError`: an empty dataset, fewer tasks than a batch), prompts
+        the task inputs carry are measured against ``data.max_prompt_length`` (a warning when they do not
+        fit), and verl's checkpoint directory is looked at: a resume is announced with its step and
+        directory, and a run whose checkpoint already is its last step says so and returns that step's
+        metrics (saved beside the checkpoint) without starting anything.
+
+        Errors reach the caller as themselves (:class:`~aglverl.trajectory.groups.AgentsFailing`, ``ConfigError``...),
+        not wrapped in the exception groups of the task groups they crossed. Cancellation stops training after
+        the blocking verl call in progress returns, then shuts the daemon, the agents, verl's workers and (if
+        started here) Ray down.
+        """
+        try:
+            return await self._run(train_dataset, val_dataset)
+        except BaseExceptionGroup as group:
+            error = _the_error(group)
+            if error is None:
+                raise
+        raise error  # outside the handler: the error's own traceback and context, not the groups'
+
+    async def _run(self, train_dataset: Samples, val_dataset: Samples) -> dict[str, float]:
+        train = load_samples(train_dataset, self.config.data.train_files)
+        val = load_samples(val_dataset, self.config.data.val_files)
+        if not train:
+            raise ConfigError("the training dataset is empty (pass train_dataset or set data.train_files)")
+        config = run_config(self.config, has_validation=bool(val))
+        total = total_steps(config, len(train))
+        checkpoint = latest_checkpoint(config)
+        if checkpoint is not None:
+            step, path = checkpoint
+            if step >= total:
+                logger.warning(
+                    "aglverl: nothing left to train: the checkpoint %s is step %d of %d; returning its metrics "
+                    "(to train again, remove %s or set trainer.resume_mode: disable)",
+                    path,
+                    step,
+                    total,
+                    config.trainer.default_local_dir,
+                )
+                return await anyio.to_thread.run_sync(saved_step_metrics, path)
+            logger.warning(
+                "aglverl: resuming from step %d of %d: %s (trainer.resume_mode: %s; 'disable' starts over)",
+                step,
+                total,
+                path,
+                config.trainer.resume_mode,
+            )
+        width_given = user_set(self._overrides, "data.max_prompt_length")
+        await anyio.to_thread.run_sync(check_prompt_widths, config, width_given, train)
+        stack = ExitStack()
+        try:
+            runtime = await anyio.to_thread.run_sync(stack.enter_context, verl_runtime(config))
+            return await self._train(config, train, val, runtime)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(stack.close)
+
+    async def _train(
+        self, config: Any, train: list[dict[str, Any]], val: list[dict[str, Any]] | None, runtime: VerlRuntime
+    ) -> dict[str, float]:
+        from .. import verl_v1
+        from ..verl_plugin.patches import use_worker_group
+
+        use_worker_group(worker_group_class(runtime.env, runtime.rendezvous_dir))
+        last: dict[str, float] = {}
+
+        def remember(step: int, metrics: Mapping[str, float]) -> None:
+            last.clear()
+            last.update(metrics)
+            save_step_metrics(config, step, metrics)
+
+        @asynccontextmanager
+        async def serve(daemon: Any) -> AsyncIterator[None]:
+            self.daemon = daemon
+            logger.info("aglverl: agents connect to %s", daemon.server_url)
+            for callback in self.on_serving:
+                callback(daemon)
+            async with anyio.create_task_group() as tg:
+                if self.agent is not None:
+                    tg.start_soon(self._run_agents, self.options.agents or rollouts_per_step(config))
+                try:
+                    yield
+                finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(STOPPING_SECONDS):
+                        for stopping in self.on_stopping:
+                            result = stopping(daemon)
+                            if inspect.isawaitable(result):
+                                await result
+                    tg.cancel_scope.cancel()
+
+        def daemon_kwargs(trainer: Any) -> dict[str, Any]:
+            self.trainer = trainer
+            return daemon_kwargs_for(config, self.options, trainer)
+
+        await verl_v1.train(
+            config,
+            self.options,
+            train,
+            val,
+            daemon_kwargs=daemon_kwargs,
+            serve=serve,
+            on_step=[*self.on_step, remember],
+            progress=self.progress,
+        )
+        return last
+
+    async def _run_agents(self, concurrency: int) -> None:
+        assert self.agent is not None and self.daemon is not None
+        await run_agents(self.daemon.server_url, self.agent, concurrency=concurrency, token=self.options.token)
+
+
+#: How long :attr:`AsyncVERL.on_stopping` callbacks may take, all together, before the daemon stops anyway.
+STOPPING_SECONDS = 60.0
+
+
+def _the_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The error a group of errors stands for: its only one (cancellations aside), or else its only aglverl
+    error; ``None`` when it holds several (the group is raised as it is then)."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves: list[BaseException] = []
+
+    def collect(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                collect(inner)
+        elif not isinstance(error, cancelled):
+            leaves.append(error)
+
+    collect(group)
+    if len(leaves) == 1:
+        return leaves[0]
+    ours = [error for error in leaves if type(error).__module__.startswith("aglverl.")]
+    return ours[0] if len(ours) == 1 else None

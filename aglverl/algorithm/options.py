@@ -1,0 +1,149 @@
+"""The ``aglverl:`` section of a run's config: :class:`DaemonOptions`, checked at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, Literal
+
+if sys.version_info < (3, 11):
+    pass
+
+from ..proxy.shards import check_shard_count
+from ..trajectory.signals import SignalConfig
+from .validation import ConfigError, check_fields, unknown_key_message
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonOptions:
+    """The ``aglverl:`` section: how the daemon (task server + LLM proxy) is run.
+
+    - ``host``/``port``/``proxy_port``: where agents connect (loopback and ephemeral ports by default; the
+      URLs are logged). ``token``: bearer token agents must send.
+    - ``lease_seconds``/``max_attempts``/``step_timeout``: claim lease, claims per rollout, and the bound on
+      one training step's rollouts (``None``: leases and attempts alone bound it).
+    - ``journal``: the daemon's write-ahead journal: a path, ``"auto"`` (``<trainer.default_local_dir>/
+      aglverl.journal`` when checkpoints are saved, so a resumed run recovers the step in flight) or ``None``.
+    - ``llm_resource``: ``"proxy"`` (per-rollout URLs, token ids recorded) or ``"plain"`` (Agent Lightning 0.1
+      clients, which post their own triplets).
+    - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run (default: every rollout of a step
+      at once, ``train_batch_size * rollout.n``).
+    - ``platform``: ``"auto"`` (CPU when no GPU is visible), ``"cpu"`` or ``"gpu"``.
+    - ``signal``: the training-signal controls (:class:`~aglverl.trajectory.signals.SignalConfig`: rejection sampling,
+      compact filtering, step-wise advantage, behaviour log-probs), as a mapping of its fields.
+    - ``sampling_mismatch``: a call that sets other sampling parameters than the trainer's (temperature,
+      top_p, top_k; others at non-neutral values) is refused with a 400 naming them (``"refuse"``) or kept
+      out of the loss (``"mask"``); parameters a call omits are filled in with the trainer's either way.
+    - ``hold_timeout``: how long an agent's LLM call may wait while the trainer holds the proxy for its update
+      (old/ref log-probs, actor and critic updates, checkpoint save, weight sync); the default, 4 hours, fits
+      hour-long steps. Leases do not run meanwhile: no agent loses its task for time spent in a held call.
+    - ``token_in``: token-in chat (default on): a chat call whose messages extend an earlier call's messages +
+      answer is generated from that call's exact ids, so a conversation an agent re-sends as text trains as
+      one row (``aglverl.proxy.tokenin``); ``false`` relays every call as text.
+    - ``max_failed_groups``: a training group whose every rollout failed is replaced by a fresh prompt (verl's
+      refill, in every mode); after this many such groups in a row the run stops with
+      :class:`~aglverl.trajectory.groups.AgentsFailing`, naming the agents' most frequent errors. ``None`` (default):
+      ``data.train_batch_size``, a whole batch's worth; ``0``: never stop.
+    - ``proxy_shards``: ``1`` (default) runs the LLM proxy in the daemon's process; ``N`` or ``"per_node"``
+      runs it as that many Ray actors beside verl's rollout replicas (``"per_node"``: one per node hosting
+      replicas), every rollout attempt pinned to one (:mod:`aglverl.proxy.shards`); ``proxy_port`` then does not apply.
+    - ``tool_call_parser``: the tool-call parser verl's vLLM rollout (``rollout.name: vllm``) is started with,
+      so that it answers ``tools`` (``--enable-auto-tool-choice --tool-call-parser NAME``, set in
+      ``rollout.engine_kwargs.vllm`` unless given there): ``"auto"`` (default) picks it from the model's family
+      (:func:`aglverl.algorithm.vllm_tools.pick_tool_call_parser`: ``hermes`` for Qwen2.5 / Qwen3 and Hermes templates,
+      ``llama3_json`` for Llama 3.x, ``mistral`` for Mistral, ...), a name forces one of vLLM's parsers, ``None``
+      starts vLLM without tool calling. The embedded engine reads its model's chat template instead.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    proxy_port: int = 0
+    token: str | None = None
+    lease_seconds: float = 600.0
+    max_attempts: int = 3
+    step_timeout: float | None = None
+    journal: str | None = "auto"
+    llm_resource: Literal["proxy", "plain"] = "proxy"
+    agents: int | None = None
+    platform: Literal["auto", "cpu", "gpu"] = "auto"
+    signal: SignalConfig = dataclasses.field(default_factory=SignalConfig)
+    sampling_mismatch: Literal["refuse", "mask"] = "refuse"
+    max_failed_groups: int | None = None
+    hold_timeout: float = 4 * 3600.0
+    token_in: bool = True
+    proxy_shards: int | Literal["per_node"] = 1
+    tool_call_parser: str | None = "auto"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
+        """Build from the ``aglverl:`` mapping; an unknown key, a value of the wrong type or out of range raises
+        :class:`ConfigError` naming the key, the value and what is allowed."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"the aglverl section must be a mapping of its options, got {values!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in names:
+                raise ConfigError(unknown_key_message(f"aglverl.{key}", key, names))
+        values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
+        check_fields(cls, {k: v for k, v in values.items() if k != "signal"}, "aglverl")
+        signal = values.get("signal")
+        if signal is not None and not isinstance(signal, Mapping):
+            raise ConfigError(f"aglverl.signal must be a mapping of SignalConfig's fields, got {signal!r}")
+        try:
+            values["signal"] = SignalConfig.from_dict(signal)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"aglverl.signal: {exc}") from exc
+        options = cls(**values)
+        for key, low, high, bound in _OPTION_RANGES:
+            value = getattr(options, key)
+            if value is None:
+                continue
+            fits = (value > low if bound == ">" else value >= low) and (high is None or value <= high)
+            if not fits:  # NaN fits no bound
+                allowed = f"{bound} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+                null = " (or null)" if key in _NULLABLE_OPTIONS else ""
+                raise ConfigError(f"aglverl.{key} must be {allowed}{null}, got {value!r}")
+        try:
+            check_shard_count(options.proxy_shards, "aglverl.proxy_shards")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        _check_tool_call_parser(options.tool_call_parser)
+        return options
+
+
+def _check_tool_call_parser(value: str | None) -> None:
+    """``aglverl.tool_call_parser`` must be ``"auto"``, ``None`` or a tool parser the installed vLLM has (vLLM
+    0.32's list where vLLM is not installed)."""
+    from .vllm_tools import known_tool_parsers
+
+    if value is None or value == "auto":
+        return
+    allowed = known_tool_parsers()
+    if value not in allowed:
+        close = difflib.get_close_matches(value, allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"aglverl.tool_call_parser: {value!r} is not 'auto', null or one of vLLM's tool parsers "
+            f"({', '.join(allowed)}){hint} (a plugin's parser: set actor_rollout_ref.rollout.engine_kwargs.vllm."
+            "tool_call_parser and tool_parser_plugin instead)"
+        )
+
+
+#: Bounds of the ``aglverl:`` options: (field, low, high, ">" or ">=").
+_OPTION_RANGES: tuple[tuple[str, float, float | None, str], ...] = (
+    ("port", 0, 65535, ">="),
+    ("proxy_port", 0, 65535, ">="),
+    ("lease_seconds", 0, None, ">"),
+    ("max_attempts", 1, None, ">="),
+    ("step_timeout", 0, None, ">"),
+    ("agents", 1, None, ">="),
+    ("hold_timeout", 0, None, ">"),
+    ("max_failed_groups", 0, None, ">="),
+)
+_NULLABLE_OPTIONS = frozenset({"step_timeout", "agents", "max_failed_groups"})
