@@ -204,3 +204,22 @@ async def test_serve_refuses_a_tasks_file_it_cannot_read_naming_it(tmp_path: Pat
         done = await anyio.run_process(cmd, check=False)
         assert done.returncode == 1
         assert f"--tasks {path}" in done.stderr.decode() and named in done.stderr.decode()
+
+
+async def test_demo_runs_as_the_makefile_runs_it(tiny_model: Path, tmp_path: Path) -> None:
+    """``make demo`` is ``.venv/bin/aglverl demo --out demo-out``: a relative ``--out``, from the directory the
+    command is run in. Everything it writes lands in that one directory (046b5eb joined the library log's path
+    onto ``--out`` twice and crashed with ``demo-out/demo-out/train.log``). One step is enough: this checks the
+    command, `make demo` in CI checks that the reward rises."""
+    command = Path(sys.executable).with_name("aglverl")
+    result = await anyio.run_process(
+        [str(command), "demo", "--out", "demo-out", "--steps", "1", "--json"], cwd=tmp_path, check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    summary = orjson.loads(result.stdout.decode().strip().splitlines()[-1])
+    out = tmp_path / "demo-out"
+    assert summary["steps"] == 1 and summary["out"] == "demo-out"
+    assert Path(summary["log"]) == Path("demo-out/train.log")
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "reward.png", "train.log"]
+    assert (out / "train.log").stat().st_size > 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

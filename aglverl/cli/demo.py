@@ -215,7 +215,8 @@ async def run_demo(
     the last stdout line by the CLI), with the demo's ``mode``, ``task`` and ``trajectory``.
 
     ``library_log``: a file for everything verl, Ray and TransferQueue print or log in this process while
-    the demo runs, so that the console shows only the progress bar (or the JSON lines) and the summary.
+    the demo runs, so that the console shows only the progress bar (or the JSON lines) and the summary; a
+    relative path is in ``out`` (as :class:`~aglverl.cli.console.Console` takes it).
     """
     from ..algorithm import AsyncVERL
     from .console import Console

@@ -295,7 +295,6 @@ async def _demo(args: argparse.Namespace) -> None:
     warnings.simplefilter("ignore")  # verl's deprecation and optional-engine notices are noise for a demo
     out = Path(args.out)
     await anyio.Path(out).mkdir(parents=True, exist_ok=True)
-    library_log = out / "train.log"  # what verl, Ray and TransferQueue print, off the console
     summary = await run_demo(
         steps=args.steps,
         agents=args.agents,
@@ -304,11 +303,11 @@ async def _demo(args: argparse.Namespace) -> None:
         json_lines=args.json,
         rejection_sampling=args.rejection_sampling,
         mode=args.mode,
-        library_log=library_log,
+        library_log=Path("train.log"),  # in ``out`` (the console's rule): what verl, Ray and TransferQueue print
         task=args.task,
         trajectory=args.trajectory,
     )
-    print(f"verl's, Ray's and TransferQueue's output: {library_log}", file=sys.stderr, flush=True)
+    print(f"verl's, Ray's and TransferQueue's output: {summary['log']}", file=sys.stderr, flush=True)
     print(orjson.dumps(summary).decode(), flush=True)
 
 
