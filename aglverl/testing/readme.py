@@ -1,6 +1,7 @@
-"""The README's ``AsyncVERL`` snippet as code, for the test that runs it as written and the benchmark that times it.
+"""The README's code as code, for the tests that run it as written and the benchmark that times it.
 
-:func:`readme_snippet` reads the first ``python`` block under the README's ``## Training: `AsyncVERL``` heading;
+:func:`shell_block` reads the ``sh`` block that follows a sentence of the README (the ``aglverl serve``
+session); :func:`readme_snippet` reads the first ``python`` block under the README's ``## Training: `AsyncVERL``` heading;
 :func:`with_steps` changes only its ``total_training_steps`` (a short run of the same code); :func:`load_snippet`
 executes it as a module (its ``if __name__ == "__main__":`` part does not run) to reach its ``config``,
 ``agent`` and tasks.
@@ -12,12 +13,13 @@ import re
 import types
 from pathlib import Path
 
-__all__ = ["README", "load_snippet", "readme_snippet", "with_steps"]
+__all__ = ["README", "load_snippet", "readme_snippet", "shell_block", "with_steps"]
 
 #: The project's README (beside the package, in a checkout).
 README = Path(__file__).resolve().parents[2] / "README.md"
 HEADING = "## Training: `AsyncVERL`"
 _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+_SHELL = re.compile(r"```sh\n(.*?)```", re.DOTALL)
 _STEPS = re.compile(r'"total_training_steps": (\d+)')
 
 
@@ -44,3 +46,13 @@ def load_snippet(code: str, name: str = "readme_snippet") -> types.ModuleType:
     module = types.ModuleType(name)
     exec(compile(code, f"<{name}>", "exec"), module.__dict__)
     return module
+
+
+def shell_block(after: str, readme: Path = README) -> str:
+    """The first ``sh`` block after the text ``after``; ``LookupError`` if the text or the block is missing."""
+    text = readme.read_text()
+    at = text.find(after)
+    match = _SHELL.search(text, at) if at >= 0 else None
+    if match is None:
+        raise LookupError(f"{readme}: no sh block after {after!r}")
+    return match.group(1)
