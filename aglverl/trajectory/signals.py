@@ -1,11 +1,11 @@
 """Training-signal controls for multi-turn agents: which rows train, with what score, in which group, how much.
 
-Pure, vectorised numpy/torch beside :mod:`aglverl.trajectory.batch`, which calls :func:`plan_rows` while it builds a batch
-(the collector hands it the step's :class:`SignalConfig`). Four controls, each off or today's behaviour by
-default:
+Pure, vectorised numpy/torch beside :mod:`aglverl.trajectory.rows`, which calls :func:`plan_rows` while it builds
+rows (the collector and the producer hand it their :class:`SignalConfig`). Four controls, each off or today's
+behaviour by default:
 
 - **Compact filtering** — every rollout carries the reasons it ended the way it did (recorded where they were
-  decided: the store, the proxy, the agent; the batch builder adds ``truncated`` for a response longer than
+  decided: the store, the proxy, the agent; the row builder adds ``truncated`` for a response longer than
   ``max_response_length``). A rollout with a reason whose ``mask_*`` switch is on contributes no row: it
   neither trains nor sits in its group's mean/std, but it is counted (``filter/*``). Failed rollouts (agent
   error, lease expired after the last attempt, step timeout) are masked by default, which is exactly how they
@@ -25,14 +25,18 @@ default:
   trainer calls :func:`compute_advantage` here instead of verl's (it is verl's own for every other
   estimator, whose groups are rows).
 
-Behaviour log-probs are packed by :mod:`aglverl.trajectory.batch`; :func:`logprob_mismatch` compares them with the
-trainer's recomputed old log-probs.
+The math a trainer runs on the rows, whichever path brought them: :func:`grpo_advantages` (weighted group
+members) and :func:`compute_advantage` (verl's ``compute_advantage`` with it for GRPO), :func:`per_rollout_weights`
+(a rollout's k rows at 1/k each, from the rows' rollouts); the behaviour log-probs, which the row builder packs,
+compared with the trainer's recomputed old log-probs (:func:`logprob_mismatch`), and the trainer's standing in
+for rows that came without them (:func:`stand_in_logprobs`). The reads and writes around it (TransferQueue,
+verl's phases) stay in :mod:`aglverl.verl_v1.hooks`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,8 +56,10 @@ __all__ = [
     "compute_advantage",
     "grpo_advantages",
     "logprob_mismatch",
+    "per_rollout_weights",
     "plan_rows",
     "reason_flags",
+    "stand_in_logprobs",
     "turn_layout",
 ]
 
@@ -78,9 +84,10 @@ class SignalConfig:
 
     - ``advantage``: ``"broadcast"`` or ``"per_step"``; ``gamma``: per_step's discount across turns, in [0, 1].
     - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"`` (a rollout's rows weigh ``1/k`` each in the loss).
-    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see :mod:`aglverl.trajectory.batch`)
-      or ``"per_call"`` (every call its own row). ``advantage="per_step"`` groups rows by turn, which a merged
-      row spans several of: it needs ``"per_call"`` (``ValueError`` otherwise).
+    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see
+      :mod:`aglverl.trajectory.chains`) or ``"per_call"`` (every call its own row). ``advantage="per_step"``
+      groups rows by turn, which a merged row spans several of: it needs ``"per_call"`` (``ValueError``
+      otherwise).
     - ``rejection_sampling``: drop GRPO groups whose scores are all equal. ``min_group_size``: drop samples
       with fewer usable rollouts (1: keep every sample). ``solve_threshold``: a rollout whose final reward is
       at least this counts as solved in the ``rejection/solve_*_rate`` metrics (reporting only).
@@ -425,6 +432,14 @@ def grpo_advantages(
     return (advantages.unsqueeze(-1) * response_mask).to(torch.float32)
 
 
+def per_rollout_weights(members: Sequence[str]) -> torch.Tensor:
+    """``1/k`` (float32) for each row of a member (its rollout) that has ``k`` rows: its weight in its GRPO
+    group's mean and std, so that a rollout is one member whatever its number of rows."""
+    names = np.asarray(members, dtype=object).astype(str)
+    _, member, counts = np.unique(names, return_inverse=True, return_counts=True)
+    return torch.from_numpy((1.0 / counts)[member.reshape(-1)].astype(np.float32))
+
+
 def _n_members(group: np.ndarray, members: np.ndarray | None, n_groups: int) -> np.ndarray:
     """How many distinct members each group has (every row one when ``members`` is ``None``)."""
     if members is None:
@@ -496,9 +511,14 @@ def compute_advantage(
 
 # ---------------------------------------------------------------------------------------------- log-probs
 def logprob_mismatch(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """How far the trainer's recomputed log-probs are from the engine's, over the response tokens.
+    """How far the trainer's recomputed log-probs are from the engine's, over the response tokens (of the
+    rows where ``rows``, a bool ``[B]``, is true; ``None``: every row).
 
     ``logprobs/abs_diff_mean`` and ``logprobs/abs_diff_max`` of ``old - rollout``; ``logprobs/k3_kl``, the k3
     estimator of KL(rollout || trainer), mean of ``exp(d) - d - 1`` with ``d = old - rollout`` (0 when they
@@ -511,6 +531,10 @@ def logprob_mismatch(
                 f"{name} has shape {tuple(value.shape)}, old_log_probs {tuple(old_log_probs.shape)}"
             )
     mask = response_mask.bool()
+    if rows is not None:
+        if rows.shape != old_log_probs.shape[:1]:
+            raise ValueError(f"rows has shape {tuple(rows.shape)}, old_log_probs {tuple(old_log_probs.shape)}")
+        mask = mask & rows.bool().unsqueeze(-1)
     diff = (old_log_probs.double() - rollout_log_probs.double())[mask]
     if not diff.numel():
         return {
@@ -525,3 +549,14 @@ def logprob_mismatch(
         "logprobs/k3_kl": float((torch.expm1(diff) - diff).mean()),
         "logprobs/n_tokens": float(diff.numel()),
     }
+
+
+def stand_in_logprobs(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Give the rows that came without the engine's log-probs (``valid`` 0) the trainer's ``old_log_probs`` as
+    their ``rollout_log_probs``, in place: such a row counts as on-policy. Returns which rows (bool ``[B]``)."""
+    missing = valid == 0
+    if bool(missing.any()):
+        rollout_log_probs[missing] = old_log_probs[missing]
+    return missing
