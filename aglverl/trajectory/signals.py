@@ -400,18 +400,31 @@ def grpo_advantages(
 
     Each row's score is the sum of its ``token_level_rewards``; rows are grouped by ``index`` (the ``uid``
     column). ``members`` names each row's member of its group (its rollout: a rollout's rows are one member;
-    ``None``: every row is one). A group's mean and (unbiased, frequency-weighted) std use ``group_weights``;
-    a group of one member has no baseline, so, as in verl, its mean is 0 and its std 1 (decided by counting
-    members, never from the float sum of their rows' weights). The normalised score is multiplied by
-    ``advantage_weights`` and spread over ``response_mask``. Returns float32 ``[B, R]``. Raises ``ValueError``
-    naming the argument whose length is not ``B``.
+    ``None``: every row is one). A group's mean and std use ``group_weights``: the weighted mean, and the
+    weighted variance with Bessel's correction by its number of members ``n`` (``sum w (s - mean)^2 / sum w
+    * n / (n - 1)``: verl's unbiased std when the weights are ones, and the std of the members' scores when
+    each member's rows weigh 1/k). A group of one member has no baseline, so, as in verl, its mean is 0 and
+    its std 1. Both are decided by counting members, never from the float sum of their rows' weights. The
+    normalised score is multiplied by ``advantage_weights`` and spread over ``response_mask``. Returns
+    float32 ``[B, R]``, always finite.
+
+    Raises ``ValueError`` naming the argument whose length is not ``B``, ``group_weights`` that are not
+    positive and finite, ``advantage_weights`` or scores that are not finite, an ``epsilon`` that is not
+    positive, and advantages that would not be finite in float32 (scores or weights far too large, a
+    non-finite ``response_mask``).
     """
     n_rows = token_level_rewards.shape[0]
     for name, value in (("response_mask", response_mask), ("index", index), ("members", members)):
         if value is not None and len(value) != n_rows:
             raise ValueError(f"{name} has {len(value)} rows, token_level_rewards has {n_rows}")
+    if norm_adv_by_std_in_grpo and not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"epsilon must be positive and finite, got {epsilon}")
     scores = token_level_rewards.sum(dim=-1).double()
     weights = _row_weights(group_weights, n_rows, "group_weights")
+    loss_weights = _row_weights(advantage_weights, n_rows, "advantage_weights")
+    _check_rows(torch.isfinite(scores), "token_level_rewards must be finite")
+    _check_rows(torch.isfinite(loss_weights), "advantage_weights must be finite")
+    _check_rows(torch.isfinite(weights) & (weights > 0), "group_weights must be positive and finite")
     if not n_rows:
         return torch.zeros_like(token_level_rewards, dtype=torch.float32)
     group_of = np.unique(index, return_inverse=True)[1].reshape(-1)
@@ -422,14 +435,23 @@ def grpo_advantages(
     spread = torch.zeros(n_groups, dtype=torch.float64).index_add_(
         0, group, weights * (scores - mean[group]) ** 2
     )
-    alone = torch.from_numpy(_n_members(group_of, members, n_groups) <= 1)
-    std = torch.where(alone, 1.0, torch.sqrt(spread / torch.where(alone, 1.0, total - 1.0)))
+    n_members = torch.from_numpy(_n_members(group_of, members, n_groups)).double()
+    alone = n_members <= 1
+    # Bessel's correction counts members: with fractional weights, "total - 1" may be 0 (a rollout's k rows
+    # at 1/k each, no members named) and the variance NaN or infinite.
+    bessel = n_members / torch.where(alone, 1.0, n_members - 1.0)
+    std = torch.where(alone, 1.0, torch.sqrt(spread / total * bessel))
     mean = torch.where(alone, 0.0, mean)
     advantages = scores - mean[group]
     if norm_adv_by_std_in_grpo:
         advantages = advantages / (std[group] + epsilon)
-    advantages = advantages * _row_weights(advantage_weights, n_rows, "advantage_weights")
-    return (advantages.unsqueeze(-1) * response_mask).to(torch.float32)
+    advantages = ((advantages * loss_weights).unsqueeze(-1) * response_mask).to(torch.float32)
+    _check_rows(
+        torch.isfinite(advantages).all(dim=-1),
+        "advantages would not be finite (scores or weights too large for float32, or a non-finite "
+        "response_mask)",
+    )
+    return advantages
 
 
 def per_rollout_weights(members: Sequence[str]) -> torch.Tensor:
@@ -455,6 +477,13 @@ def _row_weights(weights: torch.Tensor | None, n_rows: int, name: str) -> torch.
     if weights.shape != (n_rows,):
         raise ValueError(f"{name} must have shape ({n_rows},), got {tuple(weights.shape)}")
     return weights.double()
+
+
+def _check_rows(ok: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` saying ``what`` and naming the first rows (of a bool ``[B]``) that are not ``ok``."""
+    if not bool(ok.all()):
+        rows = torch.nonzero(~ok).reshape(-1)[:5].tolist()
+        raise ValueError(f"{what}; rows {rows} are not")
 
 
 def compute_advantage(
