@@ -13,18 +13,13 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from helpers.conversations import conversation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from verl import DataProto
 
-from aglverl.trajectory.batch import (
-    BatchConfig,
-    FinishedRollout,
-    MissingRewardError,
-    WidthWarning,
-    build_batch,
-    build_rows,
-)
+from aglverl.trajectory.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch, pad_rows
+from aglverl.trajectory.rows import WidthWarning, build_rows
 from aglverl.trajectory.signals import SignalConfig
 
 TENSOR_DTYPES = {
@@ -585,25 +580,7 @@ def reference_build(
 
 
 token_ids = st.lists(st.integers(0, 1_000), max_size=7)
-small_ids = st.lists(st.integers(0, 2), max_size=3)
 rewards = st.none() | st.floats(-10.0, 10.0, allow_nan=False)
-
-
-@st.composite
-def conversation(draw: st.DrawFn) -> list[tuple[list[int], list[int]]]:
-    """Calls of one rollout: each one continues an earlier call (its prompt + response + new ids, sometimes with
-    the response re-rendered), or starts afresh; small ids, so that prefixes also match by chance."""
-    turns: list[tuple[list[int], list[int]]] = []
-    for _ in range(draw(st.integers(0, 5))):
-        how = draw(st.sampled_from(["fresh", "extend", "extend", "drift"])) if turns else "fresh"
-        if how == "fresh":
-            prompt = draw(st.lists(st.integers(0, 2), max_size=4))
-        else:
-            prompt_ids, response_ids = draw(st.sampled_from(turns))
-            answer = response_ids if how == "extend" else draw(small_ids)
-            prompt = prompt_ids + answer + draw(small_ids)
-        turns.append((prompt, draw(small_ids)))
-    return turns
 
 
 @st.composite
@@ -689,13 +666,12 @@ def test_every_generated_id_is_trained_exactly_once_in_call_order_or_counted(
     rollouts, config = case
     rollouts = [dataclasses.replace(r, reward=0.0) for r in rollouts]
     built = build_rows(rollouts, config, SignalConfig())
-    responses, mask = tensor(built.data, "responses"), tensor(built.data, "response_mask").bool()
     seen: dict[int, list[int]] = {}
     for i, (rollout_index, calls) in enumerate(zip(built.row_rollout.tolist(), built.row_calls, strict=True)):
-        assert calls == sorted(calls) and calls[0] == column(built.data, "turn_index_list")[i]
+        assert calls == sorted(calls) and calls[0] == built.turn_index[i]
         turns = rollouts[rollout_index].turns
         expected = [t for c in calls for t in list(turns[c][1])][: config.max_response_length]
-        assert responses[i][mask[i]].tolist() == expected
+        assert built.response(i)[built.mask(i) == 1].tolist() == expected
         seen.setdefault(rollout_index, []).extend(calls)
     untrained = 0
     for i, r in enumerate(rollouts):
@@ -825,11 +801,12 @@ def test_a_later_row_whose_prompt_does_not_fit_is_counted_untrained_and_named_on
     config = BatchConfig(max_prompt_length=3, max_response_length=3)
     r = rollout("r0", ([1], [3, 4]), ([1, 3, 4, 9], [5, 6]), reward=1.0)
     built = build_rows([r, dataclasses.replace(r, rollout_id="r1")], config, SignalConfig())
+    batch = pad_rows(built, config)
 
-    assert_tensor(tensor(built.data, "prompts"), torch.tensor([[0, 0, 1], [0, 0, 1]]))
-    assert_tensor(tensor(built.data, "responses"), torch.tensor([[3, 4, 0], [3, 4, 0]]))
-    assert tensor(built.data, "is_drop_mask").tolist() == [False, False]
-    assert tensor(built.data, "group_weights").tolist() == [1.0, 1.0]  # each rollout: one row
+    assert_tensor(tensor(batch, "prompts"), torch.tensor([[0, 0, 1], [0, 0, 1]]))
+    assert_tensor(tensor(batch, "responses"), torch.tensor([[3, 4, 0], [3, 4, 0]]))
+    assert tensor(batch, "is_drop_mask").tolist() == [False, False]
+    assert tensor(batch, "group_weights").tolist() == [1.0, 1.0]  # each rollout: one row
     assert built.row_calls == [[0], [0]]
     metrics = built.metrics
     assert metrics["batch/n_calls"] == 2.0 and metrics["batch/n_chains_split_width"] == 0.0
@@ -840,7 +817,7 @@ def test_a_later_row_whose_prompt_does_not_fit_is_counted_untrained_and_named_on
     assert built.untrained_needs == (4, 5)
 
     warning = WidthWarning(config, ("data.max_prompt_length", "data.max_response_length"))
-    with caplog.at_level(logging.WARNING, logger="aglverl.trajectory.batch"):
+    with caplog.at_level(logging.WARNING, logger="aglverl.trajectory.rows"):
         warning.note(built)
         warning.note(built)
     (record,) = caplog.records
@@ -857,10 +834,11 @@ def test_the_cut_that_trains_the_most_generated_ids_is_taken() -> None:
     config = BatchConfig(max_prompt_length=5, max_response_length=4)
     r = rollout("r0", ([1], [2, 3]), ([1, 2, 3, 9], [4]), ([1, 2, 3, 9, 4, 9], [5]), reward=1.0)
     built = build_rows([r], config, SignalConfig())
+    batch = pad_rows(built, config)
 
-    assert_tensor(tensor(built.data, "prompts"), torch.tensor([[0, 0, 0, 0, 1], [0, 1, 2, 3, 9]]))
-    assert_tensor(tensor(built.data, "responses"), torch.tensor([[2, 3, 0, 0], [4, 9, 5, 0]]))
-    assert_tensor(tensor(built.data, "response_mask"), torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]))
+    assert_tensor(tensor(batch, "prompts"), torch.tensor([[0, 0, 0, 0, 1], [0, 1, 2, 3, 9]]))
+    assert_tensor(tensor(batch, "responses"), torch.tensor([[2, 3, 0, 0], [4, 9, 5, 0]]))
+    assert_tensor(tensor(batch, "response_mask"), torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0]]))
     assert built.row_calls == [[0], [1, 2]]
     assert built.metrics["batch/n_calls_untrained_width"] == 0.0 and built.untrained_needs == (0, 0)
     assert built.metrics["batch/n_chains_split_width"] == 1.0 and built.metrics["batch/n_calls_merged"] == 1.0
@@ -871,8 +849,8 @@ def test_a_conversation_whose_first_prompt_is_cut_keeps_one_row_marked_and_count
     r = rollout("r0", ([1, 2, 3], [4]), ([1, 2, 3, 4, 9], [5, 6]), reward=1.0)
     built = build_rows([r], config, SignalConfig())
 
-    assert_tensor(tensor(built.data, "prompts"), torch.tensor([[2, 3]]))
-    assert tensor(built.data, "is_drop_mask").tolist() == [True]
+    assert_tensor(tensor(pad_rows(built, config), "prompts"), torch.tensor([[2, 3]]))
+    assert built.is_drop.tolist() == [True]
     assert built.metrics["batch/n_prompts_truncated"] == 1.0
     assert built.metrics["batch/n_calls_untrained_width"] == 1.0
     assert built.untrained_needs == (5, 4)
@@ -902,8 +880,8 @@ def test_masked_call_in_the_middle_keeps_its_place_with_response_mask_zero() -> 
 def test_a_row_lacking_one_calls_logprobs_has_none_and_the_key_is_left_out() -> None:
     r = FinishedRollout("r0", "g0", 1.0, [([1], [3]), ([1, 3, 9], [4])], logprobs=[[-0.1], None])
     built = build_rows([r], WIDE, SignalConfig())
-    assert "rollout_log_probs" not in built.data.batch.keys()
-    assert built.logprobs == [None] and built.row_calls == [[0, 1]]
+    assert "rollout_log_probs" not in pad_rows(built, WIDE).batch.keys()
+    assert built.row_logprobs(0) is None and built.row_calls == [[0, 1]]
     assert built.metrics["logprobs/n_rows_missing"] == 1.0
 
 

@@ -296,7 +296,7 @@ async def test_under_the_mask_rule_an_off_policy_call_is_kept_and_its_row_masked
         assert daemon.proxy.m_sampling.value("masked") == 1
         # the row stays in the batch (its reward counts in its group) but is marked not to train
         from aglverl.trajectory.batch import build_batch
-        from aglverl.trajectory.steps import finished_rollout, trajectory_of
+        from aglverl.trajectory.rollouts import finished_rollout, trajectory_of
 
         record = daemon.store.record(rollout_id)
         data, metrics = build_batch([finished_rollout(record, trajectory_of(record), "g")], BATCH)

@@ -101,10 +101,9 @@ async def test_a_groups_rows_reach_the_sink_once_all_its_rollouts_finished() -> 
         (group,) = await sink.wait_for(1)
         assert group.status == "finished"
         assert group.sessions.tolist() == [0, 1, 2]  # rows in session order
-        data = group.data
-        assert len(data) == 3
-        scores = data.batch["token_level_scores"].sum(-1).tolist()
-        by_session = dict(zip(group.sessions.tolist(), scores, strict=True))
+        rows = group.rows
+        assert len(rows) == 3
+        by_session = dict(zip(group.sessions.tolist(), rows.scores.tolist(), strict=True))
         assert by_session == {0: 1.0, 1: 0.0, 2: 0.5}
         stats = group.stats
         assert (stats.n_rollouts, stats.n_completed, stats.reward_sum, stats.n_rows) == (3, 3, 1.5, 3)
@@ -150,8 +149,8 @@ async def test_failed_rollouts_are_masked_and_a_group_left_without_rows_is_a_fai
                         Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, status="failed")
                     )
         groups = {g.prompt.uid: g for g in await sink.wait_for(2)}
-        assert groups["g1"].status == "finished" and len(groups["g1"].data) == 1
-        assert groups["g2"].status == "failure" and len(groups["g2"].data) == 0
+        assert groups["g1"].status == "finished" and len(groups["g1"].rows) == 1
+        assert groups["g2"].status == "failure" and len(groups["g2"].rows) == 0
         metrics = aggregate_stats([groups["g1"].stats, groups["g2"].stats])
         # reward over every finished rollout, failures included at their failure reward: (1 - 1 - 1 - 1) / 4
         assert metrics["training/reward"] == -0.5
@@ -298,7 +297,7 @@ async def test_a_restarted_daemon_reuses_finished_rollouts_and_redoes_the_rest_o
             (group,) = await sink.wait_for(1)
         assert set(redone) == set(all_ids) - set(first)  # the unfinished one, under its own rollout id
         assert [r.rollout_id for r in group.records] == all_ids
-        assert group.stats.n_completed == 3 and len(group.data) == 3
+        assert group.stats.n_completed == 3 and len(group.rows) == 3
         # the redone call went through the live proxy: all three rows have the backend's ids
         assert all(len(r.calls) == 1 and r.calls[0].has_token_ids for r in group.records)
 

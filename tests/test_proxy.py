@@ -25,7 +25,7 @@ from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy, _Capture
 from aglverl.store.tasks import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
-from aglverl.trajectory.steps import termination_of
+from aglverl.trajectory.rollouts import termination_of
 
 pytestmark = pytest.mark.anyio
 

@@ -28,7 +28,7 @@ from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy
 from aglverl.store.tasks import LLMCall, TaskStore
-from aglverl.trajectory.steps import trajectory_of
+from aglverl.trajectory.rollouts import trajectory_of
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,14 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, compute_rloo_outcome_advantage
 
 from aglverl.trajectory.batch import BatchConfig, FinishedRollout, build_batch
-from aglverl.trajectory.signals import SignalConfig, compute_advantage, grpo_advantages, logprob_mismatch
+from aglverl.trajectory.signals import (
+    SignalConfig,
+    compute_advantage,
+    grpo_advantages,
+    logprob_mismatch,
+    per_rollout_weights,
+    stand_in_logprobs,
+)
 
 SMALL = BatchConfig(max_prompt_length=4, max_response_length=3, pad_token_id=0)
 PLAIN_KEYS = {
@@ -487,6 +494,80 @@ def test_unweighted_grpo_matches_verl(scores: list[float], groups: list[int], le
     torch.testing.assert_close(grpo_advantages(rewards, mask, index), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 8])
+def test_one_rollouts_rows_at_one_kth_without_members_get_finite_advantages(k: int) -> None:
+    """Issue 35, defect 9: a group holding one rollout's k rows at 1/k each, no members named (each row is
+    one): the variance was divided by the weights' sum minus one, 0 here, so the advantages were NaN for
+    k = 2, 4, 8 and, by float luck, 0 for odd k. Bessel's correction counts members: equal scores, advantage 0."""
+    rewards = torch.zeros(k, 2)
+    rewards[:, 1] = 0.75
+    advantages = grpo_advantages(rewards, torch.ones(k, 2), np.array(["a"] * k), torch.full((k,), 1.0 / k))
+    assert torch.isfinite(advantages).all()
+    assert advantages.tolist() == [[0.0, 0.0]] * k
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    scores=st.lists(st.sampled_from([0.0, 0.5, 1.0, -2.0]), min_size=1, max_size=12),
+    groups=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+    scale=st.lists(st.floats(1e-3, 5.0), min_size=4, max_size=4),
+)
+def test_weights_equal_within_each_group_leave_verls_grpo_whatever_their_sum(
+    scores: list[float], groups: list[int], scale: list[float]
+) -> None:
+    """Equal weights within a group cancel out of its weighted mean and std: the advantages are verl's, whether
+    the group's weights add up to less than one, one, or more (before the fix: NaN, inf or other numbers)."""
+    n = len(scores)
+    rewards = torch.tensor(scores).reshape(n, 1)
+    mask = torch.ones(n, 1)
+    index = np.array([f"g{g}" for g in groups[:n]], dtype=object)
+    weights = torch.tensor([scale[g] for g in groups[:n]], dtype=torch.float32)
+
+    expected, _ = compute_grpo_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(grpo_advantages(rewards, mask, index, weights), expected, atol=1e-5, rtol=1e-5)
+
+
+finite_or_not = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.integers(0, 8).flatmap(
+        lambda n: st.tuples(
+            st.lists(st.lists(finite_or_not, min_size=2, max_size=2), min_size=n, max_size=n),
+            st.lists(st.integers(0, 2), min_size=n, max_size=n),
+            st.none() | st.lists(finite_or_not, min_size=n, max_size=n),
+            st.none() | st.lists(finite_or_not, min_size=n, max_size=n),
+            st.none() | st.lists(st.integers(0, 3), min_size=n, max_size=n),
+        )
+    ),
+    norm=st.booleans(),
+)
+def test_grpo_advantages_are_finite_or_refused_naming_the_input(
+    data: tuple[list[list[float]], list[int], list[float] | None, list[float] | None, list[int] | None],
+    norm: bool,
+) -> None:
+    """Whatever the scores, weights, groups and members: finite float32 advantages, or a ``ValueError`` saying
+    which input was not usable; never NaN or infinity."""
+    rewards, groups, group_weights, advantage_weights, members = data
+    n = len(rewards)
+    try:
+        advantages = grpo_advantages(
+            torch.tensor(rewards, dtype=torch.float32).reshape(n, 2),
+            torch.ones(n, 2, dtype=torch.int64),
+            np.array([f"g{g}" for g in groups], dtype=object),
+            None if group_weights is None else torch.tensor(group_weights, dtype=torch.float32),
+            None if advantage_weights is None else torch.tensor(advantage_weights, dtype=torch.float32),
+            members=None if members is None else np.array([f"r{m}" for m in members], dtype=object),
+            norm_adv_by_std_in_grpo=norm,
+        )
+    except ValueError as exc:
+        assert any(name in str(exc) for name in ("token_level_rewards", "weights", "advantages")), exc
+        return
+    assert advantages.dtype == torch.float32 and advantages.shape == (n, 2)
+    assert torch.isfinite(advantages).all()
+
+
 # --- behaviour log-probs -------------------------------------------------------------------------------
 
 
@@ -558,6 +639,30 @@ def test_logprob_mismatch_over_response_tokens() -> None:
     assert logprob_mismatch(old, engine, torch.zeros_like(mask))["logprobs/n_tokens"] == 0.0
     with pytest.raises(ValueError, match="rollout_log_probs has shape"):
         logprob_mismatch(old, engine[:, :2], mask)
+
+
+def test_per_rollout_weights_give_each_of_a_rollouts_k_rows_one_kth() -> None:
+    """What AsyncVERL's trainer puts in group_weights, from the rows' rollouts (their TransferQueue keys'
+    ``{uid}_{session}``): a rollout is one member of its group whatever its number of rows."""
+    weights = per_rollout_weights(["a_0", "a_1", "a_0", "a_0", "b_0", "pad1_0"])
+    assert weights.dtype == torch.float32
+    assert weights.tolist() == pytest.approx([1 / 3, 1.0, 1 / 3, 1 / 3, 1.0, 1.0])
+
+
+def test_rows_without_the_engines_logprobs_take_the_trainers_and_leave_the_comparison() -> None:
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -0.25], [-3.0, -3.0]])
+    engine = torch.tensor([[-1.5, -2.0], [0.0, 0.0], [-3.0, -2.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0]])
+    missing = stand_in_logprobs(engine, old, torch.tensor([1, 0, 1]))
+
+    assert missing.tolist() == [False, True, False]
+    assert engine[1].tolist() == [-0.5, -0.25]  # on-policy by assumption: the trainer's own
+    assert engine[0].tolist() == [-1.5, -2.0]
+    metrics = logprob_mismatch(old, engine, mask, rows=~missing)
+    assert metrics["logprobs/n_tokens"] == 3.0  # row 0's two tokens and row 2's first
+    assert metrics["logprobs/abs_diff_max"] == 0.5
+    with pytest.raises(ValueError, match="rows has shape"):
+        logprob_mismatch(old, engine, mask, rows=torch.ones(2, dtype=torch.bool))
 
 
 def test_verls_rollout_correction_reads_the_batchs_rollout_log_probs() -> None:

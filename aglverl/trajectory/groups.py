@@ -4,8 +4,8 @@ verl's V1 trainer asks for trajectories prompt by prompt and samples finished gr
 (TransferQueue). :class:`TrajectoryProducer` is the daemon's side of that contract, and knows nothing of verl::
 
     dispatch(prompts)   each prompt queued n times in the store (one GRPO group); sink.started(prompts)
-    a group's rollouts all terminal  ->  rows built by aglverl.trajectory.batch with the training-signal controls
-                        ->  sink.finished(group)  ->  version bumped: whoever waits for groups wakes
+    a group's rollouts all terminal  ->  jagged rows (aglverl.trajectory.rows, with the training-signal
+                        controls)  ->  sink.finished(group)  ->  version bumped: whoever waits for groups wakes
 
 The sink (:mod:`aglverl.verl_v1` writes TransferQueue) decides where rows go. A sampler waits for the next
 finished group with :meth:`TrajectoryProducer.wait_changed` (an event, never a poll). Each finished group
@@ -43,9 +43,9 @@ from anyio.abc import TaskGroup, TaskStatus
 from ..metrics import Registry
 from ..models import Mode
 from ..store.tasks import TERMINAL, RolloutRecord, TaskStore
-from .batch import BatchConfig, WidthWarning, build_rows
+from .rollouts import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
+from .rows import BatchConfig, Rows, WidthWarning, build_rows
 from .signals import REASON_BITS, SignalConfig
-from .steps import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
 
 __all__ = [
     "AgentsFailing",
@@ -165,28 +165,33 @@ class GroupStats:
 
 @dataclass(frozen=True, slots=True)
 class FinishedGroup:
-    """A group whose rollouts are all terminal: its rows (``data``, a verl ``DataProto`` built by
-    :func:`aglverl.trajectory.batch.build_rows`, one row per chain of calls, or per call with ``trajectory="per_call"``,
-    in session then first-call order) and what a sink needs to file them: each row's session (the rollout's
-    place in the group), the turn index of its first call, its number of calls, the weight version of its
-    first call, the oldest / newest weight version of its calls (a call's first token's and last token's),
-    and the engine's logprobs of its response (float32, as long as the row's response, 0 between calls;
-    ``None`` unless every call of the row brought them)."""
+    """A group whose rollouts are all terminal: its rows (jagged, built by
+    :func:`aglverl.trajectory.rows.build_rows`: one row per chain of calls, or per call with
+    ``trajectory="per_call"``, in session then first-call order, each carrying its ids, response mask, calls,
+    weight versions, logprobs and score) and what a sink needs besides: the records, the stats, and per
+    rollout (session order) the reasons that masked it."""
 
     prompt: Prompt
     status: GroupStatus
-    data: Any
-    sessions: np.ndarray
-    turns: np.ndarray
-    n_calls: np.ndarray
-    versions: np.ndarray
-    row_min_versions: np.ndarray
-    row_max_versions: np.ndarray
-    logprobs: list[np.ndarray | None]
+    rows: Rows
     stats: GroupStats
     records: list[RolloutRecord]
-    #: per rollout (session order), the reasons (:data:`~aglverl.trajectory.signals.REASON_BITS`) that masked it, 0 if none
-    masked: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def sessions(self) -> np.ndarray:
+        """Each row's session (its rollout's place in the group: rollouts are built in session order)."""
+        return self.rows.row_rollout.astype(np.int64)
+
+    @property
+    def n_calls(self) -> np.ndarray:
+        """Each row's number of calls."""
+        return self.rows.n_calls
+
+    @property
+    def masked(self) -> np.ndarray:
+        """Per rollout (session order), the reasons (:data:`~aglverl.trajectory.signals.REASON_BITS`) that
+        masked it, 0 if none."""
+        return self.rows.masked
 
 
 class GroupSink(Protocol):
@@ -457,27 +462,11 @@ class TrajectoryProducer:
 
     def _build(self, group: _Group, records: list[RolloutRecord], timed_out: int) -> FinishedGroup:
         prompt = group.prompt
-        trajectories = [trajectory_of(record) for record in records]
-        rollouts = [finished_rollout(r, t, prompt.uid) for r, t in zip(records, trajectories, strict=True)]
-        built = build_rows(rollouts, self.batch_config, self._build_signal)
-        self.width_warning.note(built)
-        data, counts = built.data, built.metrics
-        sessions = built.row_rollout.astype(np.int64)  # rollouts are in session order
-        turns = np.fromiter((calls[0] for calls in built.row_calls), np.int64, count=len(sessions))
-        now = self.weight_version()
-        # a turn's first token's version and its last's (they differ when an update cut its generation)
-        per_turn = [[now if v is None else v for v in t.versions] for t in trajectories]
-        per_turn_end = [[now if v is None else v for v in t.end_versions] for t in trajectories]
-        low = np.array([min(v, default=now) for v in per_turn], np.int64)
-        high = np.array([max(v, default=now) for v in per_turn_end], np.int64)
-        rows = list(zip(sessions.tolist(), built.row_calls, strict=True))
-        versions = np.fromiter((per_turn[s][calls[0]] for s, calls in rows), np.int64, count=len(rows))
-        row_low = np.fromiter(
-            (min(per_turn[s][c] for c in calls) for s, calls in rows), np.int64, count=len(rows)
-        )
-        row_high = np.fromiter(
-            (max(per_turn_end[s][c] for c in calls) for s, calls in rows), np.int64, count=len(rows)
-        )
+        now = self.weight_version()  # a call whose version was not recorded (a posted triplet): the one now
+        rollouts = [finished_rollout(r, trajectory_of(r), prompt.uid, version_now=now) for r in records]
+        rows = build_rows(rollouts, self.batch_config, self._build_signal)
+        self.width_warning.note(rows)
+        counts = rows.metrics
         n_completed = sum(r.state == "completed" for r in records)
         reward_sum = sum(
             (r.reward if r.reward is not None else self.batch_config.reward_fill_value or 0.0)
@@ -494,32 +483,19 @@ class TrajectoryProducer:
             n_completed=n_completed,
             n_timed_out=timed_out,
             reward_sum=float(reward_sum),
-            n_rows=len(data),
+            n_rows=len(rows),
             seconds=time.monotonic() - group.dispatched_at,
             counts=counts,
             uniform=n_groups > 0 and counts.get("rejection/n_groups_uniform", 0.0) == n_groups,
-            min_version=int(low.min()) if len(low) else now,
-            max_version=int(high.max()) if len(high) else now,
+            # over every call of the group, in a row or not (a rollout without calls: the version now)
+            min_version=min((min(r.versions or (now,)) for r in rollouts), default=now),
+            max_version=max((max(r.end_versions or (now,)) for r in rollouts), default=now),
         )
-        return FinishedGroup(
-            prompt=prompt,
-            status="finished" if len(data) else "failure",
-            data=data,
-            sessions=sessions,
-            turns=turns,
-            n_calls=np.fromiter(map(len, built.row_calls), np.int64, count=len(rows)),
-            versions=versions,
-            row_min_versions=row_low,
-            row_max_versions=row_high,
-            logprobs=built.logprobs,
-            stats=stats,
-            records=records,
-            masked=built.masked,
-        )
+        return FinishedGroup(prompt, "finished" if len(rows) else "failure", rows, stats, records)
 
     def _count_failures(self, group: FinishedGroup) -> None:
         """Keep the streak of training groups whose every rollout failed (or left no trainable row)."""
-        if group.stats.n_completed and len(group.data):
+        if group.stats.n_completed and len(group.rows):
             self._failed_streak, self._failed_rollouts = 0, 0
             self._failed_errors.clear()
             return

@@ -1,11 +1,11 @@
 """Training-signal controls for multi-turn agents: which rows train, with what score, in which group, how much.
 
-Pure, vectorised numpy/torch beside :mod:`aglverl.trajectory.batch`, which calls :func:`plan_rows` while it builds a batch
-(the collector hands it the step's :class:`SignalConfig`). Four controls, each off or today's behaviour by
-default:
+Pure, vectorised numpy/torch beside :mod:`aglverl.trajectory.rows`, which calls :func:`plan_rows` while it builds
+rows (the collector and the producer hand it their :class:`SignalConfig`). Four controls, each off or today's
+behaviour by default:
 
 - **Compact filtering** — every rollout carries the reasons it ended the way it did (recorded where they were
-  decided: the store, the proxy, the agent; the batch builder adds ``truncated`` for a response longer than
+  decided: the store, the proxy, the agent; the row builder adds ``truncated`` for a response longer than
   ``max_response_length``). A rollout with a reason whose ``mask_*`` switch is on contributes no row: it
   neither trains nor sits in its group's mean/std, but it is counted (``filter/*``). Failed rollouts (agent
   error, lease expired after the last attempt, step timeout) are masked by default, which is exactly how they
@@ -25,14 +25,18 @@ default:
   trainer calls :func:`compute_advantage` here instead of verl's (it is verl's own for every other
   estimator, whose groups are rows).
 
-Behaviour log-probs are packed by :mod:`aglverl.trajectory.batch`; :func:`logprob_mismatch` compares them with the
-trainer's recomputed old log-probs.
+The math a trainer runs on the rows, whichever path brought them: :func:`grpo_advantages` (weighted group
+members) and :func:`compute_advantage` (verl's ``compute_advantage`` with it for GRPO), :func:`per_rollout_weights`
+(a rollout's k rows at 1/k each, from the rows' rollouts); the behaviour log-probs, which the row builder packs,
+compared with the trainer's recomputed old log-probs (:func:`logprob_mismatch`), and the trainer's standing in
+for rows that came without them (:func:`stand_in_logprobs`). The reads and writes around it (TransferQueue,
+verl's phases) stay in :mod:`aglverl.verl_v1.hooks`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -52,8 +56,10 @@ __all__ = [
     "compute_advantage",
     "grpo_advantages",
     "logprob_mismatch",
+    "per_rollout_weights",
     "plan_rows",
     "reason_flags",
+    "stand_in_logprobs",
     "turn_layout",
 ]
 
@@ -78,9 +84,10 @@ class SignalConfig:
 
     - ``advantage``: ``"broadcast"`` or ``"per_step"``; ``gamma``: per_step's discount across turns, in [0, 1].
     - ``turn_weighting``: ``"per_turn"`` or ``"per_rollout"`` (a rollout's rows weigh ``1/k`` each in the loss).
-    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see :mod:`aglverl.trajectory.batch`)
-      or ``"per_call"`` (every call its own row). ``advantage="per_step"`` groups rows by turn, which a merged
-      row spans several of: it needs ``"per_call"`` (``ValueError`` otherwise).
+    - ``trajectory``: ``"merge"`` (a chain of calls that extend each other is one row, see
+      :mod:`aglverl.trajectory.chains`) or ``"per_call"`` (every call its own row). ``advantage="per_step"``
+      groups rows by turn, which a merged row spans several of: it needs ``"per_call"`` (``ValueError``
+      otherwise).
     - ``rejection_sampling``: drop GRPO groups whose scores are all equal. ``min_group_size``: drop samples
       with fewer usable rollouts (1: keep every sample). ``solve_threshold``: a rollout whose final reward is
       at least this counts as solved in the ``rejection/solve_*_rate`` metrics (reporting only).
@@ -393,18 +400,31 @@ def grpo_advantages(
 
     Each row's score is the sum of its ``token_level_rewards``; rows are grouped by ``index`` (the ``uid``
     column). ``members`` names each row's member of its group (its rollout: a rollout's rows are one member;
-    ``None``: every row is one). A group's mean and (unbiased, frequency-weighted) std use ``group_weights``;
-    a group of one member has no baseline, so, as in verl, its mean is 0 and its std 1 (decided by counting
-    members, never from the float sum of their rows' weights). The normalised score is multiplied by
-    ``advantage_weights`` and spread over ``response_mask``. Returns float32 ``[B, R]``. Raises ``ValueError``
-    naming the argument whose length is not ``B``.
+    ``None``: every row is one). A group's mean and std use ``group_weights``: the weighted mean, and the
+    weighted variance with Bessel's correction by its number of members ``n`` (``sum w (s - mean)^2 / sum w
+    * n / (n - 1)``: verl's unbiased std when the weights are ones, and the std of the members' scores when
+    each member's rows weigh 1/k). A group of one member has no baseline, so, as in verl, its mean is 0 and
+    its std 1. Both are decided by counting members, never from the float sum of their rows' weights. The
+    normalised score is multiplied by ``advantage_weights`` and spread over ``response_mask``. Returns
+    float32 ``[B, R]``, always finite.
+
+    Raises ``ValueError`` naming the argument whose length is not ``B``, ``group_weights`` that are not
+    positive and finite, ``advantage_weights`` or scores that are not finite, an ``epsilon`` that is not
+    positive, and advantages that would not be finite in float32 (scores or weights far too large, a
+    non-finite ``response_mask``).
     """
     n_rows = token_level_rewards.shape[0]
     for name, value in (("response_mask", response_mask), ("index", index), ("members", members)):
         if value is not None and len(value) != n_rows:
             raise ValueError(f"{name} has {len(value)} rows, token_level_rewards has {n_rows}")
+    if norm_adv_by_std_in_grpo and not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"epsilon must be positive and finite, got {epsilon}")
     scores = token_level_rewards.sum(dim=-1).double()
     weights = _row_weights(group_weights, n_rows, "group_weights")
+    loss_weights = _row_weights(advantage_weights, n_rows, "advantage_weights")
+    _check_rows(torch.isfinite(scores), "token_level_rewards must be finite")
+    _check_rows(torch.isfinite(loss_weights), "advantage_weights must be finite")
+    _check_rows(torch.isfinite(weights) & (weights > 0), "group_weights must be positive and finite")
     if not n_rows:
         return torch.zeros_like(token_level_rewards, dtype=torch.float32)
     group_of = np.unique(index, return_inverse=True)[1].reshape(-1)
@@ -415,14 +435,31 @@ def grpo_advantages(
     spread = torch.zeros(n_groups, dtype=torch.float64).index_add_(
         0, group, weights * (scores - mean[group]) ** 2
     )
-    alone = torch.from_numpy(_n_members(group_of, members, n_groups) <= 1)
-    std = torch.where(alone, 1.0, torch.sqrt(spread / torch.where(alone, 1.0, total - 1.0)))
+    n_members = torch.from_numpy(_n_members(group_of, members, n_groups)).double()
+    alone = n_members <= 1
+    # Bessel's correction counts members: with fractional weights, "total - 1" may be 0 (a rollout's k rows
+    # at 1/k each, no members named) and the variance NaN or infinite.
+    bessel = n_members / torch.where(alone, 1.0, n_members - 1.0)
+    std = torch.where(alone, 1.0, torch.sqrt(spread / total * bessel))
     mean = torch.where(alone, 0.0, mean)
     advantages = scores - mean[group]
     if norm_adv_by_std_in_grpo:
         advantages = advantages / (std[group] + epsilon)
-    advantages = advantages * _row_weights(advantage_weights, n_rows, "advantage_weights")
-    return (advantages.unsqueeze(-1) * response_mask).to(torch.float32)
+    advantages = ((advantages * loss_weights).unsqueeze(-1) * response_mask).to(torch.float32)
+    _check_rows(
+        torch.isfinite(advantages).all(dim=-1),
+        "advantages would not be finite (scores or weights too large for float32, or a non-finite "
+        "response_mask)",
+    )
+    return advantages
+
+
+def per_rollout_weights(members: Sequence[str]) -> torch.Tensor:
+    """``1/k`` (float32) for each row of a member (its rollout) that has ``k`` rows: its weight in its GRPO
+    group's mean and std, so that a rollout is one member whatever its number of rows."""
+    names = np.asarray(members, dtype=object).astype(str)
+    _, member, counts = np.unique(names, return_inverse=True, return_counts=True)
+    return torch.from_numpy((1.0 / counts)[member.reshape(-1)].astype(np.float32))
 
 
 def _n_members(group: np.ndarray, members: np.ndarray | None, n_groups: int) -> np.ndarray:
@@ -440,6 +477,13 @@ def _row_weights(weights: torch.Tensor | None, n_rows: int, name: str) -> torch.
     if weights.shape != (n_rows,):
         raise ValueError(f"{name} must have shape ({n_rows},), got {tuple(weights.shape)}")
     return weights.double()
+
+
+def _check_rows(ok: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` saying ``what`` and naming the first rows (of a bool ``[B]``) that are not ``ok``."""
+    if not bool(ok.all()):
+        rows = torch.nonzero(~ok).reshape(-1)[:5].tolist()
+        raise ValueError(f"{what}; rows {rows} are not")
 
 
 def compute_advantage(
@@ -496,9 +540,14 @@ def compute_advantage(
 
 # ---------------------------------------------------------------------------------------------- log-probs
 def logprob_mismatch(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """How far the trainer's recomputed log-probs are from the engine's, over the response tokens.
+    """How far the trainer's recomputed log-probs are from the engine's, over the response tokens (of the
+    rows where ``rows``, a bool ``[B]``, is true; ``None``: every row).
 
     ``logprobs/abs_diff_mean`` and ``logprobs/abs_diff_max`` of ``old - rollout``; ``logprobs/k3_kl``, the k3
     estimator of KL(rollout || trainer), mean of ``exp(d) - d - 1`` with ``d = old - rollout`` (0 when they
@@ -511,6 +560,10 @@ def logprob_mismatch(
                 f"{name} has shape {tuple(value.shape)}, old_log_probs {tuple(old_log_probs.shape)}"
             )
     mask = response_mask.bool()
+    if rows is not None:
+        if rows.shape != old_log_probs.shape[:1]:
+            raise ValueError(f"rows has shape {tuple(rows.shape)}, old_log_probs {tuple(old_log_probs.shape)}")
+        mask = mask & rows.bool().unsqueeze(-1)
     diff = (old_log_probs.double() - rollout_log_probs.double())[mask]
     if not diff.numel():
         return {
@@ -525,3 +578,14 @@ def logprob_mismatch(
         "logprobs/k3_kl": float((torch.expm1(diff) - diff).mean()),
         "logprobs/n_tokens": float(diff.numel()),
     }
+
+
+def stand_in_logprobs(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Give the rows that came without the engine's log-probs (``valid`` 0) the trainer's ``old_log_probs`` as
+    their ``rollout_log_probs``, in place: such a row counts as on-policy. Returns which rows (bool ``[B]``)."""
+    missing = valid == 0
+    if bool(missing.any()):
+        rollout_log_probs[missing] = old_log_probs[missing]
+    return missing

@@ -4,9 +4,9 @@ A step goes: :meth:`RolloutCollector.submit` queues every sample ``n`` times und
 :class:`Step` at once; a task in the collector's task group awaits the step's completion event (no polling),
 fails whatever is still unfinished at the step's deadline, assembles triplets (client-posted triplets win;
 otherwise the proxy's recorded calls of the winning attempt, in call order), gathers why each rollout ended
-(the store's, the agent's and the proxy's recorded reasons), builds the batch with the step's training-signal
-controls (:class:`~aglverl.trajectory.signals.SignalConfig`) in a worker thread and sends it into the bounded batch
-stream. The batch may be empty (every group filtered out): it is sent all the same, with its metrics.
+(the store's, the agent's and the proxy's recorded reasons), builds the rows with the step's training-signal
+controls (:class:`~aglverl.trajectory.signals.SignalConfig`) and pads them into a batch (in a worker thread
+unless it is small) and sends it into the bounded batch stream. The batch may be empty (every group filtered out): it is sent all the same, with its metrics.
 Validation steps produce metrics instead of a batch. Once a step's result is handed over (the trainer received
 the batch) its rollouts are dropped from the store, so memory stays flat over a long run; until then the step
 stays open in the journal.
@@ -20,39 +20,31 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import anyio
 import numpy as np
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from ..models import Mode, TerminationReason, Triplet
-from ..store.tasks import LLMCall, RolloutRecord, TaskStore
-from .batch import BatchConfig, FinishedRollout, WidthWarning, build_rows
+from ..models import Mode
+from ..store.tasks import RolloutRecord, TaskStore
+from .batch import pad_rows
+from .rollouts import (
+    INLINE_BUILD_TOKENS,
+    FinishedRollout,
+    final_reward,
+    finished_rollout,
+    tokens_in,
+    trajectory_of,
+    turns_of,
+)
+from .rows import BatchConfig, WidthWarning, build_rows
 from .signals import SignalConfig
 
-__all__ = [
-    "RolloutCollector",
-    "Step",
-    "StepReport",
-    "TrainingBatch",
-    "Trajectory",
-    "finished_rollout",
-    "termination_of",
-    "tokens_in",
-    "trajectory_of",
-    "turns_of",
-]
+__all__ = ["RolloutCollector", "Step", "StepReport", "TrainingBatch"]
 
 logger = logging.getLogger(__name__)
-
-#: Batches with at most this many token ids are built on the event loop (about 1.5 ms of work); larger ones
-#: in a worker thread, so the loop keeps serving agents while, e.g., 1,024 x 3,072 ids (~70 ms) are padded.
-INLINE_BUILD_TOKENS = 32_768
-
-Turn = tuple[Sequence[int], Sequence[int]]
-
 
 @dataclass(frozen=True, slots=True)
 class StepReport:
@@ -69,7 +61,7 @@ class StepReport:
 class TrainingBatch:
     """One training step's batch, as received from the collector's stream.
 
-    ``data`` is a verl ``DataProto`` (see :func:`aglverl.trajectory.batch.build_batch` for its fields).
+    ``data`` is a verl ``DataProto`` (see :mod:`aglverl.trajectory.batch` for its fields).
     """
 
     step: int
@@ -106,114 +98,6 @@ class Step:
     @property
     def done(self) -> bool:
         return self._done.is_set()
-
-
-class Trajectory(NamedTuple):
-    """A finished rollout's turns and what goes with each: the agent's reward (``rewards``, ``None`` when the
-    turns came from the proxy), the engine's logprobs (one list per turn, ``None`` where missing), where the
-    turns came from (``"client"``, ``"proxy"``, ``"none"``), how many recorded calls were unusable, and per
-    turn the weight version that generated it and whether its call was off-policy (proxy turns; a posted
-    triplet's version is unknown: ``None``).
-
-    ``versions`` holds each turn's first token's version, ``end_versions`` its last token's: they differ
-    for a turn whose generation was aborted by a weight update and continued under the new weights (verl's
-    ``min_global_steps`` / ``max_global_steps`` of a row are the min of the one and the max of the other).
-    """
-
-    turns: list[Turn]
-    rewards: list[float | None] | None
-    logprobs: list[list[float] | None]
-    source: str
-    n_skipped: int
-    versions: list[int | None]
-    off_policy: list[bool]
-    end_versions: list[int | None]
-
-
-def trajectory_of(record: RolloutRecord) -> Trajectory:
-    """The turns of a finished rollout (see :class:`Trajectory`).
-
-    Client-posted triplets win (their ``response.logprobs``, if the agent sent a list of finite numbers, one
-    per response id, are the engine's logprobs); otherwise the proxy's recorded calls of the winning attempt
-    (a failed rollout: its last attempt), in call order. Calls that failed or came back without token ids
-    cannot be trained on: they are skipped and counted.
-    """
-    result = record.result
-    if result is not None and result.triplets:
-        turns: list[Turn] = [(t.prompt.token_ids, t.response.token_ids) for t in result.triplets]
-        rewards = [t.reward for t in result.triplets]
-        logprobs = [_posted_logprobs(t) for t in result.triplets]
-        n = len(turns)
-        return Trajectory(turns, rewards, logprobs, "client", 0, [None] * n, [False] * n, [None] * n)
-    usable: list[LLMCall] = [c for c in record.calls if c.status == "ok" and c.has_token_ids]
-    proxied: list[Turn] = [(c.prompt_token_ids or [], c.response_token_ids or []) for c in usable]
-    return Trajectory(
-        proxied,
-        None,
-        [c.logprobs for c in usable],
-        "proxy" if usable else "none",
-        len(record.calls) - len(usable),
-        [c.weight_version for c in usable],
-        [c.off_policy for c in usable],
-        [c.last_weight_version for c in usable],
-    )
-
-
-def finished_rollout(record: RolloutRecord, trajectory: Trajectory, data_id: str) -> FinishedRollout:
-    """What :func:`aglverl.trajectory.batch.build_batch` takes for a terminal rollout (its turns from ``trajectory``)."""
-    return FinishedRollout(
-        record.rollout_id,
-        data_id,
-        final_reward(record),
-        trajectory.turns,
-        completed=record.state == "completed",
-        termination=termination_of(record),
-        turn_rewards=trajectory.rewards,
-        logprobs=trajectory.logprobs,
-        off_policy=trajectory.off_policy,
-    )
-
-
-def turns_of(record: RolloutRecord) -> tuple[list[Turn], str, int]:
-    """The (prompt ids, response ids) turns of a finished rollout, where they came from, and calls skipped."""
-    trajectory = trajectory_of(record)
-    return trajectory.turns, trajectory.source, trajectory.n_skipped
-
-
-def _posted_logprobs(triplet: Triplet) -> list[float] | None:
-    values = (triplet.response.model_extra or {}).get("logprobs")
-    if type(values) is not list or len(values) != len(triplet.response.token_ids):
-        return None
-    # One C-level pass over the types and one over the values: no per-token Python code.
-    if not set(map(type, values)) <= {float, int} or not np.isfinite(np.asarray(values, np.float64)).all():
-        return None
-    return values
-
-
-def termination_of(record: RolloutRecord) -> frozenset[TerminationReason]:
-    """Why a finished rollout ended, from what was recorded where it was decided: the store's reason for a
-    failure or the agent's declared one (``record.termination``), and the limits the proxy saw on the calls of
-    its attempt (a ``context`` limit: ``context_exceeded``; a ``max_tokens`` stop: ``truncated``)."""
-    reasons: set[TerminationReason] = {record.termination} if record.termination else set()
-    limits = {call.limit for call in record.calls}
-    if "context" in limits:
-        reasons.add("context_exceeded")
-    if "max_tokens" in limits:
-        reasons.add("truncated")
-    return frozenset(reasons)
-
-
-def final_reward(record: RolloutRecord) -> float | None:
-    """The rollout's reward: ``final_reward``, else the last triplet reward the agent gave, else ``None``."""
-    result = record.result
-    if result is None:
-        return None
-    if result.final_reward is not None:
-        return result.final_reward
-    for triplet in reversed(result.triplets or []):
-        if triplet.reward is not None:
-            return triplet.reward
-    return None
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -429,9 +313,9 @@ class RolloutCollector:
                 if rollout.reward is not None:
                     rewards.append(rollout.reward)
             finished.append(rollout)
-        built = build_rows(finished, self.batch_config, self.signal)
-        self.width_warning.note(built)
-        data, metrics = built.data, built.metrics
+        rows = build_rows(finished, self.batch_config, self.signal)
+        self.width_warning.note(rows)
+        data, metrics = pad_rows(rows, self.batch_config), rows.metrics
         metrics.update(_weight_versions(records))
         metrics.update(
             {
@@ -456,17 +340,6 @@ def _weight_versions(records: Sequence[RolloutRecord]) -> dict[str, float]:
         "step/call_weight_version_min": float(min((c.weight_version for c in calls), default=-1)),
         "step/call_weight_version_max": float(max((c.last_weight_version for c in calls), default=-1)),
     }
-
-
-def tokens_in(records: Sequence[RolloutRecord]) -> int:
-    """Token ids a batch built from ``records`` has to move (an upper bound on its building time)."""
-    total = 0
-    for record in records:
-        if record.result is not None and record.result.triplets:
-            total += sum(len(t.prompt.token_ids) + len(t.response.token_ids) for t in record.result.triplets)
-        for call in record.calls:
-            total += len(call.prompt_token_ids or ()) + len(call.response_token_ids or ())
-    return total
 
 
 def _step_counts(records: Sequence[RolloutRecord], timed_out: int) -> dict[str, float]:

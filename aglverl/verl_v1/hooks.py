@@ -6,8 +6,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -215,7 +214,7 @@ def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     from verl.utils.debug.metrics import calculate_debug_metrics
     from verl.workers.utils.padding import response_from_nested, response_to_nested
 
-    from ..trajectory.signals import logprob_mismatch
+    from ..trajectory.signals import logprob_mismatch, stand_in_logprobs
 
     config = trainer.config
     batch.extra_info.update(
@@ -242,9 +241,10 @@ def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     valid = data.pop("rollout_log_probs_valid") if "rollout_log_probs_valid" in data.keys() else None
     padded = DataProto(batch=data.to_padded_tensor())
     written = ["old_log_probs", "entropy"]
-    missing = (valid == 0) if valid is not None else torch.zeros(len(batch), dtype=torch.bool)
+    missing = torch.zeros(len(batch), dtype=torch.bool)
+    if valid is not None:
+        missing = stand_in_logprobs(padded.batch["rollout_log_probs"], padded.batch["old_log_probs"], valid)
     if bool(missing.any()):
-        padded.batch["rollout_log_probs"][missing] = padded.batch["old_log_probs"][missing]
         data["rollout_log_probs"] = response_to_nested(padded.batch["rollout_log_probs"], response_mask)
         written.append("rollout_log_probs")
     batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=data.select(*written))
@@ -258,9 +258,13 @@ def _old_log_probs(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     metrics["actor/entropy"] = entropy.detach().item()
     if "rollout_log_probs" in padded.batch.keys():
         metrics.update(calculate_debug_metrics(padded))
-        compared = padded.batch["response_mask"] * (~missing).unsqueeze(-1)
         metrics.update(
-            logprob_mismatch(padded.batch["old_log_probs"], padded.batch["rollout_log_probs"], compared)
+            logprob_mismatch(
+                padded.batch["old_log_probs"],
+                padded.batch["rollout_log_probs"],
+                padded.batch["response_mask"],
+                rows=~missing,
+            )
         )
     metrics["logprobs/n_rows_missing"] = float(missing.sum())
     return batch
@@ -337,7 +341,7 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
     from verl.workers.utils.padding import response_to_nested
 
-    from ..trajectory.signals import compute_advantage
+    from ..trajectory.signals import compute_advantage, per_rollout_weights
 
     config = trainer.config
     algorithm = config.algorithm
@@ -359,7 +363,8 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     data.batch["token_level_scores"] = data.batch["rm_scores"]
     data.non_tensor_batch["uid"] = np.array(data.batch.pop("uid").tolist(), dtype=object)
     # each row's rollout (``{uid}_{session}``): a GRPO group's members are counted, never summed from weights
-    data.non_tensor_batch["rollout_id_list"] = np.array([key.rsplit("_", 1)[0] for key in batch.keys], dtype=object)
+    members = np.array([key.rsplit("_", 1)[0] for key in batch.keys], dtype=object)
+    data.non_tensor_batch["rollout_id_list"] = members
     if algorithm.use_kl_in_reward:
         data, kl_metrics = apply_kl_penalty(
             data, kl_ctrl=trainer.kl_ctrl_in_reward, kl_penalty=algorithm.kl_penalty
@@ -376,9 +381,7 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
         data, correction_metrics = compute_rollout_correction_and_add_to_batch(data, correction)
         metrics.update(correction_metrics)
     if estimator in ("grpo", "grpo_vectorized") and trainer._aglverl.signal.advantage == "broadcast":
-        data.batch["group_weights"] = _per_rollout_weights(batch.keys)
-    if "advantage_weights" not in data.batch.keys():
-        data.batch["advantage_weights"] = torch.ones(len(data), dtype=torch.float32)
+        data.batch["group_weights"] = per_rollout_weights(members)
     data = compute_advantage(
         data,
         adv_estimator=algorithm.adv_estimator,
@@ -455,13 +458,6 @@ def trained_uids(batch: Any) -> list[str]:
         for key, tag in zip(batch.keys, batch.tags, strict=True)
         if not (tag or {}).get("is_padding", False)
     ]
-
-
-def _per_rollout_weights(keys: Sequence[str]) -> torch.Tensor:
-    """``1/k`` for each row of a session (``{uid}_{session}_{turn}``) that has ``k`` rows in the batch."""
-    sessions = [key.rsplit("_", 1)[0] for key in keys]
-    counts = Counter(sessions)
-    return torch.tensor([1.0 / counts[s] for s in sessions], dtype=torch.float32)
 
 
 def trainer_class(trainer_mode: str) -> type:

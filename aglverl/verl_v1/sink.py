@@ -1,11 +1,11 @@
-"""The producer's sink: each finished group's rows filed in TransferQueue as verl's agent loop files them."""
+"""The producer's sink: each finished group's jagged rows filed in TransferQueue as verl's agent loop files them."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -14,11 +14,6 @@ import anyio.to_thread
 import torch
 
 from ..trajectory.groups import FinishedGroup, Prompt
-
-if TYPE_CHECKING:
-
-    pass
-
 
 logger = logging.getLogger(__name__)
 
@@ -99,27 +94,32 @@ class TransferQueueSink:
             self._writing = False
 
     def rows(self, group: FinishedGroup) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
-        """Keys, fields and tags of the group's rows (jagged: each row only as long as its tokens)."""
-        data, prompt = group.data, group.prompt
-        if not len(data):
+        """Keys, fields and tags of the group's rows, filed as they come (jagged: each only as long as its ids)."""
+        rows, prompt = group.rows, group.prompt
+        if not len(rows):
             return [], [], []
-        batch = data.batch
-        width = batch["prompts"].shape[1]
-        prompt_len = batch["attention_mask"][:, :width].sum(-1).tolist()
-        # a merged row's response holds the ids between its calls too: its length is its attention's
-        response_len = batch["attention_mask"][:, width:].sum(-1).tolist()
-        trains = (~batch["is_drop_mask"]).tolist()
-        uids = data.non_tensor_batch["uid"].tolist()
-        weights = batch["advantage_weights"].tolist() if "advantage_weights" in batch.keys() else None
+        prompt_ids, response_ids = torch.from_numpy(rows.prompt_ids), torch.from_numpy(rows.response_ids)
+        response_mask = torch.from_numpy(rows.response_mask)
+        prompt_start, prompt_len = rows.prompt_start.tolist(), rows.prompt_len.tolist()
+        # a merged row's response holds the ids between its calls too
+        response_start, response_len = rows.response_start.tolist(), rows.response_len.tolist()
+        trains = (~rows.is_drop).tolist()
+        scores = rows.scores.tolist()
+        weights = rows.advantage_weights.tolist() if rows.advantage_weights is not None else None
+        sessions, turns, n_calls = group.sessions.tolist(), rows.turn_index.tolist(), rows.n_calls.tolist()
+        versions, low, high = rows.version.tolist(), rows.min_version.tolist(), rows.max_version.tolist()
+        uids = rows.uid.tolist()
         validation = prompt.partition == "val"
         keys, fields, tags = [], [], []
-        for i in range(len(data)):
+        for i in range(len(rows)):
             plen, rlen = prompt_len[i], response_len[i]
-            session, turn = int(group.sessions[i]), int(group.turns[i])
-            prompts = batch["prompts"][i, width - plen :]
-            responses = batch["responses"][i, :rlen]
-            # 1 on the ids the engine generated for on-policy calls, 0 between calls (verl's agent-loop layout)
-            mask = batch["response_mask"][i, :rlen] * int(trains[i])
+            prompts = prompt_ids[prompt_start[i] : prompt_start[i] + plen]
+            responses = response_ids[response_start[i] : response_start[i] + rlen]
+            # 1 on the ids the engine generated for on-policy calls, 0 between calls (verl's agent-loop layout);
+            # TransferQueue has no drop flag: a row that must not train has no loss token
+            mask = response_mask[response_start[i] : response_start[i] + rlen] * int(trains[i])
+            rm_scores = torch.zeros(rlen, dtype=torch.float32)
+            rm_scores[-1] = scores[i]
             row: dict[str, Any] = {
                 "prompts": prompts.clone(),
                 "responses": responses.clone(),
@@ -127,22 +127,22 @@ class TransferQueueSink:
                 "loss_mask": mask.clone(),
                 "input_ids": torch.cat([prompts, responses]),
                 "position_ids": torch.arange(plen + rlen, dtype=torch.int64),
-                "rm_scores": batch["token_level_scores"][i, :rlen].clone(),
+                "rm_scores": rm_scores,
                 "advantage_weights": torch.tensor(weights[i] if weights is not None else 1.0),
-                "weight_version": torch.tensor(int(group.versions[i])),
+                "weight_version": torch.tensor(versions[i]),
                 # an int, as verl's tool agent loop counts: the first prompt, then each call and each message
                 # between two calls (2 for one call; verl's padding rows put 0)
-                "num_turns": 2 * int(group.n_calls[i]),
+                "num_turns": 2 * n_calls[i],
                 "uid": uids[i],
             }
             if validation:
                 row["data_source"] = str(prompt.fields.get("data_source", "aglverl"))
             if self.logprobs:
-                logprobs = group.logprobs[i]
+                logprobs = rows.row_logprobs(i)
                 present = logprobs is not None
                 row["rollout_log_probs"] = torch.from_numpy(logprobs) if present else torch.zeros(rlen)
                 row["rollout_log_probs_valid"] = torch.tensor(int(present))
-            keys.append(f"{prompt.uid}_{session}_{turn}")
+            keys.append(f"{prompt.uid}_{sessions[i]}_{turns[i]}")
             fields.append(row)
             tags.append(
                 {
@@ -151,8 +151,8 @@ class TransferQueueSink:
                     "response_len": rlen,
                     "seq_len": plen + rlen,
                     "global_steps": prompt.global_steps,
-                    "min_global_steps": int(group.row_min_versions[i]),
-                    "max_global_steps": int(group.row_max_versions[i]),
+                    "min_global_steps": low[i],
+                    "max_global_steps": high[i],
                 }
             )
         return keys, fields, tags
