@@ -32,27 +32,50 @@ pytestmark = pytest.mark.anyio
 
 PACKAGE = Path(aglverl.proxy.__file__).parent
 CASES = load_replay_cases(Path(__file__).parent / "fixtures" / "vllm")
-MODULES = sorted(info.name for info in pkgutil.iter_modules([str(PACKAGE)]))
+#: The package's modules, dotted below ``aglverl.proxy`` (``api`` is a subpackage: ``api``, ``api.messages``, ...).
+MODULES = sorted(
+    info.name.removeprefix("aglverl.proxy.")
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix="aglverl.proxy.")
+)
+
+
+def _source(module: str) -> Path:
+    path = PACKAGE.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _known(dotted: str) -> str | None:
+    """The package's module that an import of ``dotted`` (below ``aglverl.proxy``) loads: itself, or the
+    module it names a member of."""
+    while dotted and dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
 
 
 def _imports(module: str) -> set[str]:
     """The package's modules that ``module`` imports anywhere (``TYPE_CHECKING`` blocks and functions too)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    source = _source(module)
+    tree = ast.parse(source.read_text())
+    here = module.split(".") if source.name == "__init__.py" else module.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(tree):
+        targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:  # from .x import ..., or from . import x
-                names = [node.module] if node.module else [alias.name for alias in node.names]
-            elif node.level == 0 and (node.module or "").startswith("aglverl.proxy."):
-                names = [(node.module or "").split(".")[2]]
-            else:
-                continue
-            found.update(name.split(".")[0] for name in names if name)
+            if node.level:  # from .x import ..., from ..x import ..., from . import x
+                base = ".".join(here[: len(here) - node.level + 1])
+                stem = ".".join(p for p in (base, node.module or "") if p)
+                targets = [f"{stem}.{alias.name}" if stem else alias.name for alias in node.names]
+                targets.append(stem)
+            elif (node.module or "").startswith("aglverl.proxy."):
+                targets = [(node.module or "").removeprefix("aglverl.proxy.")]
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("aglverl.proxy."):
-                    found.add(alias.name.split(".")[2])
-    return found & set(MODULES)
+            targets = [
+                a.name.removeprefix("aglverl.proxy.")
+                for a in node.names
+                if a.name.startswith("aglverl.proxy.")
+            ]
+        found.update(known for target in targets if (known := _known(target)) is not None)
+    return found
 
 
 def _circle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -38,8 +38,8 @@ call, an edited history, another system prompt or tool list, ``n > 1``) or a bac
 each call by how it was made.
 
 ``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
-family, are translated by :mod:`aglverl.proxy.translate`: the body becomes a chat completion before anything else
-looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
+family, are translated by :mod:`aglverl.proxy.api` (one module per API, a registry by path): the body becomes a
+chat completion before anything else looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
 agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
 gets, the proxy's own included, is in that API's shape; Anthropic's ``x-api-key`` is accepted as the token.
 
@@ -125,8 +125,9 @@ import circle):
 - The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
   :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
   forwarding), :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and
-  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing). :mod:`aglverl.proxy.translate` (other APIs as chat
-  completions) stays beside the package.
+  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing), :mod:`~aglverl.proxy.api` (the agents' other APIs
+  as chat completions: the :class:`~aglverl.proxy.api.translator.Translator` a call holds, and one module per
+  API, pure).
 """
 
 from __future__ import annotations

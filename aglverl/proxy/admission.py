@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from ..store.tasks import StoreError
+from .api import APIS, CHAT_TARGET, TranslationError, Translator
 from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
 from .capture import CAPTURED_PATHS, _Capture
 from .config import ProxyConfig
@@ -33,7 +34,6 @@ from .gate import Gate
 from .meters import Meters
 from .store_view import ProxyStore
 from .tokenin import TokenIn
-from .translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
 
 __all__ = ["SAMPLING_NEUTRAL", "TRAINER_SAMPLING", "Admission", "reconcile_sampling"]
 
@@ -114,9 +114,9 @@ class Admission:
     async def admit(self, request: web.Request, call: _Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
         path = request.match_info["path"]
-        api = TRANSLATED_PATHS.get(path) if request.method == "POST" else None
+        api = APIS.get(path) if request.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = new_translator(api)
+            call.translator = Translator(api)
         self.authorize(request)
         if call.rollout_id is not None:
             assert call.attempt_id is not None

@@ -26,9 +26,9 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..store.tasks import LLMCall
+from .api import Translator
 from .capture import _Capture
 from .session import Plan
-from .translate import Translator
 
 HOP_BY_HOP: frozenset[str] = frozenset(
     {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}

@@ -34,6 +34,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from .api import TranslationError
 from .call import (
     _JSON,
     _RESPONSE_DROP,
@@ -54,7 +55,6 @@ from .recorder import Recorder
 from .respond import Responder
 from .resume import Resumer, _resume_blocker
 from .sse import _EventCut, _may_abort
-from .translate import TranslationError
 
 logger = logging.getLogger(__name__)
 

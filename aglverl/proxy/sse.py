@@ -1,4 +1,5 @@
-"""Server-sent events as the proxy handles them: cutting a stream into whole events, reading their data.
+"""Server-sent events as the proxy handles them: cutting a stream into whole events, reading their data,
+writing events (the relay, the resumption and the API translators all read and write SSE through here).
 
 Pure functions on bytes, no state beyond :class:`_EventCut`'s unfinished tail. Events end with a blank line,
 LF or CR LF; an event's ``data`` is its ``data:`` lines joined. :func:`_may_abort` and :func:`_may_end_stream`
@@ -97,8 +98,10 @@ def _choices_of(event: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
 
 
-def _sse_event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def _sse_event(obj: Any, name: str | None = None) -> bytes:
+    """One SSE event whose data is ``obj`` as JSON, named ``name`` (an ``event:`` line) when given."""
+    data = b"data: " + orjson.dumps(obj) + b"\n\n"
+    return data if name is None else b"event: " + name.encode() + b"\n" + data
 
 
 async def _drain(content: aiohttp.StreamReader) -> None:

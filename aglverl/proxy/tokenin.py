@@ -76,6 +76,7 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 from yarl import URL
 
+from .api import TranslationError
 from .call import _JSON, ProxyError, _Call, _error_message, _token_limit, _Unreachable
 from .capture import _Capture, _ChoiceCapture, _reported_version
 from .config import ProxyConfig
@@ -86,7 +87,6 @@ from .recorder import Recorder
 from .respond import Responder
 from .session import MISSES, Answer, Match, Plan, Sessions
 from .sse import _DONE_EVENT, _choices_of, _drain, _json_object, _sse_event
-from .translate import TranslationError
 
 logger = logging.getLogger(__name__)
 
