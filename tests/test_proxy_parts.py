@@ -167,6 +167,19 @@ async def test_the_gate_alone_refuses_a_new_call_held_past_hold_timeout() -> Non
     assert gate.held and gate.waiting == 0
 
 
+@pytest.mark.parametrize(("pause_timeout", "hold_timeout"), [(0.3, 0.05), (0.05, 0.3)])
+async def test_the_gates_503_names_the_bound_it_waited_the_longer_of_pause_and_hold_timeout(
+    pause_timeout: float, hold_timeout: float
+) -> None:
+    gate = Gate(ProxyConfig(pause_timeout=pause_timeout, hold_timeout=hold_timeout), Meters(Registry()))
+    gate.hold()
+    started = time.monotonic()
+    with pytest.raises(ProxyError) as refused:
+        await gate.admit()
+    assert time.monotonic() - started >= 0.3
+    assert "for over 0.3s (the longer of the proxy's pause_timeout and hold_timeout)" in refused.value.message
+
+
 async def test_the_gate_alone_gives_up_a_retried_continuation_once_its_budget_is_spent() -> None:
     meters = Meters(Registry())
     config = ProxyConfig(retry=RetryPolicy(backoff_initial=0.01, backoff_max=0.01, jitter=0.0))

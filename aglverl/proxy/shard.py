@@ -11,7 +11,8 @@ imports nothing of Ray (the driver wraps :class:`ProxyShard` with ``ray.remote``
   it (its rollout ended, or the claim was undone): its unshipped records are dropped, and once a rollout has no
   attempt left here its routing state and token-in sessions go too (``LLMProxy.forget``). ``("b", backends)``
   replaces the backends. The driver keeps one ``apply`` in flight per shard, so batches arrive in order.
-- :meth:`ProxyShard.sync` replaces the whole table, the gate and the backends (a restarted shard starts empty).
+- :meth:`ProxyShard.sync` replaces the whole table, the gate and the backends (a restarted shard starts empty);
+  its gate is ignored when a newer gate operation came first.
 - :meth:`ProxyShard.take` hands over the records of one attempt's calls and ends the attempt here (the store
   takes them when the attempt posts its result, or its rollout fails).
 - :meth:`ProxyShard.gate` applies ``pause`` / ``hold`` / ``resume`` / ``version``; each carries a sequence
@@ -303,11 +304,14 @@ class ProxyShard:
         backends: Sequence[str],
         gate: tuple[int, str, int],
     ) -> None:
-        """Replace the table, the backends and the gate (``(seq, "open" | "paused" | "held", version)``)."""
+        """Replace the table, the backends and the gate (``(seq, "open" | "paused" | "held", version)``); the gate
+        only if no newer gate operation was applied (one the driver broadcast meanwhile may come first)."""
         self._check(incarnation)
         self.table.replace(admitted)
         self.proxy.set_backends(backends)
         seq, state, version = gate
+        if seq < self._gate_seq:
+            return
         self._gate_seq = seq
         self.proxy.weight_version = version
         if state == "paused":
@@ -346,7 +350,7 @@ class ProxyShard:
     # ------------------------------------------------------------------ figures
     async def figures(self, since: float) -> dict[str, Any]:
         """Counters, generated tokens, and the busy intervals since ``since`` (this process's monotonic clock,
-        clipped to now), with ``now`` on that clock."""
+        clipped to now), with ``now`` on that clock; the calls in flight and the gate's state now."""
         now = time.monotonic()
         return {
             "incarnation": self.incarnation,
@@ -355,6 +359,7 @@ class ProxyShard:
             "busy": self.proxy.activity.busy_intervals(since, now),
             "now": now,
             "in_flight": self.proxy.in_flight,
+            "gate": "paused" if self.proxy.paused else "held" if self.proxy.held else "open",
         }
 
     async def metrics_text(self) -> str:
