@@ -77,6 +77,13 @@ of theirs, which the agent has not seen, is made again from the start under the 
 (``proxy/regenerated``); a stream of theirs, already partly sent, ends the same way as above, with the
 reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
 
+Overload (:mod:`~aglverl.proxy.overload`): the proxy measures how late its event loop runs (a probe every 50 ms,
+averaged over 0.5 s; ``proxy.overload.lag``, ``aglverl_proxy_loop_lag_seconds``, ``proxy/loop_lag_seconds``) and,
+past :class:`OverloadPolicy`'s ``max_lag`` (0.1 s) with at least ``min_in_flight`` calls in flight, answers a
+share of NEW calls, all of them at twice the limit, with a 429 and ``Retry-After`` in the agent's API (the
+openai and anthropic SDKs wait and retry); calls already admitted always run to their end.
+``proxy.overload.policy = OverloadPolicy(refuse=False)`` turns the refusals off (the lag is still measured).
+
 Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
 (4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
 to close. Cancelling ``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds,
@@ -98,6 +105,7 @@ import circle):
 ::
 
     LLMProxy ─┬─▶ Admission ─▶ TokenIn ─────────┐       (an arrow: holds, handed by the constructor)
+              │   └─▶ Overload (made by it)     │
               └─▶ Relay ─────▶ Resumer ─────────┴─▶ Responder ─▶ Recorder ─┬─▶ ProxyStore (the store's view)
                                                                            └─▶ Sessions (token-in turns)
     and, each as it needs them: Pool (backends), Gate (pause / hold / resume), ProxyConfig, Meters
@@ -105,7 +113,8 @@ import circle):
 - :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: builds the parts, routes, the handler that always ends with
   the call recorded and counted, the public API, life cycle.
 - :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: auth, the attempt against the
-  store, path and body limits, translation, the capture request, sampling reconciliation, the gate's wait.
+  store, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag, the 429), path and
+  body limits, translation, the capture request, sampling reconciliation, the gate's wait.
 - :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
   (JSON, SSE), disconnects, broken streams.
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued
@@ -141,6 +150,7 @@ from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
 from .capture import _Capture as _Capture
 from .capture import _ChoiceCapture as _ChoiceCapture
 from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
+from .overload import LagStatistics, Overload, OverloadPolicy
 from .pool import (
     COMPLETIONS_TARGET,
     EJECT_AFTER_TIMEOUTS,
@@ -171,7 +181,10 @@ __all__ = [
     "UPSTREAM_KEEPALIVE",
     "WEIGHT_VERSION_HEADER",
     "LLMProxy",
+    "LagStatistics",
     "Outcome",
+    "Overload",
+    "OverloadPolicy",
     "ProxyError",
     "RetryPolicy",
     "SamplingMismatch",

@@ -4,7 +4,9 @@
 alone, for routes that lead nowhere). In order: the agent's API (a translated one is known first, so that every
 refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time), the
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
-forwarded), the path (no ``.``/``..`` segments), the body (``max_request_bytes``: 413), the translation to a
+forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
+a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
+(``max_request_bytes``: 413), the translation to a
 chat completion, and for a recorded call the capture request (``return_token_ids``, logprobs, identity
 encoding), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
@@ -12,7 +14,8 @@ closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
 Every refusal is a :class:`~aglverl.proxy.call.ProxyError` naming what was wrong; nothing of a refused call
 was forwarded or stored. It awaits the request body and the gate; cancelled (the agent left), it stops there.
-Holds the config, the store, the gate, the meters (``sampling``) and the token-in part (``None``: off).
+Holds the config, the store, the gate, the meters (``sampling``) and the token-in part (``None``: off); makes and
+holds the :class:`~aglverl.proxy.overload.Overload` part (:attr:`Admission.overload`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .capture import CAPTURED_PATHS, _Capture
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
+from .overload import Overload
 from .store_view import ProxyStore
 from .tokenin import TokenIn
 
@@ -110,6 +114,8 @@ class Admission:
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
+        #: The event loop's lag and the 429 for new calls while it is over its limit.
+        self.overload = Overload(meters.registry)
 
     async def admit(self, request: web.Request, call: _Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
@@ -126,6 +132,7 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
+        self.overload.check(self.gate.in_flight)
         query = request.rel_url.raw_query_string
         call.method = request.method
         call.path = "/v1/" + path

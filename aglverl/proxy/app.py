@@ -40,6 +40,7 @@ from .call import ProxyError, _Call
 from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
 from .gate import Gate
 from .meters import Meters
+from .overload import Overload
 from .pool import Pool
 from .recorder import Recorder
 from .relay import Relay
@@ -292,6 +293,13 @@ class LLMProxy:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
 
+    @property
+    def overload(self) -> Overload:
+        """The event loop's lag (:attr:`Overload.lag <aglverl.proxy.overload.Overload.lag>`), measured while
+        serving, and the policy past which new calls get a 429 (``proxy.overload.policy =
+        OverloadPolicy(...)``; see :mod:`aglverl.proxy.overload`)."""
+        return self._admission.overload
+
     # ------------------------------------------------------------------ life cycle
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; ``task_status.started()`` once the listener accepts connections.
@@ -314,12 +322,14 @@ class LLMProxy:
             site = web.SockSite(runner, sock)
             await site.start()
             self._url = url_of(sock)
+            self._admission.overload.start()
             async with anyio.create_task_group() as tg:
                 self._pool.probes = tg
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
             self._pool.probes = None
+            self._admission.overload.stop()
             with anyio.CancelScope(shield=True):
                 await self._close(runner, site)
             sock.close()

@@ -52,6 +52,7 @@ _ERROR_TYPES: Mapping[int, str] = {
     404: "NotFoundError",
     409: "ConflictError",
     413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
@@ -63,13 +64,17 @@ Outcome = Literal["ok", "upstream_error", "failed", "cancelled", "rejected"]
 
 class ProxyError(Exception):
     """A call the proxy answers itself, with an HTTP ``status`` and a message naming what was wrong (and the
-    offending request field, ``param``, when there is one)."""
+    offending request field, ``param``, when there is one; ``headers`` the answer carries, e.g. a 429's
+    ``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, *, headers: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
     def body(self, translator: Translator | None = None) -> bytes:
         """OpenAI-shaped, or in the API of a translated call."""
@@ -78,7 +83,9 @@ class ProxyError(Exception):
         return _error_body(self.status, self.message)
 
     def response(self, translator: Translator | None = None) -> web.Response:
-        return web.Response(status=self.status, body=self.body(translator), content_type=_JSON)
+        return web.Response(
+            status=self.status, body=self.body(translator), content_type=_JSON, headers=self.headers
+        )
 
 
 def _error_body(status: int, message: str) -> bytes:

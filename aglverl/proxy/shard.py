@@ -46,10 +46,12 @@ from .app import LLMProxy
 from .call import Outcome
 from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 
-__all__ = ["GateOp", "ProxyShard", "ShardRestarted", "ShardTable", "boot_id", "counters_of"]
+__all__ = ["GAUGES", "GateOp", "ProxyShard", "ShardRestarted", "ShardTable", "boot_id", "counters_of"]
 
 logger = logging.getLogger(__name__)
 
+#: Of :func:`counters_of`'s figures, those that are readings, not counts: shards report their largest, not a sum.
+GAUGES = frozenset({"proxy/loop_lag_seconds"})
 #: How many ended attempts a shard remembers, to answer their late calls with a 409 rather than a 404.
 _ENDED = 100_000
 
@@ -66,7 +68,8 @@ class ShardRestarted(RuntimeError):
 
 
 def counters_of(proxy: LLMProxy) -> dict[str, float]:
-    """A proxy's cumulative counters, under the ``proxy/*`` names a trainer logs (one process's share)."""
+    """A proxy's cumulative counters, under the ``proxy/*`` names a trainer logs (one process's share), and its
+    event loop's lag now (:data:`GAUGES`: a reading, not a count)."""
     counters = {f"proxy/calls_{outcome}": proxy.m_calls.value(outcome) for outcome in get_args(Outcome)}
     counters["proxy/retries"] = proxy.m_retries.value()
     counters["proxy/backend_ejections"] = proxy.m_ejections.value()
@@ -78,6 +81,10 @@ def counters_of(proxy: LLMProxy) -> dict[str, float]:
     counters["proxy/regenerated"] = proxy.m_regenerated.value()
     for reason in ("unsupported", "refused"):
         counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
+    overload = proxy.overload
+    counters["proxy/calls_shed"] = overload.m_shed.value()
+    counters["proxy/loop_overloaded_seconds"] = overload.m_overloaded.value()
+    counters["proxy/loop_lag_seconds"] = overload.lag
     if proxy.token_in is not None:
         for outcome in TOKEN_IN_OUTCOMES:
             counters[f"proxy/token_in_{outcome}"] = proxy.token_in.m_calls.value(outcome)

@@ -55,7 +55,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from ..metrics import Registry
 from ..models import LLM, ProxyLLM, ResourcesUpdate
 from ..store.tasks import AttemptLost, LLMCall, TaskStore
-from .shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
+from .shard import GAUGES, GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
 
 __all__ = [
     "SHARD_MAX_RESTARTS",
@@ -723,7 +723,7 @@ class ProxyShards:
         received = time.monotonic()
         if figures["incarnation"] != shard.seen_incarnation:
             if shard.seen_incarnation:
-                _add(shard.retired, shard.counters)
+                _add(shard.retired, {k: v for k, v in shard.counters.items() if k not in GAUGES})
             shard.seen_incarnation = figures["incarnation"]
             shard.busy_since = 0.0
             if not math.isfinite(shard.offset) or shard.offset:
@@ -737,11 +737,14 @@ class ProxyShards:
             shard.busy.popleft()
 
     def counters(self) -> dict[str, float]:
-        """Every shard's ``proxy/*`` counters summed (earlier incarnations included), as of :meth:`refresh`."""
+        """Every shard's ``proxy/*`` counters summed (earlier incarnations included), as of :meth:`refresh`; a
+        reading (the loop's lag, :data:`~aglverl.proxy.shard.GAUGES`) is the largest shard's."""
         total: dict[str, float] = {}
         for shard in self.shards:
             _add(total, shard.retired)
-            _add(total, shard.counters)
+            _add(total, {k: v for k, v in shard.counters.items() if k not in GAUGES})
+        for key in GAUGES:
+            total[key] = max((s.counters.get(key, 0.0) for s in self.shards if s.up), default=0.0)
         total.pop("_generated", None)
         return total
 
