@@ -91,10 +91,10 @@ async def _run_mock() -> None:
 
 @asynccontextmanager
 async def serving_proxy(
-    backend: str, rollouts: int = ROLLOUTS, *, on_serving: Callable[[Any], None] | None = None, **options: Any
+    backend: str, rollouts: int = ROLLOUTS, **options: Any
 ) -> AsyncIterator[tuple[str, list[str]]]:
     """An LLMProxy (``options``) in front of ``backend`` with ``rollouts`` claimed rollouts; yields its URL and
-    their base URLs. ``on_serving(proxy)`` is called once it serves (to set or read more of it)."""
+    their base URLs."""
     from aglverl.proxy import LLMProxy
     from aglverl.store.tasks import TaskStore
 
@@ -102,8 +102,6 @@ async def serving_proxy(
     proxy = LLMProxy(store, backends=[backend], **options)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
-        if on_serving is not None:
-            on_serving(proxy)
         bases = []
         for i in range(rollouts):
             store.enqueue({"i": i})

@@ -1,35 +1,40 @@
 """One LLM proxy process driven past its capacity, with its overload protection on and off, in the same run.
 
-Run: ``python benchmarks/proxy_overload.py [--rate R] [--seconds 10] [--blocks 2] [--quick]``. Prints ONE JSON
-object on stdout.
+Run: ``python benchmarks/proxy_overload.py [--rate R] [--seconds 8] [--blocks 4] [--policy F=V,...] [--quick]``.
+Prints ONE JSON object on stdout.
 
 Processes on loopback, so each figure belongs to one program:
 
 - the backend: a static HTTP server that answers every call with the same recorded chat completion (256 tokens
   with their ids and log-probs, as :class:`~aglverl.testing.MockVLLM` makes it, 23 kB): it costs next to
   nothing, so the load saturates the proxy, not the backend;
-- two :class:`~aglverl.proxy.LLMProxy` processes in front of it, alike (``request_logprobs``, every call recorded
-  under one of 512 claimed rollouts) but for their :class:`~aglverl.proxy.OverloadPolicy`: ``protected`` has the
+- two :class:`~aglverl.proxy.LLMProxy` processes in front of it, alike (``request_logprobs``, every call captured
+  and recorded under one of 512 rollouts, into a store view that drops the records, so that a proxy's memory
+  is what its calls in flight hold) but for their :class:`~aglverl.proxy.OverloadPolicy`: ``protected`` has the
   default (new calls get a 429 with ``Retry-After`` while the loop's lag is over ``max_lag``), ``unprotected``
   has ``refuse=False`` (it measures the lag and admits everything: the behaviour before the protection);
 - this process: an open-loop load generator on a lean HTTP/1.1 client (keep-alive connections, pre-encoded
   requests: a fraction of aiohttp's cost per call): calls start at the offered rate whatever is still running,
   as independent agents send them; a call that gets a 429 is not retried (the offered load stays what it is).
 
-The offered load is twice the proxy's capacity measured in the same run (``calibration``: the highest of
-``CALIBRATION_RATES`` the unprotected proxy keeps up with, every call answered within ``KEEPS_UP_P99_MS`` at
-p99; ``--rate`` sets it instead: 800 is twice the 400 calls/s one proxy sustained on this machine when it was
-quiet, ``benchmarks/RESULTS.md``). The two proxies are driven in turn, block by block (``protected``,
-``unprotected``, ...), ``--seconds`` each, every block waiting for its last call to end, so both see the same
-machine over the run. Per proxy and block:
+The offered load defaults to 800 calls/s: twice the 400 calls/s one proxy process sustained at added latency
+p99 <= 5 ms on this machine when it was quiet (``benchmarks/RESULTS.md``, ``docs/scaling.md``). ``calibration``
+measures, in the same run, the proxy's CPU time per call at ``CALIBRATION_RATE`` and the calls per second that
+fill one core at that cost (where its one loop stops keeping up whatever the machine, the limit a quiet machine
+approaches); ``--rate cpu`` drives twice that instead, ``--rate R`` any load. The two proxies are driven in
+turn, block by block (``protected``, ``unprotected``, ...), ``--seconds`` each, every block waiting for its last
+call to end, so both see the same machine over the run. Per proxy and block:
 
-- ``goodput_per_s``: calls answered 200 per second of the block's wall time (its last call's end included);
+- ``goodput_per_s``: calls answered 200 per second of the block's wall time (its last call's end included),
+  and ``goodput_within_1s_per_s`` those answered within a second (a proxy hop should add milliseconds: a call
+  that waited seconds in the proxy's queue is late for its agent, which may have given up);
 - ``ok_ms``: latency of the calls answered 200 (p50 / p99 / max): what an admitted call costs an agent;
 - ``shed``: 429 answers (and their latency), ``failed``: anything else (other statuses, no answer within
   ``CALL_TIMEOUT`` s, connection errors);
 - ``proxy_figures``: its CPU share, the loop's lag as its probes saw it (their mean lateness, the smoothed lag
   at the block's end), seconds over ``max_lag``, and its memory: resident set after the block and its peak
-  (``VmHWM``) so far; ``load_generator_cpu_percent``: this process's.
+  (``VmHWM``) so far, and the share of wall time it was runnable but waiting for a CPU (the machine's other work
+  holding it back); ``load_generator_*``: the same for this process.
 
 ``probe_cost``: the lag probe's own cost: the proxy's loop thread CPU time idle with the probe stopped and with
 it every millisecond, per probe. Every figure is of the machine it ran on: a shared 2-core VM whose other jobs
@@ -59,13 +64,13 @@ from yarl import URL
 
 #: Seconds an agent waits for a call before giving up on it.
 CALL_TIMEOUT = 60.0
+#: Connections the load generator keeps to a proxy at most (thousands of agents, under the file limits).
+CONNECTIONS = 4096
 #: The load one proxy process sustained at added latency p99 <= 5 ms on this machine when quiet (calls/s).
 QUIET_CAPACITY = 400.0
-#: The calibration's levels (calls/s, ``CALIBRATION_SECONDS`` each): the proxy keeps up with a level when it
-#: answers every call, its starts keep pace, and its p99 stays under ``KEEPS_UP_P99_MS``.
-CALIBRATION_RATES = (200, 300, 400, 500, 600, 800, 1000, 1200, 1600, 2000)
-CALIBRATION_SECONDS = 3.0
-KEEPS_UP_P99_MS = 50.0
+#: The calibration's load (calls/s, for ``CALIBRATION_SECONDS``), well within what one proxy carries.
+CALIBRATION_RATE = 300.0
+CALIBRATION_SECONDS = 4.0
 SECONDS = 8.0
 BLOCKS = 4
 PROBE_COST_SECONDS = 5.0
@@ -74,30 +79,46 @@ BODY_BYTES = orjson.dumps(BODY)
 
 
 # ---------------------------------------------------------------------------------------------- the proxy child
-async def _run_proxy(cfg: dict[str, Any]) -> None:
-    from proxy import serving_proxy  # benchmarks/proxy.py: a proxy with its store and claimed rollouts
+class Records:
+    """The proxy's store view for this benchmark: every attempt is admitted, every call's records are taken and
+    dropped (counted): the proxy does all its work per call, and its memory is what its calls in flight hold,
+    not what a store keeps of finished ones."""
 
+    vocab_size = None
+
+    def __init__(self) -> None:
+        self.recorded = 0
+
+    def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
+        pass
+
+    def record_calls(self, rollout_id: str, attempt_id: str, calls: Any) -> bool:
+        self.recorded += len(calls)
+        return True
+
+
+async def _run_proxy(cfg: dict[str, Any]) -> None:
     from aglverl.proxy import LLMProxy, OverloadPolicy
 
-    served: list[LLMProxy] = []
-    async with serving_proxy(cfg["backend"], ROLLOUTS, on_serving=served.append, request_logprobs=True) as (
-        url,
-        bases,
-    ):
-        [proxy] = served
+    records = Records()
+    proxy = LLMProxy(records, backends=[cfg["backend"]], request_logprobs=True)
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.serve)
         proxy.overload.policy = OverloadPolicy(refuse=cfg["refuse"], **cfg["policy"])
-        emit({"url": url, "bases": bases, "pid": os.getpid(), "policy": repr(proxy.overload.policy)})
-        marks: dict[str, float] = {}
+        bases = [f"{proxy.url}/rollout/rollout-{i}/attempt/attempt-{i}/v1" for i in range(ROLLOUTS)]
+        emit({"url": proxy.url, "bases": bases, "pid": os.getpid(), "policy": repr(proxy.overload.policy)})
+        marks: dict[str, Any] = {}
         async for cmd in stdin_commands():
             if cmd.get("block") == "start":
                 marks = _marks(proxy)
                 emit({"started": True})
             elif cmd.get("block") == "end":
-                emit(_block_figures(proxy, marks))
+                emit({**_block_figures(proxy, marks), "records_dropped_so_far": records.recorded})
             elif "probe_cost" in cmd:
                 emit(await _probe_cost(proxy, cmd["probe_cost"]))
             else:
                 emit({"error": f"unknown command {cmd!r}"})
+        tg.cancel_scope.cancel()
 
 
 def _marks(proxy: Any) -> dict[str, Any]:
@@ -219,16 +240,18 @@ async def _run_backend(cfg: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- load
 class Client:
-    """A lean HTTP/1.1 client for one proxy: keep-alive connections (an idle one reused, else a new one), one
-    request on a connection at a time, pre-encoded requests, bodies read by ``Content-Length``. It costs the
-    load generator a fraction of what aiohttp's client does, so that one process offers more than a proxy
-    process can carry on the same machine."""
+    """A lean HTTP/1.1 client for one proxy: keep-alive connections (an idle one reused, else a new one, at most
+    ``CONNECTIONS``: a call beyond waits for one, as an agent's connection pool makes it wait), one request on a
+    connection at a time, pre-encoded requests, bodies read by ``Content-Length``. It costs the load generator
+    a fraction of what aiohttp's client does, so that one process offers more than a proxy process can carry
+    on the same machine."""
 
     def __init__(self, url: str) -> None:
         parsed = URL(url)
         self.host, self.port = parsed.host or "127.0.0.1", parsed.port or 80
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.requests: dict[str, bytes] = {}
+        self.slots = anyio.Semaphore(CONNECTIONS)
 
     def request(self, path: str, body: bytes) -> bytes:
         cached = self.requests.get(path)
@@ -241,6 +264,10 @@ class Client:
 
     async def post(self, path: str, body: bytes) -> tuple[int, dict[str, str]]:
         """The status and headers of the answer (its body read and dropped)."""
+        async with self.slots:
+            return await self._post(path, body)
+
+    async def _post(self, path: str, body: bytes) -> tuple[int, dict[str, str]]:
         reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
         try:
             writer.write(self.request(path, body))
@@ -317,32 +344,25 @@ def _paths(proxy: JsonChild) -> list[str]:
 
 
 async def calibrate(proxy: JsonChild, client: Client) -> dict[str, Any]:
-    """The highest calibration level the (unprotected) proxy keeps up with now: its capacity on the machine as
-    it is during this run; each level with the loop's lag there."""
-    levels, capacity = [], None
-    for rate in CALIBRATION_RATES:
-        level = await block("unprotected", proxy, client, rate, CALIBRATION_SECONDS)
-        keeps_up = (
-            not level["failed"]
-            and not level["shed"]
-            and level["achieved_start_rate_per_s"] >= 0.9 * rate
-            and level["ok_ms"].get("p99", math.inf) <= KEEPS_UP_P99_MS
-        )
-        figures = level["proxy_figures"]
-        levels.append(
-            {
-                "rate": rate,
-                "keeps_up": keeps_up,
-                "ok_ms": level["ok_ms"],
-                "lag_probe_mean_ms": figures["lag_probe_mean_ms"],
-                "proxy_cpu_percent": figures["cpu_percent"],
-                "proxy_runnable_waiting_percent": figures["runnable_waiting_percent"],
-            }
-        )
-        if not keeps_up:
-            break
-        capacity = rate
-    return {"capacity_per_s": capacity, "levels": levels}
+    """The proxy's capacity: the calls per second that fill one core at its CPU cost per call, measured on the
+    (unprotected) proxy at ``CALIBRATION_RATE`` (which it carries), with the loop's lag there. CPU time per
+    call hardly depends on how busy the machine is, so the figure holds on a shared machine; the load that
+    fills the core is where a single loop stops keeping up and its calls start queueing."""
+    level = await block("unprotected", proxy, client, CALIBRATION_RATE, CALIBRATION_SECONDS)
+    figures = level["proxy_figures"]
+    cpu_per_call = figures["cpu_percent"] / 100 / max(1e-9, level["goodput_per_s"])
+    return {
+        "capacity_per_s": round(1 / cpu_per_call),
+        "proxy_cpu_us_per_call": round(cpu_per_call * 1e6, 1),
+        "at": {
+            "rate": CALIBRATION_RATE,
+            "ok_ms": level["ok_ms"],
+            "failed": level["failed"],
+            "lag_probe_mean_ms": figures["lag_probe_mean_ms"],
+            "proxy_cpu_percent": figures["cpu_percent"],
+            "proxy_runnable_waiting_percent": figures["runnable_waiting_percent"],
+        },
+    }
 
 
 def _schedstat(pid: int) -> tuple[float, float]:
@@ -373,6 +393,7 @@ async def block(name: str, proxy: JsonChild, client: Client, rate: float, second
         "wall_seconds": round(wall, 2),
         "ok": len(outcomes.ok),
         "goodput_per_s": round(len(outcomes.ok) / wall, 1),
+        "goodput_within_1s_per_s": round(sum(t <= 1.0 for t in outcomes.ok) / wall, 1),
         "ok_ms": summary_ms(outcomes.ok),
         "shed": len(outcomes.shed),
         "shed_ms": summary_ms(outcomes.shed),
@@ -398,6 +419,7 @@ def _summary(blocks: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [b for b in blocks if b["proxy"] == name]
         series = {
             "goodput_per_s": [b["goodput_per_s"] for b in mine],
+            "goodput_within_1s_per_s": [b["goodput_within_1s_per_s"] for b in mine],
             "ok_p50_ms": [b["ok_ms"].get("p50", math.nan) for b in mine],
             "ok_p99_ms": [b["ok_ms"].get("p99", math.nan) for b in mine],
             "shed": [b["shed"] for b in mine],
@@ -431,11 +453,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await open_loop(clients[name], _paths(child)[:8], 50, 1.0)
         idle = {name: round(status_kib(c.pid, "VmRSS:") / 1024, 1) for name, c in children.items()}
         probe_cost = await children["protected"].request({"probe_cost": args.probe_seconds})
-        calibration = None
-        rate = args.rate
-        if rate is None:
-            calibration = await calibrate(children["unprotected"], clients["unprotected"])
-            rate = 2 * (calibration["capacity_per_s"] or CALIBRATION_RATES[0])
+        calibration = await calibrate(children["unprotected"], clients["unprotected"])
+        rate = 2 * calibration["capacity_per_s"] if args.rate == "cpu" else float(args.rate)
         blocks = []
         for _ in range(args.blocks):
             for name, child in children.items():
@@ -470,9 +489,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--rate",
-        type=float,
-        help="offered calls/s (default: twice the capacity the calibration finds in this run; "
-        f"{2 * QUIET_CAPACITY:g} is twice a quiet machine's)",
+        default=str(2 * QUIET_CAPACITY),
+        help=f"offered calls/s (default {2 * QUIET_CAPACITY:g}: twice the {QUIET_CAPACITY:g} calls/s one proxy "
+        "sustains on this machine), or 'cpu': twice the calls/s that fill one core at the CPU cost per call "
+        "the calibration measures in this run",
     )
     parser.add_argument("--seconds", type=float, default=SECONDS, help="seconds of load per block")
     parser.add_argument(

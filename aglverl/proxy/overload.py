@@ -17,9 +17,9 @@ The measure (:meth:`Overload.start` / :meth:`Overload.stop`, by :meth:`LLMProxy.
 <aglverl.proxy.LLMProxy.serve>`): a timer callback due every ``probe_interval`` seconds notes how late the loop
 ran it (the time the loop spent on other callbacks past the due time; idle, the epoll timeout's millisecond
 rounding). It is a measurement, not a wait: nothing waits on it. Its cost is one timer callback per probe:
-on an idle loop, where each probe also wakes the loop, about 70 µs of a slow shared VM's core a probe, so
-0.14 % of a core at the default 20 probes a second (``benchmarks/proxy_overload.py``, ``probe_cost``); on a
-busy loop a probe rides a loop turn that runs anyway. The lag is a time-weighted moving average of the probes
+on an idle loop, where each probe also wakes the loop, 62-78 µs of a slow shared VM's core a probe, so
+0.12-0.16 % of a core at the default 20 probes a second (``benchmarks/proxy_overload.py``, ``probe_cost``); on
+a busy loop a probe rides a loop turn that runs anyway. The lag is a time-weighted moving average of the probes
 over ``window`` seconds: a stall moves it by its share of the window.
 
 Exposed: :attr:`Overload.lag` (seconds, the moving average) and :meth:`Overload.statistics`, the gauge
