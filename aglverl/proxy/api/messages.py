@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
-from ..sse import _sse_event
+from ..sse import sse_event
 from .translator import (
     Block,
     Exchange,
@@ -284,7 +284,7 @@ class MessagesApi:
     def start(self) -> list[bytes]:
         message = self._message([], (None, None))
         message["usage"] = {"input_tokens": self.ex.prompt_tokens or 0, "output_tokens": 0}
-        return [_sse_event({"type": "message_start", "message": message}, "message_start")]
+        return [sse_event({"type": "message_start", "message": message}, "message_start")]
 
     def block_start(self, block: Block) -> list[bytes]:
         if block.kind == "tool":
@@ -292,11 +292,11 @@ class MessagesApi:
         else:
             start = {"type": "text", "text": ""}
         event = {"type": "content_block_start", "index": block.index, "content_block": start}
-        return [_sse_event(event, "content_block_start")]
+        return [sse_event(event, "content_block_start")]
 
     def _delta(self, block: Block, delta: dict[str, Any]) -> bytes:
         event = {"type": "content_block_delta", "index": block.index, "delta": delta}
-        return _sse_event(event, "content_block_delta")
+        return sse_event(event, "content_block_delta")
 
     def text_delta(self, block: Block, text: str, logprobs: list[Any]) -> bytes:
         return self._delta(block, {"type": "text_delta", "text": text})
@@ -305,13 +305,13 @@ class MessagesApi:
         return self._delta(block, {"type": "input_json_delta", "partial_json": arguments})
 
     def block_stop(self, block: Block) -> list[bytes]:
-        return [_sse_event({"type": "content_block_stop", "index": block.index}, "content_block_stop")]
+        return [sse_event({"type": "content_block_stop", "index": block.index}, "content_block_stop")]
 
     def stream_end(self) -> list[bytes]:
         reason, sequence = self._stop()
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}}
         delta["usage"] = self._usage_out()
-        return [_sse_event(delta, "message_delta"), _sse_event({"type": "message_stop"}, "message_stop")]
+        return [sse_event(delta, "message_delta"), sse_event({"type": "message_stop"}, "message_stop")]
 
     def stream_failed(self, message: str, started: bool) -> bytes:
-        return _sse_event({"type": "error", "error": {"type": "api_error", "message": message}}, "error")
+        return sse_event({"type": "error", "error": {"type": "api_error", "message": message}}, "error")

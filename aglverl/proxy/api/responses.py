@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 
 import orjson
 
-from ..sse import _sse_event
+from ..sse import sse_event
 from .translator import (
     Block,
     Exchange,
@@ -368,7 +368,7 @@ class ResponsesApi:
     def _emit(self, kind: str, **fields: Any) -> bytes:
         obj = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return _sse_event(obj, kind)
+        return sse_event(obj, kind)
 
     def start(self) -> list[bytes]:
         snapshot = self._response("in_progress", [])

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import orjson
 
-from ..sse import _EventCut, _payloads
+from ..sse import EventCut, payloads
 
 __all__ = [
     "CHAT_TARGET",
@@ -350,7 +350,7 @@ class Translator:
         self.api: AgentApi = api(self.exchange)
         self._status = 200
         self._sse = False
-        self._cut = _EventCut()
+        self._cut = EventCut()
         self._buffer = bytearray()
         self._ended = False
         self._open: Block | None = None
@@ -418,7 +418,7 @@ class Translator:
                 self._buffer += chunk
             return b""
         out: list[bytes] = []
-        for data in _payloads(self._cut.feed(chunk)):
+        for data in payloads(self._cut.feed(chunk)):
             if data == b"[DONE]":
                 out += self._end()
                 break
