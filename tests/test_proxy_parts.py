@@ -18,7 +18,7 @@ from anyio.lowlevel import checkpoint
 import aglverl.proxy
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import ProxyError, RetryPolicy, _Call, _Capture
+from aglverl.proxy import Call, Capture, ProxyError, RetryPolicy
 from aglverl.proxy.config import ProxyConfig
 from aglverl.proxy.gate import Gate
 from aglverl.proxy.meters import Meters
@@ -32,27 +32,50 @@ pytestmark = pytest.mark.anyio
 
 PACKAGE = Path(aglverl.proxy.__file__).parent
 CASES = load_replay_cases(Path(__file__).parent / "fixtures" / "vllm")
-MODULES = sorted(info.name for info in pkgutil.iter_modules([str(PACKAGE)]))
+#: The package's modules, dotted below ``aglverl.proxy`` (``api`` is a subpackage: ``api``, ``api.messages``, ...).
+MODULES = sorted(
+    info.name.removeprefix("aglverl.proxy.")
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix="aglverl.proxy.")
+)
+
+
+def _source(module: str) -> Path:
+    path = PACKAGE.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _known(dotted: str) -> str | None:
+    """The package's module that an import of ``dotted`` (below ``aglverl.proxy``) loads: itself, or the
+    module it names a member of."""
+    while dotted and dotted not in MODULES:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
 
 
 def _imports(module: str) -> set[str]:
     """The package's modules that ``module`` imports anywhere (``TYPE_CHECKING`` blocks and functions too)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    source = _source(module)
+    tree = ast.parse(source.read_text())
+    here = module.split(".") if source.name == "__init__.py" else module.split(".")[:-1]
     found: set[str] = set()
     for node in ast.walk(tree):
+        targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:  # from .x import ..., or from . import x
-                names = [node.module] if node.module else [alias.name for alias in node.names]
-            elif node.level == 0 and (node.module or "").startswith("aglverl.proxy."):
-                names = [(node.module or "").split(".")[2]]
-            else:
-                continue
-            found.update(name.split(".")[0] for name in names if name)
+            if node.level:  # from .x import ..., from ..x import ..., from . import x
+                base = ".".join(here[: len(here) - node.level + 1])
+                stem = ".".join(p for p in (base, node.module or "") if p)
+                targets = [f"{stem}.{alias.name}" if stem else alias.name for alias in node.names]
+                targets.append(stem)
+            elif (node.module or "").startswith("aglverl.proxy."):
+                targets = [(node.module or "").removeprefix("aglverl.proxy.")]
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.startswith("aglverl.proxy."):
-                    found.add(alias.name.split(".")[2])
-    return found & set(MODULES)
+            targets = [
+                a.name.removeprefix("aglverl.proxy.")
+                for a in node.names
+                if a.name.startswith("aglverl.proxy.")
+            ]
+        found.update(known for target in targets if (known := _known(target)) is not None)
+    return found
 
 
 def _circle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -144,6 +167,19 @@ async def test_the_gate_alone_refuses_a_new_call_held_past_hold_timeout() -> Non
     assert gate.held and gate.waiting == 0
 
 
+@pytest.mark.parametrize(("pause_timeout", "hold_timeout"), [(0.3, 0.05), (0.05, 0.3)])
+async def test_the_gates_503_names_the_bound_it_waited_the_longer_of_pause_and_hold_timeout(
+    pause_timeout: float, hold_timeout: float
+) -> None:
+    gate = Gate(ProxyConfig(pause_timeout=pause_timeout, hold_timeout=hold_timeout), Meters(Registry()))
+    gate.hold()
+    started = time.monotonic()
+    with pytest.raises(ProxyError) as refused:
+        await gate.admit()
+    assert time.monotonic() - started >= 0.3
+    assert "for over 0.3s (the longer of the proxy's pause_timeout and hold_timeout)" in refused.value.message
+
+
 async def test_the_gate_alone_gives_up_a_retried_continuation_once_its_budget_is_spent() -> None:
     meters = Meters(Registry())
     config = ProxyConfig(retry=RetryPolicy(backoff_initial=0.01, backoff_max=0.01, jitter=0.0))
@@ -176,15 +212,15 @@ def test_the_pool_alone_keeps_a_rollout_on_its_backend_and_sends_a_new_one_to_th
 
 
 # ---------------------------------------------------------------------------------------------- the recorder
-def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple[_Call, bytes]:
+def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple[Call, bytes]:
     """A recorded chat call of a newly claimed attempt that asked for at most 3 tokens, and the backend's JSON
     answer to it."""
     rollout_id = store.enqueue({"question": "?"})
     task = store.try_claim()
     assert task is not None and task.attempt_id is not None
-    call = _Call(0, 0.0, rollout_id, task.attempt_id)
+    call = Call(0, 0.0, rollout_id, task.attempt_id)
     call.kind, call.path, call.max_tokens = "chat", "/v1/chat/completions", 3
-    call.capture = _Capture("chat")
+    call.capture = Capture("chat")
     answer = {
         "model": "m",
         "prompt_token_ids": prompt,
@@ -201,7 +237,7 @@ def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple
     return call, orjson.dumps(answer)
 
 
-def _finished(store: TaskStore, call: _Call) -> list[LLMCall]:
+def _finished(store: TaskStore, call: Call) -> list[LLMCall]:
     assert call.rollout_id is not None
     store.submit_result(Rollout(rollout_id=call.rollout_id, attempt_id=call.attempt_id, final_reward=1.0))
     return store.record(call.rollout_id).calls
@@ -237,7 +273,7 @@ def test_the_recorder_alone_records_once_through_the_store_view_and_counts_what_
 
 
 # ---------------------------------------------------------------------------------------------- capture
-def _assembled(capture: _Capture) -> list[tuple[object, object, object, object]]:
+def _assembled(capture: Capture) -> list[tuple[object, object, object, object]]:
     return [(i, c.prompt_ids, ids, lps) for i, c, ids, lps in capture.result()]
 
 
@@ -246,7 +282,7 @@ def test_capture_takes_reads_of_whole_events_as_it_takes_bytes_cut_anywhere(name
     case = CASES[name]
     kind = "chat" if "chat" in case.path else "completion"
     events = [e + b"\n\n" for e in case.response.split(b"\n\n") if e.strip()]
-    cut_anywhere, one_by_one, in_reads = _Capture(kind), _Capture(kind), _Capture(kind)
+    cut_anywhere, one_by_one, in_reads = Capture(kind), Capture(kind), Capture(kind)
     for i in range(0, len(case.response), 7):
         cut_anywhere.feed(case.response[i : i + 7])
     for event in events:
@@ -259,7 +295,7 @@ def test_capture_takes_reads_of_whole_events_as_it_takes_bytes_cut_anywhere(name
 
 
 def test_capture_of_a_read_with_a_garbled_event_is_broken_and_still_sees_the_abort_after_it() -> None:
-    capture = _Capture("chat")
+    capture = Capture("chat")
     good = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5],"finish_reason":null}]}\n\n'
     garbled = b'data: {"choices":[{"index":0,"delta":\n\n'
     aborted = (
@@ -275,7 +311,7 @@ def test_capture_of_a_read_with_an_event_holding_two_values_is_broken_as_that_ev
     # pass as two events.
     first = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}]}\n\n'
     two = b'data: {"choices":[{"index":0,"delta":{"content":"b"},"token_ids":[6]}]}, {"model":"m"}\n\n'
-    alone, in_a_read = _Capture("chat"), _Capture("chat")
+    alone, in_a_read = Capture("chat"), Capture("chat")
     alone.take_events(first)
     alone.take_events(two)
     in_a_read.take_events(first + two)
@@ -300,7 +336,7 @@ def test_capture_reports_logprobs_only_as_one_number_per_id() -> None:
         ([-1.0, True], None),  # a boolean is not a log-prob
         ([-1.0], None),  # not one per id
     ):
-        capture = _Capture("chat")
+        capture = Capture("chat")
         assert capture.take_body(answer(logprobs))
         [(_, _, ids, lps)] = capture.result()
         assert ids == [1, 2] and lps == expected and all(type(v) is float for v in lps or ())

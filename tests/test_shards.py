@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import signal
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -286,6 +287,175 @@ async def test_a_shard_restarted_during_a_hold_comes_back_holding_with_its_new_a
         await daemon.refresh_proxy_figures()
     assert [(c.attempt_id, c.weight_version) for c in calls] == [(again.attempt_id, 5)]
     assert victim.counters["proxy/held_calls"] == 1
+
+
+class HeldActor:
+    """A shard's Ray actor handle with one method held: a call of it waits for :attr:`release` (set by the
+    test), then goes on to the actor, or fails with ``error`` as a call sent to a process that died meanwhile
+    does. It fixes the order of two concurrent things (a reply and a death) that Ray leaves to the machine."""
+
+    def __init__(self, actor: Any, method: str, error: BaseException | None = None) -> None:
+        self.actor = actor
+        self.method = method
+        self.error = error
+        self.sent = anyio.Event()
+        self.release = anyio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self.method:
+            return self
+        return getattr(self.actor, name)
+
+    def remote(self, *args: Any) -> Any:
+        return self._held(*args)
+
+    async def _held(self, *args: Any) -> Any:
+        self.sent.set()
+        await self.release.wait()
+        if self.error is not None:
+            raise self.error
+        return await getattr(self.actor, self.method).remote(*args)
+
+
+@asynccontextmanager
+async def _second_shard_held(
+    daemon: AgentDaemon, agent: AgentClient, method: str, error: BaseException | None = None
+) -> AsyncIterator[tuple[Any, Any, HeldActor]]:
+    """Two tasks claimed, one on each shard; the second's shard with ``method`` held (:class:`HeldActor`) until
+    the block is left: ``(second task, its shard, the held handle)``."""
+    for q in range(2):
+        await daemon.queue_task({"q": q})
+    (_, _), (second, second_base) = [await _claim(agent) for _ in range(2)]
+    victim = next(s for s in _shards(daemon).shards if second_base.startswith(s.url + "/"))
+    held = victim.actor = HeldActor(victim.actor, method, error)
+    try:
+        yield second, victim, held
+    finally:
+        victim.actor = held.actor  # ray.kill at the daemon's exit takes the real handle
+
+
+@pytest.mark.parametrize("read", ["figures", "metrics_text"])
+async def test_a_figures_call_in_flight_at_a_shards_death_voids_nothing_of_the_restarted_shard(
+    ray_cluster: Any, mock: MockVLLM, read: str
+) -> None:
+    """A figures (or /metrics) call sent to a shard's process that dies, whose error reaches the driver only
+    after Ray restarted the shard and a new attempt was pinned there: the error is of the dead process; the
+    new attempt's result is accepted, and the death counts once (one restart, one attempt lost)."""
+    import ray
+
+    async with _daemon(mock) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        async with _second_shard_held(daemon, agent, read, ray.exceptions.RayActorError()) as (second, victim, held):
+            pid = await held.actor.pid.remote()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(daemon.refresh_proxy_figures if read == "figures" else shards.metrics_text)
+                with anyio.fail_after(20):
+                    await held.sent.wait()  # in flight to the process about to die
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises(TaskServerError) as refused:
+                    await agent.post_rollout(
+                        Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0)
+                    )
+                assert refused.value.status == 409
+                with anyio.fail_after(60):
+                    await shards.wait_up()
+                again, again_base = await _claim(agent)
+                assert again.rollout_id == second.rollout_id and again_base.startswith(victim.url + "/")
+                assert (await _chat(again_base)).status == 200
+                held.release.set()  # the dead process's error arrives now
+        await agent.post_rollout(Rollout(rollout_id=again.rollout_id, attempt_id=again.attempt_id, final_reward=1.0))
+        calls = daemon.store.record(again.rollout_id).calls
+        restarts = daemon.registry.counter("aglverl_proxy_shard_restarts_total", "").value()
+        lost = daemon.registry.counter("aglverl_attempts_lost_total", "").value()
+    assert [c.attempt_id for c in calls] == [again.attempt_id]
+    assert (restarts, lost) == (1, 1)
+
+
+async def test_a_pause_while_a_shard_restarts_pauses_it_too(ray_cluster: Any, mock: MockVLLM) -> None:
+    """``pause_calls`` while a shard's new process has been started but not yet sent its table and gate (the
+    driver's sync held by the test): the pause reaches that process too, and the older open gate the sync
+    then brings does not open it; no shard serves under the open gate once ``pause_calls`` returned."""
+    async with _daemon(mock) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        async with _second_shard_held(daemon, agent, "sync") as (_, victim, held):
+            os.kill(await held.actor.pid.remote(), signal.SIGKILL)
+            with anyio.fail_after(60):
+                await held.sent.wait()  # restarted, serving, its table and gate not sent yet
+            assert not victim.up
+            with anyio.fail_after(20):
+                await daemon.pause_calls()
+            assert (await held.actor.figures.remote(0.0))["gate"] == "paused"
+            held.release.set()
+            with anyio.fail_after(20):
+                await shards.wait_up()
+            states = [(await s.actor.figures.remote(0.0))["gate"] for s in shards.shards]
+            await daemon.resume_calls()
+            resumed = [(await s.actor.figures.remote(0.0))["gate"] for s in shards.shards]
+    assert states == ["paused", "paused"] and resumed == ["open", "open"]
+
+
+def _outcomes(daemon: AgentDaemon) -> dict[str, float]:
+    """Rollouts completed and failed, and takes a shard did not answer in time (the daemon's registry)."""
+    count = lambda name: daemon.registry.counter(name, "").value()  # noqa: E731
+    return {
+        "completed": count("aglverl_rollouts_completed_total"),
+        "failed": count("aglverl_rollouts_failed_total"),
+        "take_timeouts": count("aglverl_proxy_shard_take_timeouts_total"),
+    }
+
+
+async def test_a_hung_shard_bounds_post_rollout_and_the_step_still_ends(ray_cluster: Any, mock: MockVLLM) -> None:
+    """A shard alive but not answering (its process stopped with SIGSTOP): ``POST /rollout`` of an attempt on
+    it gets its 409 ("... is void") after ``take_timeout``, its rollout is failed (one attempt allowed) without
+    calls, and the step ends; the other shard's rollout trains with its call."""
+    async with _daemon(mock, max_attempts=1) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        shards.take_timeout = 2.0
+        step = await daemon.submit([{"q": 1}, {"q": 2}], n=1)
+        (first, first_base), (second, second_base) = [await _claim(agent) for _ in range(2)]
+        for base in (first_base, second_base):
+            assert (await _chat(base)).status == 200
+        victim = next(s for s in shards.shards if second_base.startswith(s.url + "/"))
+        pid = await victim.actor.pid.remote()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await agent.post_rollout(Rollout(rollout_id=first.rollout_id, attempt_id=first.attempt_id, final_reward=1.0))
+            with anyio.fail_after(20), pytest.raises(TaskServerError) as refused:
+                await agent.post_rollout(
+                    Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0)
+                )
+            with anyio.fail_after(20):
+                batch = await daemon.batches.receive()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        outcomes = _outcomes(daemon)
+    assert refused.value.status == 409 and "did not hand over its LLM calls within 2s" in refused.value.detail
+    assert batch.step == step.number and (batch.metrics["batch/n_rollouts"], batch.metrics["batch/n_calls"]) == (1, 1)
+    assert outcomes == {"completed": 1, "failed": 1, "take_timeouts": 1}
+
+
+async def test_a_failed_rollout_whose_shard_hangs_settles_and_its_step_ends(ray_cluster: Any, mock: MockVLLM) -> None:
+    """A rollout whose lease expires (its last attempt) while its shard is stopped: taking its records is
+    bounded by ``take_timeout``, so the rollout settles failed without them and its step ends."""
+    async with _daemon(mock, max_attempts=1, lease_seconds=5.0) as daemon, AgentClient(daemon.server_url) as agent:
+        shards = _shards(daemon)
+        shards.take_timeout = 2.0
+        step = await daemon.submit([{"q": 1}, {"q": 2}], n=1)
+        (first, first_base), (_, second_base) = [await _claim(agent) for _ in range(2)]
+        for base in (first_base, second_base):
+            assert (await _chat(base)).status == 200
+        await agent.post_rollout(Rollout(rollout_id=first.rollout_id, attempt_id=first.attempt_id, final_reward=1.0))
+        victim = next(s for s in shards.shards if second_base.startswith(s.url + "/"))
+        pid = await victim.actor.pid.remote()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(40):
+                batch = await daemon.batches.receive()  # the second lease expires, the take gives up
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        outcomes = _outcomes(daemon)
+    assert batch.step == step.number and (batch.metrics["batch/n_rollouts"], batch.metrics["batch/n_calls"]) == (1, 1)
+    assert outcomes == {"completed": 1, "failed": 1, "take_timeouts": 1}
 
 
 def test_shards_go_beside_the_backends_nodes_or_on_every_alive_node(ray_cluster: Any) -> None:

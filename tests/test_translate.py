@@ -26,14 +26,7 @@ from aglverl import AgentDaemon, BatchConfig, InferenceServer, Rollout, run_agen
 from aglverl.metrics import Registry
 from aglverl.models import LLM
 from aglverl.proxy import LLMProxy, RetryPolicy
-from aglverl.proxy.translate import (
-    MessagesTranslator,
-    ResponsesTranslator,
-    TranslationError,
-    Translator,
-    error_body,
-    new_translator,
-)
+from aglverl.proxy.api import TranslationError, Translator, error_body, new_translator
 from aglverl.store.tasks import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, load_replay_cases, tool_arguments
 
@@ -99,13 +92,13 @@ def stream_body(api: str) -> dict[str, Any]:
 
 
 def requested(api: str, body: dict[str, Any]) -> Translator:
-    translator = new_translator(api)  # type: ignore[arg-type]
+    translator = new_translator(api)
     translator.request(orjson.dumps(body))
     return translator
 
 
 def chat_of(api: str, body: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = orjson.loads(new_translator(api).request(orjson.dumps(body)))  # type: ignore[arg-type]
+    result: dict[str, Any] = orjson.loads(new_translator(api).request(orjson.dumps(body)))
     return result
 
 
@@ -389,7 +382,7 @@ def test_a_request_the_translation_cannot_carry_is_refused_naming_the_field(
     api: str, body: dict[str, Any], field: str
 ) -> None:
     with pytest.raises(TranslationError) as caught:
-        new_translator(api).request(orjson.dumps(body))  # type: ignore[arg-type]
+        new_translator(api).request(orjson.dumps(body))
     assert caught.value.status == 400 and caught.value.param == field
     assert f"'{field}'" in caught.value.message
 
@@ -521,7 +514,7 @@ def test_a_tool_call_that_is_not_a_json_object_keeps_its_text() -> None:
 
 
 def test_an_answer_that_is_not_a_chat_completion_is_a_502() -> None:
-    for translator in (ResponsesTranslator(), MessagesTranslator()):
+    for translator in (new_translator("responses"), new_translator("messages")):
         with pytest.raises(TranslationError) as caught:
             translator.whole(200, b'{"object": "list"}')
         assert caught.value.status == 502

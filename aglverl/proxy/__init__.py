@@ -38,8 +38,8 @@ call, an edited history, another system prompt or tool list, ``n > 1``) or a bac
 each call by how it was made.
 
 ``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
-family, are translated by :mod:`aglverl.proxy.translate`: the body becomes a chat completion before anything else
-looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
+family, are translated by :mod:`aglverl.proxy.api` (one module per API, a registry by path): the body becomes a
+chat completion before anything else looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
 agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
 gets, the proxy's own included, is in that API's shape; Anthropic's ``x-api-key`` is accepted as the token.
 
@@ -77,6 +77,13 @@ of theirs, which the agent has not seen, is made again from the start under the 
 (``proxy/regenerated``); a stream of theirs, already partly sent, ends the same way as above, with the
 reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
 
+Overload (:mod:`~aglverl.proxy.overload`): the proxy measures how late its event loop runs (a probe every 50 ms,
+averaged over 0.5 s; ``proxy.overload.lag``, ``aglverl_proxy_loop_lag_seconds``, ``proxy/loop_lag_seconds``) and,
+past :class:`OverloadPolicy`'s ``max_lag`` (0.1 s) with at least ``min_in_flight`` calls in flight, answers a
+share of NEW calls, all of them at twice the limit, with a 429 and ``Retry-After`` in the agent's API (the
+openai and anthropic SDKs wait and retry); calls already admitted always run to their end.
+``proxy.overload.policy = OverloadPolicy(refuse=False)`` turns the refusals off (the lag is still measured).
+
 Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
 (4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
 to close. Cancelling ``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds,
@@ -98,6 +105,7 @@ import circle):
 ::
 
     LLMProxy ─┬─▶ Admission ─▶ TokenIn ─────────┐       (an arrow: holds, handed by the constructor)
+              │   └─▶ Overload (made by it)     │
               └─▶ Relay ─────▶ Resumer ─────────┴─▶ Responder ─▶ Recorder ─┬─▶ ProxyStore (the store's view)
                                                                            └─▶ Sessions (token-in turns)
     and, each as it needs them: Pool (backends), Gate (pause / hold / resume), ProxyConfig, Meters
@@ -105,7 +113,8 @@ import circle):
 - :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: builds the parts, routes, the handler that always ends with
   the call recorded and counted, the public API, life cycle.
 - :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: auth, the attempt against the
-  store, path and body limits, translation, the capture request, sampling reconciliation, the gate's wait.
+  store, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag, the 429), path and
+  body limits, translation, the capture request, sampling reconciliation, the gate's wait.
 - :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
   (JSON, SSE), disconnects, broken streams.
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued
@@ -125,8 +134,9 @@ import circle):
 - The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
   :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
   forwarding), :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and
-  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing). :mod:`aglverl.proxy.translate` (other APIs as chat
-  completions) stays beside the package.
+  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing), :mod:`~aglverl.proxy.api` (the agents' other APIs
+  as chat completions: the :class:`~aglverl.proxy.api.translator.Translator` a call holds, and one module per
+  API, pure).
 """
 
 from __future__ import annotations
@@ -134,12 +144,13 @@ from __future__ import annotations
 from .admission import SAMPLING_NEUTRAL, TRAINER_SAMPLING, reconcile_sampling
 from .app import LLMProxy
 from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
-from .call import _Call as _Call  # private names re-exported (``as``): tests reach in for them
-from .call import _forward_headers as _forward_headers
+from .call import Call as Call  # the package's own names, re-exported (``as``) for tests; not in __all__
+from .call import forward_headers as forward_headers
 from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
-from .capture import _Capture as _Capture
-from .capture import _ChoiceCapture as _ChoiceCapture
+from .capture import Capture as Capture
+from .capture import ChoiceCapture as ChoiceCapture
 from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
+from .overload import LagStatistics, Overload, OverloadPolicy
 from .pool import (
     COMPLETIONS_TARGET,
     EJECT_AFTER_TIMEOUTS,
@@ -148,10 +159,10 @@ from .pool import (
     RETRY_STATUSES,
     STICKY_ROLLOUTS,
 )
-from .pool import _Backend as _Backend
+from .pool import Backend as Backend
 from .resume import CONTINUED_FIELDS
-from .resume import _resume_blocker as _resume_blocker
-from .resume import _Resumption as _Resumption
+from .resume import Resumption as Resumption
+from .resume import resume_blocker as resume_blocker
 
 __all__ = [
     "CAPTURED_PATHS",
@@ -170,7 +181,10 @@ __all__ = [
     "UPSTREAM_KEEPALIVE",
     "WEIGHT_VERSION_HEADER",
     "LLMProxy",
+    "LagStatistics",
     "Outcome",
+    "Overload",
+    "OverloadPolicy",
     "ProxyError",
     "RetryPolicy",
     "SamplingMismatch",

@@ -4,7 +4,9 @@
 alone, for routes that lead nowhere). In order: the agent's API (a translated one is known first, so that every
 refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time), the
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
-forwarded), the path (no ``.``/``..`` segments), the body (``max_request_bytes``: 413), the translation to a
+forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
+a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
+(``max_request_bytes``: 413), the translation to a
 chat completion, and for a recorded call the capture request (``return_token_ids``, logprobs, identity
 encoding), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
@@ -12,7 +14,8 @@ closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
 Every refusal is a :class:`~aglverl.proxy.call.ProxyError` naming what was wrong; nothing of a refused call
 was forwarded or stored. It awaits the request body and the gate; cancelled (the agent left), it stops there.
-Holds the config, the store, the gate, the meters (``sampling``) and the token-in part (``None``: off).
+Holds the config, the store, the gate, the meters (``sampling``) and the token-in part (``None``: off); makes and
+holds the :class:`~aglverl.proxy.overload.Overload` part (:attr:`Admission.overload`).
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ import orjson
 from aiohttp import web
 
 from ..store.tasks import StoreError
-from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
-from .capture import CAPTURED_PATHS, _Capture
+from .api import APIS, CHAT_TARGET, TranslationError, Translator
+from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
+from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
+from .overload import Overload
 from .store_view import ProxyStore
 from .tokenin import TokenIn
-from .translate import CHAT_TARGET, TRANSLATED_PATHS, TranslationError, Translator, new_translator
 
 __all__ = ["SAMPLING_NEUTRAL", "TRAINER_SAMPLING", "Admission", "reconcile_sampling"]
 
@@ -110,13 +114,15 @@ class Admission:
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
+        #: The event loop's lag and the 429 for new calls while it is over its limit.
+        self.overload = Overload(meters.registry)
 
-    async def admit(self, request: web.Request, call: _Call, target: str) -> None:
+    async def admit(self, request: web.Request, call: Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
         path = request.match_info["path"]
-        api = TRANSLATED_PATHS.get(path) if request.method == "POST" else None
+        api = APIS.get(path) if request.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = new_translator(api)
+            call.translator = Translator(api)
         self.authorize(request)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
@@ -126,11 +132,12 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
+        self.overload.check(self.gate.in_flight)
         query = request.rel_url.raw_query_string
         call.method = request.method
         call.path = "/v1/" + path
         call.target = f"{target}?{query}" if query else target
-        call.headers = _forward_headers(request.headers, _REQUEST_DROP)
+        call.headers = forward_headers(request.headers, REQUEST_DROP)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
         call.body = await self._read_body(request)
@@ -168,7 +175,7 @@ class Admission:
             raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
 
     @staticmethod
-    def _translate_request(call: _Call, translator: Translator) -> Literal["chat"]:
+    def _translate_request(call: Call, translator: Translator) -> Literal["chat"]:
         """Turn a Responses / Messages body into the chat completion the backend gets (before any capture
         preparation, which then sees an ordinary chat call); a body that cannot be translated is a 400."""
         try:
@@ -176,11 +183,11 @@ class Admission:
         except TranslationError as exc:
             raise ProxyError(exc.status, exc.message, exc.param) from None
         call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
-        call.headers["Content-Type"] = _JSON
+        call.headers["Content-Type"] = JSON
         call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated
         return "chat"
 
-    def _prepare_capture(self, call: _Call, kind: Literal["chat", "completion"]) -> None:
+    def _prepare_capture(self, call: Call, kind: Literal["chat", "completion"]) -> None:
         """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
         try:
             obj = orjson.loads(call.body)
@@ -193,7 +200,7 @@ class Admission:
         model = obj.get("model")
         call.model = model if isinstance(model, str) else None
         call.kind = kind
-        call.capture = _Capture(kind)
+        call.capture = Capture(kind)
         call.headers["Accept-Encoding"] = "identity"
         empty = not obj
         fill = self._reconcile_sampling(call, obj)
@@ -212,9 +219,9 @@ class Admission:
         obj.update(fill)
         call.request = obj
         # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
-        call.max_tokens = _token_limit(obj)
+        call.max_tokens = token_limit(obj)
 
-    def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
+    def _reconcile_sampling(self, call: Call, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Check the call's sampling parameters against its trainer's; return the parameters to add.
 
         Raises :class:`ProxyError` (400) for an off-policy call under the ``"refuse"`` rule, marks it

@@ -36,10 +36,11 @@ from .._net import bind_listener, url_of
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
-from .call import ProxyError, _Call
+from .call import Call, ProxyError
 from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
 from .gate import Gate
 from .meters import Meters
+from .overload import Overload
 from .pool import Pool
 from .recorder import Recorder
 from .relay import Relay
@@ -292,6 +293,13 @@ class LLMProxy:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
 
+    @property
+    def overload(self) -> Overload:
+        """The event loop's lag (:attr:`Overload.lag <aglverl.proxy.overload.Overload.lag>`), measured while
+        serving, and the policy past which new calls get a 429 (``proxy.overload.policy =
+        OverloadPolicy(...)``; see :mod:`aglverl.proxy.overload`)."""
+        return self._admission.overload
+
     # ------------------------------------------------------------------ life cycle
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled; ``task_status.started()`` once the listener accepts connections.
@@ -314,12 +322,14 @@ class LLMProxy:
             site = web.SockSite(runner, sock)
             await site.start()
             self._url = url_of(sock)
+            self._admission.overload.start()
             async with anyio.create_task_group() as tg:
                 self._pool.probes = tg
                 task_status.started()
                 await anyio.sleep_forever()
         finally:
             self._pool.probes = None
+            self._admission.overload.stop()
             with anyio.CancelScope(shield=True):
                 await self._close(runner, site)
             sock.close()
@@ -370,7 +380,7 @@ class LLMProxy:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        call = _Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
+        call = Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
         try:
             try:
                 await self._admission.admit(request, call, target)
@@ -388,7 +398,7 @@ class LLMProxy:
         finally:
             self._handlers.discard(task)
 
-    async def _run(self, request: web.Request, call: _Call) -> web.StreamResponse:
+    async def _run(self, request: web.Request, call: Call) -> web.StreamResponse:
         """Forward ``call`` (generated from ids when it extends a recorded turn, else relayed), always ending
         with it recorded and counted, whatever happens."""
         call.weight_version = self._gate.weight_version

@@ -9,9 +9,9 @@ waiting at it (two gauges in the registry).
 
 What it awaits, and cancellation:
 
-- :meth:`Gate.admit` — a new call while the gate is closed: up to ``pause_timeout`` (``hold_timeout`` while
-  closed: a trainer's update may take hours), then :class:`~aglverl.proxy.call.ProxyError` 503. Cancelled
-  (the agent left), the call simply stops waiting.
+- :meth:`Gate.admit` — a new call while the gate is closed: up to the longer of ``pause_timeout`` and
+  ``hold_timeout`` (a trainer's update may take hours), then :class:`~aglverl.proxy.call.ProxyError` 503
+  naming that bound. Cancelled (the agent left), the call simply stops waiting.
 - :meth:`Gate.released` / :meth:`Gate.held_back` — a call in flight whose aborted generation waits to continue
   (``held_back`` keeps no backend busy in :attr:`activity` meanwhile, and moves the call's budget on by the
   time held, so that a hold spends none of it). :meth:`Gate.clear_to_retry` adds the retry policy's backoff
@@ -112,8 +112,11 @@ class Gate:
             return
         self.meters.held.inc()
         if not await self.released(time.monotonic() + self.config.pause_timeout):
+            waited = max(self.config.pause_timeout, self.config.hold_timeout)  # as released() bounds it
             raise ProxyError(
-                503, f"the proxy is paused for a weight update for over {self.config.hold_timeout:g}s"
+                503,
+                f"the proxy is paused for a weight update for over {waited:g}s (the longer of the proxy's "
+                "pause_timeout and hold_timeout)",
             )
 
     async def released(self, deadline: float) -> bool:

@@ -8,13 +8,13 @@
   remembered, LRU); a new rollout, a retry, or a rollout whose backend is ejected, removed or asked to wait by a
   429 goes to the healthy backend with the fewest calls in flight (then the fewest picks). Synchronous.
 - :meth:`Pool.send` — one upstream try, awaiting the response head. No response at all is
-  :class:`~aglverl.proxy.call._Unreachable` (safe to retry: nothing reached the agent); a refused connection
+  :class:`~aglverl.proxy.call.Unreachable` (safe to retry: nothing reached the agent); a refused connection
   also ejects the backend. ``request_timeout`` before the head is a 504
   (:class:`~aglverl.proxy.call.ProxyError`), and a backend that outlives it ``EJECT_AFTER_TIMEOUTS`` calls in
   a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); anything else that is not
   HTTP a 502. Cancelled, the request is dropped with its connection (aiohttp closes it).
 - :meth:`Pool.keep` keeps a retryable 5xx/429 answer (bounded) in case no retry does better and notes a 429's
-  ``Retry-After``; :func:`_read_bounded` reads a whole body under ``max_response_bytes``;
+  ``Retry-After``; :func:`read_bounded` reads a whole body under ``max_response_bytes``;
   :meth:`Pool.context_window` reads a backend's ``max_model_len``. The retry loop itself is the relay's
   (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is :class:`~aglverl.proxy.config.RetryPolicy`.
 - Ejection and probes: an ejected backend takes no traffic for ``eject_seconds``; one task per ejected backend
@@ -43,18 +43,18 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .call import (
-    _JSON,
-    _RESPONSE_DROP,
     ERROR_BODY_LIMIT,
+    JSON,
+    RESPONSE_DROP,
+    Call,
     ProxyError,
-    _Call,
-    _error_body,
-    _forward_headers,
-    _Unreachable,
+    Unreachable,
+    error_body,
+    forward_headers,
 )
 from .config import ProxyConfig
 from .meters import Meters
-from .sse import _EventCut, _payloads
+from .sse import EventCut, payloads
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ PROBE_READ_TIMEOUT = 2.0
 COMPLETIONS_TARGET = "/v1/completions"
 
 
-class _Backend:
+class Backend:
     """One inference server and what routing needs to know about it."""
 
     __slots__ = (
@@ -102,7 +102,7 @@ class _Backend:
 
 
 @dataclass(frozen=True, slots=True)
-class _Held:
+class Held:
     """A retryable upstream answer kept in case no retry does better."""
 
     status: int
@@ -126,7 +126,7 @@ def _retry_after(value: str | None) -> float:
         return 0.0
 
 
-async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+async def read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
     """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
     whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
     if (upstream.content_length or 0) > limit:
@@ -140,8 +140,8 @@ async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str)
     return b"".join(parts)
 
 
-class _BoundedEvents:
-    """A backend's SSE body read a chunk at a time, bounded like :func:`_read_bounded`: :meth:`next` returns
+class BoundedEvents:
+    """A backend's SSE body read a chunk at a time, bounded like :func:`read_bounded`: :meth:`next` returns
     the payloads of the complete events of the next read (a last event with no blank line after it included)
     and ``None`` once the body ended. A timeout is a 504 with ``timed_out()``'s message; a broken connection
     or a body past ``limit`` bytes is a 502 naming the backend and ``what`` it was sending."""
@@ -156,7 +156,7 @@ class _BoundedEvents:
     ) -> None:
         self.content = upstream.content
         self.backend, self.what, self.limit, self.timed_out = backend, what, limit, timed_out
-        self._cut = _EventCut()
+        self._cut = EventCut()
         self._size = 0
 
     async def next(self) -> list[bytes] | None:
@@ -174,7 +174,7 @@ class _BoundedEvents:
         self._size += len(chunk)
         if self._size > self.limit:
             raise ProxyError(502, f"backend {self.what} exceeds max_response_bytes={self.limit}")
-        return _payloads(self._cut.feed(chunk))
+        return payloads(self._cut.feed(chunk))
 
 
 def _normalise_backend(url: str) -> str:
@@ -196,8 +196,8 @@ class Pool:
         self.meters = meters
         #: The task group the probes of ejected backends run in (the proxy's, while it serves).
         self.probes: TaskGroup | None = None
-        self._backends: list[_Backend] = []
-        self._sticky: OrderedDict[str, _Backend] = OrderedDict()
+        self._backends: list[Backend] = []
+        self._sticky: OrderedDict[str, Backend] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self.set_backends(backends)
 
@@ -218,8 +218,8 @@ class Pool:
         backend finish there, and rollouts pinned to it move on their next call.
         """
         wanted = list(dict.fromkeys(_normalise_backend(u) for u in urls))
-        old: dict[str, _Backend | None] = {b.url: b for b in self._backends}
-        self._backends = [old.pop(url, None) or _Backend(url) for url in wanted]
+        old: dict[str, Backend | None] = {b.url: b for b in self._backends}
+        self._backends = [old.pop(url, None) or Backend(url) for url in wanted]
         for gone in old.values():
             if gone is not None:
                 gone.removed = True
@@ -268,7 +268,7 @@ class Pool:
             trust_env=False,  # nothing but the configured backends is ever contacted
         )
 
-    def timed_out(self, call: _Call) -> str:
+    def timed_out(self, call: Call) -> str:
         """Note a call that outlived ``request_timeout`` and describe it.
 
         The rollout is moved off that backend at once (its next call or attempt goes elsewhere), and a backend
@@ -290,7 +290,7 @@ class Pool:
             f"backend {call.backend} did not finish within request_timeout={self.config.request_timeout:g}s"
         )
 
-    def pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None:
+    def pick(self, rollout_id: str | None, tried: Sequence[Backend]) -> Backend | None:
         """The backend for the next try: the rollout's own while healthy, else the least loaded healthy one."""
         if not self._backends:
             return None
@@ -316,9 +316,9 @@ class Pool:
         return best
 
     async def send(
-        self, backend: _Backend, call: _Call, continuation: bytes | None = None
+        self, backend: Backend, call: Call, continuation: bytes | None = None
     ) -> aiohttp.ClientResponse:
-        """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came.
+        """Send the request to ``backend`` and return its response head; :class:`Unreachable` if none came.
 
         ``continuation``: send this ``/v1/completions`` body instead (an aborted generation's continuation).
         """
@@ -339,10 +339,10 @@ class Pool:
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._eject(backend, exc)
-            raise _Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
+            raise Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             # Typically a pooled connection the server closed just as it was reused: worth another try.
-            raise _Unreachable(
+            raise Unreachable(
                 f"backend {backend.url} closed the connection without answering: {exc!r}"
             ) from exc
         except TimeoutError:  # request_timeout (aiohttp's total timeout) before the response head
@@ -354,7 +354,7 @@ class Pool:
             self._restore(backend)
         return upstream
 
-    async def keep(self, backend: _Backend, upstream: aiohttp.ClientResponse) -> _Held:
+    async def keep(self, backend: Backend, upstream: aiohttp.ClientResponse) -> Held:
         """Keep a retryable answer (bounded) and free its connection; note a 429's ``Retry-After``."""
         try:
             if upstream.status == 429:
@@ -366,24 +366,24 @@ class Pool:
                     body = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError):
                     body = b""
-            headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
+            headers = forward_headers(upstream.headers, RESPONSE_DROP)
             if not body:
-                body = _error_body(upstream.status, f"backend {backend.url} answered {upstream.status}")
-                headers["Content-Type"] = _JSON
+                body = error_body(upstream.status, f"backend {backend.url} answered {upstream.status}")
+                headers["Content-Type"] = JSON
             logger.debug("backend %s answered %d; retrying", backend.url, upstream.status)
-            return _Held(upstream.status, upstream.reason, headers, body)
+            return Held(upstream.status, upstream.reason, headers, body)
         finally:
             upstream.close()
 
-    async def context_window(self, backend: _Backend, model: str | None) -> int | None:
+    async def context_window(self, backend: Backend, model: str | None) -> int | None:
         """``backend``'s context window for ``model``: ``max_model_len`` of its ``/v1/models`` card, as vLLM and the
-        embedded server report it (``None`` when it does not say); :class:`_Unreachable` when it did not answer
+        embedded server report it (``None`` when it does not say); :class:`Unreachable` when it did not answer
         (its message is the error's ``repr``)."""
         try:
             async with self.session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
                 cards = (await response.json(content_type=None)).get("data") or []
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
-            raise _Unreachable(repr(exc)) from exc
+            raise Unreachable(repr(exc)) from exc
         if not isinstance(cards, list):
             return None
         for card in cards:
@@ -394,7 +394,7 @@ class Pool:
                 return window
         return None
 
-    def _eject(self, backend: _Backend, exc: BaseException) -> None:
+    def _eject(self, backend: Backend, exc: BaseException) -> None:
         if backend.ejected or backend.removed:
             return
         backend.ejected = True
@@ -405,12 +405,12 @@ class Pool:
             backend.probing = True
             self.probes.start_soon(self._probe, backend)
 
-    def _restore(self, backend: _Backend) -> None:
+    def _restore(self, backend: Backend) -> None:
         if backend.ejected:
             backend.ejected = False
             logger.info("backend %s is back in rotation", backend.url)
 
-    async def _probe(self, backend: _Backend) -> None:
+    async def _probe(self, backend: Backend) -> None:
         """Sleep until the ejection ends, probe; repeat until a probe passes or the backend is removed."""
         try:
             while backend.ejected and not backend.removed:
@@ -424,7 +424,7 @@ class Pool:
         finally:
             backend.probing = False
 
-    async def _probe_once(self, backend: _Backend) -> bool:
+    async def _probe_once(self, backend: Backend) -> bool:
         session = self._session
         if session is None:
             return False

@@ -11,7 +11,8 @@ imports nothing of Ray (the driver wraps :class:`ProxyShard` with ``ray.remote``
   it (its rollout ended, or the claim was undone): its unshipped records are dropped, and once a rollout has no
   attempt left here its routing state and token-in sessions go too (``LLMProxy.forget``). ``("b", backends)``
   replaces the backends. The driver keeps one ``apply`` in flight per shard, so batches arrive in order.
-- :meth:`ProxyShard.sync` replaces the whole table, the gate and the backends (a restarted shard starts empty).
+- :meth:`ProxyShard.sync` replaces the whole table, the gate and the backends (a restarted shard starts empty);
+  its gate is ignored when a newer gate operation came first.
 - :meth:`ProxyShard.take` hands over the records of one attempt's calls and ends the attempt here (the store
   takes them when the attempt posts its result, or its rollout fails).
 - :meth:`ProxyShard.gate` applies ``pause`` / ``hold`` / ``resume`` / ``version``; each carries a sequence
@@ -45,10 +46,12 @@ from .app import LLMProxy
 from .call import Outcome
 from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 
-__all__ = ["GateOp", "ProxyShard", "ShardRestarted", "ShardTable", "boot_id", "counters_of"]
+__all__ = ["GAUGES", "GateOp", "ProxyShard", "ShardRestarted", "ShardTable", "boot_id", "counters_of"]
 
 logger = logging.getLogger(__name__)
 
+#: Of :func:`counters_of`'s figures, those that are readings, not counts: shards report their largest, not a sum.
+GAUGES = frozenset({"proxy/loop_lag_seconds"})
 #: How many ended attempts a shard remembers, to answer their late calls with a 409 rather than a 404.
 _ENDED = 100_000
 
@@ -65,7 +68,8 @@ class ShardRestarted(RuntimeError):
 
 
 def counters_of(proxy: LLMProxy) -> dict[str, float]:
-    """A proxy's cumulative counters, under the ``proxy/*`` names a trainer logs (one process's share)."""
+    """A proxy's cumulative counters, under the ``proxy/*`` names a trainer logs (one process's share), and its
+    event loop's lag now (:data:`GAUGES`: a reading, not a count)."""
     counters = {f"proxy/calls_{outcome}": proxy.m_calls.value(outcome) for outcome in get_args(Outcome)}
     counters["proxy/retries"] = proxy.m_retries.value()
     counters["proxy/backend_ejections"] = proxy.m_ejections.value()
@@ -77,6 +81,10 @@ def counters_of(proxy: LLMProxy) -> dict[str, float]:
     counters["proxy/regenerated"] = proxy.m_regenerated.value()
     for reason in ("unsupported", "refused"):
         counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
+    overload = proxy.overload
+    counters["proxy/calls_shed"] = overload.m_shed.value()
+    counters["proxy/loop_overloaded_seconds"] = overload.m_overloaded.value()
+    counters["proxy/loop_lag_seconds"] = overload.lag
     if proxy.token_in is not None:
         for outcome in TOKEN_IN_OUTCOMES:
             counters[f"proxy/token_in_{outcome}"] = proxy.token_in.m_calls.value(outcome)
@@ -303,11 +311,14 @@ class ProxyShard:
         backends: Sequence[str],
         gate: tuple[int, str, int],
     ) -> None:
-        """Replace the table, the backends and the gate (``(seq, "open" | "paused" | "held", version)``)."""
+        """Replace the table, the backends and the gate (``(seq, "open" | "paused" | "held", version)``); the gate
+        only if no newer gate operation was applied (one the driver broadcast meanwhile may come first)."""
         self._check(incarnation)
         self.table.replace(admitted)
         self.proxy.set_backends(backends)
         seq, state, version = gate
+        if seq < self._gate_seq:
+            return
         self._gate_seq = seq
         self.proxy.weight_version = version
         if state == "paused":
@@ -346,7 +357,7 @@ class ProxyShard:
     # ------------------------------------------------------------------ figures
     async def figures(self, since: float) -> dict[str, Any]:
         """Counters, generated tokens, and the busy intervals since ``since`` (this process's monotonic clock,
-        clipped to now), with ``now`` on that clock."""
+        clipped to now), with ``now`` on that clock; the calls in flight and the gate's state now."""
         now = time.monotonic()
         return {
             "incarnation": self.incarnation,
@@ -355,6 +366,7 @@ class ProxyShard:
             "busy": self.proxy.activity.busy_intervals(since, now),
             "now": now,
             "in_flight": self.proxy.in_flight,
+            "gate": "paused" if self.proxy.paused else "held" if self.proxy.held else "open",
         }
 
     async def metrics_text(self) -> str:

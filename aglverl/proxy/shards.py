@@ -15,21 +15,26 @@ when none is known to be there). :class:`ProxyShards` is the driver's side, on t
   since the last one (at least one loop iteration's worth). :meth:`TaskStore.claim` returns the task once its
   admission has arrived (:meth:`ProxyShards.admitted`), so an agent's first call never races it.
 - **Records.** A shard keeps its calls' records; the store takes an attempt's (:meth:`ProxyShards.take`, one
-  round trip) before it accepts the attempt's result, or before a failed rollout's waiters hear of it.
-- **The gate.** :meth:`pause`, :meth:`hold`, :meth:`resume` and the weight version go to every shard in parallel,
-  each with a sequence number (Ray does not order an async actor's calls; a shard ignores an older one);
-  ``pause`` returns when the slowest shard has drained. A shard that (re)starts gets the gate's state.
-- **Figures.** :meth:`refresh` fetches every shard's counters and busy intervals (one call each); then
+  round trip) before it accepts the attempt's result, or before a failed rollout's waiters hear of it. A take
+  is bounded (:attr:`ProxyShards.take_timeout`): a shard alive but hung voids the attempt as a dead one does,
+  so neither ``POST /rollout`` nor a failed rollout's step waits for it for ever.
+- **The gate.** :meth:`pause`, :meth:`hold`, :meth:`resume` and the weight version go to every shard that is not
+  gone, in parallel, one being restarted included (Ray holds the call for its new process), each with a
+  sequence number (Ray does not order an async actor's calls; a shard ignores an older one, the gate sent with
+  its table included); ``pause`` returns when the slowest shard has drained. A shard that (re)starts gets the
+  gate's state with its table.
+- **Figures.** :meth:`refresh` fetches every serving shard's counters and busy intervals (one call each); then
   :meth:`counters`, :meth:`generated_tokens` and :attr:`activity` read the sums and the union.
   :meth:`metrics_text` renders every shard's registry, labelled ``shard="<k>"``, for ``/metrics``.
 - **Death.** One ``wait_death`` call per shard stays pending; it fails when the process dies. Then every
   attempt pinned to that incarnation is void (:meth:`TaskStore.attempts_lost`: requeued, a new attempt on
   another shard; a late result refused), Ray restarts the actor (``max_restarts``), and once it serves again it
   gets its table (the attempts pinned to it since), the backends and the gate. Any call that finds the actor
-  gone (a take, a push, a gate) starts the same path; a take or push that reaches a restarted process the
-  driver has not noticed yet is refused by it (:class:`~aglverl.proxy.shard.ShardRestarted`), never read as
-  "no calls". A shard out of restarts stays gone; when every shard is gone the daemon stops with
-  :class:`ShardsGone`.
+  gone (a take, a push, a gate, a figures or metrics call) starts the same path for the process it was sent to
+  (a call sent before a death whose error arrives after the restart voids nothing more); a take or push that
+  reaches a restarted process the driver has not noticed yet is refused by it
+  (:class:`~aglverl.proxy.shard.ShardRestarted`), never read as "no calls". A shard out of restarts stays gone;
+  when every shard is gone the daemon stops with :class:`ShardsGone`.
 """
 
 from __future__ import annotations
@@ -50,9 +55,17 @@ from anyio.abc import TaskGroup, TaskStatus
 from ..metrics import Registry
 from ..models import LLM, ProxyLLM, ResourcesUpdate
 from ..store.tasks import AttemptLost, LLMCall, TaskStore
-from .shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
+from .shard import GAUGES, GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
 
-__all__ = ["SHARD_MAX_RESTARTS", "ProxyShards", "ShardCount", "ShardsGone", "check_shard_count", "place_shards"]
+__all__ = [
+    "SHARD_MAX_RESTARTS",
+    "TAKE_TIMEOUT",
+    "ProxyShards",
+    "ShardCount",
+    "ShardsGone",
+    "check_shard_count",
+    "place_shards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +73,8 @@ logger = logging.getLogger(__name__)
 SHARD_MAX_RESTARTS = 8
 #: Busy intervals kept per shard for the activity timeline (seconds), as :class:`~aglverl.metrics.ActivityTimeline`.
 ACTIVITY_KEEP_SECONDS = 3600.0
+#: Bound on one take of an attempt's records (seconds): one round trip, milliseconds when the shard answers.
+TAKE_TIMEOUT = 30.0
 #: Bound on stopping the shards' proxies (their in-flight calls' grace included) when the daemon stops.
 _STOP_TIMEOUT = 10.0
 #: The mark between a resources id and the shard it was copied for.
@@ -196,7 +211,11 @@ class ProxyShards:
     beside them and gives each the backends of its node. ``proxy_options``: the shards' :class:`LLMProxy`
     keyword arguments (policy, token, timeouts...); ``sampling_of(rollout_id)``: the sampling parameters sent
     with each admission. ``registry``: where the driver's own figures go (restarts, round trips).
+    :attr:`take_timeout` bounds a take of an attempt's records (:meth:`take`); set it on the instance.
     """
+
+    #: Seconds a take of an attempt's records may take before the attempt is void (:meth:`take`).
+    take_timeout: float = TAKE_TIMEOUT
 
     def __init__(
         self,
@@ -247,6 +266,10 @@ class ProxyShards:
             "aglverl_proxy_shard_take_seconds", "Round trip of one take of an attempt's records from its shard."
         )
         self.m_taken = r.counter("aglverl_proxy_shard_records_taken_total", "Call records taken from the shards.")
+        self.m_take_timeouts = r.counter(
+            "aglverl_proxy_shard_take_timeouts_total",
+            "Takes of an attempt's records that a shard did not answer within take_timeout (the attempt voided).",
+        )
         self.m_gate = r.histogram(
             "aglverl_proxy_shard_gate_seconds", "A gate operation's broadcast to every shard (pause: to drained)."
         )
@@ -433,7 +456,12 @@ class ProxyShards:
     async def take(self, rollout_id: str, attempt_id: str) -> list[LLMCall] | None:
         """The attempt's records from its shard (one round trip); ``None`` for an attempt not pinned here.
 
-        Raises :class:`~aglverl.store.tasks.AttemptLost` when its shard died (the attempt is void then).
+        Raises :class:`~aglverl.store.tasks.AttemptLost` when its shard died, or did not answer within
+        :attr:`take_timeout` (alive but hung: its loop blocked, its process stopped): the attempt is void then,
+        voided in the store here for a shard that did not answer (its revocation queued for when it does). So
+        an agent's ``POST /rollout`` gets its 409 ("... is void") after that bound at the latest and its
+        rollout is handed out again (or failed after ``max_attempts``), and a failed rollout whose records are
+        on that shard settles without them: its step ends.
         """
         pin = self._pins.get((rollout_id, attempt_id))
         if pin is None:
@@ -445,9 +473,20 @@ class ProxyShards:
 
             started = time.monotonic()
             try:
-                calls: list[LLMCall] = await shard.actor.take.remote(shard.incarnation, rollout_id, attempt_id)
+                with anyio.fail_after(self.take_timeout):
+                    calls: list[LLMCall] = await shard.actor.take.remote(shard.incarnation, rollout_id, attempt_id)
             except (ray.exceptions.RayActorError, ShardRestarted) as exc:
                 self._lost(shard, epoch, exc)
+            except TimeoutError:
+                self.m_take_timeouts.inc()
+                why = f"proxy shard {shard.index} did not hand over its LLM calls within {self.take_timeout:g}s"
+                logger.warning("%s (attempt %s of rollout %s): the attempt is void", why, attempt_id, rollout_id)
+                self.unpin(rollout_id, [attempt_id])
+                self.store.attempts_lost([(rollout_id, attempt_id)], why)
+                raise AttemptLost(
+                    f"attempt {attempt_id!r} of rollout {rollout_id!r} is void: {why}; the rollout goes on "
+                    "without it (handed out again, or failed after its last attempt)"
+                ) from None
             else:
                 self.m_take.observe(time.monotonic() - started)
                 self.m_taken.inc(len(calls))
@@ -590,6 +629,8 @@ class ProxyShards:
 
     def _gone(self, shard: _Shard) -> None:
         """The shard ran out of restarts: its attempts are void; with no shard left, the daemon stops."""
+        if shard.gone:
+            return  # a gate sent to the restarting shard failed as its restart did
         shard.gone, shard.up = True, False
         lost = list(shard.pins)
         for pin in shard.pins.values():
@@ -622,12 +663,18 @@ class ProxyShards:
 
         async with anyio.create_task_group() as tg:
             for shard in self.shards:
-                if shard.up:
+                if not shard.gone:  # a shard being restarted too: its new process may serve any moment
                     tg.start_soon(one, shard)
         self.m_gate.observe(time.monotonic() - started)
 
     async def pause(self) -> None:
-        """Hold new calls on every shard and return once every shard's calls in flight have finished."""
+        """Hold new calls on every shard and return once every shard's calls in flight have finished.
+
+        Every shard that is not gone is paused, one being restarted included: the operation waits in Ray for
+        its new process (Ray's restart, ~1.3 s after a SIGKILL here), which applies it before or after the table and gate
+        the driver sends it, whichever comes first (the older gate is ignored). So no shard admits a call under
+        the open gate once this returned, until :meth:`resume`.
+        """
         self._gate_state = "paused"
         await self._broadcast("pause")
 
@@ -664,11 +711,11 @@ class ProxyShards:
     async def _refresh_one(self, shard: _Shard) -> None:
         import ray
 
-        sent = time.monotonic()
+        sent, epoch = time.monotonic(), shard.epoch
         try:
             figures = await shard.actor.figures.remote(shard.busy_since)
         except ray.exceptions.RayActorError as exc:
-            self._lost(shard, shard.epoch, exc)
+            self._lost(shard, epoch, exc)  # the process asked, not whichever serves when the error arrives
             return
         except ray.exceptions.RayError:  # the figures are reports: a shard that cannot give them is skipped
             logger.warning("proxy shard %d could not report its figures", shard.index, exc_info=True)
@@ -676,7 +723,7 @@ class ProxyShards:
         received = time.monotonic()
         if figures["incarnation"] != shard.seen_incarnation:
             if shard.seen_incarnation:
-                _add(shard.retired, shard.counters)
+                _add(shard.retired, {k: v for k, v in shard.counters.items() if k not in GAUGES})
             shard.seen_incarnation = figures["incarnation"]
             shard.busy_since = 0.0
             if not math.isfinite(shard.offset) or shard.offset:
@@ -690,11 +737,14 @@ class ProxyShards:
             shard.busy.popleft()
 
     def counters(self) -> dict[str, float]:
-        """Every shard's ``proxy/*`` counters summed (earlier incarnations included), as of :meth:`refresh`."""
+        """Every shard's ``proxy/*`` counters summed (earlier incarnations included), as of :meth:`refresh`; a
+        reading (the loop's lag, :data:`~aglverl.proxy.shard.GAUGES`) is the largest shard's."""
         total: dict[str, float] = {}
         for shard in self.shards:
             _add(total, shard.retired)
-            _add(total, shard.counters)
+            _add(total, {k: v for k, v in shard.counters.items() if k not in GAUGES})
+        for key in GAUGES:
+            total[key] = max((s.counters.get(key, 0.0) for s in self.shards if s.up), default=0.0)
         total.pop("_generated", None)
         return total
 
@@ -709,10 +759,11 @@ class ProxyShards:
         texts: dict[int, str] = {}
 
         async def one(shard: _Shard) -> None:
+            epoch = shard.epoch
             try:
                 texts[shard.index] = await shard.actor.metrics_text.remote()
             except ray.exceptions.RayActorError as exc:
-                self._lost(shard, shard.epoch, exc)
+                self._lost(shard, epoch, exc)
             except ray.exceptions.RayError:
                 logger.warning("proxy shard %d could not render its metrics", shard.index, exc_info=True)
 

@@ -76,17 +76,17 @@ from aiohttp import web
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from .call import _JSON, ProxyError, _Call, _error_message, _token_limit, _Unreachable
-from .capture import _Capture, _ChoiceCapture, _reported_version
+from .api import TranslationError
+from .call import JSON, Call, ProxyError, Unreachable, error_message, token_limit
+from .capture import Capture, ChoiceCapture, reported_version
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
-from .pool import RETRY_STATUSES, Pool, _Backend, _BoundedEvents, _read_bounded
+from .pool import RETRY_STATUSES, Backend, BoundedEvents, Pool, read_bounded
 from .recorder import Recorder
 from .respond import Responder
 from .session import MISSES, Answer, Match, Plan, Sessions
-from .sse import _DONE_EVENT, _choices_of, _drain, _json_object, _sse_event
-from .translate import TranslationError
+from .sse import DONE_EVENT, choices_of, drain, json_object, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def _common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _as_chat(message: dict[str, Any], choice: dict[str, Any], call: _Call) -> dict[str, Any]:
+def _as_chat(message: dict[str, Any], choice: dict[str, Any], call: Call) -> dict[str, Any]:
     """A derendered message (or stream delta) as the backend's chat endpoint writes it: no null fields in a
     delta, tool-call ids with vLLM's ``chatcmpl-tool-`` prefix, and finish reason ``tool_calls`` for an answer
     with tool calls unless the call named the function (vLLM 0.32's derender differs on these three)."""
@@ -201,7 +201,7 @@ class _Generation:
 
     def __init__(
         self,
-        backend: _Backend,
+        backend: Backend,
         render: dict[str, Any],
         prompt: list[int],
         segment: list[int],
@@ -359,7 +359,7 @@ class TokenIn:
         )
 
     # ------------------------------------------------------------------ the session
-    def admit(self, call: _Call) -> None:
+    def admit(self, call: Call) -> None:
         """Read a recorded chat call against its attempt's session; count it now unless it matched."""
         assert call.rollout_id is not None and call.attempt_id is not None and call.request is not None
         pending, match, miss = self.sessions.consider(call.rollout_id, call.attempt_id, call.request)
@@ -373,7 +373,7 @@ class TokenIn:
         self.sessions.forget(rollout_ids)
 
     # ------------------------------------------------------------------ making a call from ids
-    async def run(self, request: web.Request, call: _Call) -> web.StreamResponse | None:
+    async def run(self, request: web.Request, call: Call) -> web.StreamResponse | None:
         """Make a matched call from ids and answer the agent; ``None`` when it must be relayed as text instead
         (nothing has reached the agent). Raises :class:`ProxyError` for a call that failed before its answer
         started; cancellation closes the call's upstream requests."""
@@ -396,20 +396,20 @@ class TokenIn:
             return await self._whole(request, call, plan, gen)
         except _Fallback as exc:
             outcome = exc.outcome
-            call.capture = _Capture("chat", answers=True)  # the relay starts afresh
+            call.capture = Capture("chat", answers=True)  # the relay starts afresh
             return None
         finally:
             backend.in_flight -= 1
             self.m_calls.inc(1, outcome)
 
-    def _state(self, backend: _Backend) -> _BackendState:
+    def _state(self, backend: Backend) -> _BackendState:
         state = self._backends.get(backend.url)
         if state is None:
             state = self._backends[backend.url] = _BackendState()
         return state
 
     # ------------------------------------------------------------------ the tail's ids
-    async def _prepare(self, backend: _Backend, call: _Call, match: Match) -> _Generation:
+    async def _prepare(self, backend: Backend, call: Call, match: Match) -> _Generation:
         """The call's prompt (the turn's ids and the tail's) and the render's answer; raises :class:`_Fallback`."""
         anchor = await self._anchor(backend, call, match.turn.context)
         conversation = [dict(ANCHOR_USER), {"role": "assistant", "content": ANCHOR_ANSWERS[0]}, *match.tail]
@@ -429,7 +429,7 @@ class TokenIn:
         turn = match.turn
         segment = rest if turn.response[-1:] == [anchor.eot] else [anchor.eot, *rest]
         assert call.request is not None
-        limit = _token_limit(call.request)
+        limit = token_limit(call.request)
         window = None if limit is not None else await self._window(backend, call.model)
         gen = _Generation(backend, render, turn.prompt + turn.response + segment, segment, limit, window)
         gen.keeps_stop = anchor.keeps_stop
@@ -444,7 +444,7 @@ class TokenIn:
             raise _Fallback("anchor_mismatch")
         return ids[len(ids) - n + 1 :]
 
-    async def _anchor(self, backend: _Backend, call: _Call, context: bytes) -> _Anchor:
+    async def _anchor(self, backend: Backend, call: Call, context: bytes) -> _Anchor:
         state = self._state(backend)
         anchor = state.anchors.get(context)
         if anchor is not None:
@@ -464,7 +464,7 @@ class TokenIn:
         state.anchors[context] = anchor
         return anchor
 
-    async def _keeps_stop(self, backend: _Backend, call: _Call, answer_id: int) -> bool:
+    async def _keeps_stop(self, backend: Backend, call: Call, answer_id: int) -> bool:
         """Whether the backend's derender writes the text of the token a generation stopped on: a probe
         derenders the anchor's answer id twice as a generation that stopped on its last token (``"b"``: the
         chat endpoint's text, ``"bb"``: the stop token written too)."""
@@ -486,15 +486,15 @@ class TokenIn:
         }
         try:
             status, _, raw = await self._post(backend, DERENDER_TARGET, orjson.dumps(body))
-        except (_Unreachable, ProxyError):
+        except (Unreachable, ProxyError):
             return False
-        choices = _choices_of(_json_object(raw)) if status == 200 else []
+        choices = choices_of(json_object(raw)) if status == 200 else []
         message = choices[0].get("message") if choices else None
         content = message.get("content") if isinstance(message, dict) else None
         return isinstance(content, str) and content.strip() == ANCHOR_ANSWERS[0] * 2
 
     async def _render_both(
-        self, backend: _Backend, call: _Call, first: list[Any], second: list[Any], *, full: bool = True
+        self, backend: Backend, call: Call, first: list[Any], second: list[Any], *, full: bool = True
     ) -> tuple[tuple[list[int], dict[str, Any]], tuple[list[int], dict[str, Any]]]:
         results: list[Any] = [None, None]
         failure: _Fallback | None = None
@@ -514,7 +514,7 @@ class TokenIn:
         return results[0], results[1]
 
     async def _render(
-        self, backend: _Backend, call: _Call, messages: list[Any], *, full: bool
+        self, backend: Backend, call: Call, messages: list[Any], *, full: bool
     ) -> tuple[list[int], dict[str, Any]]:
         """``POST /v1/chat/completions/render`` of ``messages``: the call's request (``full``; with the
         generation prompt) or its rendering context alone (no generation prompt). Returns the ids and the
@@ -528,16 +528,16 @@ class TokenIn:
             body |= {"messages": messages, "add_generation_prompt": False}
         try:
             status, _, raw = await self._post(backend, RENDER_TARGET, orjson.dumps(body))
-        except (_Unreachable, ProxyError) as exc:
+        except (Unreachable, ProxyError) as exc:
             logger.debug("render on %s failed: %s", backend.url, exc)
             raise _Fallback("render_error") from None
         if status >= 400:
             if self._lacks_token_in(status, raw):
                 self._unsupported(backend, status, raw)
                 raise _Fallback("no_backend")
-            logger.debug("render on %s answered %d: %s", backend.url, status, _error_message(raw))
+            logger.debug("render on %s answered %d: %s", backend.url, status, error_message(raw))
             raise _Fallback("render_error")
-        answer = _json_object(raw)
+        answer = json_object(raw)
         ids = answer.get("token_ids") if answer is not None else None
         if answer is None or type(ids) is not list or not isinstance(answer.get("sampling_params"), dict):
             raise _Fallback("render_error")
@@ -551,11 +551,11 @@ class TokenIn:
         if status == 403:
             return b"disabled" in raw or b"Scale-out" in raw
         if status in (404, 405):
-            body = _json_object(raw)
+            body = json_object(raw)
             return body is None or not isinstance(body.get("error"), dict)
         return False
 
-    def _unsupported(self, backend: _Backend, status: int, raw: bytes) -> None:
+    def _unsupported(self, backend: Backend, status: int, raw: bytes) -> None:
         state = self._state(backend)
         if state.supported is False:
             return
@@ -568,20 +568,20 @@ class TokenIn:
             backend.url,
             RENDER_TARGET,
             status,
-            _error_message(raw, 200),
+            error_message(raw, 200),
             RENDER_TARGET,
             GENERATE_TARGET,
             DERENDER_TARGET,
         )
 
-    async def _window(self, backend: _Backend, model: str | None) -> int | None:
+    async def _window(self, backend: Backend, model: str | None) -> int | None:
         """The backend's context window (``max_model_len`` of its ``/v1/models``), read once per backend."""
         state = self._state(backend)
         if state.window_read:
             return state.window
         try:
             state.window = await self.pool.context_window(backend, model)
-        except _Unreachable as exc:
+        except Unreachable as exc:
             logger.debug("GET /v1/models on %s failed: %s", backend.url, exc)
             return None  # read again next time
         state.window_read = True
@@ -589,34 +589,34 @@ class TokenIn:
 
     # ------------------------------------------------------------------ HTTP
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": _JSON}
+        headers = {"Content-Type": JSON}
         if self.config.backend_auth is not None:
             headers["Authorization"] = self.config.backend_auth
         return headers
 
-    async def _open(self, backend: _Backend, target: str, body: bytes) -> aiohttp.ClientResponse:
-        """Send a POST and return its response head (the caller closes it); :class:`_Unreachable` if none came."""
+    async def _open(self, backend: Backend, target: str, body: bytes) -> aiohttp.ClientResponse:
+        """Send a POST and return its response head (the caller closes it); :class:`Unreachable` if none came."""
         session = self.pool.session
         try:
             return await session.post(
                 URL(backend.url + target, encoded=True), data=body, headers=self._headers()
             )
         except TimeoutError:
-            raise _Unreachable(f"backend {backend.url} did not answer {target} in time") from None
+            raise Unreachable(f"backend {backend.url} did not answer {target} in time") from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise _Unreachable(f"backend {backend.url} did not answer {target}: {exc!r}") from exc
+            raise Unreachable(f"backend {backend.url} did not answer {target}: {exc!r}") from exc
 
     async def _post(
-        self, backend: _Backend, target: str, body: bytes
+        self, backend: Backend, target: str, body: bytes
     ) -> tuple[int, CIMultiDictProxy[str], bytes]:
-        """A whole POST: ``(status, headers, body)``; :class:`_Unreachable` or :class:`ProxyError` (too big)."""
+        """A whole POST: ``(status, headers, body)``; :class:`Unreachable` or :class:`ProxyError` (too big)."""
         upstream = await self._open(backend, target, body)
         try:
-            raw = await _read_bounded(upstream, self.config.max_response_bytes, f"backend answer to {target}")
+            raw = await read_bounded(upstream, self.config.max_response_bytes, f"backend answer to {target}")
         except TimeoutError:
-            raise _Unreachable(f"backend {backend.url} did not finish answering {target} in time") from None
+            raise Unreachable(f"backend {backend.url} did not finish answering {target} in time") from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise _Unreachable(f"backend {backend.url} broke off its answer to {target}: {exc!r}") from exc
+            raise Unreachable(f"backend {backend.url} broke off its answer to {target}: {exc!r}") from exc
         finally:
             upstream.close()
         return upstream.status, upstream.headers, raw
@@ -624,7 +624,7 @@ class TokenIn:
     # ------------------------------------------------------------------ generation
     def _progress(
         self,
-        call: _Call,
+        call: Call,
         gen: _Generation,
         ids: list[int],
         entries: Any,
@@ -657,10 +657,10 @@ class TokenIn:
         gen.deadline = now + self.config.pause_timeout
 
     def _version(self, headers: CIMultiDictProxy[str]) -> int:
-        reported = _reported_version(headers)
+        reported = reported_version(headers)
         return self.gate.weight_version if reported is None else reported
 
-    async def _next_backend(self, call: _Call, gen: _Generation) -> _Backend:
+    async def _next_backend(self, call: Call, gen: _Generation) -> Backend:
         """Where the next continuation goes, once the proxy is no longer held and any refusal's backoff is
         over; :class:`ProxyError` (503) once ``pause_timeout`` passed without a token outside holds."""
         config = self.config
@@ -679,7 +679,7 @@ class TokenIn:
         self.meters.continuations.inc()
         return backend
 
-    def _aborted(self, call: _Call, gen: _Generation) -> None:
+    def _aborted(self, call: Call, gen: _Generation) -> None:
         """A generation the backend aborted: it is continued (or, under structured output, made again)."""
         if not gen.deadline:  # aborted before its first token
             gen.deadline = time.monotonic() + self.config.pause_timeout
@@ -694,7 +694,7 @@ class TokenIn:
             gen.restart()  # nobody has seen it: made again from the start under the new weights
             self.meters.regenerated.inc()
 
-    async def _generate_whole(self, call: _Call, gen: _Generation) -> None:
+    async def _generate_whole(self, call: Call, gen: _Generation) -> None:
         """Generate to the end (not streamed), continuing aborted generations; the first refusal is a
         :class:`_Fallback`, later ones are retried (see :meth:`_next_backend`)."""
         backend = gen.backend
@@ -708,20 +708,20 @@ class TokenIn:
             first = gen.requests == 0
             try:
                 status, headers, raw = await self._post(backend, GENERATE_TARGET, gen.body(False))
-            except _Unreachable:
+            except Unreachable:
                 if first:
                     raise _Fallback("generate_refused") from None
                 gen.refusals += 1
                 continue
             if status >= 400:
                 if first:
-                    logger.debug("generate on %s answered %d: %s", backend.url, status, _error_message(raw))
+                    logger.debug("generate on %s answered %d: %s", backend.url, status, error_message(raw))
                     raise _Fallback("generate_refused")
                 if status in RETRY_STATUSES:
                     gen.refusals += 1
                     continue
-                raise ProxyError(502, f"backend {backend.url} refused to continue the generation: {status}: {_error_message(raw)}")  # fmt: skip
-            choices = _choices_of(_json_object(raw))
+                raise ProxyError(502, f"backend {backend.url} refused to continue the generation: {status}: {error_message(raw)}")  # fmt: skip
+            choices = choices_of(json_object(raw))
             if not choices or type(choices[0].get("token_ids")) is not list:
                 raise ProxyError(502, f"backend {backend.url} answered generate without token ids")
             choice = choices[0]
@@ -737,14 +737,14 @@ class TokenIn:
             self._aborted(call, gen)
 
     async def _open_stream(
-        self, call: _Call, gen: _Generation, backend: _Backend
+        self, call: Call, gen: _Generation, backend: Backend
     ) -> aiohttp.ClientResponse | None:
         """The head of the next streamed generate request; ``None`` for a refusal worth retrying. The first
         request's refusal is a :class:`_Fallback`."""
         first = gen.requests == 0
         try:
             upstream = await self._open(backend, GENERATE_TARGET, gen.body(True))
-        except _Unreachable:
+        except Unreachable:
             if first:
                 raise _Fallback("generate_refused") from None
             return None
@@ -757,17 +757,17 @@ class TokenIn:
         finally:
             upstream.close()
         if first:
-            logger.debug("generate on %s answered %d: %s", backend.url, upstream.status, _error_message(raw))
+            logger.debug("generate on %s answered %d: %s", backend.url, upstream.status, error_message(raw))
             raise _Fallback("generate_refused")
         if upstream.status in RETRY_STATUSES:
             return None
-        message = _error_message(raw)
+        message = error_message(raw)
         raise ProxyError(
             502, f"backend {backend.url} refused to continue the generation: {upstream.status}: {message}"
         )
 
     async def _produce(
-        self, call: _Call, gen: _Generation, upstream: aiohttp.ClientResponse, chunks: _Chunks
+        self, call: Call, gen: _Generation, upstream: aiohttp.ClientResponse, chunks: _Chunks
     ) -> None:
         """Read the generation's stream into ``chunks``, continuing it after aborts; ends by closing ``chunks``
         (with the error that ended the generation, if one did)."""
@@ -800,12 +800,12 @@ class TokenIn:
             chunks.close(ProxyError(502, f"token-in generation failed: {exc.outcome}"))
 
     async def _read_stream(
-        self, call: _Call, gen: _Generation, upstream: aiohttp.ClientResponse, chunks: _Chunks
+        self, call: Call, gen: _Generation, upstream: aiohttp.ClientResponse, chunks: _Chunks
     ) -> bool:
         """Relay one generate stream into ``chunks``: ``True`` if the backend aborted it, ``False`` once it
         finished; :class:`ProxyError` if it broke."""
         version = self._version(upstream.headers)
-        reads = _BoundedEvents(
+        reads = BoundedEvents(
             upstream,
             gen.backend.url,
             "generation",
@@ -818,12 +818,12 @@ class TokenIn:
             for data in payloads:
                 if data == b"[DONE]":
                     continue
-                event = _json_object(data)
+                event = json_object(data)
                 if event is None:
                     raise ProxyError(502, "the backend sent a generate event that is not JSON")
                 if isinstance(event.get("error"), dict):
-                    raise ProxyError(502, f"backend failed while generating: {_error_message(data)}")
-                for choice in _choices_of(event):
+                    raise ProxyError(502, f"backend failed while generating: {error_message(data)}")
+                for choice in choices_of(event):
                     ids = choice.get("token_ids") or []
                     if type(ids) is not list:
                         raise ProxyError(502, "the backend sent a generate event without token ids")
@@ -834,7 +834,7 @@ class TokenIn:
                     if aborted:
                         if ids:
                             chunks.put(ids, entries if gen.entries is not None else None, None, None)
-                        await _drain(content)
+                        await drain(content)
                         return True
                     chunks.put(
                         ids, entries if gen.entries is not None else None, finish, choice.get("stop_reason")
@@ -847,18 +847,18 @@ class TokenIn:
         return False
 
     # ------------------------------------------------------------------ answers
-    def _chat_request(self, call: _Call, match: Match) -> dict[str, Any]:
+    def _chat_request(self, call: Call, match: Match) -> dict[str, Any]:
         """The request the backend's parsers read: the agent's, its messages replaced by the tail (the parsers
         look at tools, tool_choice, reasoning switches; the history would only cost transport)."""
         assert call.request is not None
         return {**call.request, "messages": match.tail}
 
-    def _record(self, call: _Call, gen: _Generation) -> None:
+    def _record(self, call: Call, gen: _Generation) -> None:
         """The call's capture: the ids generated from, the generated ids, logprobs, finish reason."""
-        capture = _Capture("chat")
+        capture = Capture("chat")
         capture.prompt_ids = gen.prompt
         capture.model = call.model
-        choice = _ChoiceCapture()
+        choice = ChoiceCapture()
         choice.ids = gen.ids
         if gen.entries is not None and all(isinstance(e, dict) for e in gen.entries):
             values = [e.get("logprob") for e in gen.entries]
@@ -870,12 +870,12 @@ class TokenIn:
         call.upstream_end = time.monotonic()
 
     async def _whole(
-        self, request: web.Request, call: _Call, plan: Plan, gen: _Generation
+        self, request: web.Request, call: Call, plan: Plan, gen: _Generation
     ) -> web.StreamResponse:
         assert plan.match is not None and call.request is not None
         await self._generate_whole(call, gen)
         answer = await self._derender_whole(call, plan.match, gen)
-        choices = _choices_of(answer)
+        choices = choices_of(answer)
         if choices and isinstance(choices[0].get("finish_reason"), str):
             gen.finish = choices[0]["finish_reason"]  # recorded as the agent gets it (e.g. "tool_calls")
         self._record(call, gen)
@@ -890,11 +890,11 @@ class TokenIn:
                 body = call.translator.whole(200, body)
             except TranslationError as exc:
                 raise ProxyError(exc.status, exc.message) from None
-        response = web.Response(status=200, body=body, content_type=_JSON)
+        response = web.Response(status=200, body=body, content_type=JSON)
         await self.responder.send_whole(request, call, response)
         return response
 
-    async def _derender_whole(self, call: _Call, match: Match, gen: _Generation) -> dict[str, Any]:
+    async def _derender_whole(self, call: Call, match: Match, gen: _Generation) -> dict[str, Any]:
         """The chat completion of the whole generation; :class:`_Fallback` when the backend cannot make it."""
         usage = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.ids)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -933,21 +933,21 @@ class TokenIn:
         }
         try:
             status, _, raw = await self._post(gen.backend, DERENDER_TARGET, orjson.dumps(body))
-        except _Unreachable as exc:
+        except Unreachable as exc:
             logger.warning("derender on %s failed: %s", gen.backend.url, exc)
             raise _Fallback("derender_error") from None
-        answer = _json_object(raw) if status < 400 else None
-        if answer is None or not _choices_of(answer):
-            logger.warning("derender on %s answered %d: %s", gen.backend.url, status, _error_message(raw))
+        answer = json_object(raw) if status < 400 else None
+        if answer is None or not choices_of(answer):
+            logger.warning("derender on %s answered %d: %s", gen.backend.url, status, error_message(raw))
             raise _Fallback("derender_error")
-        for choice_ in _choices_of(answer):
+        for choice_ in choices_of(answer):
             said = choice_.get("message")
             if isinstance(said, dict):
                 _as_chat(said, choice_, call)
         return answer
 
     async def _stream(
-        self, request: web.Request, call: _Call, plan: Plan, gen: _Generation
+        self, request: web.Request, call: Call, plan: Plan, gen: _Generation
     ) -> web.StreamResponse:
         call.sse = True
         call.upstream_start = time.monotonic()
@@ -974,7 +974,7 @@ class TokenIn:
         return response
 
     async def _relay_chunks(
-        self, request: web.Request, call: _Call, plan: Plan, gen: _Generation, chunks: _Chunks
+        self, request: web.Request, call: Call, plan: Plan, gen: _Generation, chunks: _Chunks
     ) -> web.StreamResponse:
         """Derender the generation's pieces as they come (one derender in flight) and send them to the agent;
         the agent's response starts with the first derendered piece."""
@@ -1016,7 +1016,7 @@ class TokenIn:
             }
             body = prefix + orjson.dumps(generate_chunk) + b',"stream_state":' + orjson.dumps(state) + b"}"
             chunk, state = await self._derender_chunk(call, gen, body)
-            for choice in _choices_of(chunk):
+            for choice in choices_of(chunk):
                 delta = choice.get("delta")
                 if isinstance(delta, dict):
                     choice["delta"] = _as_chat(delta, choice, call)
@@ -1029,9 +1029,9 @@ class TokenIn:
                     chunk["prompt_token_ids"] = gen.prompt
             else:
                 chunk["created"] = head["created"]
-            out = _sse_event(chunk)
+            out = sse_event(chunk)
             if finish is not None:
-                for choice in _choices_of(chunk):
+                for choice in choices_of(chunk):
                     if isinstance(choice.get("finish_reason"), str):
                         gen.finish = choice["finish_reason"]  # recorded as the agent gets it
                 self._record(call, gen)
@@ -1039,8 +1039,8 @@ class TokenIn:
                 if usage:
                     counts = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.ids)}
                     counts["total_tokens"] = counts["prompt_tokens"] + counts["completion_tokens"]
-                    out += _sse_event({**head, "choices": [], "usage": counts})
-                out += _DONE_EVENT
+                    out += sse_event({**head, "choices": [], "usage": counts})
+                out += DONE_EVENT
             if call.response is None:
                 call.response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
                 if call.translator is not None:
@@ -1058,17 +1058,17 @@ class TokenIn:
         await self.responder.close_stream(call, call.response)
         return call.response
 
-    async def _derender_chunk(self, call: _Call, gen: _Generation, body: bytes) -> tuple[dict[str, Any], Any]:
+    async def _derender_chunk(self, call: Call, gen: _Generation, body: bytes) -> tuple[dict[str, Any], Any]:
         """One streamed derender: ``(chat.completion.chunk, stream_state)``. Before the agent's response
         started a failure is a :class:`_Fallback`, after it a :class:`ProxyError`."""
         try:
             status, _, raw = await self._post(gen.backend, DERENDER_TARGET, body)
-        except _Unreachable as exc:
+        except Unreachable as exc:
             status, raw = 0, str(exc).encode()
-        answer = _json_object(raw) if status == 200 else None
+        answer = json_object(raw) if status == 200 else None
         chunk = answer.get("chunk") if answer is not None else None
         if answer is None or not isinstance(chunk, dict):
-            message = _error_message(raw)
+            message = error_message(raw)
             if call.response is None:
                 logger.warning("derender on %s answered %d: %s", gen.backend.url, status, message)
                 raise _Fallback("derender_error")

@@ -1,0 +1,195 @@
+"""Overload: how late the proxy's event loop runs, and new calls turned away with a 429 while it runs too late.
+
+One proxy process carries a few hundred calls a second (``benchmarks/RESULTS.md``); past that, every call it
+admits makes every other one slower, its memory grows with the calls waiting, and nothing tells the agents to
+back off. :class:`Overload` measures the loop's lag and, while the lag is over the policy's ``max_lag``, turns
+NEW calls away (:meth:`Overload.check`, called by :class:`~aglverl.proxy.admission.Admission` before it reads
+a body): a share of them that grows with the excess, ``(lag - max_lag) / max_lag``, all of them at twice the
+limit, so that the calls admitted settle near what the loop can carry instead of swinging between all and
+none. A call turned away gets a 429 with ``Retry-After`` in its agent's API (chat completions, Responses,
+Messages; the openai and anthropic SDKs retry a 429 after the delay the headers give, ``retry-after-ms``
+first, twice by default). Calls already admitted are never refused or dropped: they run to their end;
+internal requests (continuations of aborted generations, token-in steps) are not calls and are not checked.
+Nothing is turned away while fewer than ``min_in_flight`` calls are in flight: a loop made late by something
+else (a stall of the process, other work on its loop, a machine short of CPU) with few calls has none to shed.
+
+The measure (:meth:`Overload.start` / :meth:`Overload.stop`, by :meth:`LLMProxy.serve
+<aglverl.proxy.LLMProxy.serve>`): a timer callback due every ``probe_interval`` seconds notes how late the loop
+ran it (the time the loop spent on other callbacks past the due time; idle, the epoll timeout's millisecond
+rounding). It is a measurement, not a wait: nothing waits on it. Its cost is one timer callback per probe:
+on an idle loop, where each probe also wakes the loop, 62-78 µs of a slow shared VM's core a probe, so
+0.12-0.16 % of a core at the default 20 probes a second (``benchmarks/proxy_overload.py``, ``probe_cost``); on
+a busy loop a probe rides a loop turn that runs anyway. The lag is a time-weighted moving average of the probes
+over ``window`` seconds: a stall moves it by its share of the window.
+
+Exposed: :attr:`Overload.lag` (seconds, the moving average) and :meth:`Overload.statistics`, the gauge
+``aglverl_proxy_loop_lag_seconds``, the histogram ``aglverl_proxy_loop_lag_probe_seconds`` (each probe's
+lateness), the counters ``aglverl_proxy_loop_overloaded_seconds_total`` (time the lag was over the limit,
+refusing or not) and ``aglverl_proxy_calls_shed_total`` (calls answered 429); the trainer's step metrics get
+them as ``proxy/loop_lag_seconds``, ``proxy/loop_overloaded_seconds`` and ``proxy/calls_shed``
+(:func:`~aglverl.proxy.shard.counters_of`).
+
+The policy (:class:`OverloadPolicy`, frozen) is read at each probe and check: ``proxy.overload.policy =
+OverloadPolicy(max_lag=0.5)`` holds from the next call on; ``OverloadPolicy(refuse=False)`` measures and
+reports but never refuses. Nothing here awaits anything; :meth:`Overload.check` raises
+:class:`~aglverl.proxy.call.ProxyError` (429); a policy with a value that is not a positive number of seconds
+is a ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass
+
+from ..metrics import Registry
+from .call import ProxyError
+
+__all__ = ["LagStatistics", "Overload", "OverloadPolicy"]
+
+
+@dataclass(frozen=True, slots=True)
+class LagStatistics:
+    """:meth:`Overload.statistics`: the lag now (seconds, smoothed), the probes so far and their lateness summed
+    (seconds), the seconds the lag was over ``max_lag``, the calls answered 429."""
+
+    lag: float
+    probes: int
+    late_seconds: float
+    overloaded_seconds: float
+    shed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverloadPolicy:
+    """When the proxy turns new calls away (see :mod:`aglverl.proxy.overload`).
+
+    ``max_lag``: the loop's lag (seconds, averaged over ``window``) past which new calls are turned away, a
+    share ``(lag - max_lag) / max_lag`` of them; the default, 0.1 s, is tens of times what the loop shows at
+    loads the proxy keeps up with, and below where its calls wait on each other for seconds
+    (``benchmarks/proxy_overload.py``). ``min_in_flight``: turn nothing away while fewer calls are in flight.
+    ``refuse``: ``False`` measures and reports the lag only. ``retry_after``: the delay agents are asked to
+    wait (``Retry-After``, whole seconds rounded up, and ``retry-after-ms`` spread by up to ±50 %, so that the
+    agents turned away at once do not all come back at once). ``probe_interval``: seconds between two probes of
+    the loop; ``window``: the seconds the lag is averaged over.
+    """
+
+    max_lag: float = 0.1
+    min_in_flight: int = 8
+    refuse: bool = True
+    retry_after: float = 1.0
+    probe_interval: float = 0.05
+    window: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("max_lag", "retry_after", "probe_interval", "window"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"OverloadPolicy.{name} must be a positive number of seconds, got {value!r}")
+        if type(self.min_in_flight) is not int or self.min_in_flight < 0:
+            raise ValueError(
+                f"OverloadPolicy.min_in_flight must be an integer >= 0, got {self.min_in_flight!r}"
+            )
+
+
+class Overload:
+    """The loop's lag, measured while the proxy serves, and the 429 for new calls while it is over the limit
+    (see the module docstring). Registers its series in ``registry``."""
+
+    def __init__(self, registry: Registry, policy: OverloadPolicy | None = None) -> None:
+        #: Read at each probe and check; replace it to change the policy.
+        self.policy = policy or OverloadPolicy()
+        #: The loop's lag, seconds: the probes' lateness, time-weighted average over ``policy.window``.
+        self.lag = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._late_total = 0.0
+        registry.gauge(
+            "aglverl_proxy_loop_lag_seconds",
+            "How late the proxy's event loop runs a timer (seconds), averaged over the overload window.",
+            lambda: self.lag,
+        )
+        self.m_probes = registry.histogram(
+            "aglverl_proxy_loop_lag_probe_seconds", "How late the event loop ran each lag probe (seconds)."
+        )
+        self.m_overloaded = registry.counter(
+            "aglverl_proxy_loop_overloaded_seconds_total",
+            "Seconds the event loop's lag was over the overload limit (max_lag), new calls refused or not.",
+        )
+        self.m_shed = registry.counter(
+            "aglverl_proxy_calls_shed_total",
+            "New calls answered 429 (Retry-After) because the proxy's event loop was overloaded.",
+        )
+
+    def statistics(self) -> LagStatistics:
+        """The figures so far, as a small frozen record (a reader diffs two of them for a period)."""
+        return LagStatistics(
+            lag=self.lag,
+            probes=self.m_probes.count,
+            late_seconds=self._late_total,
+            overloaded_seconds=self.m_overloaded.value(),
+            shed=int(self.m_shed.value()),
+        )
+
+    @property
+    def overloaded(self) -> bool:
+        """Whether the lag is over the policy's limit now."""
+        return self.lag > self.policy.max_lag
+
+    # ------------------------------------------------------------------ the probe
+    def start(self) -> None:
+        """Start probing on the running loop (the proxy serves); the lag starts from 0."""
+        self.stop()
+        self._loop = asyncio.get_running_loop()
+        self.lag = 0.0
+        self._schedule(self._loop.time())
+
+    def stop(self) -> None:
+        """Stop probing; the lag keeps its last value."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _schedule(self, now: float) -> None:
+        assert self._loop is not None
+        self._due = now + self.policy.probe_interval
+        self._timer = self._loop.call_at(self._due, self._probe)
+
+    def _probe(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        late = max(0.0, now - self._due)
+        policy = self.policy
+        elapsed = policy.probe_interval + late  # since the previous probe
+        self.m_probes.observe(late)
+        self._late_total += late
+        if self.lag > policy.max_lag:
+            self.m_overloaded.inc(elapsed)
+        self.lag += (1.0 - math.exp(-elapsed / policy.window)) * (late - self.lag)
+        self._schedule(now)
+
+    # ------------------------------------------------------------------ admission
+    def check(self, in_flight: int) -> None:
+        """Raise a 429 :class:`~aglverl.proxy.call.ProxyError` with ``Retry-After`` when a new call is to be
+        turned away now (refusing on, the lag over the limit, ``in_flight`` calls at least the policy's
+        ``min_in_flight``, and the call drawn in the share to turn away); return otherwise."""
+        policy = self.policy
+        if not policy.refuse or self.lag <= policy.max_lag or in_flight < policy.min_in_flight:
+            return
+        if random.random() >= (self.lag - policy.max_lag) / policy.max_lag:
+            return  # past the limit by a share of it, that share of new calls is turned away
+        self.m_shed.inc()
+        delay = policy.retry_after * random.uniform(0.5, 1.5)
+        headers = {
+            "Retry-After": str(math.ceil(policy.retry_after)),
+            "retry-after-ms": str(round(delay * 1e3)),
+        }
+        raise ProxyError(
+            429,
+            f"the LLM proxy is overloaded: its event loop runs {self.lag * 1e3:.0f} ms late (limit "
+            f"{policy.max_lag * 1e3:.0f} ms) with {in_flight} calls in flight; the call was not forwarded: retry "
+            f"after {delay:.1f}s",
+            headers=headers,
+        )
