@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import machine_info, summary_ms
 
-from aglverl.engine.server import InferenceServer
+from aglverl import InferenceServer
 
 PROMPT = [{"role": "user", "content": "Count from one to ten, then say yes."}]
 

@@ -9,6 +9,15 @@
 - :class:`RequestPlanner` — turns a chat, completions or in-process request into a :class:`Plan`, with vLLM's
   checks (context window, ``tools`` / ``tool_choice``, token ids) and its messages.
 
+A chat request may bring its prompt as token ids in ``kv_transfer_params.prompt_token_ids`` (vLLM 0.32's
+decode-side reuse, :meth:`RequestPlanner.given_prompt_ids`): the template is not rendered and the ids are the
+prompt, while ``messages`` and ``tools`` are validated as for a render and still decide tool-choice checks,
+parsing, constraints and the answer's shape. As in vLLM: the ids must be a non-empty list of non-negative
+integers inside the vocabulary (else 400 naming ``kv_transfer_params.prompt_token_ids``); they are ignored
+(the messages are rendered) when ``echo`` is set or a message has a non-text part; ``max_tokens`` is cut to
+what the context has left (``Input length ... exceeds`` when the ids alone are longer than the context,
+``max_tokens must be at least 1`` when they fill it).
+
 Nothing here generates; planning a chat request with a constraint compiles it in a worker thread
 (:meth:`RequestPlanner.with_constraints`).
 """
@@ -16,7 +25,7 @@ Nothing here generates; planning a chat request with a constraint compiles it in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +43,7 @@ from .tokens import TokenCodec
 __all__ = [
     "MAX_N",
     "MAX_TOP_LOGPROBS",
+    "PROMPT_IDS_PARAM",
     "ApiError",
     "ChatRequest",
     "CompletionRequest",
@@ -50,6 +60,15 @@ __all__ = [
 MAX_N = 128
 #: Largest ``top_logprobs`` / completions ``logprobs`` accepted (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+#: The field a chat request brings its prompt ids in (vLLM's name for it in errors).
+PROMPT_IDS_PARAM = "kv_transfer_params.prompt_token_ids"
+#: Content part types that carry only text (vLLM's); any other part makes a message non-text.
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"})
+#: Keys that make a content part media, whatever its ``type`` says (vLLM's).
+MEDIA_PART_KEYS = frozenset(
+    {"input_image", "image_url", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds", "image_pil",
+     "audio_url", "input_audio", "video_url"}
+)  # fmt: skip
 #: Keys of ``generate_ids`` sampling dicts (verl's) that are accepted only at their neutral value.
 _NEUTRAL_SAMPLING = {"top_k": (-1, 0, None), "repetition_penalty": (1.0, None), "min_p": (0.0, None)}
 _ERROR_TYPES = {
@@ -145,7 +164,8 @@ class GenerationRequest(BaseModel):
 
 
 class ChatRequest(GenerationRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    #: Empty only with prompt ids given (a render needs a message; :class:`ChatTemplate` says so).
+    messages: list[dict[str, Any]]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -157,6 +177,10 @@ class ChatRequest(GenerationRequest):
     continue_final_message: bool | None = False
     include_reasoning: bool | None = True
     structured_outputs: dict[str, Any] | None = None
+    #: vLLM's; only ``prompt_token_ids`` means anything here (the prompt, given as ids).
+    kv_transfer_params: dict[str, Any] | None = None
+    #: vLLM's; not implemented, but, as there, it makes given prompt ids ignored.
+    echo: bool | None = False
 
 
 class CompletionRequest(GenerationRequest):
@@ -233,8 +257,14 @@ class RequestPlanner:
         prompts: list[list[int]],
         max_tokens: int | None,
         top: int,
+        *,
+        fit: bool = False,
     ) -> SamplingParams:
-        """Sampling parameters, after vLLM's context checks (400 naming ``max_tokens`` / ``input_tokens``)."""
+        """Sampling parameters, after vLLM's context checks (400 naming ``max_tokens`` / ``input_tokens``).
+
+        ``fit``: the prompt ids were given (not rendered), and vLLM then cuts ``max_tokens`` to what the
+        context has left instead of refusing a request that asks for more.
+        """
         limit = self.max_model_len
         if max_tokens is not None and max_tokens > limit:
             raise ApiError(
@@ -244,7 +274,9 @@ class RequestPlanner:
                 "max_tokens",
             )
         longest = max(len(p) for p in prompts)
-        if longest >= limit:
+        if fit:
+            max_tokens = self._fitted(longest, max_tokens)
+        elif longest >= limit:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your request has {longest} "
@@ -269,6 +301,16 @@ class RequestPlanner:
             ignore_eos=bool(req.ignore_eos),
             top_logprobs=top,
         )
+
+    def _fitted(self, length: int, max_tokens: int | None) -> int:
+        """``max_tokens`` for given prompt ids of ``length``: at most what the context has left (vLLM's)."""
+        limit = self.max_model_len
+        if length > limit:
+            raise ApiError(400, f"Input length ({length}) exceeds model's maximum context length ({limit}).")
+        room = limit - length
+        if room == 0:
+            raise ApiError(400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens")
+        return room if max_tokens is None else min(max_tokens, room)
 
     def check_tools(self, req: ChatRequest) -> None:
         """vLLM's checks of ``tools`` / ``tool_choice`` (its messages), plus: tools need a tool parser."""
@@ -322,10 +364,11 @@ class RequestPlanner:
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "field 'top_logprobs': requires 'logprobs' to be true", "top_logprobs")
         self.check_tools(req)
-        prompt = self.chat_prompt(req)
+        given = self.given_prompt_ids(req)
+        prompt = self.chat_prompt(req) if given is None else given
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = self.sampling(req, [prompt], max_tokens, top)
+        params = self.sampling(req, [prompt], max_tokens, top, fit=given is not None)
         plan = self.plan("chat", req, [prompt], params, bool(req.logprobs))
         parse = ToolRequest.from_request(
             req.model_dump(include={"tools", "tool_choice", "chat_template_kwargs", "include_reasoning"})
@@ -350,6 +393,28 @@ class RequestPlanner:
             return self.chat_template.render(req.messages, tools=req.tools, **self._template_options(req))
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), exc.param) from None
+
+    def given_prompt_ids(self, req: ChatRequest) -> list[int] | None:
+        """The prompt ids the request brings in ``kv_transfer_params.prompt_token_ids``, checked as vLLM checks
+        them, with its ``messages`` and ``tools`` validated as for a render; ``None`` when it brings none, or
+        when vLLM would render anyway (``echo``, a non-text message part)."""
+        ids = (req.kv_transfer_params or {}).get("prompt_token_ids")
+        if ids is None or req.echo or _has_non_text_part(req.messages):
+            return None
+        if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+            raise ApiError(
+                400,
+                "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers. "
+                f"(parameter={PROMPT_IDS_PARAM})",
+                PROMPT_IDS_PARAM,
+            )
+        if (top := max(ids)) >= self.vocab_size:
+            raise ApiError(400, f"Token id {top} is out of vocabulary (parameter={PROMPT_IDS_PARAM})", PROMPT_IDS_PARAM)
+        try:
+            self.chat_template.check(req.messages, tools=req.tools, **self._template_options(req))
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), exc.param) from None
+        return ids
 
     @staticmethod
     def _template_options(req: ChatRequest) -> dict[str, Any]:
@@ -477,3 +542,17 @@ def _structured_outputs(structural_tag: str | None) -> dict[str, Any] | None:
     out |= {"structural_tag": structural_tag, "_backend": None, "_backend_was_auto": False}
     return out
 
+
+def _has_non_text_part(messages: Sequence[Any]) -> bool:
+    """Whether a message's content holds a part that is not text (an image, audio...), as vLLM decides it."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, Mapping):
+                continue
+            kind = part.get("type", "text")
+            if not isinstance(kind, str) or kind not in TEXT_PART_TYPES or any(key in part for key in MEDIA_PART_KEYS):
+                return True
+    return False
