@@ -27,7 +27,8 @@ from .models import (
 if TYPE_CHECKING:
     from .algorithm import AsyncVERL
     from .daemon import AgentDaemon
-    from .engine.server import InferenceServer, InferenceServerThread, InferenceStats
+    from .engine.server import InferenceServer, InferenceStats
+    from .engine.thread import InferenceServerThread
     from .engine.tiny import resolve_model, tiny_model_path
     from .proxy import LLMProxy, RetryPolicy
     from .server import TaskServer
@@ -56,7 +57,7 @@ _LAZY = {
     "LLMCall": "store.tasks",
     "TaskStore": "store.tasks",
     "InferenceServer": "engine.server",
-    "InferenceServerThread": "engine.server",
+    "InferenceServerThread": "engine.thread",
     "InferenceStats": "engine.server",
     "resolve_model": "engine.tiny",
     "tiny_model_path": "engine.tiny",

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import machine_info, summary_ms
 
-from aglverl.engine.server import InferenceServer
+from aglverl import InferenceServer
 
 PROMPT = [{"role": "user", "content": "Count from one to ten, then say yes."}]
 
@@ -71,7 +71,7 @@ async def clients(url: str, model: str, concurrency: int, requests: int, max_tok
 
 def ceiling(server: InferenceServer, batch: int, max_tokens: int, rounds: int) -> dict[str, Any]:
     """``model.generate`` on ``batch`` copies of the chat prompt, ``rounds`` times; tokens/s."""
-    prompt = server._chat_prompt(PROMPT)
+    prompt = server.chat_template.render(PROMPT)
     ids = torch.tensor([prompt] * batch)
     mask = torch.ones_like(ids)
     kwargs = {

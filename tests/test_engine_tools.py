@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from aglverl.engine.chat_parser import ChatParser, ToolRequest
+from aglverl.engine.constrained import hermes_structural_tag
 from aglverl.engine.server import InferenceServer
 
 pytestmark = pytest.mark.anyio
@@ -186,6 +187,36 @@ async def test_constrained_log_probs_come_from_the_masked_distribution(
     logprobs = [e["logprob"] for e in answer["choices"][0]["logprobs"]["content"]]
     # where the grammar leaves a single token (the fixed parts of the call), its probability is 1
     assert logprobs[0] == 0.0 or logprobs.count(0.0) > len(logprobs) // 4
+
+
+def _forced_grammar_takes(server: InferenceServer, tools: list[dict[str, Any]], text: str) -> bool:
+    """Whether the grammar of a forced call (``tool_choice`` "required") lets the engine write exactly ``text``."""
+    constraint = server.constraints.constraint({"structural_tag": hermes_structural_tag(tools, "required")})
+    assert constraint is not None
+    ids = server.tokenizer.encode(text, add_special_tokens=False)
+    return all(constraint.consume(t) for t in ids) and constraint.matcher.is_accepting()
+
+
+def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+async def test_a_free_form_object_parameter_takes_any_members_as_json_schema_says(server: InferenceServer) -> None:
+    """``{"type": "object"}`` (a bare ``dict``) is open; an object that lists its properties stays closed, as
+    vLLM's grammar backends read it (tests/test_vllm_tools.py)."""
+    put = _tool("put", {"type": "object", "properties": {"data": {"type": "object"}}, "required": ["data"]})
+    call = '<tool_call>{"name": "put", "arguments": {"data": %s}}</tool_call>'
+    assert _forced_grammar_takes(server, [put], call % '{"a": 1, "b": [true, "x"]}')
+    assert _forced_grammar_takes(server, [put], call % "{}")
+    assert not _forced_grammar_takes(server, [put], '<tool_call>{"name": "put", "arguments": {"data": {}, "x": 1}}</tool_call>')
+    whole = _tool("store", {"type": "object", "additionalProperties": True})  # what pydantic writes for dict
+    assert _forced_grammar_takes(server, [whole], '<tool_call>{"name": "store", "arguments": {"k": "v"}}</tool_call>')
+    closed = _tool("get_weather", TOOLS[0]["function"]["parameters"])
+    assert not _forced_grammar_takes(
+        server, [closed], '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "x": 1}}</tool_call>'
+    )
+    named_properties = _tool("f", {"type": "object", "properties": {"properties": {"type": "object"}}})
+    assert _forced_grammar_takes(server, [named_properties], '<tool_call>{"name": "f", "arguments": {"properties": {"a": 1}}}</tool_call>')
 
 
 # ---------------------------------------------------------------------------------------------- parsing

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
-from aglverl.engine.server import SHUTDOWN_GRACE, InferenceServer, InferenceServerThread
+from aglverl.engine.server import SHUTDOWN_GRACE, InferenceServer
+from aglverl.engine.thread import InferenceServerThread
 from aglverl.testing import load_replay_cases
 
 pytestmark = pytest.mark.anyio

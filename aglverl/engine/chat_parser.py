@@ -37,7 +37,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 __all__ = [
     "REASONING_PARSERS",
@@ -178,16 +178,6 @@ class ChatParser:
                     "tokens of the tokenizer (as vLLM requires); this tokenizer has no such tokens"
                 )
             self.think_ids = (start, end)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether any parsing happens (else the text is the content, as with a vLLM without parsers)."""
-        return self.tool_parser is not None or self.reasoning_parser is not None
-
-    @property
-    def keeps_special_tokens(self) -> bool:
-        """Parsing reads markup, so text is decoded with special tokens kept (vLLM's derender does so)."""
-        return self.enabled
 
     def session(self, request: ToolRequest, prompt_ids: Sequence[int] | None = None) -> ParseSession:
         return ParseSession(self, request, prompt_ids)
@@ -439,6 +429,3 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-FinishReason = Literal["stop", "length", "abort", "tool_calls"]

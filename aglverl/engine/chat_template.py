@@ -169,6 +169,46 @@ class ChatTemplate:
             raise ChatTemplateError("the model's tokenizer has no chat template", "messages")
         if not messages:
             raise ChatTemplateError("field 'messages': at least one message is required", "messages")
+        flat, kwargs = self._prepared(
+            messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                flat,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # the template is user data: any error in it is a bad request
+            raise ChatTemplateError(f"the chat template failed on these messages: {exc}", "messages") from None
+        return str(text)
+
+    def check(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Validate a chat request as :meth:`render_text` would, without rendering it (a request that brings
+        its prompt as ids): the same :class:`ChatTemplateError` for the same bad input, except that no
+        message at all is allowed and the template itself is never run."""
+        self._prepared(messages, tools, add_generation_prompt, continue_final_message, chat_template_kwargs)
+
+    def _prepared(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The messages and the template's keyword arguments (``tools`` included), checked."""
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -193,19 +233,7 @@ class ChatTemplate:
                     "tools",
                 )
             kwargs["tools"] = tool_list
-        try:
-            text = self.tokenizer.apply_chat_template(
-                flat,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
-        except ChatTemplateError:
-            raise
-        except Exception as exc:  # the template is user data: any error in it is a bad request
-            raise ChatTemplateError(f"the chat template failed on these messages: {exc}", "messages") from None
-        return str(text)
+        return flat, kwargs
 
     def render(
         self,

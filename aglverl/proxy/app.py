@@ -32,7 +32,7 @@ import anyio
 from aiohttp import web
 from anyio.abc import TaskStatus
 
-from .._net import bind_listener, url_of
+from .._net import HttpListener
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
@@ -309,19 +309,13 @@ class LLMProxy:
         """
         if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
-        sock = bind_listener(self._config.host, self._config.port)
-        app = self._make_app()
-        runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=_CLOSE_TIMEOUT
+        http = HttpListener(
+            self._make_app(), self._config.host, self._config.port, shutdown_timeout=_CLOSE_TIMEOUT
         )
         self._pool.open()
         self._closing = False
-        site: web.SockSite | None = None
         try:
-            await runner.setup()
-            site = web.SockSite(runner, sock)
-            await site.start()
-            self._url = url_of(sock)
+            self._url = await http.start()
             self._admission.overload.start()
             async with anyio.create_task_group() as tg:
                 self._pool.probes = tg
@@ -331,8 +325,7 @@ class LLMProxy:
             self._pool.probes = None
             self._admission.overload.stop()
             with anyio.CancelScope(shield=True):
-                await self._close(runner, site)
-            sock.close()
+                await self._close(http)
 
     def _make_app(self) -> web.Application:
         app = web.Application(client_max_size=self._config.max_request_bytes)
@@ -341,19 +334,11 @@ class LLMProxy:
         app.router.add_route("*", "/{tail:.*}", self._no_route)
         return app
 
-    async def _close(self, runner: web.AppRunner, site: web.SockSite | None) -> None:
+    async def _close(self, http: HttpListener) -> None:
         self._closing = True
         grace = self._config.shutdown_grace
         with anyio.move_on_after(grace + 4 * _CLOSE_TIMEOUT):
-            if site is not None:
-                await site.stop()
-            if self._handlers:
-                await asyncio.wait(set(self._handlers), timeout=grace)
-            for task in self._handlers:
-                task.cancel()
-            if self._handlers:
-                await asyncio.wait(set(self._handlers), timeout=_CLOSE_TIMEOUT)
-            await runner.cleanup()
+            await http.stop(self._handlers, grace=grace, cancel_wait=_CLOSE_TIMEOUT)
         await self._pool.close()
 
     # ------------------------------------------------------------------ handlers

@@ -45,7 +45,7 @@ from aiohttp import web
 from anyio.abc import TaskStatus
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from .._net import bind_listener, url_of
+from .._net import HttpListener
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -524,8 +524,7 @@ class MockVLLM:
         self._ids = itertools.count()
         self._changed: anyio.Event | None = None  # exists while someone is in wait_until()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._runner: web.AppRunner | None = None
-        self._site: web.SockSite | None = None
+        self._http: HttpListener | None = None
         self._url: str | None = None
         self._stopping = False
 
@@ -594,9 +593,8 @@ class MockVLLM:
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> None:
         """Bind and start answering; returns once the listener accepts connections."""
-        if self._runner is not None:
+        if self._http is not None:
             raise RuntimeError("MockVLLM is already serving")
-        sock = bind_listener(self.host, self.port)
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -606,39 +604,21 @@ class MockVLLM:
             app.router.add_post("/v1/chat/completions/render", self._render)
             app.router.add_post("/inference/v1/generate", self._generate_ids)
             app.router.add_post("/v1/chat/completions/derender", self._derender)
-        runner = web.AppRunner(
-            app,
-            handler_cancellation=True,
-            access_log=None,
-            keepalive_timeout=KEEPALIVE_SECONDS,
-            shutdown_timeout=_CLOSE_TIMEOUT,
+        http = HttpListener(
+            app, self.host, self.port, keepalive_timeout=KEEPALIVE_SECONDS, shutdown_timeout=_CLOSE_TIMEOUT
         )
-        try:
-            await runner.setup()
-            site = web.SockSite(runner, sock)
-            await site.start()
-        except BaseException:
-            sock.close()
-            await runner.cleanup()
-            raise
-        self._runner, self._site, self._url = runner, site, url_of(sock)
-        self.port = sock.getsockname()[1]
+        self._url = await http.start()
+        self._http, self.port = http, http.port
         self._stopping = False
 
     async def stop(self) -> None:
         """Stop listening, abandon calls in progress (counted neither as cancelled nor completed), close all."""
-        runner, site = self._runner, self._site
-        if runner is None or site is None:
+        http, self._http = self._http, None
+        if http is None:
             return
         self._stopping = True
         with anyio.CancelScope(shield=True):
-            await site.stop()
-            for task in list(self._tasks):
-                task.cancel()
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=_CLOSE_TIMEOUT)
-            await runner.cleanup()
-        self._runner = self._site = None
+            await http.stop(self._tasks, cancel_wait=_CLOSE_TIMEOUT)
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled, then :meth:`stop`; ``task_status.started()`` once accepting connections."""

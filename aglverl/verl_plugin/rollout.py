@@ -34,7 +34,8 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from ..engine.server import KEEPALIVE_SECONDS, WEIGHT_VERSION_HEADER, InferenceServer, InferenceServerThread
+from ..engine.server import KEEPALIVE_SECONDS, WEIGHT_VERSION_HEADER, InferenceServer
+from ..engine.thread import InferenceServerThread
 from . import ROLLOUT_NAME
 
 __all__ = ["ROLLOUT_NAME", "EmbeddedReplica", "EmbeddedRollout", "EmbeddedServerHandle", "local_rollout"]
