@@ -136,10 +136,11 @@ from .app import LLMProxy
 from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
 from .call import _Call as _Call  # private names re-exported (``as``): tests reach in for them
 from .call import _forward_headers as _forward_headers
-from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
+from .capture import CAPTURED_PATHS
 from .capture import _Capture as _Capture
 from .capture import _ChoiceCapture as _ChoiceCapture
 from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
+from .dialect import CONTEXT_REFUSAL, CONTINUED_FIELDS, DIALECTS, WEIGHT_VERSION_HEADER, Dialect
 from .pool import (
     COMPLETIONS_TARGET,
     EJECT_AFTER_TIMEOUTS,
@@ -149,7 +150,6 @@ from .pool import (
     STICKY_ROLLOUTS,
 )
 from .pool import _Backend as _Backend
-from .resume import CONTINUED_FIELDS
 from .resume import _resume_blocker as _resume_blocker
 from .resume import _Resumption as _Resumption
 
@@ -158,6 +158,7 @@ __all__ = [
     "COMPLETIONS_TARGET",
     "CONTEXT_REFUSAL",
     "CONTINUED_FIELDS",
+    "DIALECTS",
     "EJECT_AFTER_TIMEOUTS",
     "ERROR_BODY_LIMIT",
     "HOP_BY_HOP",
@@ -169,6 +170,7 @@ __all__ = [
     "TRAINER_SAMPLING",
     "UPSTREAM_KEEPALIVE",
     "WEIGHT_VERSION_HEADER",
+    "Dialect",
     "LLMProxy",
     "Outcome",
     "ProxyError",

@@ -1,7 +1,8 @@
 """One call on its way through the proxy, the errors the proxy answers itself, and header forwarding.
 
 The vocabulary every part of :mod:`aglverl.proxy` shares; it depends only on the pure modules (a call carries
-its :mod:`~aglverl.proxy.capture` and its token-in :mod:`~aglverl.proxy.session` plan):
+its :mod:`~aglverl.proxy.capture`, its backend's :mod:`~aglverl.proxy.dialect` and its token-in
+:mod:`~aglverl.proxy.session` plan):
 
 - :class:`_Call` — one agent request from admission to its records: what goes upstream (method, target,
   end-to-end headers, body, the parsed request), what came back (backend, weight versions, timings), how it
@@ -27,6 +28,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..store.tasks import LLMCall
 from .capture import _Capture
+from .dialect import DEFAULT, Dialect
 from .session import Plan
 from .translate import Translator
 
@@ -99,6 +101,7 @@ class _Call:
         "body",
         "capture",
         "delivered",
+        "dialect",
         "error",
         "first_byte",
         "headers",
@@ -158,6 +161,7 @@ class _Call:
         self.weight_version = 0
         self.weight_version_end: int | None = None
         self.backend = ""
+        self.dialect: Dialect = DEFAULT  # the backend's, once a try went to one
         self.response: web.StreamResponse | None = None
         self.sse = False
         self.tail = b""
