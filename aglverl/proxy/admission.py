@@ -5,8 +5,8 @@ alone, for routes that lead nowhere). In order: the agent's API (a translated on
 refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time), the
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
 forwarded), the path (no ``.``/``..`` segments), the body (``max_request_bytes``: 413), the translation to a
-chat completion, and for a recorded call the capture request (``return_token_ids``, logprobs, identity
-encoding), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
+chat completion, and for a recorded call the capture request (the default dialect's ids fields, vLLM's
+``return_token_ids``; logprobs; identity encoding), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
 closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
@@ -27,8 +27,9 @@ from aiohttp import web
 
 from ..store.tasks import StoreError
 from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
-from .capture import CAPTURED_PATHS, _Capture
+from .capture import CAPTURED_PATHS
 from .config import ProxyConfig
+from .dialect import DEFAULT
 from .gate import Gate
 from .meters import Meters
 from .store_view import ProxyStore
@@ -193,15 +194,14 @@ class Admission:
         model = obj.get("model")
         call.model = model if isinstance(model, str) else None
         call.kind = kind
-        call.capture = _Capture(kind)
+        call.capture = DEFAULT.capture(kind)
         call.headers["Accept-Encoding"] = "identity"
         empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        if "return_token_ids" not in obj:
-            fill["return_token_ids"] = True
+        # Before any backend is picked: the default dialect's fields (a proxy's backends speak one wire).
+        fill |= {key: value for key, value in DEFAULT.ids_fields(kind).items() if key not in obj}
         if self.config.request_logprobs and "logprobs" not in obj:
-            # Completions take a count of alternatives: 0 asks for the sampled tokens' logprobs alone.
-            fill["logprobs"] = True if kind == "chat" else 0
+            fill["logprobs"] = DEFAULT.logprobs_field(kind)
         if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
             call.body = orjson.dumps({**obj, **fill})
         elif fill:

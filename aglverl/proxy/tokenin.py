@@ -209,7 +209,9 @@ class _LocalRenderer:
 
     def __init__(self, source: str, tokenizer: PreTrainedTokenizerBase) -> None:
         self.source = source
-        self.template = ChatTemplate(tokenizer)
+        fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python wrapper per call
+        encode = None if fast is None else (lambda text: fast.encode(text, add_special_tokens=False).ids)
+        self.template = ChatTemplate(tokenizer, encode)
         self.templates = _Templates()
 
     async def render(
