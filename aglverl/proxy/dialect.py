@@ -7,7 +7,8 @@ server to the next. :class:`Dialect` is that difference, as the proxy uses it:
   (:meth:`Dialect.ids_fields`), and the capture that reads them, log-probs and finish reasons out of answers
   and streams (:meth:`Dialect.capture`); a generation the engine aborted ends with finish reason
   :attr:`Dialect.abort_reason`;
-- **continuing an aborted generation** token-exactly (:meth:`Dialect.continuation`: target and body);
+- **continuing an aborted generation** token-exactly (:meth:`Dialect.continuation`: target and body), and
+  the request fields no continuation can carry on (:attr:`Dialect.unresumable_fields`);
 - **token-in**: a chat completion generated from given prompt ids, in one request
   (:meth:`Dialect.with_prompt_ids`), whether a refusal says the backend does not take them
   (:meth:`Dialect.refuses_prompt_ids`), and the render route a proxy without the model's tokenizer uses for a
@@ -137,6 +138,10 @@ class Dialect(Protocol):
     def advice(self) -> Mapping[str, str]:
         """What the operator must do for token-in to work, by what is missing (``prompt_ids``, ``render``)."""
 
+    @property
+    def unresumable_fields(self) -> tuple[str, ...]:
+        """Request fields whose state a continuation would start afresh (a grammar over the output)."""
+
     def ids_fields(self, kind: Kind) -> Mapping[str, Any]: ...
     def logprobs_field(self, kind: Kind) -> Any: ...
     def capture(self, kind: Kind, answers: bool = False) -> _Capture: ...
@@ -190,6 +195,14 @@ class VLLMDialect:
     continuation_target: str = "/v1/completions"
     render_target: str = "/v1/chat/completions/render"
     abort_reason: str = "abort"
+    unresumable_fields: tuple[str, ...] = (
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "prompt_logprobs",
+    )
 
     # ------------------------------------------------------------------ token ids
     def ids_fields(self, kind: Kind) -> Mapping[str, Any]:

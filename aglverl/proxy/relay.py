@@ -198,7 +198,7 @@ class Relay:
         captured = self.recorder.capture_body(call, upstream.status, body)
         if captured and call.capture is not None and call.capture.aborted:
             assert call.request is not None
-            if _resume_blocker(call.request, call.kind) is None:
+            if _resume_blocker(call.request, call.kind, call.dialect) is None:
                 body = await self.resumer.resume_whole(call, orjson.loads(body))
             else:
                 body = await self.resumer.regenerate_whole(call)

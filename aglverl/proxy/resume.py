@@ -43,6 +43,7 @@ from aiohttp import web
 
 from .call import _SSE, ERROR_BODY_LIMIT, ProxyError, _Call, _error_message, _token_limit, _Unreachable
 from .config import ProxyConfig
+from .dialect import DEFAULT, Dialect
 from .gate import Gate
 from .meters import Meters
 from .pool import RETRY_STATUSES, Pool, _Backend, _BoundedEvents, _read_bounded
@@ -60,15 +61,6 @@ from .sse import (
 
 logger = logging.getLogger(__name__)
 
-#: vLLM fields whose state a continuation would start afresh (a grammar over the output, prompt logprobs).
-_UNRESUMABLE_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "prompt_logprobs",
-)
 #: The end of a generation aborted exactly at its limit (nothing is left to continue).
 _LENGTH_END: Mapping[str, Any] = {
     "index": 0,
@@ -80,8 +72,11 @@ _LENGTH_END: Mapping[str, Any] = {
 }
 
 
-def _resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completion"] | None) -> str | None:
-    """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can)."""
+def _resume_blocker(
+    request: Mapping[str, Any], kind: Literal["chat", "completion"] | None, dialect: Dialect = DEFAULT
+) -> str | None:
+    """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can); the
+    backend's ``dialect`` names its own fields whose state a continuation would start afresh."""
     n, best_of = request.get("n"), request.get("best_of")
     if (type(n) is int and n > 1) or (type(best_of) is int and best_of > 1):
         return "a call with n > 1"
@@ -93,7 +88,7 @@ def _resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completio
             return "a call with a response_format"
     elif request.get("echo"):
         return "a call with echo"
-    for key in _UNRESUMABLE_FIELDS:
+    for key in dialect.unresumable_fields:
         if request.get(key) is not None:
             return f"a call with {key}"
     return None
@@ -280,7 +275,7 @@ class Resumer:
         proxy does not resume (counted as ``unsupported``)."""
         capture, request = call.capture, call.request
         assert capture is not None and request is not None
-        why = _resume_blocker(request, call.kind)
+        why = _resume_blocker(request, call.kind, call.dialect)
         choice = next(iter(capture.choices.values()), None)
         prompt = None if choice is None else choice.prompt_ids or capture.prompt_ids
         if why is None and len(capture.choices) != 1:

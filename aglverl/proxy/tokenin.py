@@ -347,7 +347,10 @@ class _Tokenizers:
             loading = self._loading[source] = anyio.Event()
             try:
                 tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, source)
-                self._renderers[source] = None if tokenizer is None else _LocalRenderer(source, tokenizer)
+                renderer = None if tokenizer is None else _LocalRenderer(source, tokenizer)
+                if renderer is not None and renderer.template.source is None:
+                    renderer = None  # a tokenizer without a chat template renders no conversation
+                self._renderers[source] = renderer
             finally:
                 del self._loading[source]
                 loading.set()
@@ -568,8 +571,10 @@ class TokenIn:
         """The local renderer when it agrees with the backend under this rendering context (checked once,
         against a turn the backend rendered itself), else the backend's render route; :class:`_Fallback`
         (``template_mismatch``) when the backend has none."""
-        if template.agrees is None and match.turn.rendered:
-            messages = request["messages"][: match.history]
+        # A witness: a turn the backend rendered whose messages the agent re-sent as they were (an earlier
+        # answer in them is compared loosely, and its echo may render otherwise than the original did).
+        messages = request["messages"][: match.history] if template.agrees is None and match.turn.rendered else []
+        if messages and all(m.get("role") != "assistant" for m in messages):
             [ids] = await renderer.render(request, [(messages, True)])
             template.agrees = ids == match.turn.prompt
             if not template.agrees:
