@@ -334,12 +334,14 @@ async def _proxy_child(cfg: dict[str, Any]) -> None:
         tg.cancel_scope.cancel()
 
 
-async def _chat_call(session: Any, url: str, model: str, messages: list[Any]) -> tuple[float, str]:
+async def _chat_call(
+    session: Any, url: str, model: str, messages: list[Any], tokens: int = CHAT_ANSWER_TOKENS
+) -> tuple[float, str]:
     body = orjson.dumps(
         {
             "model": model,
             "messages": messages,
-            "max_tokens": CHAT_ANSWER_TOKENS,
+            "max_tokens": tokens,
             "temperature": 0.0,
             "ignore_eos": True,
         }
@@ -386,6 +388,7 @@ async def proxy_cost(
     model: str,
     result_repeat: int = 4,
     against: str | None = None,
+    answer_tokens: int = CHAT_ANSWER_TOKENS,
 ) -> dict[str, Any]:
     """The proxy part (see the module docstring): per T, per mode (token-in, the text relay, ``against``'s
     token-in, the plain chat call straight to the backend), interleaved round by round: the later call's
@@ -417,14 +420,14 @@ async def proxy_cost(
                     histories[mode] = [[{"role": "system", "content": PROXY_SYSTEM}, {"role": "user", "content": f"Question {i}?"}] for i in range(conversations)]  # fmt: skip
                     for turn in range(turns - 1):  # played, not timed
                         for base, history in zip(bases[mode], histories[mode], strict=True):
-                            _, answer = await _chat_call(session, base, model, history)
+                            _, answer = await _chat_call(session, base, model, history, answer_tokens)
                             history += [{"role": "assistant", "content": answer}, {"role": "user", "content": _result_text(turn, result_repeat)}]  # fmt: skip
                 bases[DIRECT] = [backend + "/v1"] * conversations
                 histories[DIRECT] = histories["text"]
                 modes = [*proxies, DIRECT]
                 for mode in modes:  # warm-up, not timed: a proxy's first such call reads the template once
                     for base, history in zip(bases[mode], histories[mode], strict=True):
-                        await _chat_call(session, base, model, history)
+                        await _chat_call(session, base, model, history, answer_tokens)
                 latency: dict[str, list[float]] = {m: [] for m in modes}
                 cpu = dict.fromkeys(proxies, 0.0)
                 reached: dict[str, dict[str, float]] = {m: {} for m in modes}
@@ -433,7 +436,8 @@ async def proxy_cost(
                         before = await _backend_requests(session, backend)
                         spent = proxies[mode].cpu_seconds() if mode in proxies else 0.0
                         for base, history in zip(bases[mode], histories[mode], strict=True):
-                            latency[mode].append((await _chat_call(session, base, model, history))[0])
+                            call = await _chat_call(session, base, model, history, answer_tokens)
+                            latency[mode].append(call[0])
                         if mode in proxies:
                             cpu[mode] += proxies[mode].cpu_seconds() - spent
                         after = await _backend_requests(session, backend)
@@ -502,6 +506,9 @@ def main() -> None:
         "--proxy-backend", default=None, help="a vLLM URL instead of the mock (--enable-scale-out for --against)"
     )
     parser.add_argument("--model-name", default="tiny", help="the served model's name at --proxy-backend")
+    parser.add_argument(
+        "--proxy-answer-tokens", type=int, default=CHAT_ANSWER_TOKENS, help="max_tokens of the proxy part's calls"
+    )
     parser.add_argument("--learn-steps", type=int, default=20, help="steps of the multiturn demo (0: skip)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per trajectory in the learning runs")
     parser.add_argument("--target", type=float, default=0.9)
@@ -565,6 +572,7 @@ def main() -> None:
             args.model_name,
             args.result_repeat,
             args.against,
+            args.proxy_answer_tokens,
         )
     learning: dict[str, Any] = {}
     if args.learn_steps and "learn" in args.parts:
@@ -607,6 +615,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "result_repeat": args.result_repeat,
                 "against": args.against,
+                "proxy_answer_tokens": args.proxy_answer_tokens,
                 "seeds": args.seeds,
                 "turns": args.turns,
                 "system_tokens": SYSTEM_TOKENS,

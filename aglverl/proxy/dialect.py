@@ -289,8 +289,9 @@ class VLLMDialect:
 
     def refuses_prompt_ids(self, status: int, message: str) -> bool:
         """Whether a 4xx says the backend does not take prompt ids this way (a server that forbids the field),
-        rather than that the request was wrong otherwise."""
-        return 400 <= status < 500 and "kv_transfer_params" in message
+        rather than that the request was wrong otherwise (vLLM names ``kv_transfer_params['prompt_token_ids']``
+        for ids it refuses: out of vocabulary, malformed)."""
+        return 400 <= status < 500 and "kv_transfer_params" in message and "prompt_token_ids" not in message
 
     def render_body(
         self, request: Mapping[str, Any], messages: Sequence[Any], generation_prompt: bool
