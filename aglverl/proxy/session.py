@@ -27,7 +27,8 @@ which answer would the agent keep?), ``unsupported`` (a request a generation fro
 other than text, ``continue_final_message``, no generation prompt, ``prompt_logprobs``, ``echo``, beam search).
 
 Pure and synchronous: no I/O, no clock. Memory: a turn holds references to the id lists its record holds, so a
-session costs the store's records nothing more than the digests; :meth:`Sessions.forget` drops every attempt of
+session costs the store's records nothing more than the digests, and the last request's messages (whose
+digests the next request reuses for what it repeats unchanged); :meth:`Sessions.forget` drops every attempt of
 the rollouts the store forgets. Bad input (a request whose ``messages`` is not a list of objects) is never an
 error here: the request is simply not matched (``unsupported``) and the backend judges it.
 """
@@ -265,11 +266,35 @@ class Plan:
 
 
 class _Session:
-    __slots__ = ("turns",)
+    __slots__ = ("digests", "messages", "turns")
 
     def __init__(self) -> None:
         # digest of (messages + answer) -> rendering context -> (turn, whether the answer is in the messages)
         self.turns: dict[bytes, dict[bytes, tuple[Turn, bool]]] = {}
+        # The last request's messages and their prefix digests: the next request of the conversation repeats
+        # them, and the digests of the messages it repeats unchanged are not computed again.
+        self.messages: list[Any] = []
+        self.digests: list[bytes] = []
+
+
+def _digests(messages: list[Any], session: _Session | None) -> list[bytes] | None:
+    """The chained digest of every prefix of ``messages`` (``None``: one cannot be matched); those of the
+    leading messages equal to the session's last request's are taken from it (a C-level comparison of the
+    parsed objects instead of canonical bytes and a hash per message)."""
+    digests: list[bytes] = []
+    if session is not None:
+        for new, old, digest in zip(messages, session.messages, session.digests, strict=False):
+            if new != old:
+                break
+            digests.append(digest)
+    digest = digests[-1] if digests else _ROOT
+    for message in messages[len(digests) :]:
+        canonical = canonical_message(message)
+        if canonical is None:
+            return None
+        digest = _chain(digest, canonical)
+        digests.append(digest)
+    return digests
 
 
 def _context(request: Mapping[str, Any]) -> bytes | None:
@@ -319,18 +344,14 @@ class Sessions:
         context = _context(request)
         if why is not None or context is None or not isinstance(messages, list) or not messages:
             return None, None, why or "unsupported"
-        digests = []
-        digest = _ROOT
-        for message in messages:
-            canonical = canonical_message(message)
-            if canonical is None:
-                return None, None, "unsupported"
-            digest = _chain(digest, canonical)
-            digests.append(digest)
-        pending = Pending(rollout_id, attempt_id, digest, context)
         session = self._rollouts.get(rollout_id, {}).get(attempt_id)
+        digests = _digests(messages, session)
+        if digests is None:
+            return None, None, "unsupported"
+        pending = Pending(rollout_id, attempt_id, digests[-1], context)
         if session is None:
             return pending, None, "first_call"
+        session.messages, session.digests = messages, digests
         other_context = False
         for end in range(len(messages) - 1, 0, -1):  # the longest prefix first; the tail is never empty
             found = session.turns.get(digests[end - 1])

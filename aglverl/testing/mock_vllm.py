@@ -952,7 +952,11 @@ class MockVLLM:
         if self.prompt_ids == "ignore" or body.get("echo") or non_text:
             return None, None
         ids = params["prompt_token_ids"]
-        if not isinstance(ids, list) or not ids or any(type(t) is not int or not 0 <= t < VOCAB_SIZE for t in ids):
+        try:  # min / max in C: the mock stays cheap per call for the benchmarks
+            valid = isinstance(ids, list) and bool(ids) and type(ids[0]) is int and 0 <= min(ids) <= max(ids) < VOCAB_SIZE  # fmt: skip
+        except TypeError:
+            valid = False
+        if not valid:
             message = (
                 "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of token ids below the "
                 f"vocabulary size ({VOCAB_SIZE})"
