@@ -466,6 +466,9 @@ async def proxy_cost(
                 )
                 row["target_ms"] = round(allowed, 3)
                 row["target_met"] = row["token_in_extra_ms_p50"] <= allowed
+                text_cpu = row["text"]["proxy_cpu_ms_per_call"]
+                row["cpu_target_ms"] = round(max(3.0, 0.1 * text_cpu), 3)
+                row["cpu_target_met"] = row["token_in_extra_cpu_ms"] <= row["cpu_target_ms"]
                 out[f"{turns}_turns"] = row
     finally:
         for child_ in [*proxies.values(), *([mock] if mock is not None else [])]:
