@@ -29,6 +29,7 @@ from helpers.tokenin import api_conversation, chat_turn, counts, extends
 from test_translate import claim, finish, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
+from aglverl.proxy.dialect import DEFAULT, ENGINE, VLLM, detect
 from aglverl.proxy.session import Answer, Sessions, canonical_message
 from aglverl.proxy.tokenin import TEMPLATES_KEPT
 from aglverl.store.tasks import LLMCall
@@ -205,6 +206,29 @@ def test_an_empty_answer_the_agent_leaves_out_still_matches() -> None:
     assert match is not None and match.tail == kept[2:]
     edited = [*kept[:1], {"role": "assistant", "content": "changed"}, kept[2]]
     assert sessions.consider("r", "a", {"model": "m", "messages": edited})[2] == "no_match"
+
+
+# ---------------------------------------------------------------------------------------------- dialects
+def test_a_backend_is_known_by_its_model_listing_and_the_prompt_ids_go_in_the_agents_own_body() -> None:
+    assert detect([{"id": "m", "owned_by": "vllm"}]) is VLLM
+    assert detect([{"id": "m", "owned_by": "aglverl"}]) is ENGINE
+    assert detect([{"id": "m", "owned_by": "someone"}]) is DEFAULT and detect([]) is DEFAULT
+    cards = [{"id": "a", "root": "/models/a", "max_model_len": 8}, {"id": "b", "root": "/models/b"}]
+    assert (VLLM.tokenizer_source(cards, "b"), VLLM.context_window(cards, "a")) == ("/models/b", 8)
+    # every other byte of the agent's body kept; prompt ids spliced in, or merged with its own params
+    body = b'{"model": "m",  "messages": [], "x": 1.50}'
+    sent = VLLM.with_prompt_ids(body, orjson.loads(body), [1, 2])
+    assert sent.endswith(b'"model": "m",  "messages": [], "x": 1.50}')
+    assert orjson.loads(sent)["kv_transfer_params"] == {"prompt_token_ids": [1, 2]}
+    assert orjson.loads(VLLM.with_prompt_ids(b"{}", {}, [3])) == {"kv_transfer_params": {"prompt_token_ids": [3]}}
+    own = {"model": "m", "kv_transfer_params": {"do_remote_prefill": True}}
+    merged = orjson.loads(VLLM.with_prompt_ids(orjson.dumps(own), own, [4]))
+    assert merged["kv_transfer_params"] == {"do_remote_prefill": True, "prompt_token_ids": [4]}
+    # a server that forbids the field, not ids it refuses, means no prompt ids there
+    assert VLLM.refuses_prompt_ids(400, "kv_transfer_params: Extra inputs are not permitted")
+    assert not VLLM.refuses_prompt_ids(400, "kv_transfer_params['prompt_token_ids'] must be below 151936")
+    assert VLLM.lacks_route(403, b"Scale-out endpoints are disabled") and VLLM.lacks_route(404, b"Not Found")
+    assert not VLLM.lacks_route(404, b'{"error": {"message": "The model `x` does not exist."}}')
 
 
 # ---------------------------------------------------------------------------------------------- one request
