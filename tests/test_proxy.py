@@ -22,7 +22,7 @@ from yarl import URL
 from aglverl._net import bind_listener
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import LLMProxy, RetryPolicy, _Capture
+from aglverl.proxy import Capture, LLMProxy, RetryPolicy
 from aglverl.store.tasks import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
 from aglverl.trajectory.steps import termination_of
@@ -233,7 +233,7 @@ def test_capture_assembles_same_ids_wherever_the_stream_is_cut(data: st.DataObje
     raw = case.response
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=40)))
     kind: Literal["chat", "completion"] = "chat" if "chat" in case.path else "completion"
-    whole, pieces = _Capture(kind), _Capture(kind)
+    whole, pieces = Capture(kind), Capture(kind)
     whole.feed(raw)
     for start, end in zip([0, *cuts], [*cuts, len(raw)], strict=True):
         pieces.feed(raw[start:end])

@@ -18,7 +18,7 @@ from anyio.lowlevel import checkpoint
 import aglverl.proxy
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import ProxyError, RetryPolicy, _Call, _Capture
+from aglverl.proxy import Call, Capture, ProxyError, RetryPolicy
 from aglverl.proxy.config import ProxyConfig
 from aglverl.proxy.gate import Gate
 from aglverl.proxy.meters import Meters
@@ -176,15 +176,15 @@ def test_the_pool_alone_keeps_a_rollout_on_its_backend_and_sends_a_new_one_to_th
 
 
 # ---------------------------------------------------------------------------------------------- the recorder
-def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple[_Call, bytes]:
+def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple[Call, bytes]:
     """A recorded chat call of a newly claimed attempt that asked for at most 3 tokens, and the backend's JSON
     answer to it."""
     rollout_id = store.enqueue({"question": "?"})
     task = store.try_claim()
     assert task is not None and task.attempt_id is not None
-    call = _Call(0, 0.0, rollout_id, task.attempt_id)
+    call = Call(0, 0.0, rollout_id, task.attempt_id)
     call.kind, call.path, call.max_tokens = "chat", "/v1/chat/completions", 3
-    call.capture = _Capture("chat")
+    call.capture = Capture("chat")
     answer = {
         "model": "m",
         "prompt_token_ids": prompt,
@@ -201,7 +201,7 @@ def _answered_call(store: TaskStore, ids: list[int], prompt: list[int]) -> tuple
     return call, orjson.dumps(answer)
 
 
-def _finished(store: TaskStore, call: _Call) -> list[LLMCall]:
+def _finished(store: TaskStore, call: Call) -> list[LLMCall]:
     assert call.rollout_id is not None
     store.submit_result(Rollout(rollout_id=call.rollout_id, attempt_id=call.attempt_id, final_reward=1.0))
     return store.record(call.rollout_id).calls
@@ -237,7 +237,7 @@ def test_the_recorder_alone_records_once_through_the_store_view_and_counts_what_
 
 
 # ---------------------------------------------------------------------------------------------- capture
-def _assembled(capture: _Capture) -> list[tuple[object, object, object, object]]:
+def _assembled(capture: Capture) -> list[tuple[object, object, object, object]]:
     return [(i, c.prompt_ids, ids, lps) for i, c, ids, lps in capture.result()]
 
 
@@ -246,7 +246,7 @@ def test_capture_takes_reads_of_whole_events_as_it_takes_bytes_cut_anywhere(name
     case = CASES[name]
     kind = "chat" if "chat" in case.path else "completion"
     events = [e + b"\n\n" for e in case.response.split(b"\n\n") if e.strip()]
-    cut_anywhere, one_by_one, in_reads = _Capture(kind), _Capture(kind), _Capture(kind)
+    cut_anywhere, one_by_one, in_reads = Capture(kind), Capture(kind), Capture(kind)
     for i in range(0, len(case.response), 7):
         cut_anywhere.feed(case.response[i : i + 7])
     for event in events:
@@ -259,7 +259,7 @@ def test_capture_takes_reads_of_whole_events_as_it_takes_bytes_cut_anywhere(name
 
 
 def test_capture_of_a_read_with_a_garbled_event_is_broken_and_still_sees_the_abort_after_it() -> None:
-    capture = _Capture("chat")
+    capture = Capture("chat")
     good = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5],"finish_reason":null}]}\n\n'
     garbled = b'data: {"choices":[{"index":0,"delta":\n\n'
     aborted = (
@@ -275,7 +275,7 @@ def test_capture_of_a_read_with_an_event_holding_two_values_is_broken_as_that_ev
     # pass as two events.
     first = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":[5]}]}\n\n'
     two = b'data: {"choices":[{"index":0,"delta":{"content":"b"},"token_ids":[6]}]}, {"model":"m"}\n\n'
-    alone, in_a_read = _Capture("chat"), _Capture("chat")
+    alone, in_a_read = Capture("chat"), Capture("chat")
     alone.take_events(first)
     alone.take_events(two)
     in_a_read.take_events(first + two)
@@ -300,7 +300,7 @@ def test_capture_reports_logprobs_only_as_one_number_per_id() -> None:
         ([-1.0, True], None),  # a boolean is not a log-prob
         ([-1.0], None),  # not one per id
     ):
-        capture = _Capture("chat")
+        capture = Capture("chat")
         assert capture.take_body(answer(logprobs))
         [(_, _, ids, lps)] = capture.result()
         assert ids == [1, 2] and lps == expected and all(type(v) is float for v in lps or ())

@@ -137,11 +137,11 @@ from __future__ import annotations
 from .admission import SAMPLING_NEUTRAL, TRAINER_SAMPLING, reconcile_sampling
 from .app import LLMProxy
 from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
-from .call import _Call as _Call  # private names re-exported (``as``): tests reach in for them
-from .call import _forward_headers as _forward_headers
+from .call import Call as Call  # private names re-exported (``as``): tests reach in for them
+from .call import forward_headers as forward_headers
 from .capture import CAPTURED_PATHS
-from .capture import _Capture as _Capture
-from .capture import _ChoiceCapture as _ChoiceCapture
+from .capture import Capture as Capture
+from .capture import ChoiceCapture as ChoiceCapture
 from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
 from .dialect import CONTEXT_REFUSAL, CONTINUED_FIELDS, DIALECTS, WEIGHT_VERSION_HEADER, Dialect
 from .pool import (
@@ -152,9 +152,9 @@ from .pool import (
     RETRY_STATUSES,
     STICKY_ROLLOUTS,
 )
-from .pool import _Backend as _Backend
-from .resume import _resume_blocker as _resume_blocker
-from .resume import _Resumption as _Resumption
+from .pool import Backend as Backend
+from .resume import Resumption as Resumption
+from .resume import resume_blocker as resume_blocker
 
 __all__ = [
     "CAPTURED_PATHS",

@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from ..store.tasks import StoreError
-from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
+from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS
 from .config import ProxyConfig
 from .dialect import DEFAULT
@@ -112,7 +112,7 @@ class Admission:
         self.meters = meters
         self.token_in = token_in
 
-    async def admit(self, request: web.Request, call: _Call, target: str) -> None:
+    async def admit(self, request: web.Request, call: Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
         path = request.match_info["path"]
         api = TRANSLATED_PATHS.get(path) if request.method == "POST" else None
@@ -131,7 +131,7 @@ class Admission:
         call.method = request.method
         call.path = "/v1/" + path
         call.target = f"{target}?{query}" if query else target
-        call.headers = _forward_headers(request.headers, _REQUEST_DROP)
+        call.headers = forward_headers(request.headers, REQUEST_DROP)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
         call.body = await self._read_body(request)
@@ -169,7 +169,7 @@ class Admission:
             raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
 
     @staticmethod
-    def _translate_request(call: _Call, translator: Translator) -> Literal["chat"]:
+    def _translate_request(call: Call, translator: Translator) -> Literal["chat"]:
         """Turn a Responses / Messages body into the chat completion the backend gets (before any capture
         preparation, which then sees an ordinary chat call); a body that cannot be translated is a 400."""
         try:
@@ -177,11 +177,11 @@ class Admission:
         except TranslationError as exc:
             raise ProxyError(exc.status, exc.message, exc.param) from None
         call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
-        call.headers["Content-Type"] = _JSON
+        call.headers["Content-Type"] = JSON
         call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated
         return "chat"
 
-    def _prepare_capture(self, call: _Call, kind: Literal["chat", "completion"]) -> None:
+    def _prepare_capture(self, call: Call, kind: Literal["chat", "completion"]) -> None:
         """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
         try:
             obj = orjson.loads(call.body)
@@ -212,9 +212,9 @@ class Admission:
         obj.update(fill)
         call.request = obj
         # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
-        call.max_tokens = _token_limit(obj)
+        call.max_tokens = token_limit(obj)
 
-    def _reconcile_sampling(self, call: _Call, obj: Mapping[str, Any]) -> dict[str, Any]:
+    def _reconcile_sampling(self, call: Call, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Check the call's sampling parameters against its trainer's; return the parameters to add.
 
         Raises :class:`ProxyError` (400) for an off-policy call under the ``"refuse"`` rule, marks it

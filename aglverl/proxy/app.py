@@ -36,7 +36,7 @@ from .._net import bind_listener, url_of
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
-from .call import ProxyError, _Call
+from .call import Call, ProxyError
 from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
 from .gate import Gate
 from .meters import Meters
@@ -370,7 +370,7 @@ class LLMProxy:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
-        call = _Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
+        call = Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
         try:
             try:
                 await self._admission.admit(request, call, target)
@@ -388,7 +388,7 @@ class LLMProxy:
         finally:
             self._handlers.discard(task)
 
-    async def _run(self, request: web.Request, call: _Call) -> web.StreamResponse:
+    async def _run(self, request: web.Request, call: Call) -> web.StreamResponse:
         """Forward ``call`` (generated from ids when it extends a recorded turn, else relayed), always ending
         with it recorded and counted, whatever happens."""
         call.weight_version = self._gate.weight_version

@@ -4,16 +4,16 @@ The vocabulary every part of :mod:`aglverl.proxy` shares; it depends only on the
 its :mod:`~aglverl.proxy.capture`, its backend's :mod:`~aglverl.proxy.dialect` and its token-in
 :mod:`~aglverl.proxy.session` plan):
 
-- :class:`_Call` — one agent request from admission to its records: what goes upstream (method, target,
+- :class:`Call` — one agent request from admission to its records: what goes upstream (method, target,
   end-to-end headers, body, the parsed request), what came back (backend, weight versions, timings), how it
-  ended (``outcome``, ``error``; :meth:`_Call.fail` keeps the first error and never touches a call whose agent
+  ended (``outcome``, ``error``; :meth:`Call.fail` keeps the first error and never touches a call whose agent
   already has its whole answer).
 - :class:`ProxyError` — an answer the proxy makes itself: an HTTP status and a message naming what was wrong,
   OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``) or in a translated call's own API.
-  :class:`_Unreachable` — an upstream try that got no response at all, raised only while nothing has reached
+  :class:`Unreachable` — an upstream try that got no response at all, raised only while nothing has reached
   the agent (so it is always safe to retry).
-- :func:`_forward_headers` — the end-to-end headers of a message (RFC 9110 hop-by-hop ones, ``Proxy-*``, those
-  named in ``Connection`` and a ``drop`` set removed); :func:`_error_message` — the message of an error body.
+- :func:`forward_headers` — the end-to-end headers of a message (RFC 9110 hop-by-hop ones, ``Proxy-*``, those
+  named in ``Connection`` and a ``drop`` set removed); :func:`error_message` — the message of an error body.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..store.tasks import LLMCall
-from .capture import _Capture
+from .capture import Capture
 from .dialect import DEFAULT, Dialect
 from .session import Plan
 from .translate import Translator
@@ -38,15 +38,15 @@ HOP_BY_HOP: frozenset[str] = frozenset(
 #: Also dropped from requests: the backend's own Host and a recomputed length; the agent's credential (meant
 #: for this proxy, never for the backend: OpenAI SDKs send ``Authorization``, Anthropic's ``x-api-key``);
 #: ``Expect`` because the proxy has already read the whole body.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
 #: Also dropped from responses: the length, recomputed for the body actually sent.
-_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 #: Largest error body kept from a retried 5xx/429, to pass through if no retry succeeds.
 ERROR_BODY_LIMIT = 64 << 10
 
-_SSE = "text/event-stream"
-_JSON = "application/json"
+SSE = "text/event-stream"
+JSON = "application/json"
 
 _ERROR_TYPES: Mapping[int, str] = {
     400: "BadRequestError",
@@ -77,22 +77,22 @@ class ProxyError(Exception):
         """OpenAI-shaped, or in the API of a translated call."""
         if translator is not None:
             return translator.error(self.status, self.message, self.param)
-        return _error_body(self.status, self.message)
+        return error_body(self.status, self.message)
 
     def response(self, translator: Translator | None = None) -> web.Response:
-        return web.Response(status=self.status, body=self.body(translator), content_type=_JSON)
+        return web.Response(status=self.status, body=self.body(translator), content_type=JSON)
 
 
-def _error_body(status: int, message: str) -> bytes:
+def error_body(status: int, message: str) -> bytes:
     error = {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": None, "code": status}
     return orjson.dumps({"error": error})
 
 
-class _Unreachable(Exception):
+class Unreachable(Exception):
     """An upstream try that got no response at all (connection refused, reset or closed before answering)."""
 
 
-class _Call:
+class Call:
     """One agent request on its way through the proxy."""
 
     __slots__ = (
@@ -145,7 +145,7 @@ class _Call:
         self.body = b""
         self.kind: Literal["chat", "completion"] | None = None
         self.model: str | None = None
-        self.capture: _Capture | None = None
+        self.capture: Capture | None = None
         # A Responses / Anthropic Messages call, relayed as a chat completion and answered in its own API.
         self.translator: Translator | None = None
         # The request's max_tokens tells a stop at max_tokens from a full context window; ``limit`` is set
@@ -182,7 +182,7 @@ class _Call:
             self.outcome = outcome
 
 
-def _forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """The end-to-end headers of ``headers``: hop-by-hop ones, ``Proxy-*`` and those named in ``Connection``
     removed, as well as ``drop``."""
     out: CIMultiDict[str] = CIMultiDict(headers)  # copied in C; removals are by set intersection (hot path)
@@ -197,7 +197,7 @@ def _forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CI
     return out
 
 
-def _error_message(body: bytes, limit: int = 500) -> str:
+def error_message(body: bytes, limit: int = 500) -> str:
     """The message of an OpenAI/vLLM error body, for the call record (bounded; the raw body otherwise)."""
     try:
         obj = orjson.loads(body)
@@ -210,7 +210,7 @@ def _error_message(body: bytes, limit: int = 500) -> str:
     return body[:limit].decode("utf-8", "replace")
 
 
-def _token_limit(request: Mapping[str, Any]) -> int | None:
+def token_limit(request: Mapping[str, Any]) -> int | None:
     """The call's limit on generated tokens: ``max_completion_tokens``, else ``max_tokens`` (a ``null`` one
     counts as omitted, as the backend reads it); ``None`` when the call sets none."""
     limit = request.get("max_completion_tokens")

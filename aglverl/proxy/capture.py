@@ -1,6 +1,6 @@
 """Token capture: reading token ids, log-probs and stop reasons out of answers and streams.
 
-:class:`_Capture` assembles one call's choices from a whole JSON body (``take_body``) or from its SSE stream,
+:class:`Capture` assembles one call's choices from a whole JSON body (``take_body``) or from its SSE stream,
 fed in chunks cut anywhere (``feed``) or in complete events (``take_events``). Each body or event is decoded
 once, by a typed decoder (msgspec) that builds only what is recorded: the ids (one list per piece), each
 token's log-prob value, finish reasons, and the answer's text and tool calls; a log-probs entry's token text,
@@ -71,7 +71,7 @@ _NUMBERS = frozenset({float, int})
 _FLOAT = frozenset({float})
 
 
-class _ChoiceCapture:
+class ChoiceCapture:
     __slots__ = (
         "answer",
         "chars",
@@ -92,7 +92,7 @@ class _ChoiceCapture:
         self.ids_missing = False
 
 
-class _Capture:
+class Capture:
     """Token ids, logprobs and finish reasons of one call, assembled from its JSON body or its SSE events.
 
     ``feed`` takes a stream's bytes as they arrive, in chunks cut anywhere (partial lines are buffered);
@@ -123,7 +123,7 @@ class _Capture:
         self.answers = answers
         self.prompt_ids: list[int] | None = None
         self.model: str | None = None
-        self.choices: dict[Any, _ChoiceCapture] = {}
+        self.choices: dict[Any, ChoiceCapture] = {}
         self.done = False
         self.broken = False
         self._buf = b""
@@ -234,7 +234,7 @@ class _Capture:
         for ch in piece.choices or ():
             c = self.choices.get(ch.index)
             if c is None:
-                c = self.choices[ch.index] = _ChoiceCapture()
+                c = self.choices[ch.index] = ChoiceCapture()
                 if self.answers:
                     c.answer = Answer()
             if c.answer is not None:
@@ -275,7 +275,7 @@ class _Capture:
         """Whether a choice ended with ``finish_reason`` ``"abort"`` (the engine cut it off)."""
         return any(c.finish_reason == "abort" for c in self.choices.values())
 
-    def result(self) -> list[tuple[Any, _ChoiceCapture, list[int] | None, list[float] | None]]:
+    def result(self) -> list[tuple[Any, ChoiceCapture, list[int] | None, list[float] | None]]:
         """``(index, choice, response_ids, logprobs)`` per choice in index order; ids ``None`` unless complete,
         logprobs ``None`` unless there is exactly one number per id (never ``None`` for an echoed prompt
         token, nor a boolean)."""

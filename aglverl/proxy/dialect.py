@@ -45,7 +45,7 @@ from typing import Any, Literal, Protocol
 import orjson
 from multidict import CIMultiDictProxy
 
-from .capture import _Capture
+from .capture import Capture
 
 __all__ = [
     "CONTEXT_REFUSAL",
@@ -144,7 +144,7 @@ class Dialect(Protocol):
 
     def ids_fields(self, kind: Kind) -> Mapping[str, Any]: ...
     def logprobs_field(self, kind: Kind) -> Any: ...
-    def capture(self, kind: Kind, answers: bool = False) -> _Capture: ...
+    def capture(self, kind: Kind, answers: bool = False) -> Capture: ...
     def weight_version(self, headers: CIMultiDictProxy[str]) -> int | None: ...
     def context_refusal(self, status: int, message: str) -> bool: ...
     def continuation(
@@ -214,9 +214,9 @@ class VLLMDialect:
         alternatives: 0)."""
         return True if kind == "chat" else 0
 
-    def capture(self, kind: Kind, answers: bool = False) -> _Capture:
+    def capture(self, kind: Kind, answers: bool = False) -> Capture:
         """A reader of this wire's answers and streams (ids, log-probs, finish reasons; chat answers too)."""
-        return _Capture(kind, answers)
+        return Capture(kind, answers)
 
     def weight_version(self, headers: CIMultiDictProxy[str]) -> int | None:
         """The weight version the backend reports for an answer, if it reports a valid one."""

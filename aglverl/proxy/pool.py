@@ -8,16 +8,16 @@
   remembered, LRU); a new rollout, a retry, or a rollout whose backend is ejected, removed or asked to wait by a
   429 goes to the healthy backend with the fewest calls in flight (then the fewest picks). Synchronous.
 - :meth:`Pool.send` — one upstream try, awaiting the response head. No response at all is
-  :class:`~aglverl.proxy.call._Unreachable` (safe to retry: nothing reached the agent); a refused connection
+  :class:`~aglverl.proxy.call.Unreachable` (safe to retry: nothing reached the agent); a refused connection
   also ejects the backend. ``request_timeout`` before the head is a 504
   (:class:`~aglverl.proxy.call.ProxyError`), and a backend that outlives it ``EJECT_AFTER_TIMEOUTS`` calls in
   a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); anything else that is not
   HTTP a 502. Cancelled, the request is dropped with its connection (aiohttp closes it).
 - :meth:`Pool.keep` keeps a retryable 5xx/429 answer (bounded) in case no retry does better and notes a 429's
-  ``Retry-After``; :func:`_read_bounded` reads a whole body under ``max_response_bytes``. The retry loop
+  ``Retry-After``; :func:`read_bounded` reads a whole body under ``max_response_bytes``. The retry loop
   itself is the relay's (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is
   :class:`~aglverl.proxy.config.RetryPolicy`.
-- What a backend is: each speaks a :class:`~aglverl.proxy.dialect.Dialect` (``_Backend.dialect``,
+- What a backend is: each speaks a :class:`~aglverl.proxy.dialect.Dialect` (``Backend.dialect``,
   :data:`~aglverl.proxy.dialect.DEFAULT` until known). :meth:`Pool.facts` reads its model listing once, at the
   first contact that needs it (the token-in part's first call there, a continuation's context window): the
   cards, and the dialect they name (:func:`~aglverl.proxy.dialect.detect`); :meth:`Pool.context_window` is the
@@ -50,19 +50,19 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from .call import (
-    _JSON,
-    _RESPONSE_DROP,
     ERROR_BODY_LIMIT,
+    JSON,
+    RESPONSE_DROP,
+    Call,
     ProxyError,
-    _Call,
-    _error_body,
-    _forward_headers,
-    _Unreachable,
+    Unreachable,
+    error_body,
+    forward_headers,
 )
 from .config import ProxyConfig
 from .dialect import DEFAULT, Dialect, detect
 from .meters import Meters
-from .sse import _EventCut, _payloads
+from .sse import EventCut, payloads
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ PROBE_READ_TIMEOUT = 2.0
 COMPLETIONS_TARGET = DEFAULT.continuation_target
 
 
-class _Backend:
+class Backend:
     """One inference server and what routing needs to know about it."""
 
     __slots__ = (
@@ -122,7 +122,7 @@ class Facts:
 
 
 @dataclass(frozen=True, slots=True)
-class _Held:
+class Held:
     """A retryable upstream answer kept in case no retry does better."""
 
     status: int
@@ -146,7 +146,7 @@ def _retry_after(value: str | None) -> float:
         return 0.0
 
 
-async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+async def read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
     """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
     whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
     if (upstream.content_length or 0) > limit:
@@ -160,8 +160,8 @@ async def _read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str)
     return b"".join(parts)
 
 
-class _BoundedEvents:
-    """A backend's SSE body read a chunk at a time, bounded like :func:`_read_bounded`: :meth:`next` returns
+class BoundedEvents:
+    """A backend's SSE body read a chunk at a time, bounded like :func:`read_bounded`: :meth:`next` returns
     the payloads of the complete events of the next read (a last event with no blank line after it included)
     and ``None`` once the body ended. A timeout is a 504 with ``timed_out()``'s message; a broken connection
     or a body past ``limit`` bytes is a 502 naming the backend and ``what`` it was sending."""
@@ -176,7 +176,7 @@ class _BoundedEvents:
     ) -> None:
         self.content = upstream.content
         self.backend, self.what, self.limit, self.timed_out = backend, what, limit, timed_out
-        self._cut = _EventCut()
+        self._cut = EventCut()
         self._size = 0
 
     async def next(self) -> list[bytes] | None:
@@ -194,7 +194,7 @@ class _BoundedEvents:
         self._size += len(chunk)
         if self._size > self.limit:
             raise ProxyError(502, f"backend {self.what} exceeds max_response_bytes={self.limit}")
-        return _payloads(self._cut.feed(chunk))
+        return payloads(self._cut.feed(chunk))
 
 
 def _normalise_backend(url: str) -> str:
@@ -216,8 +216,8 @@ class Pool:
         self.meters = meters
         #: The task group the probes of ejected backends run in (the proxy's, while it serves).
         self.probes: TaskGroup | None = None
-        self._backends: list[_Backend] = []
-        self._sticky: OrderedDict[str, _Backend] = OrderedDict()
+        self._backends: list[Backend] = []
+        self._sticky: OrderedDict[str, Backend] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self.set_backends(backends)
 
@@ -238,8 +238,8 @@ class Pool:
         backend finish there, and rollouts pinned to it move on their next call.
         """
         wanted = list(dict.fromkeys(_normalise_backend(u) for u in urls))
-        old: dict[str, _Backend | None] = {b.url: b for b in self._backends}
-        self._backends = [old.pop(url, None) or _Backend(url) for url in wanted]
+        old: dict[str, Backend | None] = {b.url: b for b in self._backends}
+        self._backends = [old.pop(url, None) or Backend(url) for url in wanted]
         for gone in old.values():
             if gone is not None:
                 gone.removed = True
@@ -288,7 +288,7 @@ class Pool:
             trust_env=False,  # nothing but the configured backends is ever contacted
         )
 
-    def timed_out(self, call: _Call) -> str:
+    def timed_out(self, call: Call) -> str:
         """Note a call that outlived ``request_timeout`` and describe it.
 
         The rollout is moved off that backend at once (its next call or attempt goes elsewhere), and a backend
@@ -310,7 +310,7 @@ class Pool:
             f"backend {call.backend} did not finish within request_timeout={self.config.request_timeout:g}s"
         )
 
-    def pick(self, rollout_id: str | None, tried: Sequence[_Backend]) -> _Backend | None:
+    def pick(self, rollout_id: str | None, tried: Sequence[Backend]) -> Backend | None:
         """The backend for the next try: the rollout's own while healthy, else the least loaded healthy one."""
         if not self._backends:
             return None
@@ -336,9 +336,9 @@ class Pool:
         return best
 
     async def send(
-        self, backend: _Backend, call: _Call, continuation: bytes | None = None
+        self, backend: Backend, call: Call, continuation: bytes | None = None
     ) -> aiohttp.ClientResponse:
-        """Send the request to ``backend`` and return its response head; :class:`_Unreachable` if none came.
+        """Send the request to ``backend`` and return its response head; :class:`Unreachable` if none came.
 
         ``continuation``: send this body to the backend dialect's continuation route instead (an aborted
         generation's continuation).
@@ -361,10 +361,10 @@ class Pool:
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self._eject(backend, exc)
-            raise _Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
+            raise Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
             # Typically a pooled connection the server closed just as it was reused: worth another try.
-            raise _Unreachable(
+            raise Unreachable(
                 f"backend {backend.url} closed the connection without answering: {exc!r}"
             ) from exc
         except TimeoutError:  # request_timeout (aiohttp's total timeout) before the response head
@@ -376,7 +376,7 @@ class Pool:
             self._restore(backend)
         return upstream
 
-    async def keep(self, backend: _Backend, upstream: aiohttp.ClientResponse) -> _Held:
+    async def keep(self, backend: Backend, upstream: aiohttp.ClientResponse) -> Held:
         """Keep a retryable answer (bounded) and free its connection; note a 429's ``Retry-After``."""
         try:
             if upstream.status == 429:
@@ -388,18 +388,18 @@ class Pool:
                     body = await upstream.read()
                 except (aiohttp.ClientError, TimeoutError):
                     body = b""
-            headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
+            headers = forward_headers(upstream.headers, RESPONSE_DROP)
             if not body:
-                body = _error_body(upstream.status, f"backend {backend.url} answered {upstream.status}")
-                headers["Content-Type"] = _JSON
+                body = error_body(upstream.status, f"backend {backend.url} answered {upstream.status}")
+                headers["Content-Type"] = JSON
             logger.debug("backend %s answered %d; retrying", backend.url, upstream.status)
-            return _Held(upstream.status, upstream.reason, headers, body)
+            return Held(upstream.status, upstream.reason, headers, body)
         finally:
             upstream.close()
 
-    async def facts(self, backend: _Backend) -> Facts:
+    async def facts(self, backend: Backend) -> Facts:
         """``backend``'s model listing (its dialect's ``models_path``), read once: the cards and the dialect
-        they name, which becomes the backend's. :class:`_Unreachable` when it did not answer (its message is
+        they name, which becomes the backend's. :class:`Unreachable` when it did not answer (its message is
         the error's ``repr``; asked again next time); a listing that is not OpenAI-shaped counts as no cards."""
         if backend.facts is not None:
             return backend.facts
@@ -408,20 +408,20 @@ class Pool:
             async with self.session.get(URL(backend.url + target, encoded=True)) as response:
                 listing = await response.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            raise _Unreachable(repr(exc)) from exc
+            raise Unreachable(repr(exc)) from exc
         cards = listing.get("data") if isinstance(listing, dict) else None
         cards = cards if isinstance(cards, list) else []
         backend.dialect = detect(cards)
         backend.facts = Facts(backend.dialect, cards)
         return backend.facts
 
-    async def context_window(self, backend: _Backend, model: str | None) -> int | None:
+    async def context_window(self, backend: Backend, model: str | None) -> int | None:
         """``backend``'s context window for ``model`` (``None`` when its listing does not say);
-        :class:`_Unreachable` when it did not answer."""
+        :class:`Unreachable` when it did not answer."""
         facts = await self.facts(backend)
         return facts.dialect.context_window(facts.cards, model)
 
-    def _eject(self, backend: _Backend, exc: BaseException) -> None:
+    def _eject(self, backend: Backend, exc: BaseException) -> None:
         if backend.ejected or backend.removed:
             return
         backend.ejected = True
@@ -432,12 +432,12 @@ class Pool:
             backend.probing = True
             self.probes.start_soon(self._probe, backend)
 
-    def _restore(self, backend: _Backend) -> None:
+    def _restore(self, backend: Backend) -> None:
         if backend.ejected:
             backend.ejected = False
             logger.info("backend %s is back in rotation", backend.url)
 
-    async def _probe(self, backend: _Backend) -> None:
+    async def _probe(self, backend: Backend) -> None:
         """Sleep until the ejection ends, probe; repeat until a probe passes or the backend is removed."""
         try:
             while backend.ejected and not backend.removed:
@@ -451,7 +451,7 @@ class Pool:
         finally:
             backend.probing = False
 
-    async def _probe_once(self, backend: _Backend) -> bool:
+    async def _probe_once(self, backend: Backend) -> bool:
         session = self._session
         if session is None:
             return False

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from ..models import checked_token_ids
 from ..store.tasks import LLMCall
-from .call import _Call, _error_message
+from .call import Call, error_message
 from .meters import Meters
 from .session import Sessions
 from .store_view import ProxyStore
@@ -61,7 +61,7 @@ class Recorder:
         #: The attempts' token-in sessions (``None``: token-in is off).
         self.sessions = sessions
 
-    def capture_body(self, call: _Call, status: int, body: bytes) -> bool:
+    def capture_body(self, call: Call, status: int, body: bytes) -> bool:
         """Capture a whole answer's ids; ``False`` when nothing was captured (an error answer, a call not
         captured, a body that is not JSON: the call then fails)."""
         if status >= 400:
@@ -75,14 +75,14 @@ class Recorder:
         return True
 
     @staticmethod
-    def upstream_refused(call: _Call, status: int, body: bytes) -> None:
+    def upstream_refused(call: Call, status: int, body: bytes) -> None:
         """Fail a call the backend answered with an error; note a prompt refused for the context window."""
-        message = _error_message(body)
+        message = error_message(body)
         if call.dialect.context_refusal(status, message):
             call.limit = "context"
         call.fail(f"backend answered {status}: {message}", "upstream_error")
 
-    def commit(self, call: _Call) -> None:
+    def commit(self, call: Call) -> None:
         """Put an attributed call in the store (once), as soon as its outcome is known.
 
         That is before the agent can see the end of the response: an agent that reports its rollout the
@@ -102,7 +102,7 @@ class Recorder:
         elif call.tokenin is not None and self.sessions is not None:
             self._remember(call)
 
-    def _remember(self, call: _Call) -> None:
+    def _remember(self, call: Call) -> None:
         """Keep a recorded call's turn in its attempt's token-in session (an answered call with one choice and
         its ids, and the answer the agent got), so that a later call extending it is generated from its ids.
         A turn whose prompt is not the ids the token-in part sent (a call relayed as text, or a backend that
@@ -121,7 +121,7 @@ class Recorder:
                 plan.pending, choice.answer, record.prompt_token_ids, record.response_token_ids, rendered
             )
 
-    def finish(self, call: _Call) -> None:
+    def finish(self, call: Call) -> None:
         """Count the call; record it if that has not happened, or mark its records failed if delivery failed."""
         end = time.monotonic()
         self.meters.calls.inc(1, call.outcome)
@@ -139,7 +139,7 @@ class Recorder:
                     record.status, record.error = "failed", call.error
                     record.response_token_ids = record.logprobs = record.finish_reason = record.limit = None
 
-    def _records(self, call: _Call, latency: float) -> list[LLMCall]:
+    def _records(self, call: Call, latency: float) -> list[LLMCall]:
         capture = call.capture
         ok = call.error is None
         common: dict[str, Any] = {

@@ -37,24 +37,24 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .call import (
-    _JSON,
-    _RESPONSE_DROP,
-    _SSE,
     ERROR_BODY_LIMIT,
+    JSON,
+    RESPONSE_DROP,
+    SSE,
+    Call,
     ProxyError,
-    _Call,
-    _error_message,
-    _forward_headers,
-    _Unreachable,
+    Unreachable,
+    error_message,
+    forward_headers,
 )
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
-from .pool import RETRY_STATUSES, Pool, _Backend, _Held
+from .pool import RETRY_STATUSES, Backend, Held, Pool
 from .recorder import Recorder
 from .respond import Responder
-from .resume import Resumer, _resume_blocker
-from .sse import _EventCut, _may_abort
+from .resume import Resumer, resume_blocker
+from .sse import EventCut, may_abort
 from .translate import TranslationError
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Refused(Exception):
     start of its body (:meth:`Relay.attempts` with ``refusals``)."""
 
     def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"backend answered {status}: {_error_message(body)}")
+        super().__init__(f"backend answered {status}: {error_message(body)}")
         self.status = status
         self.body = body
 
@@ -92,16 +92,16 @@ class Relay:
         self.meters = meters
 
     async def attempts(
-        self, request: web.Request, call: _Call, *, refusals: bool = False
+        self, request: web.Request, call: Call, *, refusals: bool = False
     ) -> web.StreamResponse:
         """Send ``call`` upstream (tries, see the module docstring) and relay the answer; returns the response
         the agent got. ``refusals``: a 4xx answer other than 429 raises :class:`Refused` (nothing sent to the
         agent) instead of being relayed."""
         policy = self.config.retry
         deadline = call.t0 + policy.total_timeout
-        tried: list[_Backend] = []
+        tried: list[Backend] = []
         failure: ProxyError | None = None
-        held: _Held | None = None
+        held: Held | None = None
         for attempt in range(policy.attempts):
             backend = self.pool.pick(call.rollout_id, tried)
             if backend is None:
@@ -123,7 +123,7 @@ class Relay:
                 if refusals and 400 <= upstream.status < 500 and upstream.status != 429:
                     raise Refused(upstream.status, await self._refusal(upstream))
                 return await self._relay(request, call, upstream)
-            except _Unreachable as exc:  # raised only while nothing has been sent to the agent
+            except Unreachable as exc:  # raised only while nothing has been sent to the agent
                 failure = ProxyError(502, str(exc))
             finally:
                 backend.in_flight -= 1
@@ -143,25 +143,25 @@ class Relay:
         finally:
             upstream.close()
 
-    async def _send_held(self, request: web.Request, call: _Call, held: _Held) -> web.StreamResponse:
+    async def _send_held(self, request: web.Request, call: Call, held: Held) -> web.StreamResponse:
         call.upstream_end = time.monotonic()
-        call.fail(f"backend answered {held.status}: {_error_message(held.body)}", "upstream_error")
+        call.fail(f"backend answered {held.status}: {error_message(held.body)}", "upstream_error")
         body, headers = held.body, held.headers
         if call.translator is not None:
             body = call.translator.whole(held.status, body)
-            headers["Content-Type"] = _JSON
+            headers["Content-Type"] = JSON
         response = web.Response(status=held.status, reason=held.reason, body=body, headers=headers)
         await self.responder.send_whole(request, call, response)
         return response
 
     async def _relay(
-        self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse
+        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse
     ) -> web.StreamResponse:
         """Relay the backend's answer to the agent, capturing token ids on the way; closes ``upstream``."""
         try:
-            headers = _forward_headers(upstream.headers, _RESPONSE_DROP)
+            headers = forward_headers(upstream.headers, RESPONSE_DROP)
             content_type = upstream.headers.get("Content-Type", "")
-            call.sse = content_type.startswith(_SSE)
+            call.sse = content_type.startswith(SSE)
             if call.capture is not None:
                 # A backend that reports no version (vLLM): the proxy's when the answer's head arrives, not
                 # when the call came in: a call admitted before a hold that reached a paused engine waited
@@ -179,7 +179,7 @@ class Relay:
             upstream.close()  # a no-op once the body was read to the end; otherwise drops the connection
 
     async def _relay_whole(
-        self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
         length = upstream.content_length or 0
         if length > self.config.max_response_bytes:
@@ -193,12 +193,12 @@ class Relay:
             raise ProxyError(504, self.pool.timed_out(call)) from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             # Nothing has reached the agent yet, so this is as retryable as a refused connection.
-            raise _Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
+            raise Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
         call.upstream_end = time.monotonic()
         captured = self.recorder.capture_body(call, upstream.status, body)
         if captured and call.capture is not None and call.capture.aborted:
             assert call.request is not None
-            if _resume_blocker(call.request, call.kind, call.dialect) is None:
+            if resume_blocker(call.request, call.kind, call.dialect) is None:
                 body = await self.resumer.resume_whole(call, orjson.loads(body))
             else:
                 body = await self.resumer.regenerate_whole(call)
@@ -208,13 +208,13 @@ class Relay:
                 body = call.translator.whole(upstream.status, body)
             except TranslationError as exc:
                 raise ProxyError(exc.status, exc.message) from None
-            headers["Content-Type"] = _JSON
+            headers["Content-Type"] = JSON
         response = web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
         await self.responder.send_whole(request, call, response)
         return response
 
     async def _relay_stream(
-        self, request: web.Request, call: _Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
         status = upstream.status
         translator = call.translator
@@ -233,7 +233,7 @@ class Relay:
         # A recorded SSE answer goes out in whole events, so that an abort can be taken out of the stream
         # before the agent sees any of it (an event the agent has half of could not be taken back).
         events = capture is not None and call.sse
-        cut: _EventCut | None = _EventCut() if events else None
+        cut: EventCut | None = EventCut() if events else None
         head: dict[str, Any] | None = None  # the aborting event's id, object, created and model
         refusal = bytearray()  # the start of an error body, to say what was refused
         limit, size = self.config.max_response_bytes, 0
@@ -270,7 +270,7 @@ class Relay:
             if events:
                 if cut is not None:
                     chunk = cut.feed(chunk)
-                if _may_abort(chunk):
+                if may_abort(chunk):
                     chunk, head = self.resumer.take_abort(call, chunk)
                 if not chunk:
                     continue

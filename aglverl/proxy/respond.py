@@ -27,8 +27,8 @@ import time
 
 from aiohttp import web
 
-from .call import _Call, _error_body
-from .capture import _Capture
+from .call import Call, error_body
+from .capture import Capture
 from .recorder import Recorder
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Responder:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
-    async def send_whole(self, request: web.Request, call: _Call, response: web.Response) -> None:
+    async def send_whole(self, request: web.Request, call: Call, response: web.Response) -> None:
         """Commit the call, then send ``response``: the call is delivered unless the agent has gone."""
         self.recorder.commit(call)
         try:
@@ -54,7 +54,7 @@ class Responder:
         else:
             call.delivered = True
 
-    async def close_stream(self, call: _Call, response: web.StreamResponse) -> None:
+    async def close_stream(self, call: Call, response: web.StreamResponse) -> None:
         """End a streamed answer whose last event went out: a translated call's last bytes, then EOF; the call
         is delivered unless the agent has gone (then it is failed as cancelled)."""
         try:
@@ -67,7 +67,7 @@ class Responder:
             call.delivered = True
 
     async def forward(
-        self, call: _Call, response: web.StreamResponse, chunk: bytes, capture: _Capture | None = None
+        self, call: Call, response: web.StreamResponse, chunk: bytes, capture: Capture | None = None
     ) -> bool:
         """Send a piece of a streamed answer to the agent (translated, for a translated call); ``False`` if the
         agent has gone (the call is then failed as cancelled).
@@ -96,7 +96,7 @@ class Responder:
             capture.take_events(chunk)
         return True
 
-    async def end_broken(self, call: _Call, status: int, message: str) -> None:
+    async def end_broken(self, call: Call, status: int, message: str) -> None:
         """End a response whose head already went out: a final SSE error event (for streams), then EOF.
 
         A call whose agent already has the whole answer (``[DONE]`` went out) just gets its EOF.
@@ -115,7 +115,7 @@ class Responder:
             elif call.sse and not call.delivered:
                 # A blank line first ends any event the backend left half-sent.
                 prefix = b"" if call.tail.endswith(b"\n\n") else b"\n\n"
-                await response.write(prefix + b"data: " + _error_body(status, message) + b"\n\n")
+                await response.write(prefix + b"data: " + error_body(status, message) + b"\n\n")
             await response.write_eof()
         except ConnectionError:
             pass

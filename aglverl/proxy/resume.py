@@ -9,9 +9,9 @@ never sees that: :class:`Resumer` takes over from the relay, which calls it in f
   final chunk, usage and ``[DONE]``.
 - :meth:`Resumer.resume_whole` continues a whole (JSON) answer into one body covering the whole generation
   (:func:`_merged`); :meth:`Resumer.regenerate_whole` makes a whole answer that no completion can carry on
-  (:func:`_resume_blocker`: ``n > 1``, tools, structured output...) again from the start once the hold ends.
+  (:func:`resume_blocker`: ``n > 1``, tools, structured output...) again from the start once the hold ends.
 
-How: :meth:`Resumer._resumption` collects what a continuation needs (:class:`_Resumption`: the prompt and the
+How: :meth:`Resumer._resumption` collects what a continuation needs (:class:`Resumption`: the prompt and the
 ids so far, the limit, the stream's head), or refuses a call no completion can carry on with a 503. Each
 continuation waits at the gate (:meth:`~aglverl.proxy.gate.Gate.clear_to_retry`: a call waiting keeps no
 backend busy, and a hold spends none of its budget), then sends the backend dialect's continuation
@@ -41,22 +41,22 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .call import _SSE, ERROR_BODY_LIMIT, ProxyError, _Call, _error_message, _token_limit, _Unreachable
+from .call import ERROR_BODY_LIMIT, SSE, Call, ProxyError, Unreachable, error_message, token_limit
 from .config import ProxyConfig
 from .dialect import DEFAULT, Dialect
 from .gate import Gate
 from .meters import Meters
-from .pool import RETRY_STATUSES, Pool, _Backend, _BoundedEvents, _read_bounded
+from .pool import RETRY_STATUSES, Backend, BoundedEvents, Pool, read_bounded
 from .recorder import Recorder
 from .respond import Responder
 from .sse import (
-    _DONE_EVENT,
-    _EVENT_END,
-    _choices_of,
-    _drain,
-    _event_json,
-    _json_object,
-    _sse_event,
+    DONE_EVENT,
+    EVENT_END,
+    choices_of,
+    drain,
+    event_json,
+    json_object,
+    sse_event,
 )
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ _LENGTH_END: Mapping[str, Any] = {
 }
 
 
-def _resume_blocker(
+def resume_blocker(
     request: Mapping[str, Any], kind: Literal["chat", "completion"] | None, dialect: Dialect = DEFAULT
 ) -> str | None:
     """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can); the
@@ -117,7 +117,7 @@ def _unfinish(choice: dict[str, Any], kind: Literal["chat", "completion"] | None
         holder["content"] = holder["content"].rstrip("\ufffd")
 
 
-class _Resumption:
+class Resumption:
     """An aborted generation on its way to its end: what its continuations need and what they did."""
 
     __slots__ = (
@@ -182,13 +182,13 @@ def _refused_message(pause_timeout: float, refusals: int) -> str:
 
 def _continued_choice(raw: bytes) -> dict[str, Any]:
     """The choice of a whole continuation answer; :class:`ProxyError` (502) unless a completion with ids."""
-    choices = _choices_of(_json_object(raw))
+    choices = choices_of(json_object(raw))
     if not choices or type(choices[0].get("token_ids")) is not list:
         raise ProxyError(502, "the backend's continuation is not a completion with token ids")
     return choices[0]
 
 
-def _merged(call: _Call, answer: Any, pieces: Sequence[dict[str, Any]], state: _Resumption) -> Any:
+def _merged(call: Call, answer: Any, pieces: Sequence[dict[str, Any]], state: Resumption) -> Any:
     """A whole answer the backend aborted, extended by its continuations' ``pieces``: one body, in the call's
     shape, whose text, token ids, logprobs, finish reason and usage cover the whole generation."""
     choice = answer["choices"][0]
@@ -270,12 +270,12 @@ class Resumer:
         self.responder = responder
         self.meters = meters
 
-    def _resumption(self, call: _Call, head: dict[str, Any] | None = None) -> _Resumption:
+    def _resumption(self, call: Call, head: dict[str, Any] | None = None) -> Resumption:
         """What the continuations of ``call``'s aborted answer need; :class:`ProxyError` (503) for a call the
         proxy does not resume (counted as ``unsupported``)."""
         capture, request = call.capture, call.request
         assert capture is not None and request is not None
-        why = _resume_blocker(request, call.kind, call.dialect)
+        why = resume_blocker(request, call.kind, call.dialect)
         choice = next(iter(capture.choices.values()), None)
         prompt = None if choice is None else choice.prompt_ids or capture.prompt_ids
         if why is None and len(capture.choices) != 1:
@@ -287,9 +287,9 @@ class Resumer:
             message = f"the backend aborted the generation (a weight update), and {why} is not resumed"
             raise ProxyError(503, message)
         assert choice is not None and prompt is not None
-        limit = _token_limit(request)
+        limit = token_limit(request)
         # No ids and no output (ids_missing unset): aborted before its first token.
-        return _Resumption(
+        return Resumption(
             list(prompt),
             list(choice.ids or ()),
             limit,
@@ -298,7 +298,7 @@ class Resumer:
             choice.chars,
         )
 
-    async def resume_whole(self, call: _Call, answer: Any) -> bytes:
+    async def resume_whole(self, call: Call, answer: Any) -> bytes:
         """Continue a whole (JSON) answer the backend aborted; returns the one body, in the call's shape,
         covering the whole generation (and captures it). Raises :class:`ProxyError` when it cannot be
         continued (see :meth:`resume_stream`); cancellation closes the continuation's upstream request."""
@@ -310,7 +310,7 @@ class Resumer:
                 break
             upstream = await self._continuation(call, state)
             try:
-                raw = await _read_bounded(upstream, self.config.max_response_bytes, "backend continuation")
+                raw = await read_bounded(upstream, self.config.max_response_bytes, "backend continuation")
             except TimeoutError:
                 raise ProxyError(504, self.pool.timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
@@ -330,9 +330,9 @@ class Resumer:
         self.meters.resumed.inc()
         return orjson.dumps(merged)
 
-    async def regenerate_whole(self, call: _Call) -> bytes:
+    async def regenerate_whole(self, call: Call) -> bytes:
         """A whole (JSON) answer the backend aborted that a completion cannot continue token-exactly (tool
-        calls, ``n > 1``, structured output: :func:`_resume_blocker`): the agent has seen none of it, so once
+        calls, ``n > 1``, structured output: :func:`resume_blocker`): the agent has seen none of it, so once
         the proxy is no longer held the call is made again from the start, and that answer (generated under
         the new weights) is the call's, recorded with its own ids and version. An answer aborted again is made
         again; :class:`ProxyError` (503) once ``pause_timeout`` passed without a whole answer (time spent
@@ -351,14 +351,14 @@ class Resumer:
                 raise ProxyError(503, "no backends are configured")
             try:
                 upstream = await self.pool.send(backend, call)
-            except _Unreachable:
+            except Unreachable:
                 refusals += 1
                 continue
             try:
                 if upstream.status in RETRY_STATUSES:
                     refusals += 1
                     continue
-                raw = await _read_bounded(upstream, self.config.max_response_bytes, "backend answer")
+                raw = await read_bounded(upstream, self.config.max_response_bytes, "backend answer")
                 status, version = upstream.status, call.dialect.weight_version(upstream.headers)
             except TimeoutError:
                 raise ProxyError(504, self.pool.timed_out(call)) from None
@@ -370,7 +370,7 @@ class Resumer:
                 upstream.close()
             if status >= 400:
                 raise ProxyError(
-                    502, f"backend {backend.url} refused the call made again: {status}: {_error_message(raw)}"
+                    502, f"backend {backend.url} refused the call made again: {status}: {error_message(raw)}"
                 )
             answers = call.capture is not None and call.capture.answers
             call.capture = call.dialect.capture(call.kind or "chat", answers)
@@ -384,7 +384,7 @@ class Resumer:
             self.meters.regenerated.inc()
             return raw
 
-    async def _continuation(self, call: _Call, state: _Resumption) -> aiohttp.ClientResponse:
+    async def _continuation(self, call: Call, state: Resumption) -> aiohttp.ClientResponse:
         """Send the next continuation of ``state`` and return its response head (status < 400).
 
         It goes once the proxy is neither paused nor held, to the rollout's backend (whose prefix cache holds
@@ -417,7 +417,7 @@ class Resumer:
             body = backend.dialect.continuation(request, kind, state.prompt, state.ids, state.left, call.sse)
             try:
                 upstream = await self.pool.send(backend, call, body)
-            except _Unreachable:
+            except Unreachable:
                 state.refusals += 1
                 continue
             if upstream.status in RETRY_STATUSES:
@@ -431,7 +431,7 @@ class Resumer:
                     body = b""
                 finally:
                     upstream.close()
-                message = _error_message(body)
+                message = error_message(body)
                 raise ProxyError(
                     502,
                     f"backend {backend.url} refused to continue the aborted generation: {upstream.status}: {message}",
@@ -441,12 +441,12 @@ class Resumer:
                 state.version = reported
             return upstream
 
-    async def _context_window(self, backend: _Backend, model: str | None) -> int | None:
+    async def _context_window(self, backend: Backend, model: str | None) -> int | None:
         """The backend's context window for ``model`` (:meth:`~aglverl.proxy.pool.Pool.context_window`);
         ``None`` (logged) when it does not say."""
         try:
             window = await self.pool.context_window(backend, model)
-        except _Unreachable as exc:
+        except Unreachable as exc:
             window, error = None, str(exc)
         else:
             error = "no max_model_len in its /v1/models"
@@ -459,7 +459,7 @@ class Resumer:
             )
         return window
 
-    def _progressed(self, call: _Call, state: _Resumption, ids: list[int], aborted: bool) -> None:
+    def _progressed(self, call: Call, state: Resumption, ids: list[int], aborted: bool) -> None:
         """Note a continuation's tokens: the call's versions, the refusal budget renewed, the resume latency.
         An answer aborted without a token counts as a refusal (an engine that still refuses)."""
         if not ids:
@@ -476,7 +476,7 @@ class Resumer:
         state.refusals = 0
         state.deadline = now + self.config.pause_timeout
 
-    def take_abort(self, call: _Call, chunk: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    def take_abort(self, call: Call, chunk: bytes) -> tuple[bytes, dict[str, Any] | None]:
         """Take an abort out of complete SSE events: ``(what the agent gets, the aborting event's head)``.
 
         The head (``id``, ``object``, ``created``, ``model``) is ``None`` when no choice was aborted (the word
@@ -486,11 +486,11 @@ class Resumer:
         """
         out: list[bytes] = []
         abort = orjson.dumps(call.dialect.abort_reason)
-        for raw in _EVENT_END.split(chunk):
+        for raw in EVENT_END.split(chunk):
             if not raw:
                 continue
-            event = _event_json(raw) if abort in raw else None
-            choices = _choices_of(event)
+            event = event_json(raw) if abort in raw else None
+            choices = choices_of(event)
             ended = [c for c in choices if c.get("finish_reason") == call.dialect.abort_reason]
             if not ended:
                 out.append(raw + b"\n\n")
@@ -499,12 +499,12 @@ class Resumer:
             for choice in ended:
                 _unfinish(choice, call.kind)
             if any(c.get("token_ids") or _text_of(c, call.kind) for c in choices):
-                out.append(_sse_event(event))
+                out.append(sse_event(event))
             head = {key: event.get(key) for key in ("id", "object", "created", "model")}
             return b"".join(out), head
         return chunk, None
 
-    async def resume_stream(self, call: _Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
+    async def resume_stream(self, call: Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
         """Continue a streamed answer the backend aborted: the continuations' events go on in the agent's
         stream, in its chunk shape, until one ends otherwise than aborted.
 
@@ -519,7 +519,7 @@ class Resumer:
                 if state.left == 0:  # cut exactly at the limit: nothing is left to generate
                     end = {"choices": [dict(_LENGTH_END)]}
                     events, _ = self._converted(call, state, end)
-                    if not await self.responder.forward(call, response, events + _DONE_EVENT, call.capture):
+                    if not await self.responder.forward(call, response, events + DONE_EVENT, call.capture):
                         return False
                     break
                 upstream = await self._continuation(call, state)
@@ -538,13 +538,13 @@ class Resumer:
         return True
 
     async def _relay_continuation(
-        self, call: _Call, response: web.StreamResponse, upstream: aiohttp.ClientResponse, state: _Resumption
+        self, call: Call, response: web.StreamResponse, upstream: aiohttp.ClientResponse, state: Resumption
     ) -> bool | None:
         """Relay one continuation's stream in the call's chunk shape: ``True`` if it was aborted too (its
         tokens went out), ``False`` once it ended, ``None`` if the agent left; :class:`ProxyError` if it broke."""
-        if not upstream.headers.get("Content-Type", "").startswith(_SSE):
+        if not upstream.headers.get("Content-Type", "").startswith(SSE):
             raise ProxyError(502, f"backend {call.backend} answered the streamed continuation with no stream")
-        reads = _BoundedEvents(
+        reads = BoundedEvents(
             upstream,
             call.backend,
             "continuation",
@@ -557,16 +557,16 @@ class Resumer:
             aborted = False
             for data in payloads:
                 if data == b"[DONE]":
-                    out.append(_DONE_EVENT)
+                    out.append(DONE_EVENT)
                     continue
-                event = _json_object(data)
+                event = json_object(data)
                 if event is None:
                     raise ProxyError(
                         502, f"backend {call.backend} sent a continuation event that is not JSON"
                     )
                 if isinstance(event.get("error"), dict):
                     raise ProxyError(
-                        502, f"backend failed while continuing: {_error_message(orjson.dumps(event))}"
+                        502, f"backend failed while continuing: {error_message(orjson.dumps(event))}"
                     )
                 converted, aborted = self._converted(call, state, event)
                 out.append(converted)
@@ -575,23 +575,23 @@ class Resumer:
             if out and not await self.responder.forward(call, response, b"".join(out), call.capture):
                 return None
             if aborted:
-                await _drain(content)
+                await drain(content)
                 return True
         return False
 
-    def _converted(self, call: _Call, state: _Resumption, event: dict[str, Any]) -> tuple[bytes, bool]:
+    def _converted(self, call: Call, state: Resumption, event: dict[str, Any]) -> tuple[bytes, bool]:
         """A continuation's (completions) event as an event of the call's stream: ``(bytes, aborted)``.
 
         An aborted choice goes out without its finish reason (see :func:`_unfinish`); the usage chunk
         counts the call's own prompt and the whole generation.
         """
         head = state.head
-        choices = _choices_of(event)
+        choices = choices_of(event)
         if not choices:
             usage = event.get("usage")
             if not isinstance(usage, dict):
                 return b"", False
-            return _sse_event({**head, "choices": [], "usage": state.usage(usage)}), False
+            return sse_event({**head, "choices": [], "usage": state.usage(usage)}), False
         c = choices[0]
         ids = c.get("token_ids")
         if type(ids) is not list:
@@ -618,4 +618,4 @@ class Resumer:
             choice = {**c, "index": 0, "prompt_token_ids": None}
             choice["logprobs"] = _offset_logprobs(c.get("logprobs"), state.chars)
             state.chars += len(text)
-        return _sse_event({**head, "choices": [choice]}), aborted
+        return sse_event({**head, "choices": [choice]}), aborted

@@ -1,9 +1,9 @@
 """Server-sent events as the proxy handles them: cutting a stream into whole events, reading their data.
 
-Pure functions on bytes, no state beyond :class:`_EventCut`'s unfinished tail. Events end with a blank line,
-LF or CR LF; an event's ``data`` is its ``data:`` lines joined. :func:`_may_abort` and :func:`_may_end_stream`
+Pure functions on bytes, no state beyond :class:`EventCut`'s unfinished tail. Events end with a blank line,
+LF or CR LF; an event's ``data`` is its ``data:`` lines joined. :func:`may_abort` and :func:`_may_end_stream`
 are cheap looks (a substring search where the word can be) that decide whether a chunk is worth parsing: a
-``True`` may be wrong (the word was text), a ``False`` never is. :func:`_drain` reads what is left of a body so
+``True`` may be wrong (the word was text), a ``False`` never is. :func:`drain` reads what is left of a body so
 that its connection goes back to the pool.
 """
 
@@ -23,11 +23,11 @@ def _may_end_stream(tail: bytes, chunk: bytes) -> bool:
 
 #: Chunks up to this size are searched whole for an abort (a search costs about what finding the tail does).
 _ABORT_SCAN_WHOLE = 1024
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
-_DONE_EVENT = b"data: [DONE]\n\n"
+EVENT_END = re.compile(rb"\r?\n\r?\n")
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
-class _EventCut:
+class EventCut:
     """Cuts a byte stream after its last complete SSE event (LF or CR LF line ends) and keeps the rest."""
 
     __slots__ = ("_rest",)
@@ -51,7 +51,7 @@ class _EventCut:
         return rest
 
 
-def _may_abort(events: bytes) -> bool:
+def may_abort(events: bytes) -> bool:
     """Whether complete SSE events may hold an aborted choice (a cheap look: the word, where it can be).
 
     An abort is a stream's last choice event, followed at most by a usage event and ``[DONE]`` (with n > 1,
@@ -75,12 +75,12 @@ def _event_data(raw: bytes) -> bytes:
     return lines[0] if len(lines) == 1 else b"\n".join(lines)
 
 
-def _payloads(events: bytes) -> list[bytes]:
+def payloads(events: bytes) -> list[bytes]:
     """The ``data`` of each of some complete SSE events."""
-    return [data for raw in _EVENT_END.split(events) if raw and (data := _event_data(raw))]
+    return [data for raw in EVENT_END.split(events) if raw and (data := _event_data(raw))]
 
 
-def _json_object(data: bytes) -> dict[str, Any] | None:
+def json_object(data: bytes) -> dict[str, Any] | None:
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -88,20 +88,20 @@ def _json_object(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _event_json(raw: bytes) -> dict[str, Any] | None:
-    return _json_object(_event_data(raw))
+def event_json(raw: bytes) -> dict[str, Any] | None:
+    return json_object(_event_data(raw))
 
 
-def _choices_of(event: dict[str, Any] | None) -> list[dict[str, Any]]:
+def choices_of(event: dict[str, Any] | None) -> list[dict[str, Any]]:
     choices = event.get("choices") if event is not None else None
     return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
 
 
-def _sse_event(obj: Any) -> bytes:
+def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _drain(content: aiohttp.StreamReader) -> None:
+async def drain(content: aiohttp.StreamReader) -> None:
     """Read what is left of a body, so that its connection goes back to the pool; errors end the reading."""
     try:
         while await content.readany():

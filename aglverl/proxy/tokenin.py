@@ -72,10 +72,10 @@ from aiohttp import web
 from yarl import URL
 
 from ..engine.chat_template import ChatTemplate, ChatTemplateError
-from .call import _JSON, ProxyError, _Call, _error_message, _Unreachable
+from .call import JSON, Call, ProxyError, Unreachable, error_message
 from .config import ProxyConfig
 from .meters import Meters
-from .pool import Pool, _Backend, _read_bounded
+from .pool import Backend, Pool, read_bounded
 from .relay import Refused, Relay
 from .session import MISSES, Match, Plan, Sessions, conversation_shape
 
@@ -245,7 +245,7 @@ class _RemoteRenderer:
 
     local = False
 
-    def __init__(self, pool: Pool, config: ProxyConfig, backend: _Backend) -> None:
+    def __init__(self, pool: Pool, config: ProxyConfig, backend: Backend) -> None:
         self.pool = pool
         self.config = config
         self.backend = backend
@@ -280,14 +280,14 @@ class _RemoteRenderer:
 
     async def _render(self, request: Mapping[str, Any], messages: Sequence[Any], gen: bool) -> list[int]:
         dialect = self.backend.dialect
-        headers = {"Content-Type": _JSON}
+        headers = {"Content-Type": JSON}
         if self.config.backend_auth is not None:
             headers["Authorization"] = self.config.backend_auth
         target = URL(self.backend.url + dialect.render_target, encoded=True)
         body = dialect.render_body(request, messages, gen)
         try:
             async with self.pool.session.post(target, data=body, headers=headers) as upstream:
-                raw = await _read_bounded(upstream, self.config.max_response_bytes, "backend render")
+                raw = await read_bounded(upstream, self.config.max_response_bytes, "backend render")
                 status = upstream.status
         except (aiohttp.ClientError, OSError, TimeoutError, ProxyError) as exc:
             logger.debug("render on %s failed: %r", self.backend.url, exc)
@@ -295,9 +295,9 @@ class _RemoteRenderer:
         if status >= 400:
             if dialect.lacks_route(status, raw):
                 self.served = False
-                self.refusal = (status, _error_message(raw, 200))
+                self.refusal = (status, error_message(raw, 200))
                 raise _Fallback("no_backend")
-            logger.debug("render on %s answered %d: %s", self.backend.url, status, _error_message(raw))
+            logger.debug("render on %s answered %d: %s", self.backend.url, status, error_message(raw))
             raise _Fallback("render_error")
         try:
             ids = dialect.rendered_ids(orjson.loads(raw))
@@ -398,7 +398,7 @@ class TokenIn:
         )
 
     # ------------------------------------------------------------------ the session
-    def admit(self, call: _Call) -> None:
+    def admit(self, call: Call) -> None:
         """Read a recorded chat call against its attempt's session; count it now unless it matched."""
         assert call.rollout_id is not None and call.attempt_id is not None and call.request is not None
         pending, match, miss = self.sessions.consider(call.rollout_id, call.attempt_id, call.request)
@@ -417,7 +417,7 @@ class TokenIn:
         return sum(len(r.templates) for r in renderers.values())
 
     # ------------------------------------------------------------------ making a call from ids
-    async def run(self, request: web.Request, call: _Call) -> web.StreamResponse | None:
+    async def run(self, request: web.Request, call: Call) -> web.StreamResponse | None:
         """Send a matched call with its prompt ids through the relay and answer the agent; ``None`` when it
         must be relayed as text instead (nothing has reached the agent). Raises :class:`ProxyError` for a call
         that failed before its answer started; cancellation closes the call's upstream requests."""
@@ -442,7 +442,7 @@ class TokenIn:
             return await self.relay.attempts(request, call, refusals=True)
         except Refused as exc:
             outcome = "refused"
-            message = _error_message(exc.body)
+            message = error_message(exc.body)
             if call.dialect.refuses_prompt_ids(exc.status, message):
                 self._no_prompt_ids(backend, state, f"it refused them: {exc.status}: {message}")
             logger.debug("backend %s refused a call made from ids: %s", call.backend, exc)
@@ -456,7 +456,7 @@ class TokenIn:
                 self._no_prompt_ids(backend, state, "it generated from its own rendering of the messages")
             self.m_calls.inc(1, outcome)
 
-    def _state(self, backend: _Backend) -> _BackendState:
+    def _state(self, backend: Backend) -> _BackendState:
         state = self._backends.get(backend.url)
         if state is None:
             state = self._backends[backend.url] = _BackendState(_RemoteRenderer(self.pool, self.config, backend))
@@ -467,7 +467,7 @@ class TokenIn:
             self._warned.add(key)
             logger.warning(message, *args)
 
-    def _no_prompt_ids(self, backend: _Backend, state: _BackendState, why: str) -> None:
+    def _no_prompt_ids(self, backend: Backend, state: _BackendState, why: str) -> None:
         state.prompt_ids = False
         self._warn_once(
             ("prompt_ids", backend.url),
@@ -480,7 +480,7 @@ class TokenIn:
         )
 
     # ------------------------------------------------------------------ renderers
-    async def _renderer(self, backend: _Backend, state: _BackendState, model: str | None) -> _Renderer:
+    async def _renderer(self, backend: Backend, state: _BackendState, model: str | None) -> _Renderer:
         """The backend's renderer: the model's tokenizer in the proxy once found, else the render route;
         :class:`_Fallback` (``no_backend``) when it has neither. The tokenizer is looked for once (a listing
         that did not answer is read again at the next call, the render route meanwhile)."""
@@ -500,11 +500,11 @@ class TokenIn:
             raise _Fallback("no_backend")
         return state.remote
 
-    async def _resolve(self, backend: _Backend, state: _BackendState, model: str | None) -> None:
+    async def _resolve(self, backend: Backend, state: _BackendState, model: str | None) -> None:
         """Look for the served model's tokenizer where the backend's listing says it is (once)."""
         try:
             facts = await self.pool.facts(backend)
-        except _Unreachable as exc:
+        except Unreachable as exc:
             logger.debug("GET %s on %s failed: %s", backend.dialect.models_path, backend.url, exc)
             return  # asked again next call; the render route meanwhile
         source = facts.dialect.tokenizer_source(facts.cards, model)
@@ -522,7 +522,7 @@ class TokenIn:
                 facts.dialect.render_target,
             )
 
-    def _no_renderer(self, backend: _Backend, state: _BackendState) -> None:
+    def _no_renderer(self, backend: Backend, state: _BackendState) -> None:
         status, message = state.remote.refusal
         self._warn_once(
             ("render", backend.url),
@@ -538,7 +538,7 @@ class TokenIn:
         )
 
     # ------------------------------------------------------------------ the prompt
-    async def _prompt(self, backend: _Backend, state: _BackendState, call: _Call, match: Match) -> list[int]:
+    async def _prompt(self, backend: Backend, state: _BackendState, call: Call, match: Match) -> list[int]:
         """The call's exact prompt: the turn's prompt + response, the end of turn a stop short of it left out,
         the glue, the tail's ids; :class:`_Fallback` when it cannot be made true to the template."""
         request = call.request
@@ -561,7 +561,7 @@ class TokenIn:
 
     async def _checked(
         self,
-        backend: _Backend,
+        backend: Backend,
         state: _BackendState,
         renderer: _LocalRenderer,
         template: _Template,
