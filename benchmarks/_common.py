@@ -15,7 +15,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from subprocess import PIPE
 from typing import Any
 
@@ -134,9 +134,14 @@ class JsonChild:
         self._lines = BufferedByteReceiveStream(process.stdout)
 
     @classmethod
-    async def start(cls, args: Sequence[str], *, ready_within: float = 120.0) -> JsonChild:
-        """Spawn ``python args...`` and wait (up to ``ready_within`` s) for its first JSON line."""
-        process = await anyio.open_process([sys.executable, *args], stdin=PIPE, stdout=PIPE, stderr=None)
+    async def start(
+        cls, args: Sequence[str], *, ready_within: float = 120.0, env: Mapping[str, str] | None = None
+    ) -> JsonChild:
+        """Spawn ``python args...`` (in ``env``, default this process's) and wait (up to ``ready_within`` s) for
+        its first JSON line."""
+        process = await anyio.open_process(
+            [sys.executable, *args], stdin=PIPE, stdout=PIPE, stderr=None, env=env
+        )
         child = cls(process, {})
         try:
             with anyio.fail_after(ready_within):

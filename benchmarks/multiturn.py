@@ -19,12 +19,15 @@ Two parts, each variant a child process that trains with ``AsyncVERL`` and repor
   step, and the proxy's token-in counters. ``--rollout vllm`` trains on verl's vLLM rollout instead of the
   embedded engine (run it with the vLLM tier's venv).
 - **Proxy** (``--proxy-turns``, default 2 8 32): what token-in costs per call as the conversation grows,
-  without training: a mock vLLM backend (or ``--proxy-backend URL``, a ``vllm serve --enable-scale-out``), and
-  two proxies in front of it in their own processes, token-in on and off; ``--conversations`` conversations of
-  T turns each (a 64-token tool result per turn) are played up to turn T-1, then the last calls are timed: the
-  latency the agent sees, its excess over the same request sent straight to the backend's chat endpoint, and
-  the proxy process's CPU per call (``/proc``), for each T. Target: flat in T; the token-in figures against
-  the text relay's are the cost (render + generate + derender round trips against one chat call).
+  without training: a mock vLLM backend (or ``--proxy-backend URL``, a ``vllm serve``), and proxies in front of
+  it in their own processes: token-in on, off (the text relay), and with ``--against DIR`` the token-in of an
+  older aglverl (``git archive REV aglverl`` extracted in DIR; its render + generate + derender path needs
+  ``--enable-scale-out``). ``--conversations`` conversations of T turns each are played up to turn T-1 (each
+  mode its own), then their call T is sent ``--repeats`` rounds, every mode in turn in each round (the order
+  rotating), next to the same call sent straight to the backend's chat endpoint (``direct``): per mode the
+  latency the agent sees, the requests that reached the backend per call (vLLM's ``http_requests_total``, by
+  route) and the proxy process's CPU per call (``/proc``), for each T. Target: one request per call, token-in's
+  median within max(3 ms, 10 %) of the text relay's, flat in T.
 - **Learning** (``--learn-steps``, 0 to skip; ``--seeds``): ``aglverl demo --task multiturn`` (3 turns, chat
   messages the agent echoes as text) under each trajectory, merged (token-in) and ``per_call``, a few seeds
   each: the reward per step, the time to ``--target``, the drift rate and the trainer tokens per rollout.
@@ -36,6 +39,7 @@ with token-in; the proxy's cost per call flat in the turns.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -279,25 +283,35 @@ def summarize_learning(rows: list[dict[str, Any]], target: float) -> dict[str, A
 # ---------------------------------------------------------------------------------------------- proxy cost
 PROXY_SYSTEM = "You are a careful assistant. Use the tools when they help, answer in one word otherwise. "
 PROXY_RESULT = "value 42, unit none, status ok, source cache, fetched from the primary store; "
+#: The plain chat call straight to the backend (no proxy), timed in the same rotation as the proxies.
+DIRECT = "direct"
 
 
 async def _proxy_child(cfg: dict[str, Any]) -> None:
     """A benchmark child: a mock backend (``role: mock``) or a proxy (``role: proxy``) that claims rollouts on
-    command (``{"claim": n}`` -> ``{"bases": [...]}``); it leaves when its stdin closes."""
+    command (``{"claim": n}`` -> ``{"bases": [...], "token_in": {outcome: calls}}``); it leaves when its stdin
+    closes. A proxy child may run an older aglverl (``PYTHONPATH``): the store's module moved in 5ae6905."""
     import anyio
 
     if cfg["role"] == "mock":
         from aglverl.testing import MockVLLM
 
         async with MockVLLM(
-            completion_tokens=CHAT_ANSWER_TOKENS, record_requests=False, max_model_len=1 << 16
+            completion_tokens=CHAT_ANSWER_TOKENS,
+            record_requests=False,
+            max_model_len=1 << 16,
+            tokenizer=cfg.get("tokenizer", True),
         ) as mock:
             emit({"url": mock.url})
             async for _ in stdin_commands():
                 pass
         return
     from aglverl.proxy import LLMProxy
-    from aglverl.store.tasks import TaskStore
+
+    try:
+        from aglverl.store.tasks import TaskStore
+    except ImportError:  # before the house was regrouped (046b5eb)
+        from aglverl.store import TaskStore  # type: ignore[attr-defined,no-redef]
 
     store = TaskStore(lease_seconds=3600)
     proxy = LLMProxy(store, backends=[cfg["backend"]], token_in=cfg["token_in"])
@@ -320,12 +334,14 @@ async def _proxy_child(cfg: dict[str, Any]) -> None:
         tg.cancel_scope.cancel()
 
 
-async def _chat_call(session: Any, url: str, model: str, messages: list[Any]) -> tuple[float, str]:
+async def _chat_call(
+    session: Any, url: str, model: str, messages: list[Any], tokens: int = CHAT_ANSWER_TOKENS
+) -> tuple[float, str]:
     body = orjson.dumps(
         {
             "model": model,
             "messages": messages,
-            "max_tokens": CHAT_ANSWER_TOKENS,
+            "max_tokens": tokens,
             "temperature": 0.0,
             "ignore_eos": True,
         }
@@ -341,16 +357,43 @@ async def _chat_call(session: Any, url: str, model: str, messages: list[Any]) ->
     return elapsed, orjson.loads(raw)["choices"][0]["message"].get("content") or ""
 
 
+async def _backend_requests(session: Any, backend: str) -> dict[str, float] | None:
+    """The requests a vLLM backend has answered so far, by route (its ``http_requests_total``); ``None`` for a
+    backend that does not count them (the mock)."""
+    try:
+        async with session.get(backend + "/metrics") as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except OSError:
+        return None
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("http_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            handler = labels.split('handler="', 1)[1].split('"', 1)[0]
+            counts[handler] = counts.get(handler, 0.0) + float(value)
+    return counts
+
+
+def _result_text(turn: int, repeat: int) -> str:
+    return f"Result {turn}: " + (PROXY_RESULT * repeat if repeat else "ok.")
+
+
 async def proxy_cost(
     turns_list: list[int],
     conversations: int,
-    repeats: int,
+    rounds: int,
     backend: str | None,
     model: str,
     result_repeat: int = 4,
+    against: str | None = None,
+    answer_tokens: int = CHAT_ANSWER_TOKENS,
 ) -> dict[str, Any]:
-    """The proxy part (see the module docstring): per T, per mode, the timed last calls' latency, excess over
-    the backend's chat endpoint, and the proxy's CPU per call."""
+    """The proxy part (see the module docstring): per T, per mode (token-in, the text relay, ``against``'s
+    token-in, the plain chat call straight to the backend), interleaved round by round: the later call's
+    latency, the requests that reached the backend per call (vLLM's ``http_requests_total``), and the proxy
+    process's CPU per call."""
     import aiohttp
 
     script = SCRIPT
@@ -358,51 +401,74 @@ async def proxy_cost(
     if backend is None:
         mock = await JsonChild.start(child_args(script, "proxy-child", {"role": "mock"}))
         backend, model = mock.info["url"], "mock"
-    proxies = {
-        mode: await JsonChild.start(
-            child_args(
-                script,
-                "proxy-child",
-                {"role": "proxy", "backend": backend, "token_in": mode == "token_in", "model": model},
-            )
-        )
-        for mode in ("token_in", "text")
-    }
-    out: dict[str, Any] = {"backend": "mock" if mock is not None else backend}
+    wanted: dict[str, tuple[bool, str | None]] = {"token_in": (True, None), "text": (False, None)}
+    if against is not None:
+        wanted[f"token_in_{Path(against).name}"] = (True, against)
+    proxies = {}
+    for mode, (token_in, pythonpath) in wanted.items():
+        env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+        cfg = {"role": "proxy", "backend": backend, "token_in": token_in, "model": model}
+        proxies[mode] = await JsonChild.start(child_args(script, "proxy-child", cfg), env=env)
+    out: dict[str, Any] = {"backend": "mock" if mock is not None else backend, "modes": [*proxies, DIRECT]}
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for turns in turns_list:
-                row: dict[str, Any] = {}
+                histories: dict[str, list[list[Any]]] = {}
+                bases: dict[str, list[str]] = {}
                 for mode, proxy in proxies.items():
-                    bases = (await proxy.request({"claim": conversations}))["bases"]
-                    histories = [[{"role": "system", "content": PROXY_SYSTEM}, {"role": "user", "content": f"Question {i}?"}] for i in range(conversations)]  # fmt: skip
+                    bases[mode] = (await proxy.request({"claim": conversations}))["bases"]
+                    histories[mode] = [[{"role": "system", "content": PROXY_SYSTEM}, {"role": "user", "content": f"Question {i}?"}] for i in range(conversations)]  # fmt: skip
                     for turn in range(turns - 1):  # played, not timed
-                        for base, history in zip(bases, histories, strict=True):
-                            _, answer = await _chat_call(session, base, model, history)
-                            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Result {turn}: {PROXY_RESULT * result_repeat}"}]  # fmt: skip
-                    # the timed calls: each conversation's call T, sent `repeats` times (an agent retrying it)
-                    timed = [
-                        (base, h) for base, h in zip(bases, histories, strict=True) for _ in range(repeats)
-                    ]
-                    cpu = proxy.cpu_seconds()
-                    proxied = [(await _chat_call(session, base, model, h))[0] for base, h in timed]
-                    cpu = proxy.cpu_seconds() - cpu
-                    direct = [(await _chat_call(session, backend + "/v1", model, h))[0] for _, h in timed]
-                    counts = (await proxy.request({"claim": 0}))["token_in"]
+                        for base, history in zip(bases[mode], histories[mode], strict=True):
+                            _, answer = await _chat_call(session, base, model, history, answer_tokens)
+                            history += [{"role": "assistant", "content": answer}, {"role": "user", "content": _result_text(turn, result_repeat)}]  # fmt: skip
+                bases[DIRECT] = [backend + "/v1"] * conversations
+                histories[DIRECT] = histories["text"]
+                modes = [*proxies, DIRECT]
+                for mode in modes:  # warm-up, not timed: a proxy's first such call reads the template once
+                    for base, history in zip(bases[mode], histories[mode], strict=True):
+                        await _chat_call(session, base, model, history, answer_tokens)
+                latency: dict[str, list[float]] = {m: [] for m in modes}
+                cpu = dict.fromkeys(proxies, 0.0)
+                reached: dict[str, dict[str, float]] = {m: {} for m in modes}
+                for r in range(rounds):  # interleaved: each round every mode in turn, the order rotating
+                    for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                        before = await _backend_requests(session, backend)
+                        spent = proxies[mode].cpu_seconds() if mode in proxies else 0.0
+                        for base, history in zip(bases[mode], histories[mode], strict=True):
+                            call = await _chat_call(session, base, model, history, answer_tokens)
+                            latency[mode].append(call[0])
+                        if mode in proxies:
+                            cpu[mode] += proxies[mode].cpu_seconds() - spent
+                        after = await _backend_requests(session, backend)
+                        if before is not None and after is not None:
+                            for handler, n in after.items():
+                                if n - before.get(handler, 0.0):
+                                    reached[mode][handler] = reached[mode].get(handler, 0.0) + n - before.get(handler, 0.0)  # fmt: skip
+                row: dict[str, Any] = {}
+                calls = conversations * rounds
+                for mode in modes:
+                    per_call = {h: round(n / calls, 3) for h, n in sorted(reached[mode].items())}
                     row[mode] = {
-                        "latency_ms_p50": round(percentile(proxied, 50) * 1000, 3),
-                        "latency_ms_mean": round(statistics.mean(proxied) * 1000, 3),
-                        "backend_chat_ms_p50": round(percentile(direct, 50) * 1000, 3),
-                        "added_ms_p50": round((percentile(proxied, 50) - percentile(direct, 50)) * 1000, 3),
-                        "proxy_cpu_ms_per_call": round(cpu / len(timed) * 1000, 3),
-                        "token_in_calls_so_far": counts,
+                        "latency_ms_p50": round(percentile(latency[mode], 50) * 1000, 3),
+                        "latency_ms_p90": round(percentile(latency[mode], 90) * 1000, 3),
+                        "latency_ms_mean": round(statistics.mean(latency[mode]) * 1000, 3),
+                        "requests_per_call": per_call or None,
                     }
-                row["token_in_extra_ms_p50"] = round(
-                    row["token_in"]["latency_ms_p50"] - row["text"]["latency_ms_p50"], 3
-                )
+                    if mode in proxies:
+                        row[mode]["proxy_cpu_ms_per_call"] = round(cpu[mode] / calls * 1000, 3)
+                        row[mode]["token_in_calls_so_far"] = (await proxies[mode].request({"claim": 0}))["token_in"]  # fmt: skip
+                text_p50 = row["text"]["latency_ms_p50"]
+                allowed = max(3.0, 0.1 * text_p50)
+                row["token_in_extra_ms_p50"] = round(row["token_in"]["latency_ms_p50"] - text_p50, 3)
                 row["token_in_extra_cpu_ms"] = round(
                     row["token_in"]["proxy_cpu_ms_per_call"] - row["text"]["proxy_cpu_ms_per_call"], 3
                 )
+                row["target_ms"] = round(allowed, 3)
+                row["target_met"] = row["token_in_extra_ms_p50"] <= allowed
+                text_cpu = row["text"]["proxy_cpu_ms_per_call"]
+                row["cpu_target_ms"] = round(max(3.0, 0.1 * text_cpu), 3)
+                row["cpu_target_met"] = row["token_in_extra_cpu_ms"] <= row["cpu_target_ms"]
                 out[f"{turns}_turns"] = row
     finally:
         for child_ in [*proxies.values(), *([mock] if mock is not None else [])]:
@@ -431,15 +497,21 @@ def main() -> None:
     parser.add_argument("--proxy-turns", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--conversations", type=int, default=16, help="conversations per T in the proxy part")
     parser.add_argument(
-        "--repeats", type=int, default=20, help="timed sends of each conversation's last call"
+        "--repeats", type=int, default=20, help="rounds: timed sends of each conversation's last call per mode"
+    )
+    parser.add_argument(
+        "--against", default=None, help="a directory holding an older aglverl (git archive REV aglverl): its token-in too"
     )
     parser.add_argument(
         "--result-repeat", type=int, default=4, help="tool result length per turn (x 14 words)"
     )
     parser.add_argument(
-        "--proxy-backend", default=None, help="a vLLM URL (--enable-scale-out) instead of the mock"
+        "--proxy-backend", default=None, help="a vLLM URL instead of the mock (--enable-scale-out for --against)"
     )
     parser.add_argument("--model-name", default="tiny", help="the served model's name at --proxy-backend")
+    parser.add_argument(
+        "--proxy-answer-tokens", type=int, default=CHAT_ANSWER_TOKENS, help="max_tokens of the proxy part's calls"
+    )
     parser.add_argument("--learn-steps", type=int, default=20, help="steps of the multiturn demo (0: skip)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per trajectory in the learning runs")
     parser.add_argument("--target", type=float, default=0.9)
@@ -502,6 +574,8 @@ def main() -> None:
             args.proxy_backend,
             args.model_name,
             args.result_repeat,
+            args.against,
+            args.proxy_answer_tokens,
         )
     learning: dict[str, Any] = {}
     if args.learn_steps and "learn" in args.parts:
@@ -543,6 +617,8 @@ def main() -> None:
                 "conversations": args.conversations,
                 "repeats": args.repeats,
                 "result_repeat": args.result_repeat,
+                "against": args.against,
+                "proxy_answer_tokens": args.proxy_answer_tokens,
                 "seeds": args.seeds,
                 "turns": args.turns,
                 "system_tokens": SYSTEM_TOKENS,

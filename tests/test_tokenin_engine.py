@@ -1,13 +1,21 @@
-"""Token-in chat against the embedded engine (``aglverl.engine.server``: its render, generate and derender).
+"""Token-in chat against the embedded engine (``aglverl.engine``): a later turn is one chat completion with its
+prompt ids, as vLLM serves it.
 
 The built-in tiny model with its own template (ChatML, a Hermes tool section), and copies whose template trims
-every message (Llama 3's way) or drops earlier reasoning behind a pre-opened think block (Qwen3's way; the
-engine's ``qwen3`` reasoning parser reads it). Agents are SDK code that echo the text they got. Checked: later
-turns are generated from exactly the earlier turn's prompt + generated ids followed by the new tail, and from
-nothing else (greedy: the engine's own completion of the recorded prompt gives the recorded ids); tool calls
-the engine's parser made go back with tool results and carry on, generated from ids too; one row per
-conversation; a weight update in the middle of a token-in stream, and of a whole answer with tools (which a
-text relay could only make again), goes on from the ids so far under the new weights.
+every message (Llama 3's way), drops earlier reasoning behind a pre-opened think block (Qwen3's way; the
+engine's ``qwen3`` reasoning parser reads it) or puts the system prompt on the last user turn (Mistral's way,
+not append-only). A recording hop between the proxy and the engine keeps what the engine was asked. Agents are
+SDK code that echo the text they got. Checked: every later turn reaches the engine as ONE chat completion
+carrying exactly the earlier turn's prompt + generated ids followed by the new tail in
+``kv_transfer_params["prompt_token_ids"]`` and is generated from that and nothing else (greedy: the engine's
+own completion of the recorded prompt gives the recorded ids); the proxy rendered the tail with the model's own
+tokenizer (no render request); tool calls the engine's parser made go back with tool results and carry on; one
+row per conversation; a not append-only template is generated from its whole rendering; a weight update in the
+middle of a token-in stream, or of a whole answer, goes on from the ids so far under the new weights.
+
+The engine's side of the one-request path (``kv_transfer_params.prompt_token_ids`` on its chat endpoint) comes
+with the engine's own change; until it is in, an engine that ignores the field renders the messages itself and
+the proxy counts those calls ``ids_ignored``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import aiohttp
 import anyio
 import orjson
 import pytest
+from helpers.hop import Hop, recording_hop
 from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends, long_second_turn
 from helpers.tokenin import greedy_turn as chat_turn
 from test_proxy_resume import Stream, reload
@@ -32,6 +41,7 @@ from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 
 pytestmark = pytest.mark.anyio
 
+CHAT = "/v1/chat/completions"
 LOOKUP = {
     "type": "function",
     "function": {
@@ -48,23 +58,34 @@ LOOKUP = {
 @asynccontextmanager
 async def engine(
     tiny_model: Path, tmp_path: Path, template: str, **kwargs: Any
-) -> AsyncIterator[InferenceServer]:
-    """The embedded engine on the tiny model, with ``template`` (``plain``: its own) instead of its own."""
+) -> AsyncIterator[tuple[InferenceServer, Hop]]:
+    """The embedded engine on the tiny model, with ``template`` (``plain``: its own), behind a recording hop."""
     model = (
         tiny_model
         if template == "plain"
         else with_chat_template(tiny_model, tmp_path / template, TEMPLATES[template])
     )
-    async with InferenceServer(model, served_model_name="tiny", seed=0, **kwargs) as server:
-        yield server
+    async with (
+        InferenceServer(model, served_model_name="tiny", seed=0, **kwargs) as server,
+        recording_hop(server.url) as hop,
+    ):
+        yield server, hop
+
+
+def one_request_each(hop: Hop, calls: list[Any]) -> None:
+    """Each call reached the engine as one chat completion; the later ones with exactly their recorded prompt."""
+    assert hop.paths() == [CHAT] * len(calls)
+    assert [b["kv_transfer_params"]["prompt_token_ids"] for b in hop.with_ids()] == [
+        c.prompt_token_ids for c in calls[1:]
+    ]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("template", ["plain", "trim", "think"])
-async def test_a_text_echoing_agent_is_generated_from_the_ids_the_engine_made(
+async def test_a_text_echoing_agent_is_one_request_per_call_generated_from_the_engines_ids(
     tiny_model: Path, tmp_path: Path, template: str, stream: bool
 ) -> None:
-    async with engine(tiny_model, tmp_path, template) as server, proxied(server.url) as (proxy, store):
+    async with engine(tiny_model, tmp_path, template) as (server, hop), proxied(hop.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [
             {"role": "system", "content": "Be brief. "},
@@ -85,6 +106,7 @@ async def test_a_text_echoing_agent_is_generated_from_the_ids_the_engine_made(
             for c in calls[1:]
         ]
     assert counts(proxy) == {"first_call": 1, "generated": 2}
+    one_request_each(hop, calls)
     for earlier, later, answer, reference in zip(calls, calls[1:], answers[1:], references, strict=False):
         assert extends(earlier, later) and later.status == "ok"
         assert later.response_token_ids == reference["token_ids"]  # generated from that prompt, nothing else
@@ -102,7 +124,7 @@ async def test_a_text_echoing_agent_is_generated_from_the_ids_the_engine_made(
 async def test_tool_calls_the_engine_parsed_go_back_with_results_and_are_generated_from_ids(
     tiny_model: Path, tmp_path: Path, stream: bool
 ) -> None:
-    async with engine(tiny_model, tmp_path, "plain") as server, proxied(server.url) as (proxy, store):
+    async with engine(tiny_model, tmp_path, "plain") as (server, hop), proxied(hop.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [{"role": "user", "content": "Look x up."}]
         async with openai_sdk(base) as client:
@@ -129,26 +151,43 @@ async def test_tool_calls_the_engine_parsed_go_back_with_results_and_are_generat
             await chat_turn(client, messages, stream, tools=[LOOKUP])
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
+    one_request_each(hop, calls)
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
-    assert [c.finish_reason for c in calls[:2]] == [
-        "tool_calls",
-        "tool_calls",
-    ]  # recorded as the agent got it
+    assert [c.finish_reason for c in calls[:2]] == ["tool_calls", "tool_calls"]  # as the agent got it
     tail = server.tokenizer.decode((calls[2].prompt_token_ids or [])[len(calls[1].prompt_token_ids or []) :])
     assert "<tool_response>\nx is 43\n</tool_response>" in tail and "x is 42" not in tail  # only the new turn
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("api", ["responses", "messages"])
-async def test_responses_and_messages_agents_on_the_engine_are_generated_from_ids(
+async def test_responses_and_messages_agents_on_the_engine_are_one_request_per_call(
     tiny_model: Path, tmp_path: Path, api: str, stream: bool
 ) -> None:
-    async with engine(tiny_model, tmp_path, "trim") as server, proxied(server.url) as (proxy, store):
+    async with engine(tiny_model, tmp_path, "trim") as (_, hop), proxied(hop.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         await api_conversation(api, base, stream, model="tiny", max_tokens=6, extra=GREEDY)
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
+    one_request_each(hop, calls)
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
+
+
+async def test_a_template_that_is_not_append_only_is_generated_from_its_whole_rendering(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    async with engine(tiny_model, tmp_path, "mistral") as (server, hop), proxied(hop.url) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        async with openai_sdk(base) as client:
+            for turn in range(3):
+                answer = await chat_turn(client, messages, False)
+                messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f"more {turn}"}]  # fmt: skip
+        calls = finish(store, rid, aid)
+    assert counts(proxy) == {"first_call": 1, "not_append_only": 2}
+    assert not hop.with_ids()
+    for call in calls:  # the system prompt once, on the last user turn: the template's own rendering
+        text = server.tokenizer.decode(call.prompt_token_ids or [])
+        assert text.count("Be brief.") == 1 and text.rindex("Be brief.") > text.rindex("<|im_start|>user")
 
 
 async def test_every_conversation_is_one_row_of_the_engines_ids(tiny_model: Path, tmp_path: Path) -> None:
@@ -167,8 +206,8 @@ async def test_every_conversation_is_one_row_of_the_engines_ids(tiny_model: Path
 
     config = BatchConfig(max_prompt_length=256, max_response_length=256)
     async with (
-        engine(tiny_model, tmp_path, "trim") as server,
-        AgentDaemon(backends=[server.url], model="tiny", batch=config) as daemon,
+        engine(tiny_model, tmp_path, "trim") as (server, hop),
+        AgentDaemon(backends=[hop.url], model="tiny", batch=config) as daemon,
     ):
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=4))
@@ -180,6 +219,7 @@ async def test_every_conversation_is_one_row_of_the_engines_ids(tiny_model: Path
     data, metrics = batch.data, batch.metrics
     assert len(data) == 4 and metrics["batch/n_calls"] == 12 and metrics["batch/n_calls_drifted"] == 0
     assert counters["proxy/token_in_generated"] == 8 and counters["proxy/token_in_first_call"] == 4
+    assert hop.paths() == [CHAT] * 12 and len(hop.with_ids()) == 8
     for row in range(len(data)):
         real = data.batch["attention_mask"][row, 256:].bool()
         kept = data.batch["response_mask"][row][real].tolist()
@@ -199,8 +239,8 @@ async def test_a_token_in_stream_aborted_for_a_weight_update_goes_on_from_the_id
 ) -> None:
     long = 300
     async with (
-        engine(tiny_model, tmp_path, "plain") as server,
-        proxied(server.url) as (proxy, store),
+        engine(tiny_model, tmp_path, "plain") as (server, hop),
+        proxied(hop.url) as (proxy, store),
         aiohttp.ClientSession() as http,
     ):
         rid, aid, base = claim(proxy, store)
@@ -224,6 +264,7 @@ async def test_a_token_in_stream_aborted_for_a_weight_update_goes_on_from_the_id
     ] == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == long
     assert second.response_token_ids == reference["token_ids"] and extends(calls[0], second)
+    assert second.prompt_token_ids == hop.with_ids()[0]["kv_transfer_params"]["prompt_token_ids"]
     assert (
         "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         == reference["text"]
@@ -232,15 +273,15 @@ async def test_a_token_in_stream_aborted_for_a_weight_update_goes_on_from_the_id
     assert proxy.m_resumed.value() == 1 and counts(proxy) == {"first_call": 1, "generated": 1}
 
 
-async def test_a_whole_answer_with_tools_aborted_for_a_weight_update_is_continued_not_made_again(
+async def test_a_whole_token_in_answer_aborted_for_a_weight_update_is_continued_from_the_ids_so_far(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     # The engine starts a batch only with two sequences: the streamed probe's first token says the JSON call
-    # is being generated too. A text relay can only make such a call again; from ids it goes on.
+    # is being generated too.
     long = 300
     async with (
-        engine(tiny_model, tmp_path, "plain", max_batch_size=2, batch_wait=60) as server,
-        proxied(server.url) as (proxy, store),
+        engine(tiny_model, tmp_path, "plain", max_batch_size=2, batch_wait=60) as (server, hop),
+        proxied(hop.url) as (proxy, store),
         aiohttp.ClientSession() as http,
     ):
         rid, aid, base = claim(proxy, store)
@@ -248,16 +289,9 @@ async def test_a_whole_answer_with_tools_aborted_for_a_weight_update_is_continue
         async with openai_sdk(base) as client:
             async with anyio.create_task_group() as tg:  # the first call needs a companion in its batch too
                 tg.start_soon(completion, server.url, [5, 6, 7], 2)
-                first = await chat_turn(client, messages, False, tools=[LOOKUP])
+                first = await chat_turn(client, messages, False)
         messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "More."}]
-        body = {
-            "model": "tiny",
-            "messages": messages,
-            "max_tokens": long,
-            "ignore_eos": True,
-            "tools": [LOOKUP],
-            **GREEDY,
-        }
+        body = {"model": "tiny", "messages": messages, "max_tokens": long, "ignore_eos": True, **GREEDY}
         answers: list[Any] = []
         async with anyio.create_task_group() as tg:
 
@@ -281,9 +315,7 @@ async def test_a_whole_answer_with_tools_aborted_for_a_weight_update_is_continue
                 server.resume()
                 await reload(server, 1)
                 proxy.resume(1)
-                tg.start_soon(
-                    completion, server.url, [5, 6, 7], 2
-                )  # the continuation's companion in its batch
+                tg.start_soon(completion, server.url, [5, 6, 7], 2)  # the continuation's companion in its batch
         calls = finish(store, rid, aid)
         second = calls[1]
         async with anyio.create_task_group() as tg:
@@ -294,4 +326,6 @@ async def test_a_whole_answer_with_tools_aborted_for_a_weight_update_is_continue
         second.response_token_ids == reference["token_ids"]
         and answers[0]["choices"][0]["finish_reason"] == "length"
     )
+    assert answers[0]["choices"][0]["message"]["content"] == reference["text"]
     assert (second.weight_version, second.weight_version_end) == (0, 1)
+    assert counts(proxy) == {"first_call": 1, "generated": 1}

@@ -1,16 +1,19 @@
-"""Token-in chat against a real vLLM (the vLLM tier: ``make test-vllm``).
+"""Token-in chat against a real vLLM (the vLLM tier: ``make test-vllm``): a later turn is ONE chat completion.
 
 The tiny model, copied with a chat template that re-renders history the way real ones do (``trim``: Llama 3's
-``| trim`` of every message; ``think``: Qwen3's dropped earlier reasoning and pre-opened think block), served by
-``vllm serve --enable-scale-out --enable-auto-tool-choice --tool-call-parser hermes``: one server per template,
-shared by the module's tests. A recording hop between the proxy and vLLM keeps what vLLM was asked. Agents are
-ordinary SDK code that echo the text they got. Checked: every later turn is generated from exactly the earlier
-turn's prompt + generated ids followed by the new tail (the generate requests say so), and from nothing else
-(greedy, vLLM's own completion of that prompt gives the same ids and text); a batch holds one row per
-conversation, unmasked ids the generated ones, masked ids the rendered tool / user turns; tool calls vLLM's
-parser made are echoed with a tool result and carry on; an edited history starts a new row; a weight update in
-the middle of a token-in stream (hold, vLLM aborts, the proxy continues from the ids so far) gives the agent
-one uninterrupted answer, the same as vLLM's without the abort.
+``| trim`` of every message; ``think``: Qwen3's dropped earlier reasoning and pre-opened think block;
+``mistral``: Mistral-7B-Instruct-v0.3's system prompt and tool list on the last user turn, not append-only),
+served by ``vllm serve --enable-auto-tool-choice --tool-call-parser hermes`` (and ``--enable-scale-out``, for
+the render route a proxy without the model's tokenizer uses): one server per template, shared by the module's
+tests. A recording hop between the proxy and vLLM keeps what vLLM was asked. Agents are ordinary SDK code that
+echo the text they got. Checked: every later turn reaches vLLM as one chat completion carrying exactly the
+earlier turn's prompt + generated ids followed by the new tail in ``kv_transfer_params["prompt_token_ids"]``,
+and is generated from that and nothing else (greedy, vLLM's own completion of that prompt gives the same ids and
+text); the answer is vLLM's own chat answer (its hermes parser's tool calls); a batch holds one row per
+conversation; an edited history starts a new row; without the model's tokenizer the tail is rendered by vLLM
+first; a not append-only template is generated from its whole rendering; a relayed answer aborted by a weight
+update keeps its turn; a weight update in the middle of a token-in stream gives the agent one uninterrupted
+answer, the same as vLLM's without the abort.
 """
 
 from __future__ import annotations
@@ -24,21 +27,22 @@ import aiohttp
 import anyio
 import orjson
 import pytest
-from aiohttp import web
+from helpers.hop import Hop, recording_hop
 from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends, long_second_turn
 from helpers.tokenin import greedy_turn as chat_turn
-from helpers.vllm_server import vllm_server
+from helpers.vllm_server import VllmOutput, vllm_server
 from test_proxy_resume import Stream
 from test_translate import claim, finish, openai_sdk, proxied
+from test_vllm_proxy import aborted_mid_answer
 from transformers import AutoTokenizer
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
-from aglverl._net import bind_listener, url_of
 from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio]
 
-GENERATE = "/inference/v1/generate"
+CHAT = "/v1/chat/completions"
+RENDER = "/v1/chat/completions/render"
 LOOKUP = {
     "type": "function",
     "function": {
@@ -55,94 +59,51 @@ LOOKUP = {
 
 
 class Served:
-    """The module's vLLM server (its template's name, the model directory) behind a recording hop."""
+    """The module's vLLM server (its template's name, the model directory, its output) behind a recording hop."""
 
-    def __init__(self, url: str, template: str, model: Path) -> None:
+    def __init__(self, url: str, template: str, model: Path, output: VllmOutput, hop: Hop) -> None:
         self.vllm = url
         self.template = template
+        self.output = output
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
-        self.url = ""  # the hop's, set when it serves
-        self.seen: list[tuple[str, Any]] = []
-        #: Set once a streamed generation has passed 20 tokens through the hop and not finished (vLLM is busy
-        #: generating it; what the agent sees lags behind, by the derender), or has finished (a busy machine's
-        #: vLLM may send many tokens in one event, the last ones with the finish): ``finishes`` tells which.
-        self.midway = anyio.Event()
-        #: The finish reason of each streamed generation the hop passed, in the order they ended.
-        self.finishes: list[str] = []
-
-    def forget(self) -> None:
-        """Start recording afresh (a test that makes its setup again)."""
-        self.seen.clear()
-        self.finishes.clear()
-        self.midway = anyio.Event()
-
-    def asked(self, path: str = GENERATE) -> list[Any]:
-        return [body for p, body in self.seen if p == path]
+        self.hop = hop
+        self.url = hop.url
 
 
 @pytest.fixture(scope="module", params=["trim", "think"])
 def vllm(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, str, Path]]:
-    """A vLLM server for each template (its URL, the template's name, the model directory)."""
+) -> Iterator[tuple[str, str, Path, VllmOutput]]:
+    """A vLLM server for each template (its URL, the template's name, the model directory, its output)."""
     template = request.param
     root = tmp_path_factory.mktemp(template)
     model = with_chat_template(tiny_model, root / "model", TEMPLATES[template])
     args = ("--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    with vllm_server(model, root / "vllm.log", *args) as url:
-        yield url, template, model
+    output = VllmOutput()
+    with vllm_server(model, root / "vllm.log", *args, "--enable-log-requests", output=output) as url:
+        yield url, template, model, output
 
 
 @pytest.fixture
-async def served(vllm: tuple[str, str, Path]) -> AsyncIterator[Served]:
+async def served(vllm: tuple[str, str, Path, VllmOutput]) -> AsyncIterator[Served]:
     """The server behind a loopback hop that records every request body (and streams answers through)."""
-    served = Served(*vllm)
-    session = aiohttp.ClientSession()
+    async with recording_hop(vllm[0]) as hop:
+        yield Served(*vllm, hop)
 
-    async def forward(request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        served.seen.append((request.path, orjson.loads(raw) if raw else None))
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        async with session.request(
-            request.method, served.vllm + request.path_qs, data=raw, headers=headers
-        ) as answer:
-            response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
-            await response.prepare(request)
-            tokens, finished, pending = 0, False, b""
-            async for piece in answer.content.iter_any():
-                if request.path == GENERATE and answer.content_type == "text/event-stream":
-                    *lines, pending = (pending + piece).split(b"\n")  # pieces may end inside a line
-                    for line in lines:
-                        if line.startswith(b"data: {"):
-                            for choice in orjson.loads(line[6:]).get("choices") or ():
-                                tokens += len(choice.get("token_ids") or ())
-                                if choice.get("finish_reason") is not None:
-                                    finished = True
-                                    served.finishes.append(choice["finish_reason"])
-                    if tokens > 20 or finished:
-                        served.midway.set()
-                await response.write(piece)
-            await response.write_eof()
-            return response
 
-    app = web.Application(client_max_size=1 << 30)
-    app.router.add_route("*", "/{tail:.*}", forward)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sock = bind_listener("127.0.0.1", 0)
-    site = web.SockSite(runner, sock)
-    await site.start()
-    served.url = url_of(sock)
-    try:
-        yield served
-    finally:
-        await runner.cleanup()
-        await session.close()
+def one_request_each(served: Served, calls: list[Any]) -> None:
+    """Each call reached vLLM as one chat completion; the later ones with exactly their recorded prompt."""
+    assert served.hop.paths() == [CHAT] * len(calls)
+    assert [b["kv_transfer_params"]["prompt_token_ids"] for b in served.hop.with_ids()] == [
+        c.prompt_token_ids for c in calls[1:]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- chat agents
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_a_chat_agent_is_generated_from_the_exact_ids_vllm_made(served: Served, stream: bool) -> None:
+async def test_a_chat_agent_is_one_request_per_call_from_the_exact_ids_vllm_made(
+    served: Served, stream: bool
+) -> None:
     answers = []
     async with proxied(served.url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
@@ -160,8 +121,7 @@ async def test_a_chat_agent_is_generated_from_the_exact_ids_vllm_made(served: Se
                 ]
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
-    asked = served.asked()
-    assert [body["token_ids"] for body in asked] == [c.prompt_token_ids for c in calls[1:]]
+    one_request_each(served, calls)
     for earlier, later, answer in zip(calls, calls[1:], answers[1:], strict=False):
         assert extends(earlier, later)
         # generated from that prompt and nothing else: vLLM's own completion of it says the same
@@ -190,7 +150,7 @@ async def test_a_chat_agent_is_generated_from_the_exact_ids_vllm_made(served: Se
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("api", ["responses", "messages"])
-async def test_responses_and_messages_agents_are_generated_from_ids(
+async def test_responses_and_messages_agents_are_one_request_per_call_too(
     served: Served, api: str, stream: bool
 ) -> None:
     async with proxied(served.url) as (proxy, store):
@@ -198,6 +158,7 @@ async def test_responses_and_messages_agents_are_generated_from_ids(
         await api_conversation(api, base, stream, model="tiny", max_tokens=6, extra=GREEDY)
         calls = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 1, "generated": 2}
+    one_request_each(served, calls)
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
     assert all(c.path == f"/v1/{api}" and c.status == "ok" for c in calls)
 
@@ -246,6 +207,9 @@ async def test_tool_calls_vllm_parsed_are_echoed_with_a_tool_result_and_carry_on
         "<tool_response>\nx is 42\n</tool_response>" in tail
     )  # the tool result, rendered after the call's ids
     assert counts(proxy)["generated"] == len(calls) - 1 and counts(proxy)["first_call"] == 1
+    one_request_each(served, calls)
+    # vLLM's hermes parser read the call off the request sent with the ids: the agent's tools and tool_choice
+    assert all(body["tools"] == [LOOKUP] for body in served.hop.with_ids())
 
 
 async def test_each_conversation_is_one_row_and_an_edited_history_starts_a_new_one(served: Served) -> None:
@@ -303,16 +267,16 @@ async def weight_update_mid_stream(served: Served, long: int) -> tuple[Any, list
     vLLM has generated 20 of its tokens: returns the proxy, the events the agent got and the calls the store
     recorded; None when vLLM had generated the whole answer before the update's abort reached it (a busy machine
     reads the 20th token late, or gets it in one event with the last), the state the test needs never reached."""
-    served.forget()
     async with proxied(served.url) as (proxy, store), aiohttp.ClientSession() as http:
         rid, aid, base = claim(proxy, store)
         body = await long_second_turn(base, long)
+        served.hop.forget()
         async with http.post(f"{base}/chat/completions", json=body) as response:
             stream = Stream(response)
             with anyio.fail_after(60):
                 await stream.until_first_token()
-                await served.midway.wait()  # vLLM has generated 20 of them and goes on (or has ended)
-            if not served.finishes:
+                await served.hop.midway.wait()  # vLLM has generated 20 of them and goes on (or has ended)
+            if not served.hop.finishes:
                 proxy.hold()  # what verl's trainer does around a weight update
                 for action in ("pause?mode=abort", "resume"):
                     async with http.post(f"{served.vllm}/{action}") as r:
@@ -320,7 +284,7 @@ async def weight_update_mid_stream(served: Served, long: int) -> tuple[Any, list
                 proxy.resume(1)
             events = await stream.rest()
         calls = finish(store, rid, aid)
-    if served.finishes[:1] != ["abort"]:  # the call's generation (the first streamed one) ended whole
+    if served.hop.finishes[:1] != ["abort"]:  # the call's chat stream ended whole
         return None
     return proxy, events, calls
 
@@ -337,7 +301,10 @@ async def test_a_weight_update_in_the_middle_of_a_token_in_stream_continues_from
     proxy, events, calls = made
     second = calls[1]
     assert proxy.m_resumed.value() == 1 and counts(proxy) == {"first_call": 1, "generated": 1}
-    assert len(served.asked()) >= 2  # the generation and its continuation(s), from the ids so far
+    [asked] = served.hop.with_ids()  # the call, sent with its prompt ids; then continued from the ids so far
+    assert asked["kv_transfer_params"]["prompt_token_ids"] == second.prompt_token_ids
+    [continuation, *_] = served.hop.asked("/v1/completions")
+    assert continuation["prompt"][: len(second.prompt_token_ids or [])] == second.prompt_token_ids
     chunks = [e for e in events if e != "[DONE]"]
     assert events[-1] == "[DONE]" and len({c["id"] for c in chunks}) == 1
     assert [
@@ -365,8 +332,8 @@ async def test_a_token_in_answer_is_what_vllms_chat_endpoint_answers_for_the_sam
 ) -> None:
     # The first answer is an end of turn at once, so the history re-renders as generated and vLLM's chat endpoint
     # is asked for the very prompt the token-in call is generated from.
-    # The second answer ends on its end of sequence (min_tokens, then a bias towards it): vLLM's derender would
-    # write that token's text when a parser is configured (with tools), its chat endpoint never does.
+    # The second answer ends on its end of sequence (min_tokens, then a bias towards it): with a parser configured
+    # (tools), the text of that token is not the answer's (the old derender path wrote it).
     extra = {"tools": [LOOKUP]} if tools else {}
     ending = {"temperature": 0.0, "logit_bias": {"2": 100}}
     asked = {"max_tokens": 10, "min_tokens": 3, "logit_bias": {"2": 30}, "logprobs": True, "temperature": 0.0}
@@ -401,3 +368,77 @@ async def test_a_token_in_answer_is_what_vllms_chat_endpoint_answers_for_the_sam
     assert "".join(d.get("content") or "" for d in deltas) == expected["message"]["content"]
     assert all(None not in d.values() for d in deltas)  # as the chat endpoint writes deltas: no null fields
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
+
+
+async def test_without_the_models_tokenizer_a_later_call_first_asks_vllm_to_render_its_tail(
+    served: Served,
+) -> None:
+    served.hop.root = "/nowhere/on/this/machine/tiny"  # the model is where the proxy cannot read it
+    async with proxied(served.url) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        messages: list[Any] = [{"role": "user", "content": "hello "}]
+        async with openai_sdk(base) as client:
+            for turn in range(4):
+                answer = await chat_turn(client, messages, turn % 2 == 1)
+                messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f" more {turn} "}]  # fmt: skip
+        calls = finish(store, rid, aid)
+    assert counts(proxy) == {"first_call": 1, "generated": 3}
+    assert all(extends(a, b) for a, b in itertools.pairwise(calls))
+    paths = served.hop.paths()
+    assert paths[0] == CHAT and paths[-4:] == [RENDER, CHAT, RENDER, CHAT]  # after the template's first reading
+    for later in calls[1:]:
+        reference = await completion(served.vllm, later.prompt_token_ids or [], 8)
+        assert later.response_token_ids == reference["token_ids"]
+
+
+@pytest.mark.parametrize("vllm", ["mistral"], indirect=True)
+async def test_a_template_that_is_not_append_only_is_generated_from_vllms_rendering_of_the_whole(
+    served: Served,
+) -> None:
+    """Defect 1 of issue 33 on a real vLLM: with a system prompt, Mistral v0.3's template renders it (and the
+    tool list) on the last user turn; the calls are made from vLLM's rendering of the whole conversation."""
+    async with proxied(served.url) as (proxy, store):
+        for system in (True, False):
+            rid, aid, base = claim(proxy, store)
+            messages: list[Any] = [{"role": "user", "content": "hello"}]
+            if system:
+                messages.insert(0, {"role": "system", "content": "Be brief."})
+            async with openai_sdk(base) as client:
+                for turn in range(3):
+                    extra = {"tools": [LOOKUP]} if system else {}
+                    answer = await chat_turn(client, messages, turn == 1, **extra)
+                    messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f"more {turn}"}]  # fmt: skip
+            calls = finish(store, rid, aid)
+            if system:
+                for call in calls:  # the system prompt and the tools once, on the last user turn
+                    text = served.tokenizer.decode(call.prompt_token_ids or [])
+                    assert text.count("Be brief.") == 1 and text.count("You may call tools") == 1
+                    assert text.rindex("Be brief.") > text.rindex("<|im_start|>user")
+                assert not served.hop.with_ids()
+            else:
+                assert all(extends(a, b) for a, b in itertools.pairwise(calls))
+                assert len(served.hop.with_ids()) == 2
+    assert counts(proxy) == {"first_call": 2, "not_append_only": 2, "generated": 2}
+
+
+async def test_a_relayed_answer_aborted_by_a_weight_update_keeps_its_turn(served: Served) -> None:
+    """Defect 2 of issue 33 on a real vLLM: a conversation's first (relayed, whole) answer aborted by a weight
+    update and resumed keeps its turn, so the next call is made from its ids."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me everything."}]}
+    body |= {"max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+    for _ in range(3):
+        async with proxied(served.url) as (proxy, store), aiohttp.ClientSession() as http:
+            rid, aid, base = claim(proxy, store)
+            url = f"{base}/chat/completions"
+            answer, in_time = await aborted_mid_answer(http, served.vllm, served.output, proxy, url, body)
+            said = {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+            messages = [*body["messages"], said, {"role": "user", "content": "More."}]
+            async with openai_sdk(base) as client:
+                await chat_turn(client, messages, False)
+            calls = finish(store, rid, aid)
+        if in_time:
+            break
+    else:
+        pytest.fail("vLLM generated the whole answer before the update's abort reached it, 3 times: too busy")
+    assert proxy.m_resumed.value() == 1 and counts(proxy) == {"first_call": 1, "generated": 1}
+    assert extends(calls[0], calls[1]) and len(calls[0].response_token_ids or []) == 120

@@ -95,9 +95,9 @@ VLLM_CPU_ROLLOUT: dict[str, Any] = {
     "max_num_seqs": 16,
 }
 
-#: What verl's vLLM rollout needs on every platform, each unless the user set it: the token-in endpoints
-#: (``/v1/chat/completions/render``, ``/inference/v1/generate``, ``/v1/chat/completions/derender``) the proxy
-#: generates multi-turn chat calls with (``aglverl.proxy.tokenin``); verl turns the key into
+#: What verl's vLLM rollout needs on every platform, each unless the user set it: the render route
+#: (``/v1/chat/completions/render``) the proxy renders a multi-turn chat call's new messages with where it has no
+#: tokenizer of the model on its machine (``aglverl.proxy.tokenin``); verl turns the key into
 #: ``--enable_scale_out`` on ``vllm serve``'s command line (``rollout.engine_kwargs.vllm``).
 VLLM_TOKEN_IN: dict[str, Any] = {"enable_scale_out": True}
 

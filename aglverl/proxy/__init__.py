@@ -26,16 +26,18 @@ Token-in chat (``token_in``, on by default): a black-box agent sends its history
 its ids drift from the ids the engine generated. Per rollout attempt the proxy keeps every recorded chat call's
 messages, its answer as the agent got it and the exact prompt + generated ids
 (:mod:`~aglverl.proxy.session`); a chat call whose messages extend a recorded call's messages + answer
-(compared canonicalised: role, text stripped, tool calls as name + parsed arguments; tool-call ids and
-reasoning fields not compared) under the same tools, template arguments and model is generated from that
-call's ids + the ids of the new tail alone (:mod:`~aglverl.proxy.tokenin`: the backend's
-``/v1/chat/completions/render``, ``/inference/v1/generate`` and ``/v1/chat/completions/derender``, vLLM's with
-``--enable-scale-out``), so its recorded prompt extends the earlier call's prompt + response exactly and the
-conversation trains as one row. The agent gets the answer the backend's chat endpoint would give for the same
-ids (its own tool-call and reasoning parsers), JSON or SSE, in the agent's API. What matches nothing (a first
-call, an edited history, another system prompt or tool list, ``n > 1``) or a backend without those endpoints
-(warned about once) is relayed as text and starts a new chain; ``aglverl_proxy_token_in_total{outcome}`` counts
-each call by how it was made.
+(compared as the template renders them: system, user and tool messages verbatim, an echoed answer loosely since
+its generated ids stand for it) under the same tools, template arguments and model is sent as ONE chat
+completion carrying that call's ids + the ids of the new tail alone in ``kv_transfer_params["prompt_token_ids"]``
+(:mod:`~aglverl.proxy.tokenin`; the tail rendered by the served model's own tokenizer and template in the proxy,
+off the event loop, or by the backend's render route where the proxy has no tokenizer), so its recorded prompt
+extends the earlier call's prompt + response exactly and the conversation trains as one row. The answer is the
+backend's own chat answer (its tool-call and reasoning parsers), JSON or SSE, in the agent's API. What matches
+nothing (a first call, an edited history, another system prompt or tool list, ``n > 1``), a template that does
+not append for that shape of conversation (generated from its whole rendering), or a backend that takes no
+prompt ids (warned about once) is relayed as text and starts a new chain;
+``aglverl_proxy_token_in_total{outcome}`` counts each call by how it was made. What a backend speaks (vLLM, the
+embedded engine, ...) is its :mod:`~aglverl.proxy.dialect`, detected from its model listing.
 
 ``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
 family, are translated by :mod:`aglverl.proxy.api` (one module per API, a registry by path): the body becomes a
@@ -67,9 +69,8 @@ covering the whole generation (text, ``token_ids``, logprobs, finish reason, usa
 on in its own chunk shape (same ``id``) to its final chunk, usage and ``[DONE]``; a Responses / Messages call
 gets the same through its translator. The call is recorded once, with all its ids and the weight versions
 of its first and last tokens (each the backend's ``X-Weight-Version`` when it sends one, else the proxy's
-version). A token-in call is continued the same way by another generate call from its prompt + the ids so far,
-tool calls included (the derender parses the whole output); under structured output a whole answer is made
-again and a stream ends with a 503, as below. A backend that keeps aborting (or refusing) a continuation, or a hold longer than
+version). A token-in call is a chat call with its prompt ids, continued the same way from them. A backend that
+keeps aborting (or refusing) a continuation, or a hold longer than
 ``pause_timeout`` after the last token, ends the call with a 503 error saying so (an SSE error event once
 the stream started), recorded as failed. Calls with ``n > 1``, tools, a ``response_format``, vLLM guided
 decoding or ``prompt_logprobs`` are not continued (a completion cannot carry their state on): a JSON answer
@@ -104,11 +105,11 @@ import circle):
 
 ::
 
-    LLMProxy ─┬─▶ Admission ─▶ TokenIn ─────────┐       (an arrow: holds, handed by the constructor)
-              │   └─▶ Overload (made by it)     │
-              └─▶ Relay ─────▶ Resumer ─────────┴─▶ Responder ─▶ Recorder ─┬─▶ ProxyStore (the store's view)
-                                                                           └─▶ Sessions (token-in turns)
-    and, each as it needs them: Pool (backends), Gate (pause / hold / resume), ProxyConfig, Meters
+    LLMProxy ─┬─▶ Admission ─▶ TokenIn ─▶ Relay ─▶ Resumer ─▶ Responder ─▶ Recorder ─┬─▶ ProxyStore
+              │   └─▶ Overload (made by it)                                        └─▶ Sessions
+              └─▶ Relay (the same)
+    and, each as it needs them: Pool (backends, each with its Dialect), Gate (pause / hold / resume),
+    ProxyConfig, Meters                                    (an arrow: holds, handed by the constructor)
 
 - :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: builds the parts, routes, the handler that always ends with
   the call recorded and counted, the public API, life cycle.
@@ -120,8 +121,8 @@ import circle):
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued
   token-exactly, or made again.
 - :mod:`~aglverl.proxy.tokenin` — :class:`~aglverl.proxy.tokenin.TokenIn`: calls that extend a recorded turn,
-  generated from its ids; :mod:`~aglverl.proxy.session` — the attempts' recorded turns and the message matching
-  (pure).
+  sent with its ids in one chat request; :mod:`~aglverl.proxy.session` — the attempts' recorded turns and the
+  message matching (pure).
 - :mod:`~aglverl.proxy.respond` — :class:`~aglverl.proxy.respond.Responder`: writing to the agent, whole or in
   pieces, ending a stream well or broken; the call committed before the agent sees its end.
 - :mod:`~aglverl.proxy.recorder` — :class:`~aglverl.proxy.recorder.Recorder`: captures into
@@ -133,10 +134,12 @@ import circle):
   the calls in flight and the drain, every wait at the gate.
 - The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
   :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
-  forwarding), :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and
-  streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing), :mod:`~aglverl.proxy.api` (the agents' other APIs
-  as chat completions: the :class:`~aglverl.proxy.api.translator.Translator` a call holds, and one module per
-  API, pure).
+  forwarding), :mod:`~aglverl.proxy.dialect` (what a backend speaks: ids, aborts, continuations, prompt ids,
+  the render route, errors, versions, health and model listing; vLLM and the embedded engine, pure),
+  :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and streams, pure),
+  :mod:`~aglverl.proxy.sse` (SSE framing), :mod:`~aglverl.proxy.api` (the agents' other APIs as chat
+  completions: the :class:`~aglverl.proxy.api.translator.Translator` a call holds, and one module per API,
+  pure).
 """
 
 from __future__ import annotations
@@ -146,10 +149,11 @@ from .app import LLMProxy
 from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
 from .call import Call as Call  # the package's own names, re-exported (``as``) for tests; not in __all__
 from .call import forward_headers as forward_headers
-from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
+from .capture import CAPTURED_PATHS
 from .capture import Capture as Capture
 from .capture import ChoiceCapture as ChoiceCapture
 from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
+from .dialect import CONTEXT_REFUSAL, CONTINUED_FIELDS, DIALECTS, WEIGHT_VERSION_HEADER, Dialect
 from .overload import LagStatistics, Overload, OverloadPolicy
 from .pool import (
     COMPLETIONS_TARGET,
@@ -160,7 +164,6 @@ from .pool import (
     STICKY_ROLLOUTS,
 )
 from .pool import Backend as Backend
-from .resume import CONTINUED_FIELDS
 from .resume import Resumption as Resumption
 from .resume import resume_blocker as resume_blocker
 
@@ -169,6 +172,7 @@ __all__ = [
     "COMPLETIONS_TARGET",
     "CONTEXT_REFUSAL",
     "CONTINUED_FIELDS",
+    "DIALECTS",
     "EJECT_AFTER_TIMEOUTS",
     "ERROR_BODY_LIMIT",
     "HOP_BY_HOP",
@@ -180,6 +184,7 @@ __all__ = [
     "TRAINER_SAMPLING",
     "UPSTREAM_KEEPALIVE",
     "WEIGHT_VERSION_HEADER",
+    "Dialect",
     "LLMProxy",
     "LagStatistics",
     "Outcome",

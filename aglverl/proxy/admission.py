@@ -6,9 +6,9 @@ refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, 
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
 forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
 a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
-(``max_request_bytes``: 413), the translation to a
-chat completion, and for a recorded call the capture request (``return_token_ids``, logprobs, identity
-encoding), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
+(``max_request_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
+request (the default dialect's ids fields, vLLM's ``return_token_ids``; logprobs; identity encoding), the
+sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
 closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
@@ -31,8 +31,9 @@ from aiohttp import web
 from ..store.tasks import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
 from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
-from .capture import CAPTURED_PATHS, Capture
+from .capture import CAPTURED_PATHS
 from .config import ProxyConfig
+from .dialect import DEFAULT
 from .gate import Gate
 from .meters import Meters
 from .overload import Overload
@@ -200,15 +201,14 @@ class Admission:
         model = obj.get("model")
         call.model = model if isinstance(model, str) else None
         call.kind = kind
-        call.capture = Capture(kind)
+        call.capture = DEFAULT.capture(kind)
         call.headers["Accept-Encoding"] = "identity"
         empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        if "return_token_ids" not in obj:
-            fill["return_token_ids"] = True
+        # Before any backend is picked: the default dialect's fields (a proxy's backends speak one wire).
+        fill |= {key: value for key, value in DEFAULT.ids_fields(kind).items() if key not in obj}
         if self.config.request_logprobs and "logprobs" not in obj:
-            # Completions take a count of alternatives: 0 asks for the sampled tokens' logprobs alone.
-            fill["logprobs"] = True if kind == "chat" else 0
+            fill["logprobs"] = DEFAULT.logprobs_field(kind)
         if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
             call.body = orjson.dumps({**obj, **fill})
         elif fill:

@@ -159,7 +159,7 @@ class LLMProxy:
         #: Token-in chat (:mod:`~aglverl.proxy.tokenin`): calls that extend a recorded turn are generated from
         #: its exact ids; ``None`` when turned off (every call relayed as text).
         self.token_in: TokenIn | None = (
-            None if sessions is None else TokenIn(config, pool, gate, recorder, responder, meters, sessions)
+            None if sessions is None else TokenIn(config, pool, self._relay, meters, sessions)
         )
         self._admission = Admission(config, store, gate, meters, self.token_in)
         # The series, under the names the daemon and tests read them by.

@@ -1,7 +1,8 @@
 """One call on its way through the proxy, the errors the proxy answers itself, and header forwarding.
 
 The vocabulary every part of :mod:`aglverl.proxy` shares; it depends only on the pure modules (a call carries
-its :mod:`~aglverl.proxy.capture` and its token-in :mod:`~aglverl.proxy.session` plan):
+its :mod:`~aglverl.proxy.capture`, its backend's :mod:`~aglverl.proxy.dialect` and its token-in
+:mod:`~aglverl.proxy.session` plan):
 
 - :class:`Call` — one agent request from admission to its records: what goes upstream (method, target,
   end-to-end headers, body, the parsed request), what came back (backend, weight versions, timings), how it
@@ -28,6 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from ..store.tasks import LLMCall
 from .api import Translator
 from .capture import Capture
+from .dialect import DEFAULT, Dialect
 from .session import Plan
 
 HOP_BY_HOP: frozenset[str] = frozenset(
@@ -106,6 +108,7 @@ class Call:
         "body",
         "capture",
         "delivered",
+        "dialect",
         "error",
         "first_byte",
         "headers",
@@ -165,6 +168,7 @@ class Call:
         self.weight_version = 0
         self.weight_version_end: int | None = None
         self.backend = ""
+        self.dialect: Dialect = DEFAULT  # the backend's, once a try went to one
         self.response: web.StreamResponse | None = None
         self.sse = False
         self.tail = b""

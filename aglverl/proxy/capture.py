@@ -13,18 +13,18 @@ only when there is exactly one float per id. With ``answers``, each chat choice'
 
 Pure and synchronous: no I/O, no clock, nothing awaited. Bad input (an event that is not JSON, or not shaped
 like an OpenAI answer) is never raised: it makes the capture ``broken``. What becomes of a capture (records in
-the store) is :mod:`~aglverl.proxy.recorder`'s.
+the store) is :mod:`~aglverl.proxy.recorder`'s. It reads vLLM's wire (``prompt_token_ids``, ``token_ids``,
+finish reason ``"abort"``), which the embedded engine speaks too; a backend whose answers carry ids otherwise
+brings its own reader (:meth:`~aglverl.proxy.dialect.Dialect.capture`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
 import orjson
-from multidict import CIMultiDictProxy
 
 from .session import Answer
 
@@ -33,19 +33,6 @@ CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
     "chat/completions": "chat",
     "completions": "completion",
 }
-
-#: What a backend's 4xx refusal says when the prompt (with the tokens asked for) does not fit its context
-#: window: vLLM ("This model's maximum context length is ...", "... cannot be greater than max_model_len=...",
-#: "The decoder prompt ... is longer than the maximum model length ..."), OpenAI (code
-#: "context_length_exceeded"), SGLang ("... longer than the model's context length ...").
-CONTEXT_REFUSAL = re.compile(
-    r"context[ _]length|max_model_len|maximum model length|prompt is too long|too long and exceeds", re.I
-)
-
-#: The response header with the weight version an answer's tokens came from (the embedded inference server
-#: sends it; vLLM does not, and the proxy's own version is recorded then).
-WEIGHT_VERSION_HEADER = "X-Weight-Version"
-
 
 class _Entry(msgspec.Struct, gc=False):
     """A chat log-probs entry, of which only the sampled token's log-prob is read (its token text, bytes and
@@ -322,11 +309,3 @@ def _event_datas(block: bytes) -> list[bytes]:
     joined; other fields ignored); none for an event without data."""
     lines = [line[5:].removeprefix(b" ") for line in block.split(b"\n") if line[:5] == b"data:"]
     return [b"\n".join(lines)] if lines else []
-
-
-def reported_version(headers: CIMultiDictProxy[str]) -> int | None:
-    """The weight version a backend reports for an answer, if it reports a valid one."""
-    value = headers.get(WEIGHT_VERSION_HEADER)
-    if value is None or not value.isdigit():
-        return None
-    return int(value)

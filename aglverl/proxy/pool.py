@@ -14,12 +14,18 @@
   a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); anything else that is not
   HTTP a 502. Cancelled, the request is dropped with its connection (aiohttp closes it).
 - :meth:`Pool.keep` keeps a retryable 5xx/429 answer (bounded) in case no retry does better and notes a 429's
-  ``Retry-After``; :func:`read_bounded` reads a whole body under ``max_response_bytes``;
-  :meth:`Pool.context_window` reads a backend's ``max_model_len``. The retry loop itself is the relay's
-  (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is :class:`~aglverl.proxy.config.RetryPolicy`.
+  ``Retry-After``; :func:`read_bounded` reads a whole body under ``max_response_bytes``. The retry loop
+  itself is the relay's (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is
+  :class:`~aglverl.proxy.config.RetryPolicy`.
+- What a backend is: each speaks a :class:`~aglverl.proxy.dialect.Dialect` (``Backend.dialect``,
+  :data:`~aglverl.proxy.dialect.DEFAULT` until known). :meth:`Pool.facts` reads its model listing once, at the
+  first contact that needs it (the token-in part's first call there, a continuation's context window): the
+  cards, and the dialect they name (:func:`~aglverl.proxy.dialect.detect`); :meth:`Pool.context_window` is the
+  model's ``max_model_len`` from them.
 - Ejection and probes: an ejected backend takes no traffic for ``eject_seconds``; one task per ejected backend
-  (in :attr:`Pool.probes`, the serving task group) sleeps until that deadline and probes ``GET /health``; a
-  200 puts it back, anything else renews the ejection; a removed backend's probe stops.
+  (in :attr:`Pool.probes`, the serving task group) sleeps until that deadline and probes its dialect's health
+  route (``GET /health``); a 200 puts it back, anything else renews the ejection; a removed backend's probe
+  stops.
 - Life cycle: :meth:`Pool.open` makes the session (idle keep-alive below the backends' own), :meth:`Pool.close`
   closes it with its connections.
 
@@ -35,6 +41,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import anyio
@@ -53,6 +60,7 @@ from .call import (
     forward_headers,
 )
 from .config import ProxyConfig
+from .dialect import DEFAULT, Dialect, detect
 from .meters import Meters
 from .sse import EventCut, payloads
 
@@ -65,21 +73,23 @@ RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 STICKY_ROLLOUTS = 100_000
 #: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
 EJECT_AFTER_TIMEOUTS = 3
-#: What an ejected backend must answer 200 to before it takes traffic again (vLLM and the mock serve it).
-PROBE_PATH = "/health"
+#: What an ejected backend of the default dialect must answer 200 to before it takes traffic again.
+PROBE_PATH = DEFAULT.health_path
 #: Seconds a probe may take on top of ``connect_timeout``.
 PROBE_READ_TIMEOUT = 2.0
 
-#: Where an aborted generation is continued: token ids in, token ids out.
-COMPLETIONS_TARGET = "/v1/completions"
+#: Where the default dialect continues an aborted generation: token ids in, token ids out.
+COMPLETIONS_TARGET = DEFAULT.continuation_target
 
 
 class Backend:
     """One inference server and what routing needs to know about it."""
 
     __slots__ = (
+        "dialect",
         "ejected",
         "ejected_until",
+        "facts",
         "in_flight",
         "not_before",
         "picks",
@@ -99,6 +109,16 @@ class Backend:
         self.probing = False
         self.removed = False
         self.timeouts = 0  # calls in a row that outlived request_timeout
+        self.dialect: Dialect = DEFAULT  # what it speaks; detected from its model listing (Pool.facts)
+        self.facts: Facts | None = None  # its model listing, once read
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What a backend's model listing said: its cards (OpenAI's ``data``) and the dialect they name."""
+
+    dialect: Dialect
+    cards: list[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,15 +340,17 @@ class Pool:
     ) -> aiohttp.ClientResponse:
         """Send the request to ``backend`` and return its response head; :class:`Unreachable` if none came.
 
-        ``continuation``: send this ``/v1/completions`` body instead (an aborted generation's continuation).
+        ``continuation``: send this body to the backend dialect's continuation route instead (an aborted
+        generation's continuation).
         """
         assert self._session is not None
         call.backend = backend.url
+        call.dialect = backend.dialect
         if continuation is None:
             call.upstream_start = time.monotonic()
             method, target, body = call.method, call.target, call.body or None
         else:
-            method, target, body = "POST", COMPLETIONS_TARGET, continuation
+            method, target, body = "POST", backend.dialect.continuation_target, continuation
         try:
             upstream = await self._session.request(
                 method,
@@ -375,24 +397,29 @@ class Pool:
         finally:
             upstream.close()
 
-    async def context_window(self, backend: Backend, model: str | None) -> int | None:
-        """``backend``'s context window for ``model``: ``max_model_len`` of its ``/v1/models`` card, as vLLM and the
-        embedded server report it (``None`` when it does not say); :class:`Unreachable` when it did not answer
-        (its message is the error's ``repr``)."""
+    async def facts(self, backend: Backend) -> Facts:
+        """``backend``'s model listing (its dialect's ``models_path``), read once: the cards and the dialect
+        they name, which becomes the backend's. :class:`Unreachable` when it did not answer (its message is
+        the error's ``repr``; asked again next time); a listing that is not OpenAI-shaped counts as no cards."""
+        if backend.facts is not None:
+            return backend.facts
+        target = backend.dialect.models_path
         try:
-            async with self.session.get(URL(backend.url + "/v1/models", encoded=True)) as response:
-                cards = (await response.json(content_type=None)).get("data") or []
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, AttributeError) as exc:
+            async with self.session.get(URL(backend.url + target, encoded=True)) as response:
+                listing = await response.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise Unreachable(repr(exc)) from exc
-        if not isinstance(cards, list):
-            return None
-        for card in cards:
-            if not isinstance(card, dict) or (len(cards) > 1 and card.get("id") != model):
-                continue
-            window = card.get("max_model_len")
-            if type(window) is int:
-                return window
-        return None
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        cards = cards if isinstance(cards, list) else []
+        backend.dialect = detect(cards)
+        backend.facts = Facts(backend.dialect, cards)
+        return backend.facts
+
+    async def context_window(self, backend: Backend, model: str | None) -> int | None:
+        """``backend``'s context window for ``model`` (``None`` when its listing does not say);
+        :class:`Unreachable` when it did not answer."""
+        facts = await self.facts(backend)
+        return facts.dialect.context_window(facts.cards, model)
 
     def _eject(self, backend: Backend, exc: BaseException) -> None:
         if backend.ejected or backend.removed:
@@ -430,7 +457,8 @@ class Pool:
             return False
         try:
             with anyio.fail_after(self.config.connect_timeout + PROBE_READ_TIMEOUT):
-                async with session.get(URL(backend.url + PROBE_PATH), allow_redirects=False) as response:
+                probe = URL(backend.url + backend.dialect.health_path)
+                async with session.get(probe, allow_redirects=False) as response:
                     await response.read()
                     return response.status == 200
         except (aiohttp.ClientError, OSError, TimeoutError):

@@ -29,7 +29,6 @@ from typing import Any, Literal
 from ..models import checked_token_ids
 from ..store.tasks import LLMCall
 from .call import Call, error_message
-from .capture import CONTEXT_REFUSAL
 from .meters import Meters
 from .session import Sessions
 from .store_view import ProxyStore
@@ -79,7 +78,7 @@ class Recorder:
     def upstream_refused(call: Call, status: int, body: bytes) -> None:
         """Fail a call the backend answered with an error; note a prompt refused for the context window."""
         message = error_message(body)
-        if 400 <= status < 500 and status != 429 and CONTEXT_REFUSAL.search(message):
+        if call.dialect.context_refusal(status, message):
             call.limit = "context"
         call.fail(f"backend answered {status}: {message}", "upstream_error")
 
@@ -105,7 +104,9 @@ class Recorder:
 
     def _remember(self, call: Call) -> None:
         """Keep a recorded call's turn in its attempt's token-in session (an answered call with one choice and
-        its ids), so that a later call extending it is generated from its ids."""
+        its ids, and the answer the agent got), so that a later call extending it is generated from its ids.
+        A turn whose prompt is not the ids the token-in part sent (a call relayed as text, or a backend that
+        rendered the messages itself) is the backend's own rendering of its messages."""
         plan = call.tokenin
         assert plan is not None and self.sessions is not None
         if plan.pending is None or call.error is not None or not call.records or len(call.records) != 1:
@@ -113,12 +114,12 @@ class Recorder:
         record = call.records[0]
         if record.status != "ok" or record.prompt_token_ids is None or record.response_token_ids is None:
             return
-        answer = plan.answer
-        if answer is None and call.capture is not None:
-            choice = call.capture.choices.get(0)
-            answer = None if choice is None else choice.answer
-        if answer is not None:
-            self.sessions.remember(plan.pending, answer, record.prompt_token_ids, record.response_token_ids)
+        choice = call.capture.choices.get(0) if call.capture is not None else None
+        if choice is not None and choice.answer is not None:
+            rendered = plan.prompt is None or plan.prompt != record.prompt_token_ids
+            self.sessions.remember(
+                plan.pending, choice.answer, record.prompt_token_ids, record.response_token_ids, rendered
+            )
 
     def finish(self, call: Call) -> None:
         """Count the call; record it if that has not happened, or mark its records failed if delivery failed."""

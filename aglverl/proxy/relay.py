@@ -6,7 +6,9 @@ interface is one method, :meth:`Relay.attempts`, which returns the response the 
 - The retry loop: a backend from the pool per try; connection failures, 5xx and 429 are tried again elsewhere
   (with the retry policy's backoff, ``Retry-After`` honoured within the budget) while no byte has reached the
   agent; the last retryable answer is passed through when no try does better. No try at all answers raise
-  :class:`~aglverl.proxy.call.ProxyError` (502), as do other failures before the answer started.
+  :class:`~aglverl.proxy.call.ProxyError` (502), as do other failures before the answer started. A caller that
+  can make the call otherwise (the token-in part) may ask for a 4xx refusal as :class:`Refused` instead of
+  having it relayed: nothing has reached the agent then.
 - Relaying passes the answer on with exactly the backend's status, body bytes and end-to-end headers. A body
   with a ``Content-Length`` is read whole (bounded by ``max_response_bytes``), captured once, and sent; an
   aborted one is first resumed or made again (:class:`~aglverl.proxy.resume.Resumer`). A stream goes out
@@ -46,7 +48,6 @@ from .call import (
     error_message,
     forward_headers,
 )
-from .capture import reported_version
 from .config import ProxyConfig
 from .gate import Gate
 from .meters import Meters
@@ -57,6 +58,16 @@ from .resume import Resumer, resume_blocker
 from .sse import EventCut, may_abort
 
 logger = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A backend refused the call with a 4xx (not 429) before anything reached the agent: ``status`` and the
+    start of its body (:meth:`Relay.attempts` with ``refusals``)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"backend answered {status}: {error_message(body)}")
+        self.status = status
+        self.body = body
 
 
 class Relay:
@@ -80,7 +91,12 @@ class Relay:
         self.resumer = resumer
         self.meters = meters
 
-    async def attempts(self, request: web.Request, call: Call) -> web.StreamResponse:
+    async def attempts(
+        self, request: web.Request, call: Call, *, refusals: bool = False
+    ) -> web.StreamResponse:
+        """Send ``call`` upstream (tries, see the module docstring) and relay the answer; returns the response
+        the agent got. ``refusals``: a 4xx answer other than 429 raises :class:`Refused` (nothing sent to the
+        agent) instead of being relayed."""
         policy = self.config.retry
         deadline = call.t0 + policy.total_timeout
         tried: list[Backend] = []
@@ -104,6 +120,8 @@ class Relay:
                 if upstream.status in RETRY_STATUSES and attempt + 1 < policy.attempts:
                     held = await self.pool.keep(backend, upstream)
                     continue
+                if refusals and 400 <= upstream.status < 500 and upstream.status != 429:
+                    raise Refused(upstream.status, await self._refusal(upstream))
                 return await self._relay(request, call, upstream)
             except Unreachable as exc:  # raised only while nothing has been sent to the agent
                 failure = ProxyError(502, str(exc))
@@ -114,6 +132,16 @@ class Relay:
         assert failure is not None
         tries = len(tried)
         raise ProxyError(502, f"{failure.message} (after {tries} {'try' if tries == 1 else 'tries'})")
+
+    @staticmethod
+    async def _refusal(upstream: aiohttp.ClientResponse) -> bytes:
+        """The start of a refusal's body (bounded); closes ``upstream``."""
+        try:
+            return await upstream.content.read(ERROR_BODY_LIMIT)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return b""
+        finally:
+            upstream.close()
 
     async def _send_held(self, request: web.Request, call: Call, held: Held) -> web.StreamResponse:
         call.upstream_end = time.monotonic()
@@ -138,7 +166,7 @@ class Relay:
                 # A backend that reports no version (vLLM): the proxy's when the answer's head arrives, not
                 # when the call came in: a call admitted before a hold that reached a paused engine waited
                 # there and was generated under the weights that came after.
-                version = reported_version(upstream.headers)
+                version = call.dialect.weight_version(upstream.headers)
                 call.weight_version = self.gate.weight_version if version is None else version
             if call.sse or (
                 upstream.content_length is None
@@ -170,7 +198,7 @@ class Relay:
         captured = self.recorder.capture_body(call, upstream.status, body)
         if captured and call.capture is not None and call.capture.aborted:
             assert call.request is not None
-            if resume_blocker(call.request, call.kind) is None:
+            if resume_blocker(call.request, call.kind, call.dialect) is None:
                 body = await self.resumer.resume_whole(call, orjson.loads(body))
             else:
                 body = await self.resumer.regenerate_whole(call)

@@ -14,10 +14,13 @@ never sees that: :class:`Resumer` takes over from the relay, which calls it in f
 How: :meth:`Resumer._resumption` collects what a continuation needs (:class:`Resumption`: the prompt and the
 ids so far, the limit, the stream's head), or refuses a call no completion can carry on with a 503. Each
 continuation waits at the gate (:meth:`~aglverl.proxy.gate.Gate.clear_to_retry`: a call waiting keeps no
-backend busy, and a hold spends none of its budget), then sends :meth:`Resumer._continuation_body` (a
-token-in ``/v1/completions`` call with the call's own sampling parameters, ``seed`` moved on) to the rollout's
-backend; refusals are retried with the retry policy's backoff until ``pause_timeout`` has passed without a new
-token. :meth:`Resumer._progressed` moves the call's weight versions, the refusal budget and the resume latency.
+backend busy, and a hold spends none of its budget), then sends the backend dialect's continuation
+(:meth:`~aglverl.proxy.dialect.Dialect.continuation`: vLLM's a token-in ``/v1/completions`` call with the
+call's own sampling parameters, ``seed`` moved on) to the rollout's backend; refusals are retried with the
+retry policy's backoff until ``pause_timeout`` has passed without a new token. :meth:`Resumer._progressed`
+moves the call's weight versions, the refusal budget and the resume latency: the one bookkeeping of
+continuations in the proxy (token-in calls are chat calls, aborted and continued like any). A call resumed or
+made again keeps assembling its answer as the agent gets it, so its turn stays in its token-in session.
 
 Errors: a call not resumed, a backend that kept refusing, a broken continuation are a
 :class:`~aglverl.proxy.call.ProxyError` (503, 502, 504) from the whole-answer methods; ``resume_stream`` ends
@@ -39,8 +42,8 @@ import orjson
 from aiohttp import web
 
 from .call import ERROR_BODY_LIMIT, SSE, Call, ProxyError, Unreachable, error_message, token_limit
-from .capture import Capture, reported_version
 from .config import ProxyConfig
+from .dialect import DEFAULT, Dialect
 from .gate import Gate
 from .meters import Meters
 from .pool import RETRY_STATUSES, Backend, BoundedEvents, Pool, read_bounded
@@ -58,40 +61,6 @@ from .sse import (
 
 logger = logging.getLogger(__name__)
 
-#: Request fields a continuation repeats; on ``/v1/completions`` each means what it meant on the call.
-CONTINUED_FIELDS: tuple[str, ...] = (
-    "model",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "bad_words",
-    "allowed_token_ids",
-    "cache_salt",
-    "user",
-    "stream_options",
-)
-#: vLLM fields whose state a continuation would start afresh (a grammar over the output, prompt logprobs).
-_UNRESUMABLE_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "prompt_logprobs",
-)
-_SEED_SPACE = 2**63
-
 #: The end of a generation aborted exactly at its limit (nothing is left to continue).
 _LENGTH_END: Mapping[str, Any] = {
     "index": 0,
@@ -103,8 +72,11 @@ _LENGTH_END: Mapping[str, Any] = {
 }
 
 
-def resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completion"] | None) -> str | None:
-    """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can)."""
+def resume_blocker(
+    request: Mapping[str, Any], kind: Literal["chat", "completion"] | None, dialect: Dialect = DEFAULT
+) -> str | None:
+    """Why an aborted call cannot be continued token-exactly by a completion (``None``: it can); the
+    backend's ``dialect`` names its own fields whose state a continuation would start afresh."""
     n, best_of = request.get("n"), request.get("best_of")
     if (type(n) is int and n > 1) or (type(best_of) is int and best_of > 1):
         return "a call with n > 1"
@@ -116,7 +88,7 @@ def resume_blocker(request: Mapping[str, Any], kind: Literal["chat", "completion
             return "a call with a response_format"
     elif request.get("echo"):
         return "a call with echo"
-    for key in _UNRESUMABLE_FIELDS:
+    for key in dialect.unresumable_fields:
         if request.get(key) is not None:
             return f"a call with {key}"
     return None
@@ -229,7 +201,7 @@ def _merged(call: Call, answer: Any, pieces: Sequence[dict[str, Any]], state: Re
     logprobs = choice.get("logprobs")
     top = (call.request or {}).get("top_logprobs") or 0
     for piece in pieces:
-        if piece.get("finish_reason") == "abort":
+        if piece.get("finish_reason") == call.dialect.abort_reason:
             _unfinish(piece, "completion")
         if isinstance(logprobs, dict):
             if chat:
@@ -303,7 +275,7 @@ class Resumer:
         proxy does not resume (counted as ``unsupported``)."""
         capture, request = call.capture, call.request
         assert capture is not None and request is not None
-        why = resume_blocker(request, call.kind)
+        why = resume_blocker(request, call.kind, call.dialect)
         choice = next(iter(capture.choices.values()), None)
         prompt = None if choice is None else choice.prompt_ids or capture.prompt_ids
         if why is None and len(capture.choices) != 1:
@@ -347,12 +319,13 @@ class Resumer:
                 upstream.close()
             piece = _continued_choice(raw)
             pieces.append(piece)
-            aborted = piece.get("finish_reason") == "abort"
+            aborted = piece.get("finish_reason") == call.dialect.abort_reason
             self._progressed(call, state, piece["token_ids"], aborted)
             if not aborted:
                 break
         merged = _merged(call, answer, pieces, state)
-        call.capture = Capture(call.kind or "chat")
+        assert call.capture is not None
+        call.capture = call.dialect.capture(call.kind or "chat", call.capture.answers)
         call.capture.apply(merged)
         self.meters.resumed.inc()
         return orjson.dumps(merged)
@@ -386,7 +359,7 @@ class Resumer:
                     refusals += 1
                     continue
                 raw = await read_bounded(upstream, self.config.max_response_bytes, "backend answer")
-                status, version = upstream.status, reported_version(upstream.headers)
+                status, version = upstream.status, call.dialect.weight_version(upstream.headers)
             except TimeoutError:
                 raise ProxyError(504, self.pool.timed_out(call)) from None
             except (aiohttp.ClientError, OSError) as exc:
@@ -399,7 +372,8 @@ class Resumer:
                 raise ProxyError(
                     502, f"backend {backend.url} refused the call made again: {status}: {error_message(raw)}"
                 )
-            call.capture = Capture(call.kind or "chat")
+            answers = call.capture is not None and call.capture.answers
+            call.capture = call.dialect.capture(call.kind or "chat", answers)
             if self.recorder.capture_body(call, status, raw) and call.capture.aborted:
                 refusals += 1
                 continue
@@ -437,8 +411,12 @@ class Resumer:
             state.ready = time.monotonic()
             state.version = self.gate.weight_version
             self.meters.continuations.inc()
+            request = call.request
+            assert request is not None
+            kind = call.kind or "chat"
+            body = backend.dialect.continuation(request, kind, state.prompt, state.ids, state.left, call.sse)
             try:
-                upstream = await self.pool.send(backend, call, self._continuation_body(call, state))
+                upstream = await self.pool.send(backend, call, body)
             except Unreachable:
                 state.refusals += 1
                 continue
@@ -458,7 +436,7 @@ class Resumer:
                     502,
                     f"backend {backend.url} refused to continue the aborted generation: {upstream.status}: {message}",
                 )
-            reported = reported_version(upstream.headers)
+            reported = call.dialect.weight_version(upstream.headers)
             if reported is not None:
                 state.version = reported
             return upstream
@@ -480,40 +458,6 @@ class Resumer:
                 error,
             )
         return window
-
-    def _continuation_body(self, call: Call, state: Resumption) -> bytes:
-        """The ``/v1/completions`` body that continues ``state`` token-exactly: the prompt ids and the ids so
-        far as the prompt, what is left of the call's limit, and the call's own sampling parameters.
-
-        Each part is sampled as the call asked, with two seams no completion can hide: a stop string split
-        across an abort is not matched, and vLLM's presence / frequency penalties (off-policy parameters the
-        trainer refuses or masks anyway) count only the part's own tokens.
-        """
-        request = call.request
-        assert request is not None
-        generated = len(state.ids)
-        body = {key: request[key] for key in CONTINUED_FIELDS if request.get(key) is not None}
-        body["prompt"] = state.prompt + state.ids
-        if state.left is not None:  # a call without a limit: the rest of the context (see _continuation)
-            body["max_tokens"] = state.left
-        min_tokens = request.get("min_tokens")
-        if type(min_tokens) is int and min_tokens > generated:
-            body["min_tokens"] = min_tokens - generated
-        seed = request.get("seed")
-        if type(seed) is int:
-            # Reproducible, and not the first tokens' random numbers over again (the same seed would replay them).
-            body["seed"] = (seed + generated) % _SEED_SPACE
-        if call.kind == "chat":
-            if request.get("logprobs"):
-                body["logprobs"] = request.get("top_logprobs") or 0
-        elif request.get("logprobs") is not None:
-            body["logprobs"] = request["logprobs"]
-        body["return_token_ids"] = True
-        if call.sse:
-            body["stream"] = True
-        else:
-            body.pop("stream_options", None)
-        return orjson.dumps(body)
 
     def _progressed(self, call: Call, state: Resumption, ids: list[int], aborted: bool) -> None:
         """Note a continuation's tokens: the call's versions, the refusal budget renewed, the resume latency.
@@ -541,12 +485,13 @@ class Resumer:
         ``[DONE]``) is dropped: the rest of the answer comes from the continuation.
         """
         out: list[bytes] = []
+        abort = orjson.dumps(call.dialect.abort_reason)
         for raw in EVENT_END.split(chunk):
             if not raw:
                 continue
-            event = event_json(raw) if b'"abort"' in raw else None
+            event = event_json(raw) if abort in raw else None
             choices = choices_of(event)
-            ended = [c for c in choices if c.get("finish_reason") == "abort"]
+            ended = [c for c in choices if c.get("finish_reason") == call.dialect.abort_reason]
             if not ended:
                 out.append(raw + b"\n\n")
                 continue
@@ -651,7 +596,7 @@ class Resumer:
         ids = c.get("token_ids")
         if type(ids) is not list:
             raise ProxyError(502, f"backend {call.backend} sent no token ids for the continuation")
-        aborted = c.get("finish_reason") == "abort"
+        aborted = c.get("finish_reason") == call.dialect.abort_reason
         if aborted:
             _unfinish(c, "completion")
         self._progressed(call, state, ids, aborted)

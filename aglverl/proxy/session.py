@@ -6,14 +6,19 @@ messages followed by its answer as the agent got it. A later request whose messa
 turn's messages + answer and go on (the tail is not empty, and does not start with another assistant message)
 under the same rendering context is a :class:`Match`: the proxy can generate it from ``turn.prompt + turn.response`` and the ids of the tail alone.
 
-Messages are compared canonicalised (:func:`canonical_message`): the role; the content as text (text parts
-joined, ``None`` as ``""``, leading and trailing whitespace stripped, as templates trim it); tool calls as
-``(name, arguments parsed as JSON)``. Tool-call ids, ``name`` on tool messages, reasoning fields and every other
-field an agent may drop or rewrite are not compared. Each message's canonical bytes (orjson, sorted keys) are
-chained into a 16-byte BLAKE2b digest per prefix, so finding the longest recorded prefix of a request is one
-digest per message and a dict lookup per prefix: the work per call does not depend on how many turns came
-before, beyond reading the request itself. The rendering context (``model``, ``tools``, ``chat_template``,
-``chat_template_kwargs``, ``documents``) must be the same too: another tool list is another prompt.
+Messages are compared as the chat template would render them (:func:`canonical_message`): the role; the
+content as the template gets it (a string verbatim, text parts joined with ``"\n"`` as vLLM joins them,
+``None`` as ``""``); ``name`` and ``tool_call_id`` when present. Only an assistant message is compared more
+loosely (its content stripped, tool calls as ``(name, arguments parsed as JSON)``, ids and reasoning fields
+not compared): a turn's answer is replaced by the ids the engine generated, so the model sees those whatever
+the agent echoed, while an edited system, user or tool message would be a different conversation. Each
+message's canonical bytes are chained into a 16-byte BLAKE2b digest per prefix, so finding the longest
+recorded prefix of a request is one digest per message and a dict lookup per prefix: the work per call does
+not depend on how many turns came before, beyond reading the request itself. The rendering context
+(``model``, ``tools``, ``chat_template``, ``chat_template_kwargs``, ``documents``) must be the same too:
+another tool list is another prompt. :func:`conversation_shape` names what a template's placement of things
+may depend on (the token-in part checks once per shape that the template renders the whole conversation as
+the turn's rendering followed by the tail).
 
 Not matched (the call is relayed as text and starts a new chain), each cause named by :meth:`Sessions.consider`:
 ``first_call`` (nothing recorded for the attempt), ``no_match`` (an edited history, another system prompt, a
@@ -22,7 +27,8 @@ which answer would the agent keep?), ``unsupported`` (a request a generation fro
 other than text, ``continue_final_message``, no generation prompt, ``prompt_logprobs``, ``echo``, beam search).
 
 Pure and synchronous: no I/O, no clock. Memory: a turn holds references to the id lists its record holds, so a
-session costs the store's records nothing more than the digests; :meth:`Sessions.forget` drops every attempt of
+session costs the store's records nothing more than the digests, and the last request's messages (whose
+digests the next request reuses for what it repeats unchanged); :meth:`Sessions.forget` drops every attempt of
 the rollouts the store forgets. Bad input (a request whose ``messages`` is not a list of objects) is never an
 error here: the request is simply not matched (``unsupported``) and the backend judges it.
 """
@@ -46,6 +52,7 @@ __all__ = [
     "Sessions",
     "Turn",
     "canonical_message",
+    "conversation_shape",
 ]
 
 Miss = Literal["first_call", "no_match", "context_changed", "n", "unsupported"]
@@ -58,12 +65,13 @@ _ROOT = b"\x00" * _DIGEST_SIZE
 _SORTED = orjson.OPT_SORT_KEYS
 
 
-def _text(content: Any) -> str | None:
-    """A message's content as text (stripped); ``None`` when it holds anything but text."""
+def _text(content: Any, strip: bool) -> str | None:
+    """A message's content as the template gets it (stripped for an assistant's); ``None`` when it holds
+    anything but text."""
     if content is None:
         return ""
     if isinstance(content, str):
-        return content.strip()
+        return content.strip() if strip else content
     if not isinstance(content, list):
         return None
     texts = []
@@ -71,7 +79,8 @@ def _text(content: Any) -> str | None:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             return None
         texts.append(part["text"])
-    return "".join(texts).strip()
+    text = "\n".join(texts)
+    return text.strip() if strip else text
 
 
 def _arguments(arguments: Any) -> Any:
@@ -99,9 +108,10 @@ def _calls(tool_calls: Any) -> list[list[Any]] | None:
 
 
 def _canonical(role: Any, content: Any, tool_calls: Any) -> bytes | None:
+    """An assistant message's bytes: its content stripped, tool calls as name + parsed arguments."""
     if not tool_calls and type(content) is str and type(role) is str:  # most messages: one encode, no JSON
         return b"t" + role.encode() + b"\x00" + content.strip().encode()
-    text, calls = _text(content), _calls(tool_calls)
+    text, calls = _text(content, True), _calls(tool_calls)
     if text is None or calls is None or not isinstance(role, str):
         return None
     if not calls:
@@ -112,12 +122,46 @@ def _canonical(role: Any, content: Any, tool_calls: Any) -> bytes | None:
         return None
 
 
+def _verbatim(message: Mapping[str, Any], role: str) -> bytes | None:
+    """A system, user or tool message's bytes: what the template renders of it, verbatim."""
+    content = message.get("content")
+    name, call_id = message.get("name"), message.get("tool_call_id")
+    if type(content) is str and name is None and call_id is None:
+        return b"v" + role.encode() + b"\x00" + content.encode()
+    text = _text(content, False)
+    if text is None or message.get("tool_calls"):
+        return None
+    if name is None and call_id is None:
+        return b"v" + role.encode() + b"\x00" + text.encode()
+    try:
+        return b"w" + orjson.dumps([role, text, name, call_id])
+    except TypeError:
+        return None
+
+
 def canonical_message(message: Any) -> bytes | None:
     """The bytes a message is compared by (see the module docstring); ``None`` for one that cannot be matched
     (not an object, content other than text, malformed tool calls)."""
     if not isinstance(message, dict):
         return None
-    return _canonical(message.get("role"), message.get("content"), message.get("tool_calls"))
+    role = message.get("role")
+    if role == "assistant":
+        return _canonical(role, message.get("content"), message.get("tool_calls"))
+    if not isinstance(role, str):
+        return None
+    return _verbatim(message, role)
+
+
+def conversation_shape(messages: Sequence[Any], match: Match) -> bytes:
+    """What a template's placement of things may depend on, for a request that extends ``match.turn``: whether
+    it starts with a system message, the role before the answer, whether the answer has tool calls, and the
+    tail's roles. Conversations of one shape under one rendering context render alike (append-only or not)."""
+    first = messages[0].get("role") if messages and isinstance(messages[0], dict) else None
+    before = messages[match.history - 1].get("role") if match.history else None
+    answer = messages[match.history] if match.history < match.start else None
+    calls = bool(isinstance(answer, dict) and answer.get("tool_calls"))
+    roles = [m.get("role") if isinstance(m, dict) else None for m in match.tail]
+    return orjson.dumps([first == "system", before, calls, match.start > match.history, roles])
 
 
 def _as_list(ids: Sequence[int]) -> list[int]:
@@ -175,11 +219,14 @@ class Answer:
 
 @dataclass(slots=True, frozen=True)
 class Turn:
-    """A recorded call: its exact prompt ids and generated ids, under the rendering context it was made in."""
+    """A recorded call: its exact prompt ids and generated ids, under the rendering context it was made in;
+    ``rendered``: its prompt is the backend's own rendering of its messages (a call relayed as text), which the
+    token-in part compares its own renderer against."""
 
     prompt: list[int]
     response: list[int]
     context: bytes
+    rendered: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -195,30 +242,59 @@ class Pending:
 
 @dataclass(slots=True, frozen=True)
 class Match:
-    """A request that extends ``turn``: ``tail`` is what follows the turn's messages and answer (not empty)."""
+    """A request that extends ``turn``: ``tail`` is what follows the turn's messages and answer (not empty);
+    ``history`` is how many of the request's messages the turn's call had (the answer comes next, when the
+    agent kept it) and ``start`` where the tail starts (``history + 1``, or ``history`` when the agent left an
+    empty answer out)."""
 
     turn: Turn
     tail: list[dict[str, Any]]
+    history: int = 0
+    start: int = 0
 
 
 class Plan:
     """A chat call's part in its attempt's session: ``pending`` (to remember its turn), ``match`` (the turn it
-    extends, if any) and, for a call generated from ids, ``answer`` (what the agent got)."""
+    extends, if any) and, for a call sent with prompt ids, ``prompt`` (those ids)."""
 
-    __slots__ = ("answer", "match", "pending")
+    __slots__ = ("match", "pending", "prompt")
 
     def __init__(self, pending: Pending | None, match: Match | None) -> None:
         self.pending = pending
         self.match = match
-        self.answer: Answer | None = None
+        self.prompt: list[int] | None = None
 
 
 class _Session:
-    __slots__ = ("turns",)
+    __slots__ = ("digests", "messages", "turns")
 
     def __init__(self) -> None:
-        # digest of (messages + answer) -> rendering context -> turn
-        self.turns: dict[bytes, dict[bytes, Turn]] = {}
+        # digest of (messages + answer) -> rendering context -> (turn, whether the answer is in the messages)
+        self.turns: dict[bytes, dict[bytes, tuple[Turn, bool]]] = {}
+        # The last request's messages and their prefix digests: the next request of the conversation repeats
+        # them, and the digests of the messages it repeats unchanged are not computed again.
+        self.messages: list[Any] = []
+        self.digests: list[bytes] = []
+
+
+def _digests(messages: list[Any], session: _Session | None) -> list[bytes] | None:
+    """The chained digest of every prefix of ``messages`` (``None``: one cannot be matched); those of the
+    leading messages equal to the session's last request's are taken from it (a C-level comparison of the
+    parsed objects instead of canonical bytes and a hash per message)."""
+    digests: list[bytes] = []
+    if session is not None:
+        for new, old, digest in zip(messages, session.messages, session.digests, strict=False):
+            if new != old:
+                break
+            digests.append(digest)
+    digest = digests[-1] if digests else _ROOT
+    for message in messages[len(digests) :]:
+        canonical = canonical_message(message)
+        if canonical is None:
+            return None
+        digest = _chain(digest, canonical)
+        digests.append(digest)
+    return digests
 
 
 def _context(request: Mapping[str, Any]) -> bytes | None:
@@ -268,35 +344,38 @@ class Sessions:
         context = _context(request)
         if why is not None or context is None or not isinstance(messages, list) or not messages:
             return None, None, why or "unsupported"
-        digests = []
-        digest = _ROOT
-        for message in messages:
-            canonical = canonical_message(message)
-            if canonical is None:
-                return None, None, "unsupported"
-            digest = _chain(digest, canonical)
-            digests.append(digest)
-        pending = Pending(rollout_id, attempt_id, digest, context)
         session = self._rollouts.get(rollout_id, {}).get(attempt_id)
+        digests = _digests(messages, session)
+        if digests is None:
+            return None, None, "unsupported"
+        pending = Pending(rollout_id, attempt_id, digests[-1], context)
         if session is None:
             return pending, None, "first_call"
+        session.messages, session.digests = messages, digests
         other_context = False
         for end in range(len(messages) - 1, 0, -1):  # the longest prefix first; the tail is never empty
             found = session.turns.get(digests[end - 1])
             if found is None:
                 continue
-            turn = found.get(context)
-            if turn is None:
+            entry = found.get(context)
+            if entry is None:
                 other_context = True
             elif messages[end].get("role") != "assistant":  # what follows an answer is never another answer
-                return pending, Match(turn, messages[end:]), None
+                turn, answered = entry
+                return pending, Match(turn, messages[end:], end - 1 if answered else end, end), None
         return pending, None, "context_changed" if other_context else "no_match"
 
     def remember(
-        self, pending: Pending, answer: Answer, prompt: Sequence[int], response: Sequence[int]
+        self,
+        pending: Pending,
+        answer: Answer,
+        prompt: Sequence[int],
+        response: Sequence[int],
+        rendered: bool = False,
     ) -> bool:
         """Keep a recorded call's turn under its messages + ``answer`` (and under its messages alone when the
-        answer is empty, which an agent may leave out); ``False`` when the answer cannot be canonicalised."""
+        answer is empty, which an agent may leave out); ``rendered``: the prompt is the backend's rendering of
+        the messages. ``False`` when the answer cannot be canonicalised."""
         canonical = answer.canonical()
         if canonical is None:
             return False
@@ -304,10 +383,10 @@ class Sessions:
         session = attempts.get(pending.attempt_id)
         if session is None:
             session = attempts[pending.attempt_id] = _Session()
-        turn = Turn(_as_list(prompt), _as_list(response), pending.context)
-        session.turns.setdefault(_chain(pending.digest, canonical), {})[pending.context] = turn
+        turn = Turn(_as_list(prompt), _as_list(response), pending.context, rendered)
+        session.turns.setdefault(_chain(pending.digest, canonical), {})[pending.context] = (turn, True)
         if answer.empty:
-            session.turns.setdefault(pending.digest, {})[pending.context] = turn
+            session.turns.setdefault(pending.digest, {})[pending.context] = (turn, False)
         return True
 
     def forget(self, rollout_ids: Iterable[str]) -> None:

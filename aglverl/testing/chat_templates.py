@@ -12,6 +12,9 @@ listed in a system turn, calls as ``<tool_call>{"name": ..., "arguments": ...}</
 - :data:`THINK_TEMPLATE` — Qwen3's way: the generation prompt opens a ``<think>`` block (``enable_thinking``
   false closes it at once); an earlier assistant turn keeps only what follows its ``</think>``; the last
   assistant turn after the last user message is rendered with its think block; tool results as user turns.
+- :data:`MISTRAL_TEMPLATE` — Mistral-7B-Instruct-v0.3's way: the tool list and a leading system message are
+  rendered with the LAST user turn, so an earlier user turn renders otherwise once a later one comes (not
+  append-only: a conversation re-rendered is not its earlier rendering followed by the new turns).
 
 :func:`with_chat_template` copies a model directory (the tiny model's, typically) and replaces its template,
 for tests and benchmarks that need a model "the project never built".
@@ -22,7 +25,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-__all__ = ["TEMPLATES", "THINK_TEMPLATE", "TRIM_TEMPLATE", "with_chat_template"]
+__all__ = ["MISTRAL_TEMPLATE", "TEMPLATES", "THINK_TEMPLATE", "TRIM_TEMPLATE", "with_chat_template"]
 
 _TOOLS = (
     "{% if tools %}<|im_start|>system\nYou may call tools:{% for t in tools %} {{ t['function']['name'] }}"
@@ -62,8 +65,21 @@ THINK_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
     "{% if enable_thinking is defined and enable_thinking is false %}\n</think>\n\n{% endif %}{% endif %}"
 )
-#: By name: ``trim`` and ``think``.
-TEMPLATES = {"trim": TRIM_TEMPLATE, "think": THINK_TEMPLATE}
+#: Mistral-7B-Instruct-v0.3's way (the tool list and the system prompt on the last user turn) over ChatML tokens.
+MISTRAL_TEMPLATE = (
+    "{%- set ns = namespace(last=-1, system=none) %}"
+    "{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}"
+    "{% if loop.first and m['role'] == 'system' %}{% set ns.system = m['content'] %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and loop.first %}"
+    "{% elif m['role'] == 'user' %}{% if loop.index0 == ns.last %}" + _TOOLS + "{% endif %}<|im_start|>user\n"
+    "{% if loop.index0 == ns.last and ns.system %}{{ ns.system }}\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}" + _CALLS + "<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: By name: ``trim``, ``think`` and ``mistral``.
+TEMPLATES = {"trim": TRIM_TEMPLATE, "think": THINK_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
 
 
 def with_chat_template(model_dir: str | Path, target: str | Path, template: str) -> Path:

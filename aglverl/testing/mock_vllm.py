@@ -15,6 +15,15 @@ vLLM's tool parser answers it: one call in ``message.tool_calls`` (streams: ``de
 first, the arguments piece by piece, one piece per generated token) and finish reason ``"tool_calls"``; the
 arguments are the JSON object ``{"value": "t<id> t<id> ..."}`` of the generated ids (:func:`tool_arguments`).
 
+Token-in, as vLLM 0.32 serves it: a chat request with ``kv_transfer_params["prompt_token_ids"]`` is generated
+from those ids (its messages still shape the answer: tool calls), malformed or out-of-vocabulary ids are a 400
+naming the field, ``echo`` or content other than text renders the messages instead (``prompt_ids`` makes the
+mock ignore or refuse the field instead, as older servers do); ``POST /v1/chat/completions/render`` answers the
+prompt ids of a chat request (``scale_out``: ``False`` answers 403 as vLLM without ``--enable-scale-out``,
+``None`` serves no such route). Its model card's ``root`` is the model's name, or with ``tokenizer`` a directory
+holding a Hugging Face tokenizer and chat template that give exactly the mock's prompt ids (one byte, one id:
+:func:`write_tokenizer`), as vLLM's names the model's path.
+
 For soak runs it can also fail a random fraction of generation calls and add random latency, from a seeded
 generator so a run can be repeated.
 
@@ -31,7 +40,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import random
+import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +61,7 @@ from .._net import HttpListener
 
 __all__ = [
     "DEFAULT_MODEL",
+    "JINJA_TEMPLATES",
     "VOCAB_SIZE",
     "MockVLLM",
     "ReplayCase",
@@ -59,6 +72,7 @@ __all__ = [
     "render_chat",
     "token_logprob",
     "tool_arguments",
+    "write_tokenizer",
 ]
 
 #: Token ids the mock produces are in ``range(VOCAB_SIZE)``.
@@ -81,15 +95,32 @@ FaultKind = Literal["error", "throttle", "stall", "break", "no_ids", "abort"]
 # ---------------------------------------------------------------------------------------------- token ids
 #: The mock's chat templates: ``plain`` renders every message alike; ``think`` renders a conversation's final
 #: assistant message (no generation prompt after it) with an empty ``<think></think>`` block before its content,
-#: the way Qwen3's template renders a last assistant turn differently from earlier ones.
-Template = Literal["plain", "think"]
+#: the way Qwen3's template renders a last assistant turn differently from earlier ones; ``mistral`` renders the
+#: tool list before, and a leading system message inside, the LAST user turn (Mistral-7B-Instruct-v0.3's way:
+#: not append-only, an earlier user turn renders otherwise once a later one comes).
+Template = Literal["plain", "think", "mistral"]
 
 
 def _tool_call_text(call: Any) -> str:
+    """A tool call as the template writes it: its name and its arguments as a JSON object (parsed from the
+    string the agent sent, written as Jinja's ``tojson`` writes it)."""
     function = call.get("function") if isinstance(call, dict) else None
     function = function if isinstance(function, dict) else {}
-    spelled = {"name": function.get("name"), "arguments": function.get("arguments")}
-    return "<tool_call>" + orjson.dumps(spelled).decode() + "</tool_call>"
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            pass
+    spelled = {"name": function.get("name"), "arguments": {} if arguments is None else arguments}
+    return "<tool_call>" + json.dumps(spelled, ensure_ascii=False) + "</tool_call>"
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as vLLM hands it to a template: text parts joined with ``"\n"``."""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
 
 
 def render_chat(
@@ -101,23 +132,100 @@ def render_chat(
 ) -> str:
     """The prompt text the mock "tokenizes" for chat messages (one byte = one token id): the tools' names, then
     ``<|role|>content`` + tool calls + ``"\n"`` per message (``"\n"`` ends a turn), then ``<|assistant|>``
-    when ``add_generation_prompt``."""
+    when ``add_generation_prompt``. :data:`JINJA_TEMPLATES` renders the same text."""
     parts = []
+    listed = ""
     if isinstance(tools, list) and tools:
         names = [str((t.get("function") or {}).get("name", "")) for t in tools if isinstance(t, dict)]
-        parts.append(f"<|tools|>{','.join(names)}\n")
+        listed = f"<|tools|>{','.join(names)}\n"
+    system, last_user = None, -1
+    if template == "mistral":
+        if messages and messages[0].get("role") == "system":
+            system = _content_text(messages[0].get("content"))
+        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    else:
+        parts.append(listed)
     last = len(messages) - 1
     for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        content = _content_text(message.get("content"))
         role = message.get("role", "")
+        if system is not None and i == 0:
+            continue  # on the last user turn
+        if i == last_user:
+            parts.append(listed)
+            content = (f"{system}\n\n" if system is not None else "") + content
         calls = "".join(_tool_call_text(c) for c in message.get("tool_calls") or ())
         final = template == "think" and role == "assistant" and i == last and not add_generation_prompt
-        parts.append(f"<|{role}|>{'<think></think>' if final else ''}{content or ''}{calls}\n")
+        parts.append(f"<|{role}|>{'<think></think>' if final else ''}{content}{calls}\n")
     if add_generation_prompt:
         parts.append("<|assistant|>")
     return "".join(parts)
+
+
+def _jinja(template: Template) -> str:
+    final = (
+        "{% if loop.last and m['role'] == 'assistant' and not add_generation_prompt %}<think></think>{% endif %}"
+        if template == "think"
+        else ""
+    )
+    listed = (
+        "{% if tools %}<|tools|>{% for t in tools %}{% if not loop.first %},{% endif %}"
+        "{{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
+    )
+    head, system, last = listed, "", ""
+    if template == "mistral":  # the tool list and the system prompt go with the last user turn
+        head = (
+            "{%- set ns = namespace(last=-1, system=none) %}"
+            "{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}"
+            "{%- if loop.first and m['role'] == 'system' %}{% set ns.system = m.get('content') or '' %}{% endif %}"
+            "{%- endfor %}"
+        )
+        system = "{%- if not (loop.first and ns.system is not none) %}{% if loop.index0 == ns.last %}" + listed + "{% endif %}"
+        last = "{% if loop.index0 == ns.last and ns.system is not none %}{{ ns.system ~ '\\n\\n' }}{% endif %}"
+    return (
+        head + "{%- for m in messages %}" + system + "{{ '<|' ~ m['role'] ~ '|>' }}" + final + last
+        + "{{ m.get('content') or '' }}"
+        "{%- for c in (m.get('tool_calls') or []) %}<tool_call>"
+        "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+        "{%- endfor %}{{ '\\n' }}" + ("{% endif %}" if template == "mistral" else "") + "{% endfor %}"
+        "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+
+
+#: The mock's templates in Jinja, as a Hugging Face tokenizer renders them (:func:`write_tokenizer`).
+JINJA_TEMPLATES: Mapping[str, str] = {name: _jinja(name) for name in ("plain", "think", "mistral")}
+
+
+def _byte_chars() -> list[str]:
+    """The printable character byte-level tokenizers write each byte as (the GPT-2 convention)."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)}
+    chars, shifted = [], 0
+    for byte in range(256):
+        if byte in kept:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+def write_tokenizer(target: str | Path, template: Template = "plain") -> Path:
+    """A Hugging Face tokenizer at ``target`` (a directory, made if missing) that tokenizes text as the mock
+    does (one UTF-8 byte, one id: the byte's value) and whose chat template renders as :func:`render_chat`;
+    returns ``target``. Written with ``tokenizers`` alone; ``transformers.AutoTokenizer`` loads it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    root = Path(target)
+    root.mkdir(parents=True, exist_ok=True)
+    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(root / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "chat_template.jinja").write_text(JINJA_TEMPLATES[template])
+    return root
 
 
 def prompt_token_ids(body: Mapping[str, Any], template: Template = "plain") -> list[list[int]]:
@@ -278,6 +386,7 @@ class _Generation:
         with_ids: bool,
         model: str,
         template: Template = "plain",
+        prompt: list[int] | None = None,
     ) -> None:
         self.kind = kind
         self.body = body
@@ -285,7 +394,7 @@ class _Generation:
         self.model = model
         self.created = int(time.time())
         n = int(body.get("n") or 1)
-        prompts = prompt_token_ids(body, template)
+        prompts = [prompt] if prompt is not None else prompt_token_ids(body, template)
         self.prompts = prompts
         self.choices = []
         for p, prompt in enumerate(prompts):
@@ -458,6 +567,12 @@ class MockVLLM:
     ``latency_jitter`` adds a uniform random ``[0, latency_jitter)`` seconds to ``latency``; both draw from
     ``random.Random(seed)``. :attr:`failed_randomly` counts the calls failed that way.
 
+    Token-in (see the module docstring): ``prompt_ids`` is how a chat request's
+    ``kv_transfer_params["prompt_token_ids"]`` is taken (``"use"``: generated from, as vLLM 0.32; ``"ignore"``:
+    the messages rendered instead; ``"refuse"``: a 400 naming the field); ``scale_out`` serves the render route
+    (``False``: 403, ``None``: absent); ``tokenizer`` writes the mock's tokenizer and template in a temporary
+    directory while serving (:attr:`tokenizer_dir`) and names it as the model card's ``root``.
+
     Use ``async with MockVLLM() as mock:`` or ``await tg.start(mock.serve)``; ``mock.url`` is then
     ``http://127.0.0.1:PORT`` (no ``/v1``). It can be stopped and started again on the same port (pass
     ``port=``) to simulate a backend that goes away and comes back.
@@ -483,6 +598,8 @@ class MockVLLM:
         max_model_len: int | None = None,
         template: Template = "plain",
         scale_out: bool | None = True,
+        tokenizer: bool = False,
+        prompt_ids: Literal["use", "ignore", "refuse"] = "use",
     ) -> None:
         if not 0.0 <= failure_rate <= 1.0:
             raise ValueError(f"failure_rate is a probability in [0, 1], got {failure_rate}")
@@ -497,6 +614,10 @@ class MockVLLM:
         self.max_model_len = max_model_len
         self.template: Template = template
         self.scale_out = scale_out
+        self.tokenizer = tokenizer
+        self.prompt_ids = prompt_ids
+        #: The directory of the tokenizer the model card names (with ``tokenizer``, while serving).
+        self.tokenizer_dir: Path | None = None
         self.record_requests = record_requests
         self.response_headers = dict(response_headers or {})
         self.eof_delay = eof_delay
@@ -547,9 +668,9 @@ class MockVLLM:
 
     def abort_next(self, count: int = 1, *, after_tokens: int = 2, release: anyio.Event | None = None) -> None:
         """The next ``count`` generation calls are aborted (finish reason ``"abort"``, as an engine aborts them for
-        a weight update) after ``after_tokens`` tokens. With ``release``, a token-in generation
-        (``/inference/v1/generate``) sends its abort only once it is set: a stream its tokens before the abort
-        first, a whole answer all of it (:attr:`aborting` counts the answers waiting so)."""
+        a weight update) after ``after_tokens`` tokens. With ``release``, the abort goes out only once it is
+        set: a stream's events before the aborting one first, a whole answer all of it (:attr:`aborting` counts
+        the answers waiting so)."""
         self._faults.extend(
             _Fault("abort", after_events=after_tokens, release=release) for _ in range(count)
         )
@@ -572,7 +693,9 @@ class MockVLLM:
     def expected(self, body: Mapping[str, Any]) -> list[tuple[list[int], list[int]]]:
         """``(prompt_ids, response_ids)`` per choice, in index order, that this mock answers ``body`` with."""
         kind = "chat" if "messages" in body else "completion"
-        gen = _Generation(kind, body, functools.partial(self._budget, body), True, self.model, self.template)
+        prompt = self._given_prompt(body)[0] if kind == "chat" else None
+        budget = functools.partial(self._budget, body)
+        gen = _Generation(kind, body, budget, True, self.model, self.template, prompt)
         return [(c.prompt, c.ids) for c in gen.choices]
 
     async def wait_until(self, predicate: Callable[[MockVLLM], bool]) -> None:
@@ -602,8 +725,8 @@ class MockVLLM:
         app.router.add_get("/health", self._health)
         if self.scale_out is not None:
             app.router.add_post("/v1/chat/completions/render", self._render)
-            app.router.add_post("/inference/v1/generate", self._generate_ids)
-            app.router.add_post("/v1/chat/completions/derender", self._derender)
+        if self.tokenizer and self.tokenizer_dir is None:
+            self.tokenizer_dir = write_tokenizer(tempfile.mkdtemp(prefix="mock-tokenizer-"), self.template)
         http = HttpListener(
             app, self.host, self.port, keepalive_timeout=KEEPALIVE_SECONDS, shutdown_timeout=_CLOSE_TIMEOUT
         )
@@ -619,6 +742,9 @@ class MockVLLM:
         self._stopping = True
         with anyio.CancelScope(shield=True):
             await http.stop(self._tasks, cancel_wait=_CLOSE_TIMEOUT)
+        if self.tokenizer_dir is not None:
+            shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
+            self.tokenizer_dir = None
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled, then :meth:`stop`; ``task_status.started()`` once accepting connections."""
@@ -644,7 +770,8 @@ class MockVLLM:
     async def _models(self, request: web.Request) -> web.Response:
         self._seen(request, b"", None)
         card = {"id": self.model, "object": "model", "created": int(time.time()), "owned_by": "vllm"}
-        card |= {"root": self.model, "parent": None, "max_model_len": self.max_model_len or 4096}
+        root = self.model if self.tokenizer_dir is None else str(self.tokenizer_dir)
+        card |= {"root": root, "parent": None, "max_model_len": self.max_model_len or 4096}
         return web.Response(body=orjson.dumps({"object": "list", "data": [card]}), content_type=_JSON_TYPE)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -680,12 +807,12 @@ class MockVLLM:
             return max(limit, 0), "length"
         return self.completion_tokens, "stop"
 
-    def _too_long(self, body: Mapping[str, Any]) -> web.Response | None:
+    def _too_long(self, body: Mapping[str, Any], given: list[int] | None = None) -> web.Response | None:
         """vLLM's 400 for a prompt that, with the tokens asked for, does not fit in ``max_model_len``."""
         if self.max_model_len is None:
             return None
         asked = self._max_tokens(body) or 0
-        for prompt in prompt_token_ids(body):
+        for prompt in [given] if given is not None else prompt_token_ids(body, self.template):
             if len(prompt) + asked > self.max_model_len or len(prompt) >= self.max_model_len:
                 message = (
                     f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -747,23 +874,77 @@ class MockVLLM:
             return await self._replay_answer(request, body)
         if not isinstance(body, dict):
             return _json_error(400, "request body must be a JSON object", "BadRequestError")
-        if kind == "tokens":
-            return await self._answer_ids(request, body, fault)
         if body.get("model") != self.model:
             return _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
-        refusal = self._too_long(body)
+        prompt: list[int] | None = None
+        if kind == "chat":
+            prompt, refusal = self._given_prompt(body)
+            if refusal is not None:
+                return refusal
+        refusal = self._too_long(body, prompt)
         if refusal is not None:
             return refusal
         with_ids = body.get("return_token_ids") is True and (fault is None or fault.kind == "abort")
-        gen = _Generation(kind, body, functools.partial(self._budget, body), with_ids, self.model, self.template)
+        budget = functools.partial(self._budget, body)
+        gen = _Generation(kind, body, budget, with_ids, self.model, self.template, prompt)
+        release = None
         if fault is not None and fault.kind == "abort":
             gen.abort_after(fault.after_events)
+            release = fault.release
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-mock{next(self._ids)}"
         if body.get("stream") is True:
-            return await self._stream(request, gen.events(request_id))
+            events = gen.events(request_id)
+            held = None
+            if release is not None:  # the aborting event waits for the release
+                held = (next(i for i, e in enumerate(events) if b'"abort"' in e), release)
+            return await self._stream(request, events, release=held)
+        if release is not None:
+            await self._held(release)
         headers = {**self.response_headers, "Content-Type": _JSON_TYPE}
         return web.Response(body=gen.response(request_id), headers=headers)
+
+    async def _held(self, release: anyio.Event) -> None:
+        """Wait for ``release`` as an answer holding its abort (counted in :attr:`aborting`)."""
+        self.aborting += 1
+        self._notify()
+        try:
+            await release.wait()
+        finally:
+            self.aborting -= 1
+
+    def _given_prompt(self, body: Mapping[str, Any]) -> tuple[list[int] | None, web.Response | None]:
+        """The prompt ids a chat request gives in ``kv_transfer_params["prompt_token_ids"]`` (``None``: render
+        its messages), or vLLM's 400 for ids it refuses (see ``prompt_ids``)."""
+        params = body.get("kv_transfer_params")
+        if not isinstance(params, dict) or "prompt_token_ids" not in params:
+            return None, None
+        if self.prompt_ids == "refuse":
+            message = "kv_transfer_params: Extra inputs are not permitted"
+            return None, _json_error(400, message, "BadRequestError")
+        messages = body.get("messages") or []
+        non_text = any(
+            isinstance(m, dict)
+            and isinstance(m.get("content"), list)
+            and any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"])
+            for m in messages
+        )
+        if self.prompt_ids == "ignore" or body.get("echo") or non_text:
+            return None, None
+        ids = params["prompt_token_ids"]
+        try:  # min / max in C: the mock stays cheap per call for the benchmarks
+            valid = isinstance(ids, list) and bool(ids) and type(ids[0]) is int and 0 <= min(ids) <= max(ids) < VOCAB_SIZE  # fmt: skip
+        except TypeError:
+            valid = False
+        if not valid:
+            message = (
+                "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of token ids below the "
+                f"vocabulary size ({VOCAB_SIZE})"
+            )
+            error = orjson.loads(_error_body(400, message, "BadRequestError"))
+            error["error"]["param"] = "kv_transfer_params.prompt_token_ids"
+            return None, web.Response(status=400, body=orjson.dumps(error), content_type=_JSON_TYPE)
+        return ids, None
 
     async def _stream(
         self,
@@ -778,12 +959,7 @@ class MockVLLM:
             if i == break_after:
                 await self._break(request)
             if release is not None and i == release[0]:
-                self.aborting += 1
-                self._notify()
-                try:
-                    await release[1].wait()
-                finally:
-                    self.aborting -= 1
+                await self._held(release[1])
             if i and self.chunk_latency > 0:
                 await anyio.sleep(self.chunk_latency)
             await response.write(event)
@@ -845,7 +1021,7 @@ class MockVLLM:
         return response
 
 
-    # ------------------------------------------------------------------ token-in (vLLM --enable-scale-out)
+    # ------------------------------------------------------------------ the render route (vLLM --enable-scale-out)
     def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
         if self.scale_out:
             return None
@@ -907,144 +1083,6 @@ class MockVLLM:
             "priority": 0,
         }
         return web.Response(body=orjson.dumps(answer), content_type=_JSON_TYPE)
-
-    async def _generate_ids(self, request: web.Request) -> web.StreamResponse:
-        """``POST /inference/v1/generate``: ids in, ids out (a generation call: faults apply)."""
-        if (refusal := self._scale_out_refusal(request)) is not None:
-            return refusal
-        return await self._generate(request, "tokens")
-
-    async def _answer_ids(self, request: web.Request, body: dict[str, Any], fault: _Fault | None) -> web.StreamResponse:
-        prompt = body.get("token_ids")
-        sampling = body.get("sampling_params")
-        if type(prompt) is not list or not prompt or not isinstance(sampling, dict):
-            return _json_error(400, "token_ids (non-empty) and sampling_params are required", "BadRequestError")
-        if body.get("model") not in (None, self.model):
-            return _json_error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
-        asked = sampling.get("max_tokens")
-        limit = asked if type(asked) is int else None
-        if self.max_model_len is not None:
-            if len(prompt) + (limit or 0) > self.max_model_len or len(prompt) >= self.max_model_len:
-                message = (
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                    f"{len(prompt) + (limit or 0)} tokens. Please reduce the length of the prompt."
-                )
-                return _json_error(400, message, "BadRequestError")
-            if limit is None:
-                limit = self.max_model_len - len(prompt)
-        count, finish = self._budget_for(limit, prompt)
-        ids = completion_token_ids(prompt, 0, count)
-        if fault is not None and fault.kind == "abort":
-            ids, finish = ids[: fault.after_events], "abort"
-        request_id = str(body.get("request_id") or f"mock{next(self._ids)}")
-        logprobs = sampling.get("logprobs") is not None
-
-        def entries(part: Sequence[int]) -> dict[str, Any] | None:
-            if not logprobs:
-                return None
-            return {"content": [{"token_id": t, "logprob": token_logprob(t), "rank": None, "top_logprobs": []} for t in part]}
-
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
-        if body.get("stream") is not True:
-            if fault is not None and fault.kind == "abort" and fault.release is not None:
-                self.aborting += 1
-                self._notify()
-                try:
-                    await fault.release.wait()
-                finally:
-                    self.aborting -= 1
-            choice = {"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": None}
-            choice |= {"logprobs": entries(ids), "weight_versions": None}
-            answer = {"request_id": request_id, "model": self.model, "created": int(time.time()), "choices": [choice]}
-            answer |= {"usage": usage, "output_mode": "tokens"}
-            headers = {**self.response_headers, "Content-Type": _JSON_TYPE}
-            return web.Response(body=orjson.dumps(answer), headers=headers)
-        pieces = [[t] for t in ids] or [[]]
-        events = []
-        for k, piece in enumerate(pieces):
-            last = k == len(pieces) - 1
-            choice = {"index": 0, "token_ids": piece, "finish_reason": finish if last else None}
-            choice |= {"stop_reason": None, "logprobs": entries(piece)}
-            events.append(_sse({"request_id": request_id, "output_mode": "tokens", "choices": [choice]}))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            events.append(_sse({"request_id": request_id, "output_mode": "tokens", "choices": [], "usage": usage}))
-        events.append(_DONE)
-        release = None
-        if fault is not None and fault.kind == "abort" and fault.release is not None:
-            release = (len(pieces) - 1, fault.release)
-        return await self._stream(request, events, release=release)
-
-    async def _derender(self, request: web.Request) -> web.Response:
-        """``POST /v1/chat/completions/derender``: generated ids as a chat answer (whole, or one stream chunk
-        with the caller's ``stream_state``), tool calls as the chat endpoint makes them."""
-        if (refusal := self._scale_out_refusal(request)) is not None:
-            return refusal
-        body, error = await self._read_json(request)
-        if error is not None:
-            return error
-        chat = body.get("chat_request") or {}
-        tool = _forced_tool(chat)
-        ids_back = chat.get("return_token_ids") is True
-        model = body.get("model") or self.model
-        if body.get("stream") is not True:
-            generated = body.get("generate_response") or {}
-            [choice] = generated.get("choices") or [{}]
-            ids = choice.get("token_ids")
-            if not ids:
-                return _json_error(400, f"choice {choice.get('index', 0)} has empty or null token_ids", "BadRequestError")
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(map(_text, ids)), "reasoning": None}
-            finish = choice.get("finish_reason")
-            if tool is not None:
-                call_id = f"chatcmpl-tool-{sum(ids) % 10**8:08d}"
-                function = {"name": tool, "arguments": "".join(tool_arguments(ids))}
-                message |= {"content": None, "tool_calls": [{"id": call_id, "type": "function", "function": function}]}
-                finish = "tool_calls" if finish == "stop" else finish
-            out_choice = {"index": 0, "message": message, "logprobs": self._chat_logprobs_of(choice), "finish_reason": finish}
-            out_choice |= {"stop_reason": choice.get("stop_reason"), "token_ids": ids if ids_back else None}
-            prompt_tokens = body.get("prompt_tokens") or 0
-            usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(ids), "completion_tokens": len(ids)}
-            answer = {"id": generated.get("request_id"), "object": "chat.completion", "created": int(time.time())}
-            answer |= {"model": model, "choices": [out_choice], "usage": usage}
-            return web.Response(body=orjson.dumps(answer), content_type=_JSON_TYPE)
-        generated = body.get("generate_chunk") or {}
-        state = dict(body.get("stream_state") or {"role_sent": False, "tokens": 0})
-        choices = []
-        for choice in generated.get("choices") or ():
-            ids = choice.get("token_ids") or []
-            finish = choice.get("finish_reason")
-            delta: dict[str, Any] = {} if state["role_sent"] else {"role": "assistant"}
-            if tool is None:
-                if ids:
-                    delta["content"] = "".join(map(_text, ids))
-            else:
-                pieces = "".join(f"t{t}" if state["tokens"] + k == 0 else f" t{t}" for k, t in enumerate(ids))
-                arguments = ('{"value": "' if state["tokens"] == 0 and ids else "") + pieces
-                if finish is not None:
-                    arguments += '"}' if state["tokens"] + len(ids) else '{"value": ""}'
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
-                if state["tokens"] == 0 and (ids or finish is not None):
-                    call |= {"id": f"chatcmpl-tool-{generated.get('request_id')}", "type": "function"}
-                    call["function"]["name"] = tool
-                delta["tool_calls"] = [call]
-                finish = "tool_calls" if finish == "stop" else finish
-            state = {"role_sent": True, "tokens": state["tokens"] + len(ids)}
-            out = {"index": 0, "delta": delta, "logprobs": self._chat_logprobs_of(choice), "finish_reason": finish}
-            out |= {"stop_reason": choice.get("stop_reason"), "token_ids": ids if ids_back else None}
-            choices.append(out)
-        chunk = {"id": generated.get("request_id"), "object": "chat.completion.chunk", "created": int(time.time())}
-        chunk |= {"model": model, "choices": choices, "usage": None}
-        return web.Response(body=orjson.dumps({"chunk": chunk, "stream_state": state}), content_type=_JSON_TYPE)
-
-    @staticmethod
-    def _chat_logprobs_of(choice: Mapping[str, Any]) -> dict[str, Any] | None:
-        content = (choice.get("logprobs") or {}).get("content")
-        if not isinstance(content, list):
-            return None
-        out = []
-        for entry in content:
-            text = _text(entry["token_id"])
-            out.append({"token": text, "logprob": entry["logprob"], "bytes": list(text.encode()), "top_logprobs": []})
-        return {"content": out}
 
 
 def _json_error(status: int, message: str, type_: str) -> web.Response:
