@@ -122,7 +122,10 @@ import circle):
   a try, the upstream session.
 - :mod:`~aglverl.proxy.gate` — :class:`~aglverl.proxy.gate.Gate`: pause / hold / resume, the weight version,
   the calls in flight and the drain, every wait at the gate.
-- The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
+- :mod:`~aglverl.proxy.control` — :class:`~aglverl.proxy.control.ProxyControl`, what the daemon needs of a proxy:
+  :class:`LLMProxy` and the shards' driver (:class:`~aglverl.proxy.shards.ProxyShards`) both implement it.
+- The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (the settings as one frozen
+  :class:`~aglverl.proxy.config.ProxyConfig` every part holds, :class:`RetryPolicy`),
   :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
   forwarding), :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and
   streams, pure), :mod:`~aglverl.proxy.sse` (SSE framing). :mod:`aglverl.proxy.translate` (other APIs as chat
@@ -139,7 +142,8 @@ from .call import _forward_headers as _forward_headers
 from .capture import CAPTURED_PATHS, CONTEXT_REFUSAL, WEIGHT_VERSION_HEADER
 from .capture import _Capture as _Capture
 from .capture import _ChoiceCapture as _ChoiceCapture
-from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
+from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch
+from .control import ProxyControl
 from .pool import (
     COMPLETIONS_TARGET,
     EJECT_AFTER_TIMEOUTS,
@@ -171,6 +175,8 @@ __all__ = [
     "WEIGHT_VERSION_HEADER",
     "LLMProxy",
     "Outcome",
+    "ProxyConfig",
+    "ProxyControl",
     "ProxyError",
     "RetryPolicy",
     "SamplingMismatch",

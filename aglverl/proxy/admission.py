@@ -28,7 +28,7 @@ from aiohttp import web
 from ..store.tasks import StoreError
 from .call import _JSON, _REQUEST_DROP, ProxyError, _Call, _forward_headers, _token_limit
 from .capture import CAPTURED_PATHS, _Capture
-from .config import ProxyConfig
+from .config import ProxyConfig, SamplingOf
 from .gate import Gate
 from .meters import Meters
 from .store_view import ProxyStore
@@ -103,9 +103,16 @@ class Admission:
     """Checks and reads a request into its call (see the module docstring)."""
 
     def __init__(
-        self, config: ProxyConfig, store: ProxyStore, gate: Gate, meters: Meters, token_in: TokenIn | None
+        self,
+        config: ProxyConfig,
+        store: ProxyStore,
+        gate: Gate,
+        meters: Meters,
+        token_in: TokenIn | None,
+        sampling_of: SamplingOf | None = None,
     ) -> None:
         self.config = config
+        self.sampling_of = sampling_of
         self.store = store
         self.gate = gate
         self.meters = meters
@@ -221,8 +228,8 @@ class Admission:
         ``off_policy`` under ``"mask"``.
         """
         expected = (
-            self.config.sampling_of(call.rollout_id)
-            if self.config.sampling_of is not None and call.rollout_id
+            self.sampling_of(call.rollout_id)
+            if self.sampling_of is not None and call.rollout_id
             else None
         )
         if not expected:
