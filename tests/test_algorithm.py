@@ -378,6 +378,34 @@ def test_dataclass_fields_the_yaml_leaves_out_are_accepted() -> None:
         compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precison": {}})
 
 
+def test_dataset_files_are_one_path_or_a_list_of_paths_as_verl_takes_them(tmp_path: Path) -> None:
+    """``data.train_files`` / ``val_files`` take a list of paths as verl's dataset does (they were refused as
+    "must be a string" by the type of verl's default), and the task inputs come from every file; the keys that
+    verl opens as one path stay one path."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"q": 1}\n{"q": 2}\n')
+    second.write_text('{"q": 3}\n')
+    config, _ = compose_config(
+        {**SMALL, "data.train_files": [str(first), second], "data.val_files": [second], "trainer.logger": ("console",)}
+    )
+    assert list(config.data.train_files) == [str(first), str(second)]
+    assert [row["q"] for row in load_samples(None, config.data.train_files)] == [1, 2, 3]
+    assert [row["q"] for row in load_samples(None, config.data.val_files)] == [3]
+    refused = [
+        ({"data.train_files": 5}, "data.train_files must be a string or a list of strings or null, got 5 (int)"),
+        ({"data.val_files": [str(first), 7]}, "data.val_files must be a string or a list of strings or null"),
+        ({"data.custom_cls": {"path": ["x.py"]}}, "data.custom_cls.path must be a string or null"),
+        ({"data.custom_cls": "x.py"}, "data.custom_cls must be a mapping"),
+        ({"trainer.rollout_data_dir": ["a", "b"]}, "trainer.rollout_data_dir must be a string or null"),
+        ({"actor_rollout_ref.model.path": ["a", "b"]}, "actor_rollout_ref.model.path must be a string"),
+        ({"trainer.logger": 3}, "trainer.logger must be a string or a list of strings, got 3 (int)"),
+    ]
+    for overrides, message in refused:
+        with pytest.raises(ConfigError) as info:
+            compose_config({**SMALL, **overrides})
+        assert message in str(info.value), str(info.value)
+
+
 def test_algorithms_that_need_the_trainer_to_generate_are_refused() -> None:
     with pytest.raises(ConfigError, match="remax"):
         compose_config({**SMALL, "algorithm": {"adv_estimator": "remax"}})

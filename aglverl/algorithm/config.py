@@ -117,8 +117,7 @@ def nest_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in overrides.items():
         if not isinstance(key, str):
             raise ConfigError(f"config keys must be strings, got {key!r}")
-        value = nest_overrides(value) if isinstance(value, Mapping) else value
-        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        value = nest_overrides(value) if isinstance(value, Mapping) else _fspath(value)
         *parents, leaf = key.split(".")
         node = nested
         for part in parents:
@@ -130,6 +129,15 @@ def nest_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
         else:
             node[leaf] = value
     return nested
+
+
+def _fspath(value: Any) -> Any:
+    """Paths as strings (OmegaConf takes no ``PathLike``), also inside a list (``data.train_files: [a, b]``)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_fspath(item) for item in value]
+    return value
 
 
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
