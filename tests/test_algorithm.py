@@ -20,7 +20,7 @@ from aglverl.algorithm import (
     compose_config,
     load_samples,
 )
-from aglverl.algorithm.config import script_name
+from aglverl.algorithm.config import daemon_config, script_name
 from aglverl.algorithm.samples import check_prompt_widths
 from aglverl.engine.tiny import tiny_model_path
 from aglverl.trajectory.signals import SignalConfig
@@ -178,6 +178,28 @@ def test_aglverl_section_configures_the_daemon() -> None:
     assert options.agents == 3
     assert options.journal is None
     assert options.proxy_shards == "per_node"
+
+
+def test_the_aglverl_section_becomes_the_daemons_settings_each_in_the_part_that_uses_it() -> None:
+    section = {
+        "hold_timeout": 60.0,
+        "lease_seconds": 30.0,
+        "max_attempts": 2,
+        "token": "t",
+        "journal": None,
+        "sampling_mismatch": "mask",
+        "token_in": False,
+        "signal": {"request_logprobs": True},
+    }
+    config, options = compose_config({**SMALL, "aglverl": section})
+    settings = daemon_config(config, options)
+    proxy = settings.proxy
+    assert (proxy.hold_timeout, proxy.pause_timeout, proxy.sampling_mismatch, proxy.token_in) == (60.0, 600.0, "mask", False)
+    assert proxy.token == settings.token == "t" and proxy.request_logprobs and settings.signal is options.signal
+    assert (settings.store.lease_seconds, settings.store.max_attempts, settings.store.vocab_size) == (30.0, 2, None)
+    assert (settings.batch.max_prompt_length, settings.batch.max_response_length) == (64, 16)
+    assert settings.max_failed_groups == 4  # default: a batch's worth (data.train_batch_size)
+    assert settings.journal_path is None and settings.backends == ()  # the trainer's part is filled in later
 
 
 @pytest.mark.parametrize(
