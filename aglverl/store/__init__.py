@@ -7,7 +7,8 @@ threads.
   Agent Lightning server verbs, forgetting handed-over rollouts; it holds the parts below.
 - :mod:`.config` — :class:`~aglverl.store.config.StoreConfig`, the store's settings as one frozen value.
 - :mod:`.entry` — one rollout as the store holds it, its snapshot, and its journal records (written and replayed).
-- :mod:`.leases` — the lease deadlines, the clock a trainer can stop, the reaper's wait.
+- :mod:`.leases` — the lease deadlines, the clock a trainer can stop, the reaper's wait; :mod:`.waiters` — agents
+  parked in a long-poll, handed queued tasks oldest first.
 - :mod:`.resources` — the published resources versions.
 - :mod:`.records` — what the store hands out: :class:`~aglverl.store.records.LLMCall`,
   :class:`~aglverl.store.records.RolloutRecord`; :mod:`.errors` — what it refuses, with HTTP statuses;

@@ -19,7 +19,7 @@ learn from them, see ``SignalConfig``). Why a rollout failed (``agent_error``, `
 
 With proxy shards (:attr:`TaskStore.pinning`) an attempt's calls are recorded in another process: see
 :class:`~aglverl.store.ports.AttemptPinning`. The rollout's records, its journal records, the errors, the
-leases and the resource versions have modules of their own in this package.
+leases, the parked agents and the resource versions have modules of their own in this package.
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, Unpack
 
 import anyio
-import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 from ..metrics import Registry
@@ -56,6 +54,7 @@ from .leases import LeaseItem, Leases
 from .ports import AttemptPinning, Journal
 from .records import TERMINAL, LLMCall, RolloutRecord, RolloutState, check_token_ids
 from .resources import ResourceVersions
+from .waiters import Waiters
 
 # The records, errors and ports live in their own modules; they are re-exported here, where callers have
 # always imported them from.
@@ -91,14 +90,6 @@ _TERMINATION_OF: Mapping[str, TerminationReason] = {
 RetryReason = Literal["agent_failed", "lease_expired", "shard_lost"]
 
 
-@dataclass(slots=True, eq=False)
-class _Waiter:
-    """An agent parked in a long-poll; :meth:`TaskStore._dispatch` hands it a claimed task directly."""
-
-    event: anyio.Event = field(default_factory=anyio.Event)
-    task: Task | None = None
-
-
 def _same(a: Rollout, b: Rollout | None) -> bool:
     """Whether two results say the same thing (how the attempt was named, or the task echoed, aside)."""
     ignore = {"attempt_id", "task"}
@@ -132,7 +123,7 @@ class TaskStore:
         self.journal = journal
         self._entries: dict[str, Entry] = {}
         self._queue: deque[str] = deque()
-        self._waiters: dict[_Waiter, None] = {}  # insertion-ordered set: oldest waiter first, O(1) removal
+        self._waiters = Waiters()
         self._leases = Leases()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._resources = ResourceVersions(self._journal)
@@ -210,9 +201,7 @@ class TaskStore:
     def close(self) -> None:
         """Refuse new claims and wake every parked long-poll with no task."""
         self._closed = True
-        for waiter in self._waiters:
-            waiter.event.set()
-        self._waiters.clear()
+        self._waiters.close()
 
     @property
     def closed(self) -> bool:
@@ -260,11 +249,7 @@ class TaskStore:
 
     def _dispatch(self) -> None:
         """Hand queued tasks straight to parked agents, oldest waiter first."""
-        while self._waiters and self._queued_count:
-            waiter = next(iter(self._waiters))
-            del self._waiters[waiter]
-            waiter.task = self._claim_next()
-            waiter.event.set()
+        self._waiters.hand_out(lambda: self._queued_count, self._claim_next)
 
     def _claim_next(self) -> Task | None:
         while self._queue:
@@ -332,21 +317,7 @@ class TaskStore:
         task = self.try_claim()
         if task is not None or wait <= 0 or self._closed:
             return task
-        waiter = _Waiter()
-        self._waiters[waiter] = None
-        delivered = False
-        try:
-            with anyio.move_on_after(wait):
-                await waiter.event.wait()
-            # A waiter woken with a task in the same loop turn as it was cancelled must not return it:
-            # its caller is going away. Raise here, and the finally clause gives the task back.
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            delivered = True
-            return waiter.task
-        finally:
-            self._waiters.pop(waiter, None)
-            if not delivered and waiter.task is not None:
-                self.release(waiter.task.rollout_id, waiter.task.attempt_id or "")
+        return await self._waiters.park(wait, lambda task: self.release(task.rollout_id, task.attempt_id or ""))
 
     def release(self, rollout_id: str, attempt_id: str) -> bool:
         """Undo a claim whose task never reached its agent: back to the front of the queue, no attempt used."""
