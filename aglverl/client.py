@@ -222,9 +222,9 @@ async def _call_agent(fn: AgentFn, task_input: Any, llm: LLM) -> AgentResult:
         return await returned
     label = getattr(fn, "__name__", None) or type(fn).__name__
     raise AgentResultError(
-        f"calling the agent {label!r} returned {returned!r} ({type(returned).__name__}), not an awaitable: it ran "
-        "as a plain function; a decorator's wrapper around an async agent must return the agent's coroutine "
-        "(or be `async def` and await it)"
+        f"calling the agent {label!r} returned {returned!r} ({type(returned).__name__}), not an awaitable: "
+        "it ran as a plain function; a decorator's wrapper around an async agent must return the agent's "
+        "coroutine (or be `async def` and await it)"
     )
 
 

@@ -63,17 +63,17 @@ class DaemonConfig:
       ``proxy.token`` is a ``ValueError``).
     - ``backends``: the inference servers (``http://host:port``); ``backend_nodes`` (backend URL -> Ray node
       id): where they run, to place proxy shards beside them. ``model``/``sampling_parameters``: the
-      ``main_llm`` resource published at start; ``llm_resource``: ``"proxy"`` (a :class:`~aglverl.models.ProxyLLM`,
-      per-rollout URLs) or ``"plain"`` (an :class:`~aglverl.models.LLM` on the proxy's ``/v1``, for Agent
-      Lightning 0.1 clients).
+      ``main_llm`` resource published at start; ``llm_resource``: ``"proxy"`` (a
+      :class:`~aglverl.models.ProxyLLM`, per-rollout URLs) or ``"plain"`` (an :class:`~aglverl.models.LLM` on
+      the proxy's ``/v1``, for Agent Lightning 0.1 clients).
     - ``step_timeout``: the default bound on a step's (or a producer group's) rollouts; ``max_failed_groups``:
       the producer stops the run after this many training groups in a row whose every rollout failed (0: never).
     - ``journal_path``/``journal_fsync``: the write-ahead journal (``None``: none); ``freeze_gc``: move the
       objects that exist at start out of the cyclic collector's reach.
     - ``proxy_shards``: 1 (the proxy in this process) or N / ``"per_node"`` (proxy shards on Ray).
-    - ``proxy`` (:class:`~aglverl.proxy.config.ProxyConfig`), ``store`` (:class:`~aglverl.store.config.StoreConfig`),
-      ``batch`` (:class:`~aglverl.trajectory.batch.BatchConfig`), ``signal``
-      (:class:`~aglverl.trajectory.signals.SignalConfig`; its ``request_logprobs`` turns on
+    - ``proxy`` (:class:`~aglverl.proxy.config.ProxyConfig`), ``store``
+      (:class:`~aglverl.store.config.StoreConfig`), ``batch`` (:class:`~aglverl.trajectory.batch.BatchConfig`),
+      ``signal`` (:class:`~aglverl.trajectory.signals.SignalConfig`; its ``request_logprobs`` turns on
       ``proxy.request_logprobs``).
 
     A bad value raises ``ValueError`` at construction, naming it. :meth:`from_keywords` builds one from

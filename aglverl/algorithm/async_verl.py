@@ -152,7 +152,8 @@ class AsyncVERL:
             last.update(metrics)
             save_step_metrics(config, step, metrics)
 
-        settings = await anyio.to_thread.run_sync(daemon_config, config, self.options)  # makes the journal's directory
+        # blocking: it makes the journal's directory
+        settings = await anyio.to_thread.run_sync(daemon_config, config, self.options)
         plan = verl_v1.RunPlan(
             config=config,
             daemon=settings,
