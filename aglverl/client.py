@@ -38,7 +38,12 @@ __all__ = ["AgentClient", "AgentFn", "AgentResultError", "TaskServerError", "che
 
 logger = logging.getLogger(__name__)
 
-AgentResult = float | int | Rollout | None
+#: What an agent function may return, said once (:func:`run_agents`, :class:`~aglverl.algorithm.AsyncVERL`):
+#: a reward, that is a real number given as anything ``float()`` takes through ``__float__`` (``float``,
+#: ``int``, ``bool`` as 1.0 / 0.0, numpy and torch scalars, ``Fraction``, ``Decimal``) whose value is finite;
+#: or a :class:`~aglverl.models.Rollout`, posted as it is with the task's ids. Anything else (``None``, a
+#: string, NaN) fails the rollout with :class:`AgentResultError` saying what came back.
+AgentResult = float | int | bool | Rollout | None
 AgentFn = Callable[[Any, LLM], Awaitable[AgentResult]]
 
 #: Long-poll length per GET /task; the server answers the moment a task is queued.
@@ -153,28 +158,31 @@ class AgentResultError(TypeError):
 
 
 def check_agent(fn: Any, *, name: str = "agent") -> None:
-    """Raise ``TypeError`` unless ``fn`` can be an agent: ``async def fn(task_input, llm)`` (or an object whose
-    ``__call__`` is one, or a ``functools.partial`` of one), callable with those two arguments.
+    """Raise ``TypeError`` unless ``fn`` can be an agent: callable with ``(task_input, llm)`` and asynchronous,
+    i.e. ``async def fn(task_input, llm)``, an object whose ``__call__`` is one, a ``functools.partial`` of one,
+    or a decorator's wrapper around one that shows it (``functools.wraps`` sets ``__wrapped__``).
 
-    A plain ``def`` is refused rather than run in a worker thread: agents are awaited concurrently on the event
-    loop (one per rollout in flight), and a blocking function would either stall the loop (the task server and
-    the LLM proxy run there) or take a thread each, silently capping the concurrency at the thread pool's size.
+    A function with no ``async def`` anywhere behind it is refused rather than run in a worker thread: agents
+    are awaited concurrently on the event loop (one per rollout in flight), and a blocking function would
+    either stall the loop (the task server and the LLM proxy run there) or take a thread each, silently capping
+    the concurrency at the thread pool's size. What is awaited is decided by what calling ``fn`` returns
+    (:func:`run_agents`), so a wrapper that returns the coroutine of the agent it wraps works either way.
     """
     if not callable(fn):
         raise TypeError(f"{name} must be an async function `async def {name}(task_input, llm)`, got {fn!r}")
     label = getattr(fn, "__name__", None) or type(fn).__name__
-    plain = inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, functools.partial)
-    target = fn if plain else type(fn).__call__
-    if inspect.isasyncgenfunction(target):
+    chain = _call_chain(fn)
+    if any(inspect.isasyncgenfunction(target) for target in chain):
         raise TypeError(
             f"{name} {label!r} is an async generator (it yields); it must return its reward: "
             f"`async def {label}(task_input, llm): ... return reward`"
         )
-    if not inspect.iscoroutinefunction(target):
+    if not any(inspect.iscoroutinefunction(target) for target in chain):
         raise TypeError(
-            f"{name} {label!r} is a plain function; agents are awaited for every rollout: make it "
-            f"`async def {label}(task_input, llm)` (run blocking code in it with "
-            f"`await anyio.to_thread.run_sync(...)`)"
+            f"{name} {label!r} is a plain function, and no `async def` is behind it; agents are awaited for "
+            f"every rollout: make it `async def {label}(task_input, llm)` (run blocking code in it with "
+            f"`await anyio.to_thread.run_sync(...)`); a decorator's wrapper around an async agent shows the "
+            f"agent with `@functools.wraps(agent)`"
         )
     try:
         inspect.signature(fn).bind(None, None)
@@ -187,20 +195,56 @@ def check_agent(fn: Any, *, name: str = "agent") -> None:
         return
 
 
+def _call_chain(fn: Any) -> list[Any]:
+    """What calling ``fn`` runs, outermost first: ``fn`` (or its class's ``__call__``), the function of a
+    ``functools.partial``, and each function a decorator's wrapper names in ``__wrapped__``."""
+    chain: list[Any] = []
+    target = fn
+    while len(chain) < 100:  # a __wrapped__ cycle ends here
+        if isinstance(target, functools.partial):
+            target = target.func
+            continue
+        if not (inspect.isfunction(target) or inspect.ismethod(target)):
+            target = type(target).__call__
+        chain.append(target)
+        wrapped = getattr(target, "__wrapped__", None)
+        if wrapped is None:
+            break
+        target = wrapped
+    return chain
+
+
+async def _call_agent(fn: AgentFn, task_input: Any, llm: LLM) -> AgentResult:
+    """``fn(task_input, llm)``, awaited when calling it returned an awaitable (what :func:`check_agent` let
+    through may still be a wrapper that does not return its agent's coroutine: named then)."""
+    returned = fn(task_input, llm)
+    if inspect.isawaitable(returned):
+        return await returned
+    label = getattr(fn, "__name__", None) or type(fn).__name__
+    raise AgentResultError(
+        f"calling the agent {label!r} returned {returned!r} ({type(returned).__name__}), not an awaitable: "
+        "it ran as a plain function; a decorator's wrapper around an async agent must return the agent's "
+        "coroutine (or be `async def` and await it)"
+    )
+
+
 def _to_rollout(task: Task, result: AgentResult) -> Rollout:
-    """The agent's return value as the rollout to post: a number is its final reward, a :class:`Rollout` is
-    posted as is (ids filled in); anything else raises :class:`AgentResultError` (the rollout then fails with
-    that reason, as if the agent had raised it)."""
+    """The agent's return value as the rollout to post (see :data:`AgentResult`): a :class:`Rollout` is posted as
+    is (ids filled in), a reward becomes the rollout's final reward; anything else raises
+    :class:`AgentResultError` (the rollout then fails with that reason, as if the agent had raised it)."""
     if isinstance(result, Rollout):
         # the agent function is never told its rollout's ids: they are the task's, whatever it put there
         return result.model_copy(update={"rollout_id": task.rollout_id, "attempt_id": task.attempt_id})
     if result is None:
         raise AgentResultError("the agent returned None: return a float reward or a Rollout")
-    if isinstance(result, bool) or not (isinstance(result, (int, float)) or hasattr(result, "__float__")):
+    try:
+        reward = float(result) if hasattr(result, "__float__") else None
+    except (TypeError, ValueError):  # a __float__ that refuses (e.g. a numpy array of several values)
+        reward = None
+    if reward is None:
         raise AgentResultError(
             f"the agent returned {result!r} ({type(result).__name__}): return a float reward or a Rollout"
         )
-    reward = float(result)
     if not math.isfinite(reward):
         raise AgentResultError(f"the agent returned the reward {reward}: a reward must be a finite number")
     return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward)
@@ -281,10 +325,12 @@ async def run_agents(
     """Run ``concurrency`` agent loops against the task server until cancelled (or ``max_tasks`` are done).
 
     ``fn`` must be ``async def fn(task_input, llm)`` (checked at once: :func:`check_agent` raises
-    ``TypeError``). Each loop long-polls a task, resolves its LLM, awaits ``fn(task.input, llm)`` and posts the
-    result: a number is the final reward, a :class:`Rollout` is posted as is (ids filled in). If ``fn`` raises,
-    or returns anything else (``None``: "the agent returned None: return a float reward or a Rollout"), a
-    failed rollout carrying that error is posted instead (the task is retried while attempts remain); each
+    ``TypeError``). Each loop long-polls a task, resolves its LLM, calls ``fn(task.input, llm)``, awaits what
+    that returns and posts the result (:data:`AgentResult`): a reward (a finite number: ``float``, ``int``,
+    ``bool``, a numpy scalar...) is the final reward, a :class:`Rollout` is posted as is (ids filled in). If
+    ``fn`` raises, returns something that is not awaitable, or its awaitable gives anything else (``None``:
+    "the agent returned None: return a float reward or a Rollout"), a failed rollout carrying that error is
+    posted instead (the task is retried while attempts remain); each
     distinct error is logged once. With ``heartbeat_seconds``, the claim's lease is extended that often while
     ``fn`` runs (for rollouts longer than the daemon's lease).
 
@@ -354,11 +400,11 @@ async def run_agents(
     async def attempt(client: AgentClient, task: Task) -> Rollout:
         llm = await client.llm_for(task, llm_name)
         if not heartbeat_seconds:
-            return _to_rollout(task, await fn(task.input, llm))
+            return _to_rollout(task, await _call_agent(fn, task.input, llm))
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(keep_alive, client, task)
-                result = await fn(task.input, llm)
+                result = await _call_agent(fn, task.input, llm)
                 tg.cancel_scope.cancel()
         except Exception as exc:  # report the agent's own error, not the task group wrapping it
             while len(getattr(exc, "exceptions", ())) == 1:

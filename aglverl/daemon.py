@@ -16,6 +16,8 @@ parked long-polls answered, upstream connections closed, no task or thread left.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import gc
 import itertools
 import logging
@@ -23,8 +25,9 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from types import TracebackType
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -32,10 +35,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
-from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, RetryPolicy, SamplingMismatch
-from .proxy.shard import counters_of
+from .proxy import LLMProxy, ProxyConfig, RetryPolicy, SamplingMismatch
+from .proxy.control import BusyTimeline, ProxyControl
 from .proxy.shards import ProxyShards, ShardCount, check_shard_count
 from .server import TaskServer
+from .store.config import StoreConfig
 from .store.journal import Journal
 from .store.tasks import TaskStore
 from .trajectory.batch import BatchConfig
@@ -43,19 +47,161 @@ from .trajectory.groups import OWNER_PREFIX, GroupSink, TrajectoryProducer
 from .trajectory.signals import SignalConfig
 from .trajectory.steps import RolloutCollector, Step, TrainingBatch
 
-__all__ = ["AgentDaemon"]
+__all__ = ["AgentDaemon", "DaemonConfig", "DaemonKeywords", "ProxyConfig", "StoreConfig"]
 
 logger = logging.getLogger(__name__)
 
 
-class _BusyTimeline(Protocol):
-    """When at least one LLM call was in flight: the proxy's own timeline, or the union of its shards'."""
+# ---------------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """Every setting of an :class:`AgentDaemon`, as one frozen value built once and handed on whole: each part
+    gets its own value (``proxy``, ``store``, ``batch``, ``signal``) or the fields it uses, under their names.
 
-    def busy_intervals(self, start: float, stop: float) -> list[tuple[float, float]]: ...
+    - ``host``/``port``: the task server (``127.0.0.1``, port 0: a free one); ``token``: the bearer token agents
+      send, checked by the task server and the proxy (it is put into ``proxy.token``; a different
+      ``proxy.token`` is a ``ValueError``).
+    - ``backends``: the inference servers (``http://host:port``); ``backend_nodes`` (backend URL -> Ray node
+      id): where they run, to place proxy shards beside them. ``model``/``sampling_parameters``: the
+      ``main_llm`` resource published at start; ``llm_resource``: ``"proxy"`` (a
+      :class:`~aglverl.models.ProxyLLM`, per-rollout URLs) or ``"plain"`` (an :class:`~aglverl.models.LLM` on
+      the proxy's ``/v1``, for Agent Lightning 0.1 clients).
+    - ``step_timeout``: the default bound on a step's (or a producer group's) rollouts; ``max_failed_groups``:
+      the producer stops the run after this many training groups in a row whose every rollout failed (0: never).
+    - ``journal_path``/``journal_fsync``: the write-ahead journal (``None``: none); ``freeze_gc``: move the
+      objects that exist at start out of the cyclic collector's reach.
+    - ``proxy_shards``: 1 (the proxy in this process) or N / ``"per_node"`` (proxy shards on Ray).
+    - ``proxy`` (:class:`~aglverl.proxy.config.ProxyConfig`), ``store``
+      (:class:`~aglverl.store.config.StoreConfig`), ``batch`` (:class:`~aglverl.trajectory.batch.BatchConfig`),
+      ``signal`` (:class:`~aglverl.trajectory.signals.SignalConfig`; its ``request_logprobs`` turns on
+      ``proxy.request_logprobs``).
+
+    A bad value raises ``ValueError`` at construction, naming it. :meth:`from_keywords` builds one from
+    :class:`AgentDaemon`'s keywords.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = field(default=None, repr=False)
+    backends: tuple[str, ...] = ()
+    backend_nodes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    model: str = "default"
+    sampling_parameters: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    llm_resource: Literal["proxy", "plain"] = "proxy"
+    step_timeout: float | None = None
+    max_failed_groups: int = 0
+    journal_path: str | os.PathLike[str] | None = None
+    journal_fsync: bool = False
+    freeze_gc: bool = True
+    proxy_shards: ShardCount = 1
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    signal: SignalConfig = field(default_factory=SignalConfig)
+
+    def __post_init__(self) -> None:
+        check_shard_count(self.proxy_shards)
+        if self.llm_resource not in ("proxy", "plain"):
+            raise ValueError(f"llm_resource must be 'proxy' or 'plain', got {self.llm_resource!r}")
+        if self.max_failed_groups < 0:
+            raise ValueError(f"max_failed_groups must be >= 0, got {self.max_failed_groups!r}")
+        assign = object.__setattr__  # frozen: the normalised values, once, at construction
+        assign(self, "backends", tuple(self.backends))
+        assign(self, "backend_nodes", MappingProxyType(dict(self.backend_nodes)))
+        assign(self, "sampling_parameters", MappingProxyType(dict(self.sampling_parameters)))
+        proxy = self.proxy
+        if self.token is not None and proxy.token not in (None, self.token):
+            raise ValueError("DaemonConfig.token and DaemonConfig.proxy.token differ: the daemon has one token")
+        if self.token is not None and proxy.token is None:
+            proxy = dataclasses.replace(proxy, token=self.token)
+        if self.signal.request_logprobs and not proxy.request_logprobs:
+            proxy = dataclasses.replace(proxy, request_logprobs=True)  # the trainer needs behaviour log-probs
+        assign(self, "proxy", proxy)
+
+    @classmethod
+    def from_keywords(cls, **keywords: Unpack[DaemonKeywords]) -> DaemonConfig:
+        """The config :class:`AgentDaemon`'s keywords describe (see :class:`DaemonKeywords`); ``TypeError`` for
+        a keyword it does not take. ``host`` and ``token`` go to the task server and the proxy, ``proxy_port``
+        is the proxy's ``port``, a ``hold_timeout`` left out or ``None`` is ``pause_timeout``, and a ``retry``,
+        ``batch`` or ``signal`` of ``None`` is the default."""
+        values: dict[str, Any] = dict(keywords)
+        unknown = sorted(set(values) - set(DaemonKeywords.__annotations__))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], DaemonKeywords.__annotations__, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"AgentDaemon got an unexpected keyword argument {unknown[0]!r}{hint}")
+        for name in ("retry", "batch", "signal", "sampling_parameters", "backend_nodes"):
+            if name in values and values[name] is None:
+                del values[name]
+        proxy = {name: values.pop(name) for name in _PROXY_KEYWORDS if name in values}
+        if "proxy_port" in values:
+            proxy["port"] = values.pop("proxy_port")
+        for shared in ("host", "token"):
+            if shared in values:
+                proxy[shared] = values[shared]
+        store = {name: values.pop(name) for name in _STORE_KEYWORDS if name in values}
+        return cls(proxy=ProxyConfig.from_settings(**proxy), store=StoreConfig(**store), **values)
 
 
+class DaemonKeywords(TypedDict, total=False):
+    """:class:`AgentDaemon`'s keywords (its documented options), each of which goes to one field of
+    :class:`DaemonConfig` or of one of its parts (:meth:`DaemonConfig.from_keywords`)."""
+
+    host: str
+    port: int
+    proxy_port: int
+    backends: Sequence[str]
+    model: str
+    sampling_parameters: Mapping[str, Any] | None
+    llm_resource: Literal["proxy", "plain"]
+    lease_seconds: float
+    max_attempts: int
+    step_timeout: float | None
+    max_failed_groups: int
+    vocab_size: int | None
+    batch: BatchConfig | None
+    signal: SignalConfig | None
+    token: str | None
+    retry: RetryPolicy | None
+    request_timeout: float
+    connect_timeout: float
+    eject_seconds: float
+    pause_timeout: float
+    hold_timeout: float | None
+    backend_api_key: str | None
+    upstream_keepalive: float
+    journal_path: str | os.PathLike[str] | None
+    journal_fsync: bool
+    freeze_gc: bool
+    sampling_mismatch: SamplingMismatch
+    token_in: bool
+    proxy_shards: ShardCount
+    backend_nodes: Mapping[str, str] | None
+
+
+#: The keywords that are settings of the proxy (``ProxyConfig``'s fields, same names).
+_PROXY_KEYWORDS = (
+    "retry",
+    "request_timeout",
+    "connect_timeout",
+    "eject_seconds",
+    "pause_timeout",
+    "hold_timeout",
+    "backend_api_key",
+    "upstream_keepalive",
+    "sampling_mismatch",
+    "token_in",
+)
+#: The keywords that are settings of the store (``StoreConfig``'s fields, same names).
+_STORE_KEYWORDS = ("lease_seconds", "max_attempts", "vocab_size")
+
+
+# ---------------------------------------------------------------------------------------------- the daemon
 class AgentDaemon:
     """The embeddable control plane. All arguments are keyword-only.
+
+    The settings come either as ``config`` (a :class:`DaemonConfig`) or as keywords (not both), each keyword
+    one setting (:class:`DaemonKeywords`, :meth:`DaemonConfig.from_keywords`):
 
     - ``host``/``port``: the task server (Agent Lightning routes); ``proxy_port``: the LLM proxy. Both bind
       ``127.0.0.1`` unless told otherwise; port 0 picks a free port (see :attr:`server_url`, :attr:`proxy_url`).
@@ -94,52 +240,29 @@ class AgentDaemon:
     - ``token_in``: token-in chat (default on): a chat call whose messages extend an earlier call's messages +
       answer is generated from that call's exact ids, so a conversation an agent re-sends as text trains as
       one row (see :mod:`aglverl.proxy.tokenin`); off, every call is relayed as text.
-    - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.trajectory.groups.GroupSink`); with it the
-      daemon runs a :class:`~aglverl.trajectory.groups.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
-      bounds each group.
+    - ``max_failed_groups``: with a producer, stop after this many training groups in a row whose every
+      rollout failed (default 0: never).
     - ``proxy_shards``: ``1`` (default): one :class:`~aglverl.proxy.LLMProxy` in this process, on
       ``proxy_port``; ``N`` or ``"per_node"``: that many proxies as Ray actors (Ray initialised in this process
       first), each its own process beside the inference servers, serving on its node's address, every rollout
       attempt pinned to one of them (:mod:`aglverl.proxy.shards`, ``docs/scaling.md``); ``backend_nodes`` (backend URL
       -> Ray node id) says where the backends run, to place the shards beside them (``"per_node"``: one per
       such node; without it, one per alive node). :attr:`proxy` is then a :class:`~aglverl.proxy.shards.ProxyShards`.
+
+    Beside the settings: ``trajectory_sink``: where finished prompt groups go
+    (:class:`~aglverl.trajectory.groups.GroupSink`); with it the daemon runs a
+    :class:`~aglverl.trajectory.groups.TrajectoryProducer` (:attr:`producer`), and ``step_timeout`` bounds each
+    group. ``registry``: where the metrics go (a new one by default).
     """
 
     def __init__(
         self,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        proxy_port: int = 0,
-        backends: Sequence[str] = (),
-        model: str = "default",
-        sampling_parameters: Mapping[str, Any] | None = None,
-        llm_resource: Literal["proxy", "plain"] = "proxy",
-        lease_seconds: float = 600.0,
-        max_attempts: int = 3,
-        step_timeout: float | None = None,
-        vocab_size: int | None = None,
-        batch: BatchConfig | None = None,
-        signal: SignalConfig | None = None,
-        max_buffered_batches: int = 1,
-        token: str | None = None,
-        retry: RetryPolicy | None = None,
-        request_timeout: float = 600.0,
-        connect_timeout: float = 5.0,
-        eject_seconds: float = 5.0,
-        pause_timeout: float = 600.0,
-        hold_timeout: float | None = None,
-        backend_api_key: str | None = None,
-        upstream_keepalive: float = UPSTREAM_KEEPALIVE,
-        journal_path: str | os.PathLike[str] | None = None,
-        journal_fsync: bool = False,
-        freeze_gc: bool = True,
-        sampling_mismatch: SamplingMismatch = "refuse",
+        config: DaemonConfig | None = None,
         trajectory_sink: GroupSink | None = None,
         registry: Registry | None = None,
-        token_in: bool = True,
-        proxy_shards: ShardCount = 1,
-        backend_nodes: Mapping[str, str] | None = None,
+        max_buffered_batches: int = 1,
+        **settings: Unpack[DaemonKeywords],
     ) -> None:
         if max_buffered_batches != 1:
             warnings.warn(
@@ -148,83 +271,68 @@ class AgentDaemon:
                 DeprecationWarning,
                 stacklevel=2,
             )
+        if config is not None and settings:
+            raise TypeError(
+                f"AgentDaemon takes config=DaemonConfig(...) or its settings as keywords, not both: "
+                f"{', '.join(settings)}"
+            )
+        #: Every setting this daemon runs with.
+        self.config = config = config if config is not None else DaemonConfig.from_keywords(**settings)
         self.registry = registry or Registry()
-        self.model = model
-        self.sampling_parameters = dict(sampling_parameters or {})
-        self.llm_resource_kind = llm_resource
-        signal = signal or SignalConfig()
-        self.store = TaskStore(
-            lease_seconds=lease_seconds,
-            max_attempts=max_attempts,
-            vocab_size=vocab_size,
-            registry=self.registry,
-        )
-        self.server = TaskServer(self.store, host=host, port=port, token=token)
-        proxy_options: dict[str, Any] = dict(
-            retry=retry or RetryPolicy(),
-            token=token,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            eject_seconds=eject_seconds,
-            pause_timeout=pause_timeout,
-            hold_timeout=hold_timeout,
-            backend_api_key=backend_api_key,
-            upstream_keepalive=upstream_keepalive,
-            request_logprobs=signal.request_logprobs,
-            sampling_mismatch=sampling_mismatch,
-            token_in=token_in,
-        )
+        self.store = TaskStore(config.store, registry=self.registry)
+        self.server = TaskServer(self.store, host=config.host, port=config.port, token=config.token)
         #: The LLM proxy: in this process, or its shards on Ray (``proxy_shards``).
-        self.proxy: LLMProxy | ProxyShards
-        if check_shard_count(proxy_shards) == 1:
+        self.proxy: ProxyControl
+        if config.proxy_shards == 1:
             self.proxy = LLMProxy(
                 self.store,
-                backends=backends,
-                host=host,
-                port=proxy_port,
+                config.proxy,
+                backends=config.backends,
                 registry=self.registry,
                 sampling_of=self._sampling_of,
-                **proxy_options,
             )
         else:
-            self.proxy = ProxyShards(
+            shards = ProxyShards(
                 self.store,
-                count=proxy_shards,
-                backends=backends,
-                backend_nodes=backend_nodes,
-                proxy_options=proxy_options,
+                config.proxy,
+                count=config.proxy_shards,
+                backends=config.backends,
+                backend_nodes=config.backend_nodes,
                 sampling_of=self._sampling_of,
                 registry=self.registry,
-                freeze_gc=freeze_gc,
+                freeze_gc=config.freeze_gc,
             )
-            self.store.pinning = self.proxy
-            self.server.metrics_sources.append(self.proxy.metrics_text)
+            self.store.pinning = shards
+            self.server.metrics_sources.append(shards.metrics_text)
+            self.proxy = shards
         self.store.on_forget(self.proxy.forget)
         self._sampling_cache: dict[str, Mapping[str, Any] | None] = {}
         self._previous_proxy: str | None = None  # the proxy URL of the run whose journal this daemon replayed
         self.collector = RolloutCollector(
-            self.store,
-            batch=batch,
-            signal=signal,
-            max_buffered_batches=max_buffered_batches,
-            step_timeout=step_timeout,
+            self.store, batch=config.batch, signal=config.signal, step_timeout=config.step_timeout
         )
-        self.journal = Journal(journal_path, fsync=journal_fsync) if journal_path is not None else None
+        journal_path = config.journal_path
+        self.journal = Journal(journal_path, fsync=config.journal_fsync) if journal_path is not None else None
         #: The trajectory producer (with a ``trajectory_sink``): prompts in, finished groups to the sink.
         self.producer: TrajectoryProducer | None = None
         if trajectory_sink is not None:
             self.producer = TrajectoryProducer(
                 self.store,
                 trajectory_sink,
-                batch=batch or BatchConfig(),
-                signal=signal,
-                group_timeout=step_timeout,
+                batch=config.batch,
+                signal=config.signal,
+                group_timeout=config.step_timeout,
                 weight_version=lambda: self.proxy.weight_version,
                 journal=self.journal is not None,
                 registry=self.registry,
+                max_failed_groups=config.max_failed_groups,
             )
-        self.freeze_gc = freeze_gc
         self._stack: AsyncExitStack | None = None
+
+    @property
+    def model(self) -> str:
+        """The model name the ``main_llm`` resource names."""
+        return self.config.model
 
     # ------------------------------------------------------------------ life cycle
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -284,7 +392,7 @@ class AgentDaemon:
             await tg.start(self.producer.serve)
         self._rebind_recovered_resources()
         self.update_resources({"main_llm": self.main_llm()})
-        if self.freeze_gc:
+        if self.config.freeze_gc:
             # verl, torch and transformers leave ~1.6 M objects on the heap; every full collection scans them
             # all and stalls the event loop for ~0.4 s on this kind of machine. Moving what exists at start
             # (imports, the daemon's own long-lived state) out of the collector's reach makes those pauses
@@ -328,8 +436,8 @@ class AgentDaemon:
 
     def main_llm(self, sampling_parameters: Mapping[str, Any] | None = None) -> LLM:
         """The ``main_llm`` resource agents should use (see ``llm_resource``)."""
-        params = dict(self.sampling_parameters if sampling_parameters is None else sampling_parameters)
-        if self.llm_resource_kind == "plain":
+        params = dict(self.config.sampling_parameters if sampling_parameters is None else sampling_parameters)
+        if self.config.llm_resource == "plain":
             return LLM(endpoint=f"{self.proxy_url}/v1", model=self.model, sampling_parameters=params)
         return self.proxy.llm_resource(self.model, params)
 
@@ -406,7 +514,7 @@ class AgentDaemon:
             with anyio.CancelScope(shield=True):
                 await self.resume_calls(weight_version)
 
-    # The gate, for the proxy in this process or every shard (each returns once every shard applied it).
+    # The gate and the figures, for the proxy in this process or every shard (the same calls either way).
     async def pause_calls(self) -> None:
         """Hold new LLM calls and return once the calls in flight have finished (:meth:`LLMProxy.pause`; with
         shards, on every shard at once, returning when the slowest has drained)."""
@@ -415,41 +523,68 @@ class AgentDaemon:
     async def hold_calls(self) -> None:
         """Hold new LLM calls without draining those in flight (:meth:`LLMProxy.hold`; with shards, returns
         once every shard holds)."""
-        if isinstance(self.proxy, ProxyShards):
-            await self.proxy.hold()
-        else:
-            self.proxy.hold()
+        await self.proxy.hold()
 
     async def resume_calls(self, weight_version: int | None = None) -> None:
         """End a pause or hold under ``weight_version`` (default: the current one + 1) (:meth:`LLMProxy.resume`;
         with shards, returns once every shard has resumed)."""
-        if isinstance(self.proxy, ProxyShards):
-            await self.proxy.resume(weight_version)
+        await self.proxy.resume(weight_version)
+
+    async def hold_for_update(self, drain: bool) -> None:
+        """Before a weight update: stop the store's lease clock, then hold the agents' LLM calls.
+
+        An agent waiting in a held call keeps its task however long the update takes (its lease does not run).
+        ``drain``: new calls wait and the calls in flight finish first (:meth:`pause_calls`: the update frees
+        the engines, e.g. puts them to sleep); else new calls wait and those in flight go on
+        (:meth:`hold_calls`: the update aborts their generations, and the proxy continues each one after it).
+        Returns once the proxy (every shard) holds, and with ``drain`` once the calls in flight ended.
+        Cancellation leaves the leases frozen and the calls held: :meth:`release_after_update` undoes both.
+        """
+        self.store.freeze_leases()
+        if drain:
+            await self.proxy.pause()
         else:
-            self.proxy.resume(weight_version)
+            await self.proxy.hold()
+
+    async def release_after_update(self, weight_version: int | None = None) -> None:
+        """After a weight update: the held calls go on under ``weight_version`` (default: the current one + 1),
+        then the lease clock restarts (each lease keeps the time it had left when it stopped). Shielded from
+        cancellation: once called, both happen."""
+        with anyio.CancelScope(shield=True):
+            await self.proxy.resume(weight_version)
+            self.store.thaw_leases()
+
+    async def commit_journal(self) -> None:
+        """Return once everything accepted so far is durable by the journal's policy (at once without one)."""
+        await self.store.commit()
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version the proxy records on calls whose backend reports none (:meth:`resume_calls`
+        moves it on; a trainer that resumes at step k sets it to k)."""
+        return self.proxy.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.proxy.weight_version = version
 
     async def refresh_proxy_figures(self) -> None:
         """With shards: fetch every shard's counters and busy intervals (one call each, in parallel), which
         :meth:`proxy_counters`, :meth:`generated_tokens` and :attr:`proxy_activity` then read; with the proxy in
         this process they are always current and this returns at once."""
-        if isinstance(self.proxy, ProxyShards):
-            await self.proxy.refresh()
+        await self.proxy.refresh()
 
     def proxy_counters(self) -> dict[str, float]:
-        """The LLM proxy's cumulative counters since start, under ``proxy/*`` names for a trainer's logs (with
-        shards: their sum, as of :meth:`refresh_proxy_figures`)."""
-        if isinstance(self.proxy, ProxyShards):
-            return self.proxy.counters()
-        return counters_of(self.proxy)
+        """The LLM proxy's cumulative counters since start, under ``proxy/*`` names (with shards: their sum, as
+        of :meth:`refresh_proxy_figures`)."""
+        return self.proxy.counters()
 
     def generated_tokens(self) -> float:
         """Response token ids the proxy recorded since start (with shards: as of :meth:`refresh_proxy_figures`)."""
-        if isinstance(self.proxy, ProxyShards):
-            return self.proxy.generated_tokens()
-        return self.proxy.m_generated.value()
+        return self.proxy.generated_tokens()
 
     @property
-    def proxy_activity(self) -> _BusyTimeline:
+    def proxy_activity(self) -> BusyTimeline:
         """When at least one LLM call was in flight (``busy_intervals(start, stop)``; with shards: the union of
         theirs, as of :meth:`refresh_proxy_figures`)."""
         return self.proxy.activity

@@ -186,10 +186,9 @@ def child(
 def summarize_chat(rows: list[dict[str, Any]], rollouts_per_step: int) -> dict[str, Any]:
     timed = rows[1:] or rows
     calls = _sum(rows, "batch/n_calls")
-    last = rows[-1]["metrics"]
-    counters = {
-        k.removeprefix("proxy/token_in_"): v for k, v in last.items() if k.startswith("proxy/token_in_") and v
-    }
+    names = [k for k in rows[-1]["metrics"] if k.startswith("proxy/token_in_")]
+    totals = {k: _sum(rows, k) for k in names}  # proxy/* are per step: the run's are their sums
+    counters = {k.removeprefix("proxy/token_in_"): v for k, v in totals.items() if v}
     return {
         "steps": len(rows),
         "drift_rate": round(_sum(rows, "batch/n_calls_drifted") / calls, 4) if calls else None,

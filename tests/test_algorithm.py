@@ -20,7 +20,7 @@ from aglverl.algorithm import (
     compose_config,
     load_samples,
 )
-from aglverl.algorithm.config import script_name
+from aglverl.algorithm.config import daemon_config, script_name
 from aglverl.algorithm.samples import check_prompt_widths
 from aglverl.engine.tiny import tiny_model_path
 from aglverl.trajectory.signals import SignalConfig
@@ -178,6 +178,28 @@ def test_aglverl_section_configures_the_daemon() -> None:
     assert options.agents == 3
     assert options.journal is None
     assert options.proxy_shards == "per_node"
+
+
+def test_the_aglverl_section_becomes_the_daemons_settings_each_in_the_part_that_uses_it() -> None:
+    section = {
+        "hold_timeout": 60.0,
+        "lease_seconds": 30.0,
+        "max_attempts": 2,
+        "token": "t",
+        "journal": None,
+        "sampling_mismatch": "mask",
+        "token_in": False,
+        "signal": {"request_logprobs": True},
+    }
+    config, options = compose_config({**SMALL, "aglverl": section})
+    settings = daemon_config(config, options)
+    proxy = settings.proxy
+    assert (proxy.hold_timeout, proxy.pause_timeout, proxy.sampling_mismatch, proxy.token_in) == (60.0, 600.0, "mask", False)
+    assert proxy.token == settings.token == "t" and proxy.request_logprobs and settings.signal is options.signal
+    assert (settings.store.lease_seconds, settings.store.max_attempts, settings.store.vocab_size) == (30.0, 2, None)
+    assert (settings.batch.max_prompt_length, settings.batch.max_response_length) == (64, 16)
+    assert settings.max_failed_groups == 4  # default: a batch's worth (data.train_batch_size)
+    assert settings.journal_path is None and settings.backends == ()  # the trainer's part is filled in later
 
 
 @pytest.mark.parametrize(
@@ -376,6 +398,34 @@ def test_dataclass_fields_the_yaml_leaves_out_are_accepted() -> None:
     assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype == "fp32"  # CPU default kept
     with pytest.raises(ConfigError, match=r"fsdp_config\.mixed_precison.*did you mean .mixed_precision."):
         compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precison": {}})
+
+
+def test_dataset_files_are_one_path_or_a_list_of_paths_as_verl_takes_them(tmp_path: Path) -> None:
+    """``data.train_files`` / ``val_files`` take a list of paths as verl's dataset does (they were refused as
+    "must be a string" by the type of verl's default), and the task inputs come from every file; the keys that
+    verl opens as one path stay one path."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"q": 1}\n{"q": 2}\n')
+    second.write_text('{"q": 3}\n')
+    config, _ = compose_config(
+        {**SMALL, "data.train_files": [str(first), second], "data.val_files": [second], "trainer.logger": ("console",)}
+    )
+    assert list(config.data.train_files) == [str(first), str(second)]
+    assert [row["q"] for row in load_samples(None, config.data.train_files)] == [1, 2, 3]
+    assert [row["q"] for row in load_samples(None, config.data.val_files)] == [3]
+    refused = [
+        ({"data.train_files": 5}, "data.train_files must be a string or a list of strings or null, got 5 (int)"),
+        ({"data.val_files": [str(first), 7]}, "data.val_files must be a string or a list of strings or null"),
+        ({"data.custom_cls": {"path": ["x.py"]}}, "data.custom_cls.path must be a string or null"),
+        ({"data.custom_cls": "x.py"}, "data.custom_cls must be a mapping"),
+        ({"trainer.rollout_data_dir": ["a", "b"]}, "trainer.rollout_data_dir must be a string or null"),
+        ({"actor_rollout_ref.model.path": ["a", "b"]}, "actor_rollout_ref.model.path must be a string"),
+        ({"trainer.logger": 3}, "trainer.logger must be a string or a list of strings, got 3 (int)"),
+    ]
+    for overrides, message in refused:
+        with pytest.raises(ConfigError) as info:
+            compose_config({**SMALL, **overrides})
+        assert message in str(info.value), str(info.value)
 
 
 def test_algorithms_that_need_the_trainer_to_generate_are_refused() -> None:

@@ -207,9 +207,10 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
     run, trainer = live
     daemon, producer = run.daemon, run.daemon.producer
     proxy, store = daemon.proxy, daemon.store
-    assert proxy.hold_timeout == 4 * 3600.0  # AsyncVERL's default (aglverl.hold_timeout)
-    old = (proxy.pause_timeout, store.lease_seconds)
-    proxy.pause_timeout, store.lease_seconds = 1.0, 1.0
+    assert proxy.config.hold_timeout == 4 * 3600.0  # AsyncVERL's default (aglverl.hold_timeout)
+    old = (proxy.config.pause_timeout, store.lease_seconds)
+    proxy.reconfigure(pause_timeout=1.0)
+    store.reconfigure(lease_seconds=1.0)
     before = producer.version
     expired = store.m_requeued.value("lease_expired") + store.m_failed.value()
     producer.dispatch([Prompt("held", {"prompt": "Say yes."}, 1, global_steps=3)], resources_id=run.resources["train"])
@@ -237,7 +238,7 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
             await anyio.to_thread.run_sync(trainer.on_sample_end)  # hold, abort, sleep
             holding.set()
             # the update phase (log-probs, actor, checkpoint save...) outlasting both old limits
-            await anyio.sleep(3 * max(proxy.pause_timeout, store.lease_seconds))
+            await anyio.sleep(3 * max(proxy.config.pause_timeout, store.lease_seconds))
             assert proxy.held and store.leases_frozen
             await anyio.to_thread.run_sync(trainer.on_step_end)  # weights of step 3, generation resumed
             assert not store.leases_frozen
@@ -248,7 +249,8 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
                 tg.start_soon(update)
             await producer.wait_changed(before, 1)
     finally:
-        proxy.pause_timeout, store.lease_seconds = old
+        proxy.reconfigure(pause_timeout=old[0])
+        store.reconfigure(lease_seconds=old[1])
     assert answers and answers[0] in {"length", "stop"}  # the agent got its answer, not a 503
     (stats,) = producer.take_stats(["held"])
     assert stats.n_completed == 1 and stats.n_rollouts == 1

@@ -65,7 +65,7 @@ class World:
             )
             for rid, e in s._entries.items()
         }
-        resources = {k: v.model_dump() for k, v in s._resources.items()}
+        resources = {u.resources_id: u.model_dump() for u in s.all_resources()}
         return entries, list(s._queue), s._queued_count, s._claimed_count, resources, list(s._tombstones)
 
 

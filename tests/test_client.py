@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from aglverl import LLM, AgentDaemon, run_agents
@@ -62,6 +64,74 @@ async def test_agents_that_cannot_be_awaited_with_task_and_llm_are_refused_befor
             return 1.0
 
     check_agent(Agent())  # an object whose __call__ is async is an agent
+
+
+async def test_an_agent_that_returns_a_bool_or_a_numpy_scalar_gets_that_reward() -> None:
+    """A reward is any finite real number an agent returns: ``answer == "yes"`` is 1.0 or 0.0, as numpy's bool
+    and float are (the old check refused Python's bool and took numpy's)."""
+
+    async def judge(task_input: Any, llm: LLM) -> Any:
+        return {"bool": True, "false": False, "numpy_bool": np.bool_(True), "numpy": np.float32(0.25)}[task_input]
+
+    async with AgentDaemon(max_attempts=1) as daemon, anyio.create_task_group() as tg:
+        kinds = ["bool", "false", "numpy_bool", "numpy"]
+        ids = [await daemon.queue_task(kind) for kind in kinds]
+        tg.start_soon(lambda: run_agents(daemon.server_url, judge, concurrency=2))
+        with anyio.fail_after(20):
+            results = [await daemon.wait_for_rollout(rollout_id) for rollout_id in ids]
+        tg.cancel_scope.cancel()
+    rewards = {kind: (r.status, r.final_reward) for kind, r in zip(kinds, results, strict=True) if r is not None}
+    assert rewards == {
+        "bool": ("succeeded", 1.0),
+        "false": ("succeeded", 0.0),
+        "numpy_bool": ("succeeded", 1.0),
+        "numpy": ("succeeded", 0.25),
+    }
+
+
+def _logged(agent: Any) -> Any:
+    """A decorator whose wrapper is a plain function returning the async agent's coroutine."""
+
+    @functools.wraps(agent)
+    def wrapper(task_input: Any, llm: LLM) -> Any:
+        return agent(task_input, llm)
+
+    return wrapper
+
+
+async def test_an_async_agent_behind_a_plain_decorator_is_awaited_and_a_wrapper_that_hides_it_is_named() -> None:
+    @_logged
+    async def decorated(task_input: Any, llm: LLM) -> float:
+        return 0.5
+
+    check_agent(decorated)  # the wrapper shows the async agent behind it (functools.wraps)
+
+    def hiding(task_input: Any, llm: LLM) -> Any:  # no functools.wraps: nothing says an agent is behind it
+        return decorated(task_input, llm)
+
+    with pytest.raises(TypeError, match=r"'hiding' is a plain function, and no `async def` is behind it.*functools\.wraps"):
+        check_agent(hiding)
+
+    async def eager_agent(task_input: Any, llm: LLM) -> float:
+        return 1.0
+
+    @functools.wraps(eager_agent)
+    def eager(task_input: Any, llm: LLM) -> float:  # says it wraps an async agent, but returns a number
+        return 1.0
+
+    async with AgentDaemon(max_attempts=1) as daemon, anyio.create_task_group() as tg:
+        awaited = await daemon.queue_task("decorated")
+        tg.start_soon(lambda: run_agents(daemon.server_url, decorated, max_tasks=1))
+        with anyio.fail_after(20):
+            result = await daemon.wait_for_rollout(awaited)
+        assert result is not None and (result.status, result.final_reward) == ("succeeded", 0.5)
+        refused = await daemon.queue_task("eager")
+        tg.start_soon(lambda: run_agents(daemon.server_url, eager, max_tasks=1))
+        with anyio.fail_after(20):
+            result = await daemon.wait_for_rollout(refused)
+        tg.cancel_scope.cancel()
+    assert result is not None and result.status == "failed"
+    assert "calling the agent 'eager_agent' returned 1.0 (float), not an awaitable" in result.metadata["error"]
 
 
 async def test_an_unreachable_task_server_is_one_line_and_the_agents_give_up(

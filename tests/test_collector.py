@@ -31,7 +31,7 @@ CONFIG = BatchConfig(max_prompt_length=4, max_response_length=3, pad_token_id=0)
 @pytest.fixture
 async def running() -> AsyncIterator[tuple[TaskStore, RolloutCollector]]:
     store = TaskStore(lease_seconds=30, max_attempts=2)
-    collector = RolloutCollector(store, batch=CONFIG, max_buffered_batches=2)
+    collector = RolloutCollector(store, batch=CONFIG)
     async with anyio.create_task_group() as tg:
         await tg.start(store.serve)
         await tg.start(collector.serve)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from typing import Any
 
 import anyio
 import openai
 import pytest
 
-from aglverl import LLM, AgentDaemon, BatchConfig, ProxyLLM, Rollout, run_agents
+from aglverl import LLM, AgentDaemon, BatchConfig, LLMProxy, ProxyLLM, Rollout, SignalConfig, run_agents
 from aglverl.client import AgentClient
+from aglverl.daemon import DaemonConfig, ProxyConfig
 from aglverl.testing.mock_vllm import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -309,3 +311,81 @@ def test_max_buffered_batches_has_no_effect_and_says_so() -> None:
     a bound on buffered batches would mean nothing, so asking for one warns rather than pretending."""
     with pytest.warns(DeprecationWarning, match="max_buffered_batches=...\\) has no effect"):
         AgentDaemon(max_buffered_batches=4)
+
+
+# ---------------------------------------------------------------------------------------------- settings as values
+def test_the_keywords_and_a_daemon_config_build_the_same_daemon_whose_parts_hold_their_values() -> None:
+    keywords: dict[str, Any] = {
+        "backends": ["http://127.0.0.1:9"],
+        "model": "m",
+        "token": "s3cret",
+        "lease_seconds": 30.0,
+        "pause_timeout": 20.0,
+        "signal": SignalConfig(request_logprobs=True),
+    }
+    config = AgentDaemon(**keywords).config
+    assert config == DaemonConfig.from_keywords(**keywords)
+    assert config.store.lease_seconds == 30.0 and config.backends == ("http://127.0.0.1:9",)
+    assert config.proxy.hold_timeout == 20.0  # a hold_timeout left out is pause_timeout, as the keyword says
+    assert config.proxy.token == "s3cret"  # one token for the task server and the proxy
+    assert config.proxy.request_logprobs  # the trainer's behaviour log-probs: the proxy asks for them
+    daemon = AgentDaemon(config=config)
+    assert daemon.config is config
+    assert isinstance(daemon.proxy, LLMProxy)
+    assert daemon.proxy.config is config.proxy and daemon.store.config is config.store  # handed on whole
+    assert daemon.collector.signal is config.signal and daemon.collector.batch_config is config.batch
+    with pytest.raises(TypeError, match="not both: lease_seconds"):
+        AgentDaemon(config=config, lease_seconds=1.0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lease_second'; did you mean 'lease_seconds'"):
+        AgentDaemon(lease_second=1.0)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="token"):
+        DaemonConfig(token="a", proxy=ProxyConfig(token="b"))
+
+
+async def test_a_running_proxy_takes_new_settings_in_every_part_and_refuses_an_assigned_one() -> None:
+    async with MockVLLM(completion_tokens=4) as mock, AgentDaemon(backends=[mock.url], model="mock") as daemon:
+        proxy = daemon.proxy
+        assert isinstance(proxy, LLMProxy)
+        with pytest.raises(AttributeError, match=r"proxy\.reconfigure\(pause_timeout=\.\.\.\)"):
+            proxy.pause_timeout = 0.1  # type: ignore[misc]
+        await daemon.hold_calls()
+        proxy.reconfigure(pause_timeout=0.2, hold_timeout=0.2)  # was 600 s: a held call would wait that long
+        client = openai.AsyncOpenAI(base_url=f"{daemon.proxy_url}/v1", api_key="-", max_retries=0)
+        try:
+            with anyio.fail_after(20), pytest.raises(openai.InternalServerError) as refused:
+                await client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}])
+        finally:
+            await client.close()
+        assert refused.value.status_code == 503  # the gate read the new bound
+        assert proxy.pause_timeout == 0.2 and proxy.config.hold_timeout == 0.2
+
+
+async def test_a_weight_update_freezes_leases_and_holds_calls_until_released_under_the_new_version() -> None:
+    """What verl's hooks do around an update, through the daemon alone: the held call's lease does not run out
+    however long the update takes, and the call goes on under the version the release names."""
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", lease_seconds=0.5, max_attempts=1) as daemon,
+    ):
+        await daemon.hold_for_update(drain=False)
+        assert daemon.store.leases_frozen and daemon.proxy_counters()["proxy/held_calls"] == 0
+        async with anyio.create_task_group() as tg:
+            answered = anyio.Event()
+            outcome: list[tuple[str, object]] = []
+
+            async def call() -> None:
+                outcome.append(await _one_call(daemon))
+                answered.set()
+
+            tg.start_soon(call)
+            await anyio.sleep(1.5)  # the update outlasts the lease three times over
+            assert not answered.is_set() and daemon.proxy_counters()["proxy/held_calls"] == 1
+            await daemon.release_after_update(5)
+            with anyio.fail_after(20):
+                await answered.wait()
+        assert not daemon.store.leases_frozen and daemon.weight_version == 5
+        ((rollout_id, reply),) = outcome
+        assert not isinstance(reply, Exception)
+        record = daemon.store.record(rollout_id)
+        assert record.state == "completed" and record.num_claims == 1  # the lease never expired
+        assert [c.weight_version for c in record.calls] == [5]

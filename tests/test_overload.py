@@ -19,7 +19,6 @@ from test_translate import claim, finish, proxied
 
 from aglverl.metrics import Registry
 from aglverl.proxy import Overload, OverloadPolicy, ProxyError
-from aglverl.proxy.shard import counters_of
 from aglverl.testing import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -94,7 +93,7 @@ async def test_an_overloaded_proxy_answers_new_calls_429_in_their_api_and_finish
                 async with http.post(f"{base}/{path}", json=body) as response:
                     refused[path] = (response.status, response.headers, orjson.loads(await response.read()))
         metrics = proxy.registry.render()  # what the daemon's /metrics renders
-        counters = counters_of(proxy)
+        counters = proxy.counters()
         records = [len(finish(store, rid, aid)) for rid, aid, _ in admitted]
     assert answers == [200] * 8 and mock.completed == 8  # admitted before: never dropped
     for status, headers, _ in refused.values():

@@ -98,14 +98,14 @@ async def daemon_for(
     eject_seconds: float = 0.2,
     **kwargs: Any,
 ) -> AsyncIterator[AgentDaemon]:
-    """A daemon on ``backends`` with small timeouts; proxy options it does not take are set on ``daemon.proxy``
-    before it starts (its upstream session, which applies ``request_timeout``, is made when it starts)."""
+    """A daemon on ``backends`` with small timeouts (``request_timeout``: the proxy's default unless given)."""
     kwargs.setdefault("lease_seconds", 5.0)
     kwargs.setdefault("max_attempts", 3)
-    daemon = AgentDaemon(backends=backends, model="mock", batch=BATCH, retry=retry, **kwargs)
     if request_timeout is not None:
-        daemon.proxy.request_timeout = request_timeout
-    daemon.proxy.eject_seconds = eject_seconds
+        kwargs["request_timeout"] = request_timeout
+    daemon = AgentDaemon(
+        backends=backends, model="mock", batch=BATCH, retry=retry, eject_seconds=eject_seconds, **kwargs
+    )
     async with daemon:
         yield daemon
 

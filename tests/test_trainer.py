@@ -111,7 +111,15 @@ async def first_run(shared_ray: None, tmp_path_factory: pytest.TempPathFactory) 
         algo.on_serving.append(lambda daemon: tg.start_soon(_healthz_latencies, daemon.server_url, latencies))
         final = await algo.run(TRAIN, VAL)
         tg.cancel_scope.cancel()
-    return {"final": final, "steps": steps, "seen": recorder.seen, "latencies": latencies, "dir": checkpoints}
+    totals = algo.daemon.proxy_counters()  # the run's, from the daemon (its proxy ran in this process)
+    return {
+        "final": final,
+        "steps": steps,
+        "seen": recorder.seen,
+        "latencies": latencies,
+        "dir": checkpoints,
+        "totals": totals,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +170,21 @@ async def test_served_weights_change_after_each_update_and_calls_carry_the_new_v
     assert steps[1]["metrics"]["step/call_weight_version_min"] == 0
     assert steps[2]["metrics"]["step/call_weight_version_min"] == 1
     assert steps[2]["metrics"]["step/call_weight_version_max"] == 1
+
+
+async def test_a_steps_proxy_counts_are_that_steps_calls_not_the_runs_running_totals(
+    first_run: dict[str, Any],
+) -> None:
+    """``proxy/*`` in a step's metrics (and so in a console's metrics.jsonl) count what the proxy did since the
+    previous step's metrics: step 2's calls are its batch's plus validation's (2 samples before step 1 and at
+    step 2), not step 1's as well; the steps' counts add up to the run's totals."""
+    steps = [first_run["steps"][k]["metrics"] for k in (1, 2)]
+    validation_calls = 2
+    for metrics in steps:
+        assert 0 < metrics["proxy/calls_ok"] <= metrics["batch/n_calls"] + validation_calls
+    totals = first_run["totals"]
+    assert sum(m["proxy/calls_ok"] for m in steps) == totals["proxy/calls_ok"]
+    assert sum(m["proxy/retries"] for m in steps) == totals["proxy/retries"]
 
 
 async def test_the_task_server_answers_in_milliseconds_while_an_update_runs(first_run: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 from ..client import AgentFn, check_agent, run_agents
-from .config import compose_config, daemon_kwargs_for, nest_overrides, run_config, user_set
+from .config import compose_config, daemon_config, nest_overrides, run_config, user_set
 from .runtime import (
     VerlRuntime,
     latest_checkpoint,
@@ -152,40 +152,39 @@ class AsyncVERL:
             last.update(metrics)
             save_step_metrics(config, step, metrics)
 
-        @asynccontextmanager
-        async def serve(daemon: Any) -> AsyncIterator[None]:
-            self.daemon = daemon
-            logger.info("aglverl: agents connect to %s", daemon.server_url)
-            for callback in self.on_serving:
-                callback(daemon)
-            async with anyio.create_task_group() as tg:
-                if self.agent is not None:
-                    tg.start_soon(self._run_agents, self.options.agents or rollouts_per_step(config))
-                try:
-                    yield
-                finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(STOPPING_SECONDS):
-                        for stopping in self.on_stopping:
-                            result = stopping(daemon)
-                            if inspect.isawaitable(result):
-                                await result
-                    tg.cancel_scope.cancel()
-
-        def daemon_kwargs(trainer: Any) -> dict[str, Any]:
-            self.trainer = trainer
-            return daemon_kwargs_for(config, self.options, trainer)
-
-        await verl_v1.train(
-            config,
-            self.options,
-            train,
-            val,
-            daemon_kwargs=daemon_kwargs,
-            serve=serve,
+        # blocking: it makes the journal's directory
+        settings = await anyio.to_thread.run_sync(daemon_config, config, self.options)
+        plan = verl_v1.RunPlan(
+            config=config,
+            daemon=settings,
+            train=train,
+            val=val,
+            beside=self._beside_fit,
             on_step=[*self.on_step, remember],
             progress=self.progress,
         )
+        await verl_v1.train(plan)
         return last
+
+    @asynccontextmanager
+    async def _beside_fit(self, daemon: Any, trainer: Any) -> AsyncIterator[None]:
+        """What runs while verl's ``fit`` does: the agents (with ``agent=``) and the caller's callbacks."""
+        self.daemon, self.trainer = daemon, trainer
+        logger.info("aglverl: agents connect to %s", daemon.server_url)
+        for callback in self.on_serving:
+            callback(daemon)
+        async with anyio.create_task_group() as tg:
+            if self.agent is not None:
+                tg.start_soon(self._run_agents, self.options.agents or rollouts_per_step(self.config))
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(STOPPING_SECONDS):
+                    for stopping in self.on_stopping:
+                        result = stopping(daemon)
+                        if inspect.isawaitable(result):
+                            await result
+                tg.cancel_scope.cancel()
 
     async def _run_agents(self, concurrency: int) -> None:
         assert self.agent is not None and self.daemon is not None

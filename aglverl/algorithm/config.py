@@ -14,13 +14,16 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if sys.version_info < (3, 11):
     pass
 
 from ..trajectory.signals import SignalConfig
 from .options import DaemonOptions
+
+if TYPE_CHECKING:
+    from ..daemon import DaemonConfig
 from .validation import ConfigError, check_types, check_values, unknown_key_message
 
 logger = logging.getLogger(__name__)
@@ -114,8 +117,7 @@ def nest_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in overrides.items():
         if not isinstance(key, str):
             raise ConfigError(f"config keys must be strings, got {key!r}")
-        value = nest_overrides(value) if isinstance(value, Mapping) else value
-        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        value = nest_overrides(value) if isinstance(value, Mapping) else _fspath(value)
         *parents, leaf = key.split(".")
         node = nested
         for part in parents:
@@ -127,6 +129,15 @@ def nest_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
         else:
             node[leaf] = value
     return nested
+
+
+def _fspath(value: Any) -> Any:
+    """Paths as strings (OmegaConf takes no ``PathLike``), also inside a list (``data.train_files: [a, b]``)."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_fspath(item) for item in value]
+    return value
 
 
 def _deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -563,37 +574,39 @@ def run_config(config: Any, *, has_validation: bool) -> Any:
     return config
 
 
-def daemon_kwargs_for(config: Any, options: DaemonOptions, trainer: Any) -> dict[str, Any]:
-    """Keyword arguments for the :class:`~aglverl.daemon.AgentDaemon` that feeds ``trainer`` (blocking)."""
+def daemon_config(config: Any, options: DaemonOptions) -> DaemonConfig:
+    """The daemon's settings for a run of ``config`` with the ``aglverl:`` ``options``: each option goes to the
+    setting of the same name in the part that uses it (the proxy's, the store's, the batch's, the signal's), in
+    this one place. What only verl's trainer knows (backends, served model, vocabulary size, pad id) is left
+    at its default for :func:`aglverl.verl_v1.daemon_config_for` to fill in. Creates the journal's directory
+    (and removes a previous run's journal when ``trainer.resume_mode`` is ``disable``)."""
+    from ..daemon import DaemonConfig, ProxyConfig, StoreConfig
     from ..trajectory.batch import BatchConfig
-    from ..verl_v1 import backend_nodes, backend_urls, journal_path, served_model_name
+    from .runtime import journal_path
 
     data = config.data
-    pad = trainer.tokenizer.pad_token_id
-    backends = backend_urls(trainer)
-    shards: dict[str, Any] = {}
-    if options.proxy_shards != 1:  # the proxy as Ray actors beside the replicas
-        shards = {"proxy_shards": options.proxy_shards, "backend_nodes": backend_nodes(trainer)}
-    return shards | {
-        "host": options.host,
-        "port": options.port,
-        "proxy_port": options.proxy_port,
-        "token": options.token,
-        "backends": backends,
-        "model": served_model_name(backends[0]),
-        "llm_resource": options.llm_resource,
-        "lease_seconds": options.lease_seconds,
-        "hold_timeout": options.hold_timeout,
-        "token_in": options.token_in,
-        "max_attempts": options.max_attempts,
-        "step_timeout": options.step_timeout,
-        "vocab_size": len(trainer.tokenizer),
-        "journal_path": journal_path(config, options.journal),
-        "signal": options.signal,
-        "sampling_mismatch": options.sampling_mismatch,
-        "batch": BatchConfig(
-            max_prompt_length=int(data.max_prompt_length),
-            max_response_length=int(data.max_response_length),
-            pad_token_id=int(pad if pad is not None else 0),
+    bound = options.max_failed_groups  # default: a whole batch's worth of failed groups in a row
+    return DaemonConfig(
+        host=options.host,
+        port=options.port,
+        token=options.token,
+        llm_resource=options.llm_resource,
+        step_timeout=options.step_timeout,
+        max_failed_groups=int(data.train_batch_size) if bound is None else bound,
+        journal_path=journal_path(config, options.journal),
+        proxy_shards=options.proxy_shards,
+        proxy=ProxyConfig(
+            host=options.host,
+            port=options.proxy_port,
+            token=options.token,
+            hold_timeout=options.hold_timeout,
+            sampling_mismatch=options.sampling_mismatch,
+            token_in=options.token_in,
+            request_logprobs=options.signal.request_logprobs,
         ),
-    }
+        store=StoreConfig(lease_seconds=options.lease_seconds, max_attempts=options.max_attempts),
+        batch=BatchConfig(
+            max_prompt_length=int(data.max_prompt_length), max_response_length=int(data.max_response_length)
+        ),
+        signal=options.signal,
+    )

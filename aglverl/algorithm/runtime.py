@@ -259,3 +259,17 @@ def worker_group_class(env: Mapping[str, str], rendezvous_dir: Path | None) -> t
 def fresh_init_method(directory: Path) -> str:
     """A ``file://`` rendezvous for torch.distributed that only this run uses (loopback, no TCP listener)."""
     return f"file://{directory / ('pg-' + uuid.uuid4().hex)}"
+
+
+def journal_path(config: Any, journal: str | None) -> str | None:
+    """The daemon's journal for this run (``aglverl.journal``): ``"auto"`` puts it next to verl's checkpoints
+    when they are saved (none otherwise). Creates its directory, and removes a previous run's journal when
+    ``trainer.resume_mode`` is ``disable`` (a fresh run must not recover another run's groups); blocking."""
+    if journal == "auto":
+        saves = int(config.trainer.save_freq) > 0
+        journal = os.path.join(config.trainer.default_local_dir, "aglverl.journal") if saves else None
+    if journal is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(journal)), exist_ok=True)
+        if config.trainer.resume_mode == "disable" and os.path.exists(journal):
+            os.remove(journal)
+    return journal

@@ -97,8 +97,26 @@ def _shown(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-#: Keys whose type the YAML default does not tell: verl's ``Tracking`` takes one backend name or a list.
-TYPE_OVERRIDES: Mapping[str, Any] = {"trainer.logger": str | list[str]}
+#: Keys whose type verl's YAML default does not tell (a string default where verl also takes a list, a ``null``
+#: default that says nothing), typed by what verl accepts:
+#: - ``trainer.logger``: verl's ``Tracking`` takes one backend name or a list of them;
+#: - ``data.train_files`` / ``data.val_files``: verl's ``RLHFDataset`` takes one path or a list of paths (so does
+#:   :func:`aglverl.algorithm.load_samples`); ``null``: no files;
+#: - ``data.custom_cls.path`` / ``.name``: the file (or ``pkg://`` module) and the class verl loads;
+#:   ``trainer.rollout_data_dir`` / ``validation_data_dir``: a directory; ``reward.custom_reward_function.path``:
+#:   a file. Each one path, never a list (verl opens it as such).
+#: The model paths (``actor_rollout_ref.model.path``, ``critic.model.path``, ``tokenizer_path``...) are typed by
+#: verl's dataclasses (``HFModelConfig.path: str``): one path.
+TYPE_OVERRIDES: Mapping[str, Any] = {
+    "trainer.logger": str | list[str],
+    "data.train_files": str | list[str] | None,
+    "data.val_files": str | list[str] | None,
+    "data.custom_cls.path": str | None,
+    "data.custom_cls.name": str | None,
+    "trainer.rollout_data_dir": str | None,
+    "trainer.validation_data_dir": str | None,
+    "reward.custom_reward_function.path": str | None,
+}
 
 
 @functools.cache
@@ -118,7 +136,7 @@ def _expected(node: Any, key: str, full: str) -> tuple[Any, bool]:
     from omegaconf import DictConfig, ListConfig
 
     if full in TYPE_OVERRIDES:
-        return TYPE_OVERRIDES[full], False
+        return TYPE_OVERRIDES[full], False  # null, where it is allowed, is in the type
     default = _default(node, key)
     target = node.get("_target_") if isinstance(node, DictConfig) else None
     declared = _hints(target).get(key) if isinstance(target, str) else None

@@ -11,7 +11,9 @@ tokens/s) and aglverl's own warnings (a setting it fitted, a resume, an agent's 
 seen); in ``out``:
 
 - ``metrics.jsonl``: one JSON object per step (``step``, ``reward``, ``response_length``, ``wall_s`` and every
-  metric of verl's and aglverl's for that step);
+  metric of verl's and aglverl's for that step). Every figure is the step's own except ``wall_s`` (seconds
+  since the run started): ``proxy/*`` count what the proxy did since the previous step (validation's calls
+  included), ``step/generated_tokens`` the tokens of the step, so a column plots per step as it is;
 - ``train.log``: everything verl, Ray and TransferQueue print or log in this process meanwhile (verl's console
   logger prints ~200 metrics a step), and the warnings Python raises;
 - ``reward.png``: the mean training reward per step (with ``plot``).

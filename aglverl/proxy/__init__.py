@@ -132,7 +132,10 @@ import circle):
   a try, the upstream session.
 - :mod:`~aglverl.proxy.gate` — :class:`~aglverl.proxy.gate.Gate`: pause / hold / resume, the weight version,
   the calls in flight and the drain, every wait at the gate.
-- The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (settings, :class:`RetryPolicy`),
+- :mod:`~aglverl.proxy.control` — :class:`~aglverl.proxy.control.ProxyControl`, what the daemon needs of a proxy:
+  :class:`LLMProxy` and the shards' driver (:class:`~aglverl.proxy.shards.ProxyShards`) both implement it.
+- The vocabulary below them (no part of theirs): :mod:`~aglverl.proxy.config` (the settings as one frozen
+  :class:`~aglverl.proxy.config.ProxyConfig` every part holds, :class:`RetryPolicy`),
   :mod:`~aglverl.proxy.meters` (the series), :mod:`~aglverl.proxy.call` (the call, :class:`ProxyError`, header
   forwarding), :mod:`~aglverl.proxy.dialect` (what a backend speaks: ids, aborts, continuations, prompt ids,
   the render route, errors, versions, health and model listing; vLLM and the embedded engine, pure),
@@ -152,7 +155,8 @@ from .call import forward_headers as forward_headers
 from .capture import CAPTURED_PATHS
 from .capture import Capture as Capture
 from .capture import ChoiceCapture as ChoiceCapture
-from .config import UPSTREAM_KEEPALIVE, RetryPolicy, SamplingMismatch
+from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch
+from .control import ProxyControl
 from .dialect import CONTEXT_REFUSAL, CONTINUED_FIELDS, DIALECTS, WEIGHT_VERSION_HEADER, Dialect
 from .overload import LagStatistics, Overload, OverloadPolicy
 from .pool import (
@@ -190,6 +194,8 @@ __all__ = [
     "Outcome",
     "Overload",
     "OverloadPolicy",
+    "ProxyConfig",
+    "ProxyControl",
     "ProxyError",
     "RetryPolicy",
     "SamplingMismatch",

@@ -32,7 +32,7 @@ from ..store.tasks import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
 from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS
-from .config import ProxyConfig
+from .config import ProxyConfig, SamplingOf
 from .dialect import DEFAULT
 from .gate import Gate
 from .meters import Meters
@@ -108,9 +108,16 @@ class Admission:
     """Checks and reads a request into its call (see the module docstring)."""
 
     def __init__(
-        self, config: ProxyConfig, store: ProxyStore, gate: Gate, meters: Meters, token_in: TokenIn | None
+        self,
+        config: ProxyConfig,
+        store: ProxyStore,
+        gate: Gate,
+        meters: Meters,
+        token_in: TokenIn | None,
+        sampling_of: SamplingOf | None = None,
     ) -> None:
         self.config = config
+        self.sampling_of = sampling_of
         self.store = store
         self.gate = gate
         self.meters = meters
@@ -228,8 +235,8 @@ class Admission:
         ``off_policy`` under ``"mask"``.
         """
         expected = (
-            self.config.sampling_of(call.rollout_id)
-            if self.config.sampling_of is not None and call.rollout_id
+            self.sampling_of(call.rollout_id)
+            if self.sampling_of is not None and call.rollout_id
             else None
         )
         if not expected:

@@ -22,11 +22,12 @@ and counted (:meth:`LLMProxy._run`), the public API (which hands on to the parts
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack, get_args
 
 import anyio
 from aiohttp import web
@@ -36,8 +37,9 @@ from .._net import HttpListener
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
-from .call import Call, ProxyError
-from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
+from .call import Call, Outcome, ProxyError
+from .config import ProxyConfig, ProxySettings, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
+from .control import APPLIED, Applied
 from .gate import Gate
 from .meters import Meters
 from .overload import Overload
@@ -48,6 +50,7 @@ from .respond import Responder
 from .resume import Resumer
 from .session import Sessions
 from .store_view import ProxyStore
+from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 from .tokenin import TokenIn
 
 logger = logging.getLogger(__name__)
@@ -59,8 +62,9 @@ _CLOSE_TIMEOUT = 1.0
 class LLMProxy:
     """Token-recording reverse proxy in front of OpenAI-compatible backends (see :mod:`aglverl.proxy`).
 
-    Serve it with ``await tg.start(proxy.serve)``; :attr:`url` is valid once ``start`` returns.
-    ``token``: when set, every request needs ``Authorization: Bearer <token>`` (an OpenAI client's
+    Serve it with ``await tg.start(proxy.serve)``; :attr:`url` is valid once ``start`` returns. Its settings
+    come as ``config`` (a :class:`~aglverl.proxy.config.ProxyConfig`, handed whole to every part) or as that
+    value's fields in keywords (``LLMProxy(store, pause_timeout=30)``), not both. ``token``: when set, every request needs ``Authorization: Bearer <token>`` (an OpenAI client's
     ``api_key``); it is never logged nor forwarded. ``backend_api_key``: sent to the backends as a bearer token
     (they never see the agents' credentials). ``max_request_bytes``/``max_response_bytes`` bound bodies;
     ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
@@ -81,8 +85,9 @@ class LLMProxy:
     text (and multi-turn rows drift wherever the chat template re-renders the history differently).
     :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
 
-    Each setting is also an attribute (``proxy.pause_timeout``), read by the parts at each use: a change holds
-    from the next call on.
+    Each setting is also a read-only attribute (``proxy.pause_timeout``); :meth:`reconfigure` hands every part
+    a new config at once (assigning an attribute raises ``AttributeError`` saying so). The proxy implements
+    :class:`~aglverl.proxy.control.ProxyControl`, as its shards' driver does.
     """
 
     host = _Setting[str]()
@@ -98,60 +103,29 @@ class LLMProxy:
     shutdown_grace = _Setting[float]()
     upstream_keepalive = _Setting[float]()
     request_logprobs = _Setting[bool]()
-    sampling_of = _Setting[SamplingOf | None]()
     sampling_mismatch = _Setting[SamplingMismatch]()
 
     def __init__(
         self,
         store: ProxyStore,
+        config: ProxyConfig | None = None,
         *,
         backends: Sequence[str] = (),
-        host: str = "127.0.0.1",
-        port: int = 0,
         registry: Registry | None = None,
-        retry: RetryPolicy = RetryPolicy(),  # noqa: B008  # frozen: one shared default instance is safe
-        request_timeout: float = 600.0,
-        connect_timeout: float = 5.0,
-        token: str | None = None,
-        max_request_bytes: int = 32 << 20,
-        max_response_bytes: int = 256 << 20,
-        eject_seconds: float = 5.0,
-        pause_timeout: float = 600.0,
-        hold_timeout: float | None = None,
-        shutdown_grace: float = 5.0,
-        backend_api_key: str | None = None,
-        upstream_keepalive: float = UPSTREAM_KEEPALIVE,
-        request_logprobs: bool = False,
         sampling_of: SamplingOf | None = None,
-        sampling_mismatch: SamplingMismatch = "refuse",
-        token_in: bool = True,
+        **settings: Unpack[ProxySettings],
     ) -> None:
-        config = self._config = ProxyConfig(
-            host=host,
-            port=port,
-            retry=retry,
-            request_timeout=request_timeout,
-            connect_timeout=connect_timeout,
-            max_request_bytes=max_request_bytes,
-            max_response_bytes=max_response_bytes,
-            eject_seconds=eject_seconds,
-            pause_timeout=pause_timeout,
-            hold_timeout=pause_timeout if hold_timeout is None else hold_timeout,
-            shutdown_grace=shutdown_grace,
-            upstream_keepalive=upstream_keepalive,
-            request_logprobs=request_logprobs,
-            sampling_of=sampling_of,
-            sampling_mismatch=sampling_mismatch,
-            auth=None if token is None else f"Bearer {token}".encode(),
-            backend_auth=None if backend_api_key is None else f"Bearer {backend_api_key}",
-        )
+        if config is not None and settings:
+            raise TypeError(f"LLMProxy takes config or its settings as keywords, not both: {', '.join(settings)}")
+        config = self._config = config if config is not None else ProxyConfig.from_settings(**settings)
+        self._sampling_of = sampling_of
         self._store = store
         self.registry = registry or Registry()
         meters = self._meters = Meters(self.registry)
         # The parts, each holding what it uses.
         gate = self._gate = Gate(config, meters)
         pool = self._pool = Pool(config, meters, backends)
-        sessions = Sessions() if token_in else None
+        sessions = Sessions() if config.token_in else None
         recorder = self._recorder = Recorder(store, meters, sessions)
         responder = Responder(recorder)
         resumer = Resumer(config, pool, gate, recorder, responder, meters)
@@ -161,7 +135,11 @@ class LLMProxy:
         self.token_in: TokenIn | None = (
             None if sessions is None else TokenIn(config, pool, self._relay, meters, sessions)
         )
-        self._admission = Admission(config, store, gate, meters, self.token_in)
+        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of)
+        # every part that holds the config, for reconfigure()
+        self._parts: tuple[Any, ...] = tuple(
+            p for p in (gate, pool, resumer, self._relay, self.token_in, self._admission) if p is not None
+        )
         # The series, under the names the daemon and tests read them by.
         self.m_calls: Counter = meters.calls
         self.m_retries: Counter = meters.retries
@@ -185,6 +163,34 @@ class LLMProxy:
         self._url: str | None = None
 
     # ------------------------------------------------------------------ public API
+    @property
+    def config(self) -> ProxyConfig:
+        """The settings every part reads when it uses one (each is also an attribute: ``proxy.pause_timeout``)."""
+        return self._config
+
+    def reconfigure(self, **changes: Any) -> ProxyConfig:
+        """Run on other settings from now on (``proxy.reconfigure(pause_timeout=1.0)``): a new
+        :class:`ProxyConfig` with ``changes`` goes to every part at once; returns it.
+
+        A setting holds from its next use: a wait already running keeps its deadline, and what the proxy reads
+        when it starts serving (``host``, ``port``, ``max_request_bytes``, the upstream session's
+        ``request_timeout``, ``connect_timeout`` and ``upstream_keepalive``) holds from its next :meth:`serve`.
+        An unknown name is a ``TypeError``; ``token_in``, read when the proxy is built, cannot change
+        (``ValueError``).
+        """
+        config = dataclasses.replace(self._config, **changes)
+        if config.token_in != self._config.token_in:
+            raise ValueError("token_in is read when the proxy is built: make a new LLMProxy to change it")
+        self._config = config
+        for part in self._parts:
+            part.config = config
+        return config
+
+    @property
+    def sampling_of(self) -> SamplingOf | None:
+        """``sampling_of(rollout_id)``: the sampling parameters the rollout's trainer expects (``None``: none)."""
+        return self._sampling_of
+
     @property
     def store(self) -> ProxyStore:
         """The store the proxy admits calls against and records them in."""
@@ -238,23 +244,27 @@ class LLMProxy:
         """
         await self._gate.pause()
 
-    def hold(self) -> None:
+    def hold(self) -> Applied:
         """Hold new calls, without draining the calls in flight: they go on (the asynchronous trainer modes).
 
         From now until :meth:`resume`, a new call waits (up to ``pause_timeout``, then a 503) as during
         :meth:`pause`, and so does the continuation of a generation a backend aborts meanwhile (the trainer
         aborts the engines' generations to swap their weights): it continues under the new weights once
-        :meth:`resume` is called, and its agent sees one uninterrupted answer. Idempotent; returns at once.
+        :meth:`resume` is called, and its agent sees one uninterrupted answer. Idempotent; applied at once, and
+        returns :data:`~aglverl.proxy.control.APPLIED` (awaitable, as :class:`ProxyControl` has it).
         """
         self._gate.hold()
+        return APPLIED
 
-    def resume(self, weight_version: int | None = None) -> None:
+    def resume(self, weight_version: int | None = None) -> Applied:
         """End a pause or a hold: waiting calls go on, and so do aborted generations waiting to continue.
 
         ``weight_version`` becomes the proxy's version (default: the current one + 1), recorded on calls whose
-        backend reports none (``X-Weight-Version``).
+        backend reports none (``X-Weight-Version``). Applied at once; returns
+        :data:`~aglverl.proxy.control.APPLIED`.
         """
         self._gate.resume(weight_version)
+        return APPLIED
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
@@ -277,6 +287,36 @@ class LLMProxy:
     def activity(self) -> ActivityTimeline:
         """When calls were in flight: the backends' busy time as the proxy sees it."""
         return self._gate.activity
+
+    async def refresh(self) -> None:
+        """Nothing to fetch: the figures of a proxy in this process are always current (:class:`ProxyControl`)."""
+
+    def counters(self) -> dict[str, float]:
+        """The cumulative counters since start, under the ``proxy/*`` names a trainer logs, and the event loop's
+        lag now (:data:`~aglverl.proxy.control.GAUGES`: a reading, not a count)."""
+        counters = {f"proxy/calls_{outcome}": self.m_calls.value(outcome) for outcome in get_args(Outcome)}
+        counters["proxy/retries"] = self.m_retries.value()
+        counters["proxy/backend_ejections"] = self.m_ejections.value()
+        counters["proxy/calls_without_token_ids"] = self.m_no_ids.value()
+        counters["proxy/calls_unrecorded"] = self.m_unrecorded.value()
+        counters["proxy/held_calls"] = self.m_held.value()
+        counters["proxy/resumed"] = self.m_resumed.value()
+        counters["proxy/continuations"] = self.m_continuations.value()
+        counters["proxy/regenerated"] = self.m_regenerated.value()
+        for reason in ("unsupported", "refused"):
+            counters[f"proxy/resume_failures_{reason}"] = self.m_resume_failed.value(reason)
+        overload = self.overload
+        counters["proxy/calls_shed"] = overload.m_shed.value()
+        counters["proxy/loop_overloaded_seconds"] = overload.m_overloaded.value()
+        counters["proxy/loop_lag_seconds"] = overload.lag  # a reading (GAUGES), not a count
+        if self.token_in is not None:
+            for outcome in TOKEN_IN_OUTCOMES:
+                counters[f"proxy/token_in_{outcome}"] = self.token_in.m_calls.value(outcome)
+        return counters
+
+    def generated_tokens(self) -> float:
+        """Response token ids recorded since start."""
+        return self.m_generated.value()
 
     @property
     def paused(self) -> bool:

@@ -1,10 +1,12 @@
-"""The proxy's settings, one object every part reads as it goes, and the retry policy.
+"""The proxy's settings as one frozen value every part holds, and the retry policy.
 
-:class:`ProxyConfig` holds what :class:`~aglverl.proxy.LLMProxy` was configured with (timeouts, limits, the
-agents' token, the backends' key, the sampling rule). The parts hold the same instance and read a setting when
-they use it, so a setting changed on the proxy (``proxy.pause_timeout = 1.0``, through :class:`_Setting`) holds
-for every part from the next use on. Nothing here awaits anything or does I/O; constructing a config with a
-``sampling_mismatch`` other than ``"refuse"`` or ``"mask"`` raises ``ValueError``.
+:class:`ProxyConfig` holds what :class:`~aglverl.proxy.LLMProxy` is configured with (timeouts, limits, the
+agents' token, the backends' key, the sampling rule, token-in chat); the proxy hands the same value to each part
+that uses it (the gate, the pool, the relay, the resumer, token-in, the admission), as ``uvicorn.Config`` is
+handed to its ``Server``, and a proxy shard gets it whole in its Ray actor. It never changes: a proxy that must
+run on other settings gets a new value (:meth:`LLMProxy.reconfigure <aglverl.proxy.LLMProxy.reconfigure>`), which
+it hands to every part. Nothing here awaits anything or does I/O; a ``sampling_mismatch`` other than
+``"refuse"`` or ``"mask"`` raises ``ValueError`` at construction.
 
 :class:`RetryPolicy` is data kept apart from the code that retries (:class:`~aglverl.proxy.relay.Relay` and the
 resumption of aborted generations read it).
@@ -14,14 +16,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeVar, overload
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, Unpack, overload
 
-__all__ = ["UPSTREAM_KEEPALIVE", "ProxyConfig", "RetryPolicy", "SamplingMismatch", "SamplingOf"]
+__all__ = ["UPSTREAM_KEEPALIVE", "ProxyConfig", "ProxySettings", "RetryPolicy", "SamplingMismatch", "SamplingOf"]
 
 #: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
 #: drops an idle connection before the server does and never sends a request into one being closed.
 UPSTREAM_KEEPALIVE = 4.0
+
+#: The default of ``pause_timeout`` and of ``hold_timeout`` (seconds).
+PAUSE_TIMEOUT = 600.0
 
 SamplingMismatch = Literal["refuse", "mask"]
 #: ``sampling_of(rollout_id)``: the sampling parameters a rollout's trainer expects (``None``: unchecked).
@@ -57,47 +62,88 @@ class RetryPolicy:
         return delay * (1.0 - self.jitter * random.random())
 
 
-@dataclass(slots=True, kw_only=True, eq=False)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ProxyConfig:
-    """What the proxy was configured with (see :class:`~aglverl.proxy.LLMProxy` for each setting's meaning).
+    """What the proxy is configured with (see :class:`~aglverl.proxy.LLMProxy` for each setting's meaning).
 
-    ``auth`` is the header value agents must send (``Bearer <token>``, bytes, compared in constant time; ``None``:
-    no token); ``backend_auth`` the ``Authorization`` value sent to the backends (``None``: none).
+    ``token`` and ``backend_api_key`` are kept out of the value's ``repr``. Derived at construction: ``auth``,
+    the header value agents must send (``Bearer <token>``, bytes, compared in constant time; ``None``: no
+    token), and ``backend_auth``, the ``Authorization`` value sent to the backends (``None``: none).
+    ``hold_timeout`` here is its own setting (default 600 s); the keywords of ``LLMProxy`` and ``AgentDaemon``
+    read a ``hold_timeout`` left out or ``None`` as ``pause_timeout`` (:meth:`from_settings`).
     """
 
     host: str = "127.0.0.1"
     port: int = 0
+    token: str | None = field(default=None, repr=False)
+    backend_api_key: str | None = field(default=None, repr=False)
     retry: RetryPolicy = RetryPolicy()  # frozen: one shared default instance is safe
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     max_request_bytes: int = 32 << 20
     max_response_bytes: int = 256 << 20
     eject_seconds: float = 5.0
-    pause_timeout: float = 600.0
-    hold_timeout: float = 600.0
+    pause_timeout: float = PAUSE_TIMEOUT
+    hold_timeout: float = PAUSE_TIMEOUT
     shutdown_grace: float = 5.0
     upstream_keepalive: float = UPSTREAM_KEEPALIVE
     request_logprobs: bool = False
-    sampling_of: SamplingOf | None = None
     sampling_mismatch: SamplingMismatch = "refuse"
-    auth: bytes | None = None
-    backend_auth: str | None = None
+    token_in: bool = True
+    auth: bytes | None = field(init=False, repr=False, compare=False)
+    backend_auth: str | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.sampling_mismatch not in ("refuse", "mask"):
             raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {self.sampling_mismatch!r}")
+        object.__setattr__(self, "auth", None if self.token is None else f"Bearer {self.token}".encode())
+        key = self.backend_api_key
+        object.__setattr__(self, "backend_auth", None if key is None else f"Bearer {key}")
+
+    @classmethod
+    def from_settings(cls, **settings: Unpack[ProxySettings]) -> ProxyConfig:
+        """The config the keywords of :class:`~aglverl.proxy.LLMProxy` (and ``AgentDaemon``'s proxy keywords)
+        describe: as the constructor, except that a ``hold_timeout`` left out or ``None`` is ``pause_timeout``."""
+        values: dict[str, Any] = dict(settings)
+        if values.get("hold_timeout") is None:
+            values["hold_timeout"] = values.get("pause_timeout", PAUSE_TIMEOUT)
+        return cls(**values)
+
+
+class ProxySettings(TypedDict, total=False):
+    """:class:`ProxyConfig`'s fields as keywords (``LLMProxy(store, pause_timeout=30)``)."""
+
+    host: str
+    port: int
+    token: str | None
+    backend_api_key: str | None
+    retry: RetryPolicy
+    request_timeout: float
+    connect_timeout: float
+    max_request_bytes: int
+    max_response_bytes: int
+    eject_seconds: float
+    pause_timeout: float
+    hold_timeout: float | None
+    shutdown_grace: float
+    upstream_keepalive: float
+    request_logprobs: bool
+    sampling_mismatch: SamplingMismatch
+    token_in: bool
 
 
 class _Configured(Protocol):
-    _config: ProxyConfig
+    @property
+    def config(self) -> ProxyConfig: ...
 
 
 T = TypeVar("T")
 
 
 class _Setting(Generic[T]):
-    """A setting of :class:`ProxyConfig` as an attribute of the object that holds the config (as ``_config``):
-    reading and writing go to the config, so that every part holding it sees a change at once."""
+    """A setting of the :class:`ProxyConfig` an object holds (as ``config``), read as an attribute of the object
+    (``proxy.pause_timeout``). Assigning one raises ``AttributeError`` naming the way to change it: the config
+    is frozen, and a new one goes to every part at once (``proxy.reconfigure(pause_timeout=...)``)."""
 
     __slots__ = ("name",)
 
@@ -113,8 +159,11 @@ class _Setting(Generic[T]):
     def __get__(self, obj: _Configured | None, owner: type) -> T | _Setting[T]:
         if obj is None:
             return self
-        value: T = getattr(obj._config, self.name)
+        value: T = getattr(obj.config, self.name)
         return value
 
     def __set__(self, obj: _Configured, value: T) -> None:
-        setattr(obj._config, self.name, value)
+        raise AttributeError(
+            f"{self.name} is a setting of the proxy's frozen ProxyConfig: use "
+            f"proxy.reconfigure({self.name}=...) to change it for every part at once"
+        )

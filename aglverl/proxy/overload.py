@@ -27,7 +27,7 @@ Exposed: :attr:`Overload.lag` (seconds, the moving average) and :meth:`Overload.
 lateness), the counters ``aglverl_proxy_loop_overloaded_seconds_total`` (time the lag was over the limit,
 refusing or not) and ``aglverl_proxy_calls_shed_total`` (calls answered 429); the trainer's step metrics get
 them as ``proxy/loop_lag_seconds``, ``proxy/loop_overloaded_seconds`` and ``proxy/calls_shed``
-(:func:`~aglverl.proxy.shard.counters_of`).
+(:meth:`LLMProxy.counters <aglverl.proxy.LLMProxy.counters>`).
 
 The policy (:class:`OverloadPolicy`, frozen) is read at each probe and check: ``proxy.overload.policy =
 OverloadPolicy(max_lag=0.5)`` holds from the next call on; ``OverloadPolicy(refuse=False)`` measures and

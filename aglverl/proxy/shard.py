@@ -29,6 +29,7 @@ rollout ended is a 409; anything else a 404 (never forwarded).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -36,22 +37,19 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import anyio
 
 from ..metrics import Registry
 from ..store.tasks import LLMCall, StepEnded, UnknownAttempt, UnknownRollout
 from .app import LLMProxy
-from .call import Outcome
-from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
+from .config import ProxyConfig
 
-__all__ = ["GAUGES", "GateOp", "ProxyShard", "ShardRestarted", "ShardTable", "boot_id", "counters_of"]
+__all__ = ["GateOp", "ProxyShard", "ShardRestarted", "ShardTable", "boot_id"]
 
 logger = logging.getLogger(__name__)
 
-#: Of :func:`counters_of`'s figures, those that are readings, not counts: shards report their largest, not a sum.
-GAUGES = frozenset({"proxy/loop_lag_seconds"})
 #: How many ended attempts a shard remembers, to answer their late calls with a 409 rather than a 404.
 _ENDED = 100_000
 
@@ -65,30 +63,6 @@ class ShardRestarted(RuntimeError):
     """A table change or a take meant for an earlier incarnation of this shard (the process died and Ray
     restarted it before the driver noticed): refused, so that the driver voids that incarnation's attempts
     instead of reading an empty table as "no calls"."""
-
-
-def counters_of(proxy: LLMProxy) -> dict[str, float]:
-    """A proxy's cumulative counters, under the ``proxy/*`` names a trainer logs (one process's share), and its
-    event loop's lag now (:data:`GAUGES`: a reading, not a count)."""
-    counters = {f"proxy/calls_{outcome}": proxy.m_calls.value(outcome) for outcome in get_args(Outcome)}
-    counters["proxy/retries"] = proxy.m_retries.value()
-    counters["proxy/backend_ejections"] = proxy.m_ejections.value()
-    counters["proxy/calls_without_token_ids"] = proxy.m_no_ids.value()
-    counters["proxy/calls_unrecorded"] = proxy.m_unrecorded.value()
-    counters["proxy/held_calls"] = proxy.m_held.value()
-    counters["proxy/resumed"] = proxy.m_resumed.value()
-    counters["proxy/continuations"] = proxy.m_continuations.value()
-    counters["proxy/regenerated"] = proxy.m_regenerated.value()
-    for reason in ("unsupported", "refused"):
-        counters[f"proxy/resume_failures_{reason}"] = proxy.m_resume_failed.value(reason)
-    overload = proxy.overload
-    counters["proxy/calls_shed"] = overload.m_shed.value()
-    counters["proxy/loop_overloaded_seconds"] = overload.m_overloaded.value()
-    counters["proxy/loop_lag_seconds"] = overload.lag
-    if proxy.token_in is not None:
-        for outcome in TOKEN_IN_OUTCOMES:
-            counters[f"proxy/token_in_{outcome}"] = proxy.token_in.m_calls.value(outcome)
-    return counters
 
 
 def boot_id() -> str:
@@ -204,10 +178,9 @@ class ShardTable:
 class ProxyShard:
     """One proxy shard's process (the driver makes it a Ray actor: ``ray.remote(ProxyShard)``).
 
-    ``index``: the shard's number (labels, messages); ``vocab_size``: bound for recorded ids;
-    ``proxy_options``: :class:`~aglverl.proxy.LLMProxy`'s keyword arguments but ``store``, ``host``, ``port``,
-    ``registry`` and ``sampling_of``, which are the shard's own. ``host``: the address to serve on (``None``:
-    the node's address as Ray reports it). ``freeze_gc``: as :class:`~aglverl.daemon.AgentDaemon`'s.
+    ``index``: the shard's number (labels, messages); ``vocab_size``: bound for recorded ids; ``config``: the
+    proxy's settings (:class:`~aglverl.proxy.config.ProxyConfig`), but its address: the shard serves on ``host``
+    (``None``: the node's address as Ray reports it) and a port of its own. ``freeze_gc``: as :class:`~aglverl.daemon.AgentDaemon`'s.
     Every method runs on the actor's event loop (uvloop in a Ray worker that has it).
     """
 
@@ -216,7 +189,7 @@ class ProxyShard:
         index: int,
         *,
         vocab_size: int | None = None,
-        proxy_options: Mapping[str, Any] | None = None,
+        config: ProxyConfig | None = None,
         host: str | None = None,
         freeze_gc: bool = True,
     ) -> None:
@@ -231,11 +204,9 @@ class ProxyShard:
         self.table = ShardTable(vocab_size, index)
         self.proxy = LLMProxy(
             self.table,
-            host=host,
-            port=0,
+            dataclasses.replace(config or ProxyConfig(), host=host, port=0),
             registry=self.registry,
             sampling_of=self.table.sampling_of,
-            **dict(proxy_options or {}),
         )
         self.table.forget = self.proxy.forget
         self.registry.gauge(
@@ -361,7 +332,7 @@ class ProxyShard:
         now = time.monotonic()
         return {
             "incarnation": self.incarnation,
-            "counters": counters_of(self.proxy),
+            "counters": self.proxy.counters(),
             "generated": self.proxy.m_generated.value(),
             "busy": self.proxy.activity.busy_intervals(since, now),
             "now": now,

@@ -55,7 +55,9 @@ from anyio.abc import TaskGroup, TaskStatus
 from ..metrics import Registry
 from ..models import LLM, ProxyLLM, ResourcesUpdate
 from ..store.tasks import AttemptLost, LLMCall, TaskStore
-from .shard import GAUGES, GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
+from .config import ProxyConfig
+from .control import GAUGES
+from .shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
 
 __all__ = [
     "SHARD_MAX_RESTARTS",
@@ -207,11 +209,13 @@ class ProxyShards:
     :class:`~aglverl.store.tasks.AttemptPinning`. Serve it with ``await tg.start(shards.serve)`` on the store's loop,
     with Ray initialised in this process.
 
+    ``config``: the shards' settings (:class:`~aglverl.proxy.config.ProxyConfig`: policy, token, timeouts...;
+    each shard serves on its node's address and a port of its own), handed whole to every shard.
     ``backends``: every inference server; ``backend_nodes`` (backend URL -> Ray node id) places the shards
-    beside them and gives each the backends of its node. ``proxy_options``: the shards' :class:`LLMProxy`
-    keyword arguments (policy, token, timeouts...); ``sampling_of(rollout_id)``: the sampling parameters sent
-    with each admission. ``registry``: where the driver's own figures go (restarts, round trips).
+    beside them and gives each the backends of its node. ``sampling_of(rollout_id)``: the sampling parameters
+    sent with each admission. ``registry``: where the driver's own figures go (restarts, round trips).
     :attr:`take_timeout` bounds a take of an attempt's records (:meth:`take`); set it on the instance.
+    Implements :class:`~aglverl.proxy.control.ProxyControl`, as the proxy in this process does.
     """
 
     #: Seconds a take of an attempt's records may take before the attempt is void (:meth:`take`).
@@ -220,11 +224,11 @@ class ProxyShards:
     def __init__(
         self,
         store: TaskStore,
+        config: ProxyConfig | None = None,
         *,
         count: ShardCount,
         backends: Sequence[str] = (),
         backend_nodes: Mapping[str, str] | None = None,
-        proxy_options: Mapping[str, Any] | None = None,
         sampling_of: Callable[[str], Mapping[str, Any] | None] | None = None,
         registry: Registry | None = None,
         freeze_gc: bool = True,
@@ -234,7 +238,7 @@ class ProxyShards:
         self.count = check_shard_count(count)
         self.backend_list = list(backends)
         self.backend_nodes = dict(backend_nodes or {})
-        self.proxy_options = dict(proxy_options or {})
+        self.config = config or ProxyConfig()
         self.sampling_of = sampling_of
         self.freeze_gc = freeze_gc
         self.max_restarts = max_restarts
@@ -298,7 +302,7 @@ class ProxyShards:
                     max_restarts=self.max_restarts,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 ).remote(
-                    index, vocab_size=self.store.vocab_size, proxy_options=self.proxy_options, freeze_gc=self.freeze_gc
+                    index, vocab_size=self.store.vocab_size, config=self.config, freeze_gc=self.freeze_gc
                 )
                 self.shards.append(_Shard(index, node, actor, self._backends_of(node)))
             async with anyio.create_task_group() as tg:
@@ -738,7 +742,7 @@ class ProxyShards:
 
     def counters(self) -> dict[str, float]:
         """Every shard's ``proxy/*`` counters summed (earlier incarnations included), as of :meth:`refresh`; a
-        reading (the loop's lag, :data:`~aglverl.proxy.shard.GAUGES`) is the largest shard's."""
+        reading (the loop's lag, :data:`~aglverl.proxy.control.GAUGES`) is the largest shard's."""
         total: dict[str, float] = {}
         for shard in self.shards:
             _add(total, shard.retired)

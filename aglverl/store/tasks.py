@@ -17,43 +17,60 @@ attempt are kept, the others discarded; a failed rollout keeps its last attempt'
 learn from them, see ``SignalConfig``). Why a rollout failed (``agent_error``, ``lease_expired``,
 ``step_timeout``) is decided and recorded here, as is the reason an agent declares for a result.
 
-With proxy shards (:attr:`TaskStore.pinning`, an :class:`AttemptPinning`: :class:`aglverl.proxy.shards.ProxyShards`)
-the calls of an attempt are admitted and recorded in another process. Then a claim pins the attempt to a shard
-(the task's ``resources_id`` names that shard's copy of its resources) and :meth:`TaskStore.claim` returns the
-task once the shard admits the attempt; :meth:`TaskStore.accept_result` takes the attempt's records from its
-shard before the result is accepted; a rollout that fails keeps its last attempt's records, taken before its
-waiters hear of it; an attempt whose shard died is void (:meth:`TaskStore.attempts_lost`: retried as after a
-lease expiry, its late result refused with :class:`AttemptLost`).
+With proxy shards (:attr:`TaskStore.pinning`) an attempt's calls are recorded in another process: see
+:class:`~aglverl.store.ports.AttemptPinning`. The rollout's records, its journal records, the errors, the
+leases, the parked agents and the resource versions have modules of their own in this package.
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import logging
 import math
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Unpack
 
 import anyio
-import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 from ..metrics import Registry
 from ..models import Mode, NamedResources, ResourcesUpdate, Rollout, Task, TerminationReason
+from .config import StoreConfig, StoreSettings
+from .entry import Entry, Group
+from .errors import (
+    AlreadyFinished,
+    AttemptLost,
+    InvalidResult,
+    StepEnded,
+    StoreClosed,
+    StoreError,
+    UnknownAttempt,
+    UnknownRollout,
+)
+from .leases import LeaseItem, Leases
+from .ports import AttemptPinning, Journal
+from .records import TERMINAL, LLMCall, RolloutRecord, RolloutState, check_token_ids
+from .resources import ResourceVersions
+from .waiters import Waiters
 
+# The records, errors and ports live in their own modules; they are re-exported here, where callers have
+# always imported them from.
 __all__ = [
+    "TERMINAL",
     "AlreadyFinished",
     "AttemptLost",
     "AttemptPinning",
     "InvalidResult",
+    "Journal",
     "LLMCall",
     "RolloutRecord",
+    "RolloutState",
     "StepEnded",
     "StoreClosed",
+    "StoreConfig",
     "StoreError",
     "TaskStore",
     "UnknownAttempt",
@@ -62,13 +79,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RolloutState = Literal["queued", "claimed", "completed", "failed"]
-TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
-
 #: How many ids of released (handed-over) rollouts are remembered, to tell a late post from an unknown id.
 _TOMBSTONES = 100_000
-#: Stale lease-heap entries tolerated (beyond twice the live claims) before the heap is rebuilt.
-_LEASE_SLACK = 4096
 #: The termination reason of a rollout whose last attempt failed this way (keys: requeue metric labels).
 _TERMINATION_OF: Mapping[str, TerminationReason] = {
     "agent_failed": "agent_error",
@@ -76,222 +88,6 @@ _TERMINATION_OF: Mapping[str, TerminationReason] = {
     "shard_lost": "lease_expired",  # the attempt's recorded calls vanished with their proxy shard
 }
 RetryReason = Literal["agent_failed", "lease_expired", "shard_lost"]
-
-
-class StoreError(Exception):
-    """A request the store refuses; ``status`` is the HTTP status the server answers with."""
-
-    status = 400
-
-
-class UnknownRollout(StoreError):
-    status = 404
-
-
-class UnknownAttempt(StoreError):
-    status = 404
-
-
-class StepEnded(StoreError):
-    """The rollout's step already ended and its results were handed over; nothing can change it now."""
-
-    status = 409
-
-
-class AlreadyFinished(StoreError):
-    """A different result for a rollout that already finished: ignored (an identical resend is acknowledged)."""
-
-    status = 409
-
-
-class InvalidResult(StoreError):
-    status = 422
-
-
-class AttemptLost(StoreError):
-    """The attempt is void: the proxy shard that recorded its calls died (its rollout was retried)."""
-
-    status = 409
-
-
-class StoreClosed(StoreError):
-    status = 503
-
-
-@dataclass(slots=True)
-class LLMCall:
-    """One LLM call (one choice of it) recorded by the proxy under a rollout attempt.
-
-    ``prompt_token_ids``/``response_token_ids`` are exactly what the backend returned; ``None`` when the
-    backend sent none (the call is kept and counted, never given invented ids). ``logprobs`` are the engine's,
-    one per response id, or ``None``. ``limit`` is the limit that ended the response, as the proxy decided
-    it: ``"max_tokens"`` (the engine stopped at the request's ``max_tokens``), ``"context"`` (the backend
-    refused the prompt as too long, or stopped at its context window); ``None`` when the model ended the
-    response itself or the call failed for another reason. ``sampling`` holds the sampling parameters the call
-    was made with after the proxy filled in the trainer's (``None``: the proxy did not check them);
-    ``off_policy`` is true when the agent set different ones and the proxy kept the call (its row must not
-    train). ``weight_version`` is the version of the weights the response's first token was generated under,
-    ``weight_version_end`` that of its last token: they differ when a backend aborted the generation for a
-    weight update and the proxy continued it under the new weights. Both are the backend's own report
-    (``X-Weight-Version``) when it sends one, else the proxy's version when the call (or its continuation) was
-    sent. ``weight_version_end`` left ``None`` (records journaled before it existed) becomes
-    ``weight_version``.
-    """
-
-    rollout_id: str | None
-    attempt_id: str | None
-    seq: int
-    path: str
-    backend: str
-    started_at: float
-    latency: float = 0.0
-    status: Literal["ok", "failed"] = "ok"
-    error: str | None = None
-    choice_index: int = 0
-    model: str | None = None
-    weight_version: int = 0
-    prompt_token_ids: list[int] | None = None
-    response_token_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    finish_reason: str | None = None
-    limit: Literal["max_tokens", "context"] | None = None
-    sampling: dict[str, float] | None = None
-    off_policy: bool = False
-    weight_version_end: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.weight_version_end is None:
-            self.weight_version_end = self.weight_version
-
-    @property
-    def has_token_ids(self) -> bool:
-        return self.prompt_token_ids is not None and self.response_token_ids is not None
-
-    @property
-    def last_weight_version(self) -> int:
-        """The weight version of the response's last token (``weight_version_end``, always set)."""
-        return self.weight_version if self.weight_version_end is None else self.weight_version_end
-
-
-class Journal(Protocol):
-    """Where accepted state changes are appended before they are acknowledged (see ``aglverl.journal``)."""
-
-    def write(self, record: Mapping[str, Any]) -> None: ...
-
-    def maybe_compact(self) -> None: ...
-
-    async def commit(self) -> None: ...
-
-
-class AttemptPinning(Protocol):
-    """Where attempts' calls are admitted and recorded when that is not in this process (proxy shards,
-    :class:`aglverl.proxy.shards.ProxyShards`). Called on the store's loop."""
-
-    def pin(self, rollout_id: str, attempt_id: str, resources_id: str | None) -> str | None:
-        """Pin a new attempt to a shard (its admission is sent); return the resources id its task names."""
-        ...
-
-    async def admitted(self, rollout_id: str, attempt_id: str) -> bool:
-        """Return once the attempt's shard admits it: ``True``, or ``False`` when that shard died first."""
-        ...
-
-    def unpin(self, rollout_id: str, attempt_ids: Iterable[str]) -> None:
-        """The attempts ended: revoke them (their records not taken are dropped)."""
-        ...
-
-    async def take(self, rollout_id: str, attempt_id: str) -> list[LLMCall] | None:
-        """The records of the attempt's calls so far (``None``: not pinned here); raises :class:`AttemptLost`
-        when its shard died (after :meth:`TaskStore.attempts_lost` voided it)."""
-        ...
-
-    def resources(self, resources_id: str) -> ResourcesUpdate | None:
-        """A shard's copy of a resources version, by the id :meth:`pin` gave (``None``: not one)."""
-        ...
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    remaining: int = 0
-    event: anyio.Event = field(default_factory=anyio.Event)
-
-    def one_done(self) -> None:
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.event.set()
-
-
-@dataclass(slots=True, eq=False)
-class _Waiter:
-    """An agent parked in a long-poll; :meth:`TaskStore._dispatch` hands it a claimed task directly."""
-
-    event: anyio.Event = field(default_factory=anyio.Event)
-    task: Task | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    rollout_id: str
-    input: Any
-    mode: Mode | None
-    resources_id: str | None
-    metadata: dict[str, Any]
-    create_time: float
-    owner: str | None
-    state: RolloutState = "queued"
-    attempts: list[str] = field(default_factory=list)
-    num_claims: int = 0
-    requeues: int = 0
-    last_claim_time: float | None = None
-    lease_deadline: float = math.inf
-    result: Rollout | None = None
-    result_attempt: str | None = None
-    error: str | None = None
-    termination: TerminationReason | None = None
-    calls: dict[str, list[LLMCall]] = field(default_factory=dict)
-    groups: list[_Group] = field(default_factory=list)
-    done: anyio.Event | None = None
-    since: float = 0.0  # monotonic: when queued, then when last claimed (for the latency histograms)
-    lost: set[str] | None = None  # attempts whose proxy shard died: void
-    settling: bool = False  # finished, its kept attempt's records still being taken from its shard
-
-    @property
-    def attempt_id(self) -> str | None:
-        return self.attempts[-1] if self.attempts else None
-
-    def task(self) -> Task:
-        return Task(
-            rollout_id=self.rollout_id,
-            input=self.input,
-            mode=self.mode,
-            resources_id=self.resources_id,
-            create_time=self.create_time,
-            last_claim_time=self.last_claim_time,
-            num_claims=self.num_claims,
-            metadata=self.metadata,
-            attempt_id=self.attempt_id,
-        )
-
-
-@dataclass(slots=True, frozen=True)
-class RolloutRecord:
-    """A terminal rollout as the collector sees it: the result (if any) and the winning attempt's calls.
-
-    ``calls`` of a failed rollout are its last attempt's. ``termination`` is why the rollout ended as the store
-    decided it (``agent_error``, ``lease_expired``, ``step_timeout`` for a failed rollout) or the agent
-    declared it with its result; ``None`` for a result that simply finished.
-    """
-
-    rollout_id: str
-    state: RolloutState
-    input: Any
-    metadata: dict[str, Any]
-    num_claims: int
-    requeues: int
-    result: Rollout | None
-    attempt_id: str | None
-    calls: list[LLMCall]
-    error: str | None
-    termination: TerminationReason | None = None
 
 
 def _same(a: Rollout, b: Rollout | None) -> bool:
@@ -307,35 +103,30 @@ def _new_id(prefix: str) -> str:
 class TaskStore:
     """In-memory store of tasks, attempts and results (see the module docstring for the life cycle).
 
-    ``lease_seconds`` is how long a claim lasts without a heartbeat; ``max_attempts`` how many claims a
-    rollout gets before it is failed; ``vocab_size`` (when known) bounds posted token ids.
+    ``config`` (a :class:`~aglverl.store.config.StoreConfig`), or its fields as keywords
+    (``TaskStore(lease_seconds=60)``), not both: how long a claim lasts without a heartbeat, how many claims a
+    rollout gets, the vocabulary size posted ids must fit. :meth:`reconfigure` replaces it while running.
     """
 
     def __init__(
         self,
+        config: StoreConfig | None = None,
         *,
-        lease_seconds: float = 600.0,
-        max_attempts: int = 3,
-        vocab_size: int | None = None,
         registry: Registry | None = None,
         journal: Journal | None = None,
+        **settings: Unpack[StoreSettings],
     ) -> None:
-        if lease_seconds <= 0 or max_attempts < 1:
-            raise ValueError("lease_seconds must be > 0 and max_attempts >= 1")
-        self.lease_seconds = lease_seconds
-        self.max_attempts = max_attempts
-        self.vocab_size = vocab_size
+        if config is not None and settings:
+            raise TypeError(f"TaskStore takes config or its settings as keywords, not both: {', '.join(settings)}")
+        #: The settings every method reads when it uses one (a frozen value; see :meth:`reconfigure`).
+        self.config = config if config is not None else StoreConfig(**settings)
         self.journal = journal
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._queue: deque[str] = deque()
-        self._waiters: dict[_Waiter, None] = {}  # insertion-ordered set: oldest waiter first, O(1) removal
-        self._leases: list[tuple[float, int, str, str]] = []
-        self._lease_seq = 0
-        self._rearm = anyio.Event()
-        self._frozen_at: float | None = None  # monotonic: since when the lease clock is stopped
+        self._waiters = Waiters()
+        self._leases = Leases()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
-        self._resources: dict[str, ResourcesUpdate] = {}
-        self._latest_resources: str | None = None
+        self._resources = ResourceVersions(self._journal)
         self._closed = False
         self._forget_listeners: list[Callable[[Sequence[str]], None]] = []
         self._queued_count = 0
@@ -345,6 +136,24 @@ class TaskStore:
         self._takes: dict[tuple[str, str], anyio.Event] = {}
         self._tg: TaskGroup | None = None
         self._register_metrics(registry or Registry())
+
+    @property
+    def lease_seconds(self) -> float:
+        return self.config.lease_seconds
+
+    @property
+    def max_attempts(self) -> int:
+        return self.config.max_attempts
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.config.vocab_size
+
+    def reconfigure(self, **changes: Any) -> StoreConfig:
+        """Replace settings (``store.reconfigure(lease_seconds=60)``): they hold from their next use on (a lease
+        already running keeps its deadline). Returns the new config; an unknown name is a ``TypeError``."""
+        self.config = dataclasses.replace(self.config, **changes)
+        return self.config
 
     # ------------------------------------------------------------------ metrics
     def _register_metrics(self, r: Registry) -> None:
@@ -383,12 +192,7 @@ class TaskStore:
             async with anyio.create_task_group() as tg:
                 self._tg = tg  # hosts the takes of failed rollouts' records from their proxy shards
                 while True:
-                    self._rearm = anyio.Event()
-                    frozen = self._frozen_at is not None  # no lease expires: wait for thaw_leases
-                    delay = self._leases[0][0] - time.monotonic() if self._leases and not frozen else math.inf
-                    if delay > 0:
-                        with anyio.move_on_after(delay):
-                            await self._rearm.wait()
+                    await self._leases.wait_due()
                     self._expire_due(time.monotonic())
         finally:
             self._tg = None
@@ -397,9 +201,7 @@ class TaskStore:
     def close(self) -> None:
         """Refuse new claims and wake every parked long-poll with no task."""
         self._closed = True
-        for waiter in self._waiters:
-            waiter.event.set()
-        self._waiters.clear()
+        self._waiters.close()
 
     @property
     def closed(self) -> bool:
@@ -420,7 +222,7 @@ class TaskStore:
         rollout_id = rollout_id or _new_id("rollout")
         if rollout_id in self._entries:
             raise ValueError(f"rollout id {rollout_id!r} is already queued")
-        entry = _Entry(
+        entry = Entry(
             rollout_id=rollout_id,
             input=input,
             mode=mode,
@@ -431,24 +233,12 @@ class TaskStore:
             since=time.monotonic(),
         )
         self._entries[rollout_id] = entry
-        self._journal({"kind": "task", **self._task_record(entry)})
+        self._journal(entry.task_record())
         self.m_queued.inc()
         self._push(entry, front=False)
         return rollout_id
 
-    @staticmethod
-    def _task_record(e: _Entry) -> dict[str, Any]:
-        return {
-            "rollout_id": e.rollout_id,
-            "input": e.input,
-            "mode": e.mode,
-            "resources_id": e.resources_id,
-            "metadata": e.metadata,
-            "owner": e.owner,
-            "create_time": e.create_time,
-        }
-
-    def _push(self, entry: _Entry, *, front: bool) -> None:
+    def _push(self, entry: Entry, *, front: bool) -> None:
         entry.state = "queued"
         self._queued_count += 1
         if front:
@@ -459,11 +249,7 @@ class TaskStore:
 
     def _dispatch(self) -> None:
         """Hand queued tasks straight to parked agents, oldest waiter first."""
-        while self._waiters and self._queued_count:
-            waiter = next(iter(self._waiters))
-            del self._waiters[waiter]
-            waiter.task = self._claim_next()
-            waiter.event.set()
+        self._waiters.hand_out(lambda: self._queued_count, self._claim_next)
 
     def _claim_next(self) -> Task | None:
         while self._queue:
@@ -472,7 +258,7 @@ class TaskStore:
                 return self._start_attempt(entry)
         return None
 
-    def _start_attempt(self, entry: _Entry) -> Task:
+    def _start_attempt(self, entry: Entry) -> Task:
         now = time.monotonic()
         if entry.num_claims == 0:
             self.m_queue_wait.observe(now - entry.since)
@@ -483,12 +269,12 @@ class TaskStore:
         entry.attempts.append(_new_id("attempt"))
         entry.last_claim_time = time.time()
         entry.since = now
-        self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": entry.attempt_id})
-        self._set_lease(entry, self._lease_clock() + self.lease_seconds)
+        self._journal(entry.attempt_record(entry.attempts[-1]))
+        self._set_lease(entry, self._leases.now() + self.lease_seconds)
         self.m_claimed.inc()
         task = entry.task()
         if self.pinning is not None:
-            base = entry.resources_id or self._latest_resources
+            base = entry.resources_id or self._resources.latest_id
             task.resources_id = self.pinning.pin(entry.rollout_id, entry.attempts[-1], base) or base
         return task
 
@@ -531,21 +317,7 @@ class TaskStore:
         task = self.try_claim()
         if task is not None or wait <= 0 or self._closed:
             return task
-        waiter = _Waiter()
-        self._waiters[waiter] = None
-        delivered = False
-        try:
-            with anyio.move_on_after(wait):
-                await waiter.event.wait()
-            # A waiter woken with a task in the same loop turn as it was cancelled must not return it:
-            # its caller is going away. Raise here, and the finally clause gives the task back.
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            delivered = True
-            return waiter.task
-        finally:
-            self._waiters.pop(waiter, None)
-            if not delivered and waiter.task is not None:
-                self.release(waiter.task.rollout_id, waiter.task.attempt_id or "")
+        return await self._waiters.park(wait, lambda task: self.release(task.rollout_id, task.attempt_id or ""))
 
     def release(self, rollout_id: str, attempt_id: str) -> bool:
         """Undo a claim whose task never reached its agent: back to the front of the queue, no attempt used."""
@@ -563,37 +335,25 @@ class TaskStore:
         return True
 
     # ------------------------------------------------------------------ leases
-    def _lease_clock(self) -> float:
-        """What leases count from: now, or, while frozen, the moment the clock stopped (a lease started or
-        renewed during a freeze counts from the freeze, so a thaw gives it exactly ``lease_seconds``)."""
-        return time.monotonic() if self._frozen_at is None else self._frozen_at
-
-    def _set_lease(self, entry: _Entry, deadline: float) -> None:
+    def _set_lease(self, entry: Entry, deadline: float) -> None:
         entry.lease_deadline = deadline
-        self._lease_seq += 1
-        if len(self._leases) > 2 * self._claimed_count + _LEASE_SLACK:
-            self._compact_leases()
-        earliest = self._leases[0][0] if self._leases else math.inf
-        heapq.heappush(self._leases, (deadline, self._lease_seq, entry.rollout_id, entry.attempt_id or ""))
-        if deadline < earliest:
-            self._rearm.set()
+        self._leases.push(deadline, entry.rollout_id, entry.attempt_id or "", self._claimed_count, self._lease_current)
 
-    def _compact_leases(self) -> None:
-        """Drop heap entries of finished or extended claims (they would otherwise wait out their deadline)."""
-        live = []
-        for item in self._leases:
-            entry = self._entries.get(item[2])
-            if entry is not None and entry.state == "claimed" and entry.attempt_id == item[3]:
-                if entry.lease_deadline == item[0]:
-                    live.append(item)
-        heapq.heapify(live)
-        self._leases = live
+    def _lease_current(self, item: LeaseItem) -> bool:
+        """Whether a lease-heap entry is still its claim's deadline (not finished, superseded or extended)."""
+        entry = self._entries.get(item[2])
+        return (
+            entry is not None
+            and entry.state == "claimed"
+            and entry.attempt_id == item[3]
+            and entry.lease_deadline == item[0]
+        )
 
     def heartbeat(self, rollout_id: str, attempt_id: str | None = None) -> float:
         """Extend the current attempt's lease by ``lease_seconds``; returns the seconds until it expires."""
         entry = self._require(rollout_id)
         attempt_id = attempt_id or entry.attempt_id
-        self._require_attempt(entry, attempt_id)
+        entry.require_attempt(attempt_id)
         if entry.state in TERMINAL:
             raise StepEnded(f"rollout {rollout_id!r} is already {entry.state}; nothing to extend")
         if entry.state != "claimed" or attempt_id != entry.attempt_id:
@@ -601,48 +361,35 @@ class TaskStore:
                 f"attempt {attempt_id!r} of rollout {rollout_id!r} no longer holds the task "
                 f"(current attempt: {entry.attempt_id!r}, state: {entry.state})"
             )
-        self._set_lease(entry, self._lease_clock() + self.lease_seconds)
+        self._set_lease(entry, self._leases.now() + self.lease_seconds)
         return self.lease_seconds
 
     def freeze_leases(self) -> None:
         """Stop the lease clock: a trainer holds the agents' LLM calls for its update (minutes to hours), and
         time an agent spends waiting for a held call must not cost it its lease. Idempotent."""
-        if self._frozen_at is None:
-            self._frozen_at = time.monotonic()
+        self._leases.freeze()
 
     def thaw_leases(self) -> float:
         """Restart the lease clock: every claimed lease keeps the time it had left when the clock stopped (a
         lease started or renewed during the freeze: ``lease_seconds``); returns how long it was stopped."""
-        if self._frozen_at is None:
-            return 0.0
-        frozen = time.monotonic() - self._frozen_at
-        self._frozen_at = None
-        for entry in self._entries.values():
-            if entry.state == "claimed" and math.isfinite(entry.lease_deadline):
-                self._set_lease(entry, entry.lease_deadline + frozen)
-        self._rearm.set()
+        frozen = self._leases.thaw()
+        if frozen:
+            for entry in self._entries.values():
+                if entry.state == "claimed" and math.isfinite(entry.lease_deadline):
+                    self._set_lease(entry, entry.lease_deadline + frozen)
         return frozen
 
     @property
     def leases_frozen(self) -> bool:
-        return self._frozen_at is not None
+        return self._leases.frozen
 
     def _expire_due(self, now: float) -> None:
-        if self._frozen_at is not None:
-            return
-        while self._leases and self._leases[0][0] <= now:
-            deadline, _, rollout_id, attempt_id = heapq.heappop(self._leases)
-            entry = self._entries.get(rollout_id)
-            if (
-                entry is None
-                or entry.state != "claimed"
-                or entry.attempt_id != attempt_id
-                or entry.lease_deadline != deadline
-            ):
-                continue  # finished, superseded by a newer attempt, or extended by a heartbeat
-            self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
+        for item in self._leases.due(now):
+            if self._lease_current(item):  # else finished, superseded by a newer attempt, or extended
+                entry = self._entries[item[2]]
+                self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
 
-    def _retry_or_fail(self, entry: _Entry, reason: RetryReason, message: str) -> None:
+    def _retry_or_fail(self, entry: Entry, reason: RetryReason, message: str) -> None:
         """Requeue after a failed attempt; after the last allowed one, fail the rollout for ``reason``."""
         self._claimed_count -= 1
         entry.lease_deadline = math.inf
@@ -656,7 +403,7 @@ class TaskStore:
         self._push(entry, front=True)
 
     # ------------------------------------------------------------------ results
-    def _require(self, rollout_id: str) -> _Entry:
+    def _require(self, rollout_id: str) -> Entry:
         entry = self._entries.get(rollout_id)
         if entry is not None:
             return entry
@@ -664,28 +411,13 @@ class TaskStore:
             raise StepEnded(f"rollout {rollout_id!r} belongs to a step that has already ended")
         raise UnknownRollout(f"unknown rollout id {rollout_id!r}")
 
-    @staticmethod
-    def _require_attempt(entry: _Entry, attempt_id: str | None) -> None:
-        if attempt_id is None or attempt_id not in entry.attempts:
-            if not entry.attempts:
-                raise UnknownAttempt(f"rollout {entry.rollout_id!r} has not been claimed yet")
-            raise UnknownAttempt(f"unknown attempt id {attempt_id!r} for rollout {entry.rollout_id!r}")
-
     def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
         """Raise unless ``attempt_id`` is an attempt of the unfinished rollout ``rollout_id``."""
         entry = self._require(rollout_id)
-        self._require_attempt(entry, attempt_id)
+        entry.require_attempt(attempt_id)
         if entry.state in TERMINAL:
             raise StepEnded(f"rollout {rollout_id!r} is already {entry.state}")
-        self._refuse_lost(entry, attempt_id)
-
-    @staticmethod
-    def _refuse_lost(entry: _Entry, attempt_id: str) -> None:
-        if entry.lost and attempt_id in entry.lost:
-            raise AttemptLost(
-                f"attempt {attempt_id!r} of rollout {entry.rollout_id!r} is void: the proxy shard that recorded "
-                f"its LLM calls died, so the rollout was handed out again; this was ignored"
-            )
+        entry.refuse_lost(attempt_id)
 
     async def accept_result(self, rollout: Rollout) -> str:
         """:meth:`submit_result`, after taking the attempt's recorded calls from its proxy shard (with
@@ -699,10 +431,10 @@ class TaskStore:
         if self.pinning is not None:
             entry = self._require(rollout.rollout_id)
             attempt_id = rollout.effective_attempt_id or entry.attempt_id
-            self._require_attempt(entry, attempt_id)
+            entry.require_attempt(attempt_id)
             assert attempt_id is not None
             if entry.state not in TERMINAL:
-                self._refuse_lost(entry, attempt_id)
+                entry.refuse_lost(attempt_id)
                 await self._take(entry.rollout_id, attempt_id)
         return self.submit_result(rollout)
 
@@ -760,11 +492,11 @@ class TaskStore:
         """
         entry = self._require(rollout.rollout_id)
         attempt_id = rollout.effective_attempt_id or entry.attempt_id
-        self._require_attempt(entry, attempt_id)
+        entry.require_attempt(attempt_id)
         assert attempt_id is not None
-        self._check_vocab(rollout)
+        check_token_ids(rollout, self.vocab_size)
         if entry.state not in TERMINAL:
-            self._refuse_lost(entry, attempt_id)
+            entry.refuse_lost(attempt_id)
         if entry.state in TERMINAL:
             if (
                 entry.state == "completed"
@@ -780,7 +512,7 @@ class TaskStore:
             )
         if rollout.status == "failed":
             return self._agent_failed(entry, attempt_id, rollout)
-        self._journal(self._result_record(entry, attempt_id, rollout))
+        self._journal(entry.result_record(attempt_id, rollout))
         if entry.state == "claimed":
             self._claimed_count -= 1
         elif entry.state == "queued":
@@ -789,7 +521,7 @@ class TaskStore:
         self._finish(entry, "completed", result=rollout, attempt_id=attempt_id)
         return f"rollout {rollout.rollout_id} received and stored"
 
-    def _agent_failed(self, entry: _Entry, attempt_id: str, rollout: Rollout) -> str:
+    def _agent_failed(self, entry: Entry, attempt_id: str, rollout: Rollout) -> str:
         error = str(rollout.metadata.get("error", "agent reported failure"))
         if entry.state != "claimed" or attempt_id != entry.attempt_id:
             self.m_duplicates.inc(1, "stale_failure")
@@ -797,19 +529,9 @@ class TaskStore:
         self._retry_or_fail(entry, "agent_failed", f"agent reported failure: {error}")
         return f"failure of rollout {rollout.rollout_id} recorded ({entry.state})"
 
-    def _check_vocab(self, rollout: Rollout) -> None:
-        if self.vocab_size is None or not rollout.triplets:
-            return
-        for i, t in enumerate(rollout.triplets):
-            for side, ids in (("prompt", t.prompt.token_ids), ("response", t.response.token_ids)):
-                if ids and max(ids) >= self.vocab_size:
-                    raise InvalidResult(
-                        f"triplets[{i}].{side}.token_ids has id {max(ids)} >= vocabulary size {self.vocab_size}"
-                    )
-
     def _finish(
         self,
-        entry: _Entry,
+        entry: Entry,
         state: Literal["completed", "failed"],
         *,
         result: Rollout | None = None,
@@ -840,10 +562,10 @@ class TaskStore:
                 return
             self.pinning.unpin(entry.rollout_id, entry.attempts)
         if state == "failed":
-            self._journal(self._failed_record(entry))
-        self._notify(entry)
+            self._journal(entry.failed_record())
+        entry.notify()
 
-    async def _settle(self, entry: _Entry, kept: str) -> None:
+    async def _settle(self, entry: Entry, kept: str) -> None:
         """A failed rollout's last attempt's records, taken from its shard; then its waiters hear of it."""
         assert self.pinning is not None
         try:
@@ -858,15 +580,8 @@ class TaskStore:
             if entry.lost and kept in entry.lost:
                 entry.calls = {}
             self.pinning.unpin(entry.rollout_id, entry.attempts)
-            self._journal(self._failed_record(entry))
-            self._notify(entry)
-
-    def _notify(self, entry: _Entry) -> None:
-        for group in entry.groups:
-            group.one_done()
-        entry.groups.clear()
-        if entry.done is not None:
-            entry.done.set()
+            self._journal(entry.failed_record())
+            entry.notify()
 
     def fail(
         self,
@@ -905,7 +620,7 @@ class TaskStore:
 
         Unknown ids raise :class:`UnknownRollout`. Cancelling the wait changes nothing in the store.
         """
-        group = _Group()
+        group = Group()
         for rollout_id in rollout_ids:
             entry = self._require(rollout_id)
             if entry.state not in TERMINAL or entry.settling:
@@ -916,23 +631,7 @@ class TaskStore:
 
     def record(self, rollout_id: str) -> RolloutRecord:
         """A snapshot of a rollout (terminal or not)."""
-        e = self._require(rollout_id)
-        attempt = e.result_attempt
-        # A finished rollout holds the calls of one attempt only: the winner's, or a failed rollout's last.
-        calls = next(iter(e.calls.values()), []) if e.state in TERMINAL else []
-        return RolloutRecord(
-            rollout_id=e.rollout_id,
-            state=e.state,
-            input=e.input,
-            metadata=e.metadata,
-            num_claims=e.num_claims,
-            requeues=e.requeues,
-            result=e.result,
-            attempt_id=attempt,
-            calls=sorted(calls, key=lambda c: (c.seq, c.choice_index)),
-            error=e.error,
-            termination=e.termination,
-        )
+        return self._require(rollout_id).snapshot()
 
     def forget(self, rollout_ids: Iterable[str]) -> None:
         """Drop finished rollouts from memory once their step was handed over; later posts get a 409."""
@@ -968,33 +667,16 @@ class TaskStore:
             raise ValueError(f"rollout id {record.rollout_id!r} is already held")
         if record.state not in TERMINAL:
             raise ValueError(f"rollout {record.rollout_id!r} is {record.state}, not finished")
-        attempt_id = record.attempt_id or (record.calls[0].attempt_id if record.calls else None)
-        entry = _Entry(
-            rollout_id=record.rollout_id,
-            input=record.input,
-            mode=None,
-            resources_id=resources_id,
-            metadata=dict(record.metadata),
-            create_time=time.time(),
-            owner=owner,
-            state=record.state,
-            attempts=[attempt_id] if attempt_id else [],
-            num_claims=record.num_claims,
-            requeues=record.requeues,
-            result=record.result,
-            result_attempt=record.attempt_id,
-            error=record.error,
-            termination=record.termination,
-            calls={attempt_id: list(record.calls)} if attempt_id else {},
-        )
+        entry = Entry.adopted(record, resources_id=resources_id, owner=owner)
+        attempt_id = entry.attempt_id
         self._entries[record.rollout_id] = entry
-        self._journal({"kind": "task", **self._task_record(entry)})
+        self._journal(entry.task_record())
         if attempt_id:
-            self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": attempt_id})
+            self._journal(entry.attempt_record(attempt_id))
         if entry.state == "completed" and entry.result is not None:
-            self._journal(self._result_record(entry, attempt_id or "", entry.result))
+            self._journal(entry.result_record(attempt_id or "", entry.result))
         else:
-            self._journal(self._failed_record(entry))
+            self._journal(entry.failed_record())
 
     def resources_id_of(self, rollout_id: str) -> str | None:
         """The resources version the rollout's task names (``None`` for an unknown rollout or none)."""
@@ -1009,18 +691,13 @@ class TaskStore:
         return self._require(rollout_id).state
 
     # -------------------------------------------------- Agent Lightning server verbs (owner-less rollouts)
-    def _as_result(self, entry: _Entry) -> Rollout:
-        if entry.result is not None:
-            return entry.result
-        return Rollout(rollout_id=entry.rollout_id, status="failed", metadata={"error": entry.error})
-
     def pop_finished(self, rollout_id: str) -> Rollout | None:
         """The result of a finished owner-less rollout, removed from the store; ``None`` if unfinished."""
         entry = self._require(rollout_id)
         if entry.state not in TERMINAL or entry.settling:
             return None
         self.forget([rollout_id])
-        return self._as_result(entry)
+        return entry.as_result()
 
     async def wait_for_rollout(self, rollout_id: str, timeout: float | None = None) -> Rollout | None:  # noqa: ASYNC109
         """Await one rollout's end (an event, no polling); ``None`` if ``timeout`` passes first."""
@@ -1036,32 +713,24 @@ class TaskStore:
         """Results of every finished owner-less rollout, removed from the store."""
         done = [e for e in self._entries.values() if e.owner is None and e.state in TERMINAL and not e.settling]
         self.forget([e.rollout_id for e in done])
-        return [self._as_result(e) for e in done]
+        return [e.as_result() for e in done]
 
     # ------------------------------------------------------------------ resources
     def add_resources(self, resources: NamedResources, resources_id: str | None = None) -> ResourcesUpdate:
         """Publish a new resources version and make it the latest."""
-        update = ResourcesUpdate(resources_id=resources_id or _new_id("res"), resources=resources)
-        self._resources[update.resources_id] = update
-        self._latest_resources = update.resources_id
-        self._journal({"kind": "resources", "update": update.model_dump(mode="json")})
-        return update
+        return self._resources.add(resources, resources_id)
 
     def replace_resources(self, resources_id: str, resources: NamedResources) -> None:
         """Change a published resources version in place (the latest stays the latest); ``KeyError`` if unknown."""
-        if resources_id not in self._resources:
-            raise KeyError(f"unknown resources id {resources_id!r}")
-        update = ResourcesUpdate(resources_id=resources_id, resources=resources)
-        self._resources[resources_id] = update
-        self._journal({"kind": "resources", "update": update.model_dump(mode="json"), "latest": False})
+        self._resources.replace(resources_id, resources)
 
     def all_resources(self) -> list[ResourcesUpdate]:
         """Every resources version held, oldest first."""
-        return list(self._resources.values())
+        return self._resources.all()
 
     def resources(self, resources_id: str | None = None) -> ResourcesUpdate | None:
         """A resources version by id, or the latest one when ``resources_id`` is ``None``."""
-        rid = resources_id if resources_id is not None else self._latest_resources
+        rid = resources_id if resources_id is not None else self._resources.latest_id
         if rid is None:
             return None
         update = self._resources.get(rid)
@@ -1071,7 +740,7 @@ class TaskStore:
 
     @property
     def latest_resources_id(self) -> str | None:
-        return self._latest_resources
+        return self._resources.latest_id
 
     # ------------------------------------------------------------------ journal
     def _journal(self, record: Mapping[str, Any]) -> None:
@@ -1089,38 +758,9 @@ class TaskStore:
 
     def live_records(self) -> Iterator[dict[str, Any]]:
         """Records that rebuild the current state (used to compact the journal)."""
-        for update in self._resources.values():
-            latest = update.resources_id == self._latest_resources
-            yield {"kind": "resources", "update": update.model_dump(mode="json"), "latest": latest}
-        for e in self._entries.values():
-            yield {"kind": "task", **self._task_record(e)}
-            for attempt_id in e.attempts:
-                yield {"kind": "attempt", "rollout_id": e.rollout_id, "attempt_id": attempt_id}
-            if e.state == "completed" and e.result is not None:
-                yield self._result_record(e, e.result_attempt or "", e.result)
-            elif e.state == "failed":
-                yield self._failed_record(e)
-
-    @staticmethod
-    def _failed_record(e: _Entry) -> dict[str, Any]:
-        attempt_id = next(iter(e.calls), None)
-        return {
-            "kind": "failed",
-            "rollout_id": e.rollout_id,
-            "error": e.error,
-            "termination": e.termination,
-            "attempt_id": attempt_id,
-            "calls": e.calls.get(attempt_id, []) if attempt_id else [],
-        }
-
-    def _result_record(self, e: _Entry, attempt_id: str, result: Rollout) -> dict[str, Any]:
-        return {
-            "kind": "result",
-            "rollout_id": e.rollout_id,
-            "attempt_id": attempt_id,
-            "result": result.model_dump(mode="json"),
-            "calls": e.calls.get(attempt_id, []),
-        }
+        yield from self._resources.records()
+        for entry in self._entries.values():
+            yield from entry.records()
 
     def restore(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Rebuild state from journal records (before serving). Unfinished rollouts are queued again with
@@ -1129,43 +769,15 @@ class TaskStore:
         for r in records:
             kind = r.get("kind")
             if kind == "task":
-                self._entries[r["rollout_id"]] = _Entry(
-                    rollout_id=r["rollout_id"],
-                    input=r["input"],
-                    mode=r["mode"],
-                    resources_id=r["resources_id"],
-                    metadata=r["metadata"],
-                    create_time=r["create_time"],
-                    owner=r["owner"],
-                    since=time.monotonic(),
-                )
+                self._entries[r["rollout_id"]] = Entry.from_task_record(r, since=time.monotonic())
             elif kind == "forget":
                 for rollout_id in r["rollout_ids"]:
                     if self._entries.pop(rollout_id, None) is not None:
                         self._tombstones[rollout_id] = None
             elif kind == "resources":
-                update = ResourcesUpdate.model_validate(r["update"])
-                self._resources[update.resources_id] = update
-                if r.get("latest", True):
-                    self._latest_resources = update.resources_id
+                self._resources.apply(r)
             elif (entry := self._entries.get(r.get("rollout_id", ""))) is not None:
-                if kind == "attempt":
-                    entry.attempts.append(r["attempt_id"])
-                    entry.num_claims += 1
-                elif kind == "result":
-                    entry.calls = {r["attempt_id"]: [LLMCall(**c) for c in r["calls"]]}
-                    entry.state, entry.result_attempt = "completed", r["attempt_id"]
-                    entry.result = Rollout.model_validate(r["result"])
-                    entry.termination = entry.result.declared_termination
-                elif kind == "failed":
-                    entry.state, entry.error = "failed", r["error"]
-                    # Journals written before reasons were recorded only ever failed for these two causes;
-                    # which one is lost, and an agent error is the one a trainer masks by default too.
-                    entry.termination = r.get("termination") or "agent_error"
-                    attempt_id = r.get("attempt_id")
-                    entry.calls = (
-                        {attempt_id: [LLMCall(**c) for c in r.get("calls", ())]} if attempt_id else {}
-                    )
+                entry.apply(r)
         for entry in self._entries.values():
             if entry.state not in TERMINAL:
                 entry.state = "queued"

@@ -109,10 +109,9 @@ class RolloutCollector:
 
     Each finished batch waits in its step's task until the trainer receives it from :attr:`batches`; only then
     is the step marked done in the journal and its rollouts forgotten, so a process killed while batches wait
-    recovers them. ``max_buffered_batches`` is kept for compatibility (finished steps never waited on it).
-    ``step_timeout`` (seconds, ``None`` for none) is the default deadline after which a step's unfinished
-    rollouts are failed, counted and (by default) masked; without it leases and ``max_attempts`` still bound
-    every step. ``signal`` holds the training-signal controls applied to every training batch.
+    recovers them. ``step_timeout`` (seconds, ``None`` for none) is the default deadline after which a step's
+    unfinished rollouts are failed, counted and (by default) masked; without it leases and ``max_attempts``
+    still bound every step. ``signal`` holds the training-signal controls applied to every training batch.
     """
 
     def __init__(
@@ -121,7 +120,6 @@ class RolloutCollector:
         *,
         batch: BatchConfig | None = None,
         signal: SignalConfig | None = None,
-        max_buffered_batches: int = 1,
         step_timeout: float | None = None,
     ) -> None:
         self.store = store
@@ -132,7 +130,6 @@ class RolloutCollector:
         self.step_timeout = step_timeout
         # A rendezvous stream: a batch is handed over only when the trainer receives it, and the step's
         # rollouts are forgotten then, not before (a kill while a batch waits must lose nothing).
-        self.max_buffered_batches = max_buffered_batches
         self._send, self._receive = anyio.create_memory_object_stream[TrainingBatch](0)
         self._tg: TaskGroup | None = None
         self._next_number = 0

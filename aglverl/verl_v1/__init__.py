@@ -23,7 +23,9 @@ plugs into its extension points and adds what only it can (agents it does not co
   checkpoint (``_save_checkpoint``).
 - :class:`SampleDataset` — task inputs as verl's dataset (``data.custom_cls``): verl's stateful data loader
   samples, shuffles and checkpoints them; each item's ``raw_prompt`` is the task input agents get.
-- :func:`running` / :func:`train` — the run: TransferQueue, the trainer, the daemon (and agents), ``fit``.
+- :func:`running` / :func:`train` — the run a :class:`RunPlan` describes (the algorithm's, complete but for what
+  only the trainer knows, which :func:`daemon_config_for` fills in): TransferQueue, the trainer, the daemon
+  (and what runs beside ``fit``, e.g. agents), ``fit``.
 
 verl's blocking calls run in a worker thread (``anyio.to_thread``); everything that touches the daemon goes
 back to the event loop with ``anyio.from_thread`` and an explicit loop token. Checked against verl 0.9.1 and
@@ -40,10 +42,11 @@ from .dataset import SampleDataset
 from .hooks import trained_uids, trainer_class
 from .manager import DaemonAgentLoopManager
 from .run import (
+    RunPlan,
     backend_nodes,
     backend_urls,
     close_trainer,
-    journal_path,
+    daemon_config_for,
     running,
     sampling_parameters,
     served_model_name,
@@ -60,12 +63,13 @@ __all__ = [
     "DaemonAgentLoopManager",
     "EventReplayBuffer",
     "EventReplayBufferAsync",
+    "RunPlan",
     "SampleDataset",
     "TransferQueueSink",
     "backend_nodes",
     "backend_urls",
     "close_trainer",
-    "journal_path",
+    "daemon_config_for",
     "running",
     "sampler_name",
     "sampling_parameters",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from ..metrics import overlap_shares
+from ..proxy.control import GAUGES
 from ..trajectory.groups import aggregate_stats
 from .active_run import Run, current_run
 
@@ -64,11 +66,9 @@ class Hooks:
         assert run.daemon is not None
         mode = self.trainer_mode  # type: ignore[attr-defined]
         if mode != "separate_async":
-            run.on_loop(run.daemon.store.freeze_leases)  # an agent's held call must not cost it its lease
-        if mode == "sync":
-            run.await_on_loop(run.daemon.pause_calls)  # drain while the engines still serve, then they sleep
-        elif mode == "colocate_async":
-            run.await_on_loop(run.daemon.hold_calls)  # verl aborts next; the proxy resumes after the update
+            # sync: drain while the engines still serve, then they sleep; colocate_async: verl aborts the
+            # engines' generations next, and the proxy continues each after the update
+            run.await_on_loop(functools.partial(run.daemon.hold_for_update, drain=mode == "sync"))
         # This step has asked for everything of it a previous run left in flight that it wants again (verl
         # re-issues its checkpoint's in-flight prompts before the first step; a replayed data loader asks a
         # step's prompts at that step): the previous run's groups of this step and before are dropped.
@@ -80,14 +80,12 @@ class Hooks:
         run = self._aglverl
         assert run.daemon is not None
         if self.trainer_mode == "separate_async":  # type: ignore[attr-defined]
-            run.on_loop(run.daemon.store.freeze_leases)
-            run.await_on_loop(run.daemon.hold_calls)  # the update aborts the standalone engines' generations
+            # the update aborts the standalone engines' generations; the proxy continues each after it
+            run.await_on_loop(functools.partial(run.daemon.hold_for_update, drain=False))
         try:
             super().on_step_end()  # type: ignore[misc]
         finally:
-            version = int(self.global_steps)  # type: ignore[attr-defined]
-            run.await_on_loop(run.daemon.resume_calls, version)
-            run.on_loop(run.daemon.store.thaw_leases)
+            run.await_on_loop(run.daemon.release_after_update, int(self.global_steps))  # type: ignore[attr-defined]
             self._computing.append((self._compute_from, time.monotonic()))
 
     def _save_checkpoint(self) -> None:
@@ -100,7 +98,7 @@ class Hooks:
         # before the save starts, so a kill at any moment of it never lets a restart reuse a group the
         # checkpoint may have trained.
         covered = run.await_on_loop(run.producer.covering, int(self.global_steps))  # type: ignore[attr-defined]
-        run.await_on_loop(run.daemon.store.commit)
+        run.await_on_loop(run.daemon.commit_journal)
         super()._save_checkpoint()  # type: ignore[misc]
         run.on_loop(run.producer.checkpointed, covered)
 
@@ -281,8 +279,10 @@ def _finite_number(value: Any) -> bool:
 
 def _step_metrics(trainer: Any, run: Run, uids: list[str], timing: Mapping[str, float]) -> dict[str, float]:
     """aglverl's metrics of a step: its groups' (reward over every rollout, failures at their failure
-    reward; rows, filters), the proxy's counters, generated tokens/s over every generated token, and how the
-    step's wall time split between the engines generating and the trainer computing."""
+    reward; rows, filters), the proxy's counts of the step (``proxy/*``: what it counted since the previous
+    step's metrics, the first step's since the daemon started; the daemon's :meth:`proxy_counters` are the
+    run's totals; a reading such as the loop's lag is the one now), generated tokens/s over every generated token, and how the step's wall time split between
+    the engines generating and the trainer computing. Every figure is the step's own, none a running total."""
     daemon = run.daemon
     assert daemon is not None
     stop = time.monotonic()
@@ -305,7 +305,11 @@ def _step_metrics(trainer: Any, run: Run, uids: list[str], timing: Mapping[str, 
     # groups a resumed run found in verl's TransferQueue checkpoint were answered by the previous process:
     # their stats died with it (verl's own critic/score/* still covers their rows)
     metrics["step/n_groups_restored"] = float(len(set(uids) - {s.uid for s in stats}))
-    metrics.update(counters)
+    reported: Mapping[str, float] = getattr(trainer, "_proxy_reported", {})
+    metrics.update(
+        {name: total if name in GAUGES else total - reported.get(name, 0.0) for name, total in counters.items()}
+    )
+    trainer._proxy_reported = counters
     computing = [(max(a, start), min(b, stop)) for a, b in trainer._computing if b > start]
     shares = overlap_shares(start, stop, generating, computing)
     wall = stop - start

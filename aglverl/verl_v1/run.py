@@ -1,15 +1,20 @@
 """The run: TransferQueue, verl's V1 trainer, the daemon as its producer, ``fit``; and what the run asks verl's
-trainer (its replicas' addresses, sampling parameters) or frees (its Ray actors)."""
+trainer (its replicas' addresses, served model, tokenizer, sampling parameters) or frees (its Ray actors).
+
+The run flows one way: :mod:`aglverl.algorithm` describes it whole (:class:`RunPlan`: the composed config, the
+daemon's settings, the datasets, what to run beside ``fit``), this module starts verl's trainer and fills in
+what only the trainer knows (:func:`daemon_config_for`), and the daemon runs on that config.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 import anyio.from_thread
@@ -23,10 +28,32 @@ from .sink import TransferQueueSink
 
 if TYPE_CHECKING:
 
-    from ..daemon import AgentDaemon
+    from ..daemon import AgentDaemon, DaemonConfig
 
 
 logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    """A training run as the algorithm describes it, complete but for what only verl's trainer knows.
+
+    ``config``: the run's composed verl config (its data loader reads the run's datasets); ``daemon``: the
+    daemon's settings, whose backends, served model name, vocabulary size, pad id (and, with proxy shards,
+    backend nodes) :func:`daemon_config_for` fills in from the trainer; ``train`` / ``val``: the task inputs
+    (``val`` ``None``: none); ``beside(daemon, trainer)``: an async context manager entered once the daemon
+    serves and left when ``fit`` ends (agents, the caller's callbacks); ``on_step(step, metrics)``: called after
+    each step's metrics are logged; ``progress``: the progress bar (a bool, or the text stream it goes to).
+    """
+
+    config: Any
+    daemon: DaemonConfig
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]] | None = None
+    beside: Callable[[AgentDaemon, Any], AbstractAsyncContextManager[None]] | None = None
+    on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = ()
+    progress: bool | TextIO = True
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -80,6 +107,23 @@ def sampling_parameters(config: Any, *, validation: bool = False) -> dict[str, A
     return params
 
 
+def daemon_config_for(config: DaemonConfig, trainer: Any) -> DaemonConfig:
+    """``config`` with what only the initialised trainer knows (blocking: asks its servers and Ray): the
+    inference servers agents use and the model name they serve, the vocabulary size posted ids must fit, the
+    pad id of training rows, and with proxy shards the node of each server."""
+    pad = trainer.tokenizer.pad_token_id
+    backends = backend_urls(trainer)
+    nodes = backend_nodes(trainer) if config.proxy_shards != 1 else {}
+    return dataclasses.replace(
+        config,
+        backends=tuple(backends),
+        backend_nodes=nodes,
+        model=served_model_name(backends[0]),
+        store=dataclasses.replace(config.store, vocab_size=len(trainer.tokenizer)),
+        batch=dataclasses.replace(config.batch, pad_token_id=int(pad if pad is not None else 0)),
+    )
+
+
 def close_trainer(trainer: Any) -> None:
     """Stop the trainer's Ray actors and free its placement groups (blocking; for a shared Ray session).
 
@@ -121,29 +165,21 @@ def close_trainer(trainer: Any) -> None:
 
 
 @asynccontextmanager
-async def running(
-    config: Any,
-    options: Any,
-    train_samples: list[dict[str, Any]],
-    val_samples: list[dict[str, Any]] | None,
-    *,
-    daemon_kwargs: Callable[[Any], dict[str, Any]],
-    on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
-    progress: Any = True,
-) -> AsyncIterator[tuple[Run, Any]]:
+async def running(plan: RunPlan) -> AsyncIterator[tuple[Run, Any]]:
     """TransferQueue, verl's V1 trainer (initialised: workers, replicas, checkpoint loaded) and the daemon as
-    its producer, serving; yields ``(run, trainer)`` ready for ``trainer.fit(DaemonAgentLoopManager(run))``.
+    its producer, serving on ``plan.daemon`` completed by :func:`daemon_config_for`; yields ``(run, trainer)``
+    ready for ``trainer.fit(DaemonAgentLoopManager(run))``.
 
-    ``daemon_kwargs(trainer)`` gives the :class:`~aglverl.daemon.AgentDaemon`'s arguments once the trainer's
-    servers are up (blocking; called in a worker thread). On exit (also on error or cancellation) the daemon,
-    the trainer's Ray actors and TransferQueue are shut down.
+    On exit (also on error or cancellation) the daemon, the trainer's Ray actors and TransferQueue are shut
+    down.
     """
     import transfer_queue as tq
 
     from ..daemon import AgentDaemon
 
-    datasets = {TRAIN_FILES: train_samples, VAL_FILES: val_samples or train_samples}
-    run = Run(config=config, signal=options.signal, datasets=datasets, on_step=on_step, progress=progress)
+    config = plan.config
+    datasets = {TRAIN_FILES: plan.train, VAL_FILES: plan.val or plan.train}
+    run = Run(config=config, signal=plan.daemon.signal, datasets=datasets, on_step=plan.on_step, progress=plan.progress)
     run.token = anyio.lowlevel.current_token()
     with activate(run), _progress_bar(run):
         await anyio.to_thread.run_sync(tq.init, config.transfer_queue)
@@ -152,14 +188,12 @@ async def running(
             trainer = trainer_class(config.trainer.v1.trainer_mode)(config=config)
             trainer._aglverl = run
             await anyio.to_thread.run_sync(trainer.init)
-            kwargs = await anyio.to_thread.run_sync(daemon_kwargs, trainer)
-            kwargs["trajectory_sink"] = TransferQueueSink(logprobs=options.signal.request_logprobs)
-            async with AgentDaemon(**kwargs) as daemon:
+            settings = await anyio.to_thread.run_sync(daemon_config_for, plan.daemon, trainer)
+            sink = TransferQueueSink(logprobs=settings.signal.request_logprobs)
+            async with AgentDaemon(config=settings, trajectory_sink=sink) as daemon:
                 run.daemon = daemon
-                daemon.proxy.weight_version = int(trainer.global_steps)
+                daemon.weight_version = int(trainer.global_steps)
                 assert daemon.producer is not None
-                bound = options.max_failed_groups  # default: a whole batch's worth of failed groups in a row
-                daemon.producer.max_failed_groups = int(config.data.train_batch_size) if bound is None else bound
                 daemon.producer.width_warning.names = ("data.max_prompt_length", "data.max_response_length")
                 # validation's first, so that the latest resources (what agents get by default) are training's
                 validation = sampling_parameters(config, validation=True)
@@ -176,33 +210,16 @@ async def running(
                 await anyio.to_thread.run_sync(tq.close)
 
 
-async def train(
-    config: Any,
-    options: Any,
-    train_samples: list[dict[str, Any]],
-    val_samples: list[dict[str, Any]] | None,
-    *,
-    daemon_kwargs: Callable[[Any], dict[str, Any]],
-    serve: Callable[[AgentDaemon], Any],
-    on_step: Sequence[Callable[[int, Mapping[str, float]], None]] = (),
-    progress: Any = True,
-) -> None:
-    """Run verl's V1 trainer (``fit``) with the daemon as its producer (see :func:`running`).
-
-    ``serve(daemon)`` is an async context manager run around ``fit`` (the agents, the caller's callbacks).
-    Cancellation stops after the blocking verl call in progress returns.
-    """
-    async with running(
-        config,
-        options,
-        train_samples,
-        val_samples,
-        daemon_kwargs=daemon_kwargs,
-        on_step=on_step,
-        progress=progress,
-    ) as (run, trainer):
+async def train(plan: RunPlan) -> None:
+    """Run verl's V1 trainer (``fit``) with the daemon as its producer (see :func:`running`), with
+    ``plan.beside(daemon, trainer)`` entered around ``fit``. Cancellation stops after the blocking verl call in
+    progress returns."""
+    async with running(plan) as (run, trainer):
         assert run.daemon is not None
-        async with serve(run.daemon):
+        if plan.beside is None:
+            await anyio.to_thread.run_sync(trainer.fit, DaemonAgentLoopManager(run))
+            return
+        async with plan.beside(run.daemon, trainer):
             await anyio.to_thread.run_sync(trainer.fit, DaemonAgentLoopManager(run))
 
 
@@ -238,15 +255,3 @@ def _finish_tracking(trainer: Any) -> None:
             tracking.finish()
         except Exception as exc:  # a logger backend failing to flush must not hide the run's own outcome
             logger.warning("verl's Tracking.finish failed: %s", exc)
-
-
-def journal_path(config: Any, journal: str | None) -> str | None:
-    """The daemon's journal for this run: ``"auto"`` puts it next to verl's checkpoints when they are saved."""
-    if journal == "auto":
-        saves = int(config.trainer.save_freq) > 0
-        journal = os.path.join(config.trainer.default_local_dir, "aglverl.journal") if saves else None
-    if journal is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(journal)), exist_ok=True)
-        if config.trainer.resume_mode == "disable" and os.path.exists(journal):
-            os.remove(journal)  # a fresh run must not recover another run's groups
-    return journal

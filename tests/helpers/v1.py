@@ -8,10 +8,10 @@ from contextlib import ExitStack, asynccontextmanager
 from typing import Any
 
 from aglverl.algorithm import VerlRuntime, compose_config, verl_runtime
-from aglverl.algorithm.config import daemon_kwargs_for, run_config
+from aglverl.algorithm.config import daemon_config, run_config
 from aglverl.algorithm.runtime import worker_group_class
 from aglverl.verl_plugin.patches import use_worker_group
-from aglverl.verl_v1 import DaemonAgentLoopManager, running
+from aglverl.verl_v1 import DaemonAgentLoopManager, RunPlan, running
 
 
 @asynccontextmanager
@@ -25,9 +25,8 @@ async def live_trainer(
     with ExitStack() as stack:
         runtime = stack.enter_context(verl_runtime(config))
         use_worker_group(worker_group_class(runtime.env, runtime.rendezvous_dir))
-        async with running(
-            config, options, train, None, daemon_kwargs=lambda t: daemon_kwargs_for(config, options, t), progress=False
-        ) as (run, trainer):
+        plan = RunPlan(config=config, daemon=daemon_config(config, options), train=train, progress=False)
+        async with running(plan) as (run, trainer):
             trainer.agent_loop_manager = DaemonAgentLoopManager(run)
             trainer.global_steps = 1
             trainer.curr_step_profile, trainer.timing_raw = False, {}  # what verl's fit() sets for a step

@@ -1,0 +1,87 @@
+"""The claims' lease deadlines: a heap of ``(deadline, seq, rollout_id, attempt_id)``, a clock that a trainer can
+stop (:meth:`Leases.freeze`), and the reaper's wait for the earliest deadline (:meth:`Leases.wait_due`).
+
+The heap may hold stale entries (a lease extended by a heartbeat, a claim that finished): the store decides
+which are current when one comes due, and :meth:`Leases.push` drops the stale ones once they outnumber the live
+claims. Single loop, no locks; only :meth:`Leases.wait_due` awaits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import anyio
+
+__all__ = ["LeaseItem", "Leases"]
+
+#: Stale heap entries tolerated (beyond twice the live claims) before the heap is rebuilt.
+_SLACK = 4096
+
+#: ``(deadline, seq, rollout_id, attempt_id)``; ``seq`` keeps equal deadlines in push order.
+LeaseItem = tuple[float, int, str, str]
+
+
+class Leases:
+    """Lease deadlines (monotonic seconds) and the clock they count on."""
+
+    def __init__(self) -> None:
+        self._heap: list[LeaseItem] = []
+        self._seq = 0
+        self._rearm = anyio.Event()
+        self._frozen_at: float | None = None  # monotonic: since when the clock is stopped
+
+    def now(self) -> float:
+        """What a lease counts from: now, or, while frozen, the moment the clock stopped (a lease started or
+        renewed during a freeze counts from the freeze, so a thaw gives it exactly its length)."""
+        return time.monotonic() if self._frozen_at is None else self._frozen_at
+
+    def push(self, deadline: float, rollout_id: str, attempt_id: str, live: int, current: Callable[[LeaseItem], bool]) -> None:
+        """Add a deadline; wake the reaper when it is the earliest. ``live``: the claims running now;
+        ``current(item)``: whether a heap entry is still a claim's deadline (used to drop stale ones)."""
+        self._seq += 1
+        if len(self._heap) > 2 * live + _SLACK:
+            self._heap = [item for item in self._heap if current(item)]
+            heapq.heapify(self._heap)
+        earliest = self._heap[0][0] if self._heap else math.inf
+        heapq.heappush(self._heap, (deadline, self._seq, rollout_id, attempt_id))
+        if deadline < earliest:
+            self._rearm.set()
+
+    def due(self, now: float) -> Iterator[LeaseItem]:
+        """Pop the entries whose deadline is at or before ``now`` (none while frozen), earliest first."""
+        if self._frozen_at is not None:
+            return
+        while self._heap and self._heap[0][0] <= now:
+            yield heapq.heappop(self._heap)
+
+    async def wait_due(self) -> None:
+        """Sleep until the earliest deadline, or until an earlier one is pushed or the clock thaws (then return
+        at once: the caller looks at :meth:`due` and waits again). Never ticks on a fixed period."""
+        self._rearm = anyio.Event()
+        frozen = self._frozen_at is not None  # no lease expires: wait for thaw
+        delay = self._heap[0][0] - time.monotonic() if self._heap and not frozen else math.inf
+        if delay > 0:
+            with anyio.move_on_after(delay):
+                await self._rearm.wait()
+
+    def freeze(self) -> None:
+        """Stop the clock (idempotent)."""
+        if self._frozen_at is None:
+            self._frozen_at = time.monotonic()
+
+    def thaw(self) -> float:
+        """Restart the clock; returns how long it was stopped (0 if it was running). The caller moves the
+        running leases on by that much."""
+        if self._frozen_at is None:
+            return 0.0
+        frozen = time.monotonic() - self._frozen_at
+        self._frozen_at = None
+        self._rearm.set()
+        return frozen
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen_at is not None

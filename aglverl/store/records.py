@@ -1,0 +1,107 @@
+"""What the store keeps and hands out: the proxy's record of one LLM call (:class:`LLMCall`) and a rollout's
+snapshot as a trainer reads it (:class:`RolloutRecord`). Plain data, no behaviour beyond a few derived fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..models import Rollout, TerminationReason
+from .errors import InvalidResult
+
+__all__ = ["TERMINAL", "LLMCall", "RolloutRecord", "RolloutState", "check_token_ids"]
+
+#: Where a rollout is in its life (see :mod:`aglverl.store.tasks`).
+RolloutState = Literal["queued", "claimed", "completed", "failed"]
+#: The states a rollout never leaves.
+TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
+
+
+@dataclass(slots=True)
+class LLMCall:
+    """One LLM call (one choice of it) recorded by the proxy under a rollout attempt.
+
+    ``prompt_token_ids``/``response_token_ids`` are exactly what the backend returned; ``None`` when the
+    backend sent none (the call is kept and counted, never given invented ids). ``logprobs`` are the engine's,
+    one per response id, or ``None``. ``limit`` is the limit that ended the response, as the proxy decided
+    it: ``"max_tokens"`` (the engine stopped at the request's ``max_tokens``), ``"context"`` (the backend
+    refused the prompt as too long, or stopped at its context window); ``None`` when the model ended the
+    response itself or the call failed for another reason. ``sampling`` holds the sampling parameters the call
+    was made with after the proxy filled in the trainer's (``None``: the proxy did not check them);
+    ``off_policy`` is true when the agent set different ones and the proxy kept the call (its row must not
+    train). ``weight_version`` is the version of the weights the response's first token was generated under,
+    ``weight_version_end`` that of its last token: they differ when a backend aborted the generation for a
+    weight update and the proxy continued it under the new weights. Both are the backend's own report
+    (``X-Weight-Version``) when it sends one, else the proxy's version when the call (or its continuation) was
+    sent. ``weight_version_end`` left ``None`` (records journaled before it existed) becomes
+    ``weight_version``.
+    """
+
+    rollout_id: str | None
+    attempt_id: str | None
+    seq: int
+    path: str
+    backend: str
+    started_at: float
+    latency: float = 0.0
+    status: Literal["ok", "failed"] = "ok"
+    error: str | None = None
+    choice_index: int = 0
+    model: str | None = None
+    weight_version: int = 0
+    prompt_token_ids: list[int] | None = None
+    response_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    limit: Literal["max_tokens", "context"] | None = None
+    sampling: dict[str, float] | None = None
+    off_policy: bool = False
+    weight_version_end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_version_end is None:
+            self.weight_version_end = self.weight_version
+
+    @property
+    def has_token_ids(self) -> bool:
+        return self.prompt_token_ids is not None and self.response_token_ids is not None
+
+    @property
+    def last_weight_version(self) -> int:
+        """The weight version of the response's last token (``weight_version_end``, always set)."""
+        return self.weight_version if self.weight_version_end is None else self.weight_version_end
+
+
+@dataclass(slots=True, frozen=True)
+class RolloutRecord:
+    """A terminal rollout as the collector sees it: the result (if any) and the winning attempt's calls.
+
+    ``calls`` of a failed rollout are its last attempt's. ``termination`` is why the rollout ended as the store
+    decided it (``agent_error``, ``lease_expired``, ``step_timeout`` for a failed rollout) or the agent
+    declared it with its result; ``None`` for a result that simply finished.
+    """
+
+    rollout_id: str
+    state: RolloutState
+    input: Any
+    metadata: dict[str, Any]
+    num_claims: int
+    requeues: int
+    result: Rollout | None
+    attempt_id: str | None
+    calls: list[LLMCall]
+    error: str | None
+    termination: TerminationReason | None = None
+
+
+def check_token_ids(rollout: Rollout, vocab_size: int | None) -> None:
+    """Raise :class:`~aglverl.store.errors.InvalidResult` (naming the triplet and side) when a posted triplet
+    holds a token id at or above ``vocab_size``; nothing to check without one."""
+    if vocab_size is None or not rollout.triplets:
+        return
+    for i, t in enumerate(rollout.triplets):
+        for side, ids in (("prompt", t.prompt.token_ids), ("response", t.response.token_ids)):
+            if ids and max(ids) >= vocab_size:
+                raise InvalidResult(
+                    f"triplets[{i}].{side}.token_ids has id {max(ids)} >= vocabulary size {vocab_size}"
+                )
