@@ -30,6 +30,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from .agent_lightning import AgentLightningAPI, AgentLightningSettings
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .proxy import UPSTREAM_KEEPALIVE, LLMProxy, RetryPolicy, SamplingMismatch
@@ -97,6 +98,9 @@ class AgentDaemon:
     - ``trajectory_sink``: where finished prompt groups go (:class:`~aglverl.trajectory.groups.GroupSink`); with it the
       daemon runs a :class:`~aglverl.trajectory.groups.TrajectoryProducer` (:attr:`producer`), and ``step_timeout``
       bounds each group.
+    - ``agent_lightning``: what Agent Lightning v1.0's API on the task server (:attr:`agent_lightning`) should
+      know of the run (:class:`~aglverl.agent_lightning.AgentLightningSettings`: the rollouts' controller config,
+      the reward of an attempt without a reward event, whether a trainer owns the models and the gate).
     - ``proxy_shards``: ``1`` (default): one :class:`~aglverl.proxy.LLMProxy` in this process, on
       ``proxy_port``; ``N`` or ``"per_node"``: that many proxies as Ray actors (Ray initialised in this process
       first), each its own process beside the inference servers, serving on its node's address, every rollout
@@ -140,6 +144,7 @@ class AgentDaemon:
         token_in: bool = True,
         proxy_shards: ShardCount = 1,
         backend_nodes: Mapping[str, str] | None = None,
+        agent_lightning: AgentLightningSettings | None = None,
     ) -> None:
         if max_buffered_batches != 1:
             warnings.warn(
@@ -225,6 +230,14 @@ class AgentDaemon:
             )
         self.freeze_gc = freeze_gc
         self._stack: AsyncExitStack | None = None
+        #: Agent Lightning v1.0's routes on the task server (:mod:`aglverl.agent_lightning`).
+        self.agent_lightning = AgentLightningAPI(
+            self,
+            token=token,
+            settings=agent_lightning or AgentLightningSettings(trainer_owns_gate=trajectory_sink is not None),
+            max_body_bytes=self.server.max_body_bytes,
+        )
+        self.server.add_routes(self.agent_lightning.routes())
 
     # ------------------------------------------------------------------ life cycle
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -251,12 +264,14 @@ class AgentDaemon:
         others = [r for r in records if r.get("rollout_id") not in held] if held else records
         self.store.restore(others)
         self.collector.restore(others)
+        self.agent_lightning.rollouts.restore(records)  # the cursor's positions (aglverl.agent_lightning)
         producer = self.producer
         journal.live_records = lambda: itertools.chain(
             [{"kind": "proxy", "url": url}] if (url := self._proxy_url_for_journal()) else [],
             self.store.live_records(),
             self.collector.live_records(),
             producer.live_records() if producer is not None else (),
+            self.agent_lightning.rollouts.live_records(),
         )
         journal.open(journal.live_records())
         self.store.journal = journal
@@ -277,6 +292,7 @@ class AgentDaemon:
         if self.journal is not None:
             await tg.start(self.journal.serve)  # compactions in a worker thread
         await tg.start(self.store.serve)
+        await tg.start(self.agent_lightning.serve)  # before the task server answers its routes
         await tg.start(self.server.serve)
         await tg.start(self.proxy.serve)  # shards: their actors started in parallel (~1-2 s), serving
         await tg.start(self.collector.serve)
