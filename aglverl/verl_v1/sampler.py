@@ -80,7 +80,7 @@ class _EventWaits:
             if "no materializable trajectories" not in str(exc):
                 raise
             # sync_refill_failed_groups turned off and a whole batch failed: say what the agents did
-            raise self._aglverl.on_loop(self._aglverl.trajectory.groups.agents_error) from None
+            raise self._aglverl.on_loop(self._aglverl.producer.agents_error) from None
 
     def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int) -> Any:
         self._want = target_count
@@ -88,10 +88,10 @@ class _EventWaits:
 
     def _sync_metadata_from_transfer_queue(self) -> None:
         # Every group counted in the version is written before the look; one finishing later wakes the next wait.
-        self._seen = self._aglverl.await_on_loop(self._aglverl.trajectory.groups.flush)
+        self._seen = self._aglverl.await_on_loop(self._aglverl.producer.flush)
         # Failed groups are evicted and replaced (both modes); agents that fail every time stop the run here,
         # with their errors, instead of replacing prompts forever.
-        self._aglverl.on_loop(self._aglverl.trajectory.groups.check_agents)
+        self._aglverl.on_loop(self._aglverl.producer.check_agents)
         super()._sync_metadata_from_transfer_queue()  # type: ignore[misc]
 
     def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
@@ -113,7 +113,7 @@ class _EventWaits:
         if cap and self._rejected >= cap:
             return set(), Counter()  # enough replaced this step: train on what is there
         finished = list(self.finished_keys[partition_id])  # type: ignore[attr-defined]
-        producer = self._aglverl.trajectory.groups
+        producer = self._aglverl.producer
         uniform: dict[str, float] = self._aglverl.on_loop(producer.uniform_scores, finished)
         return set(uniform), Counter(uniform.values())
 
@@ -121,7 +121,7 @@ class _EventWaits:
         evicted, stale, dapo, metrics = super()._evict_terminal_groups(global_steps, partition_id, reasons)  # type: ignore[misc]
         if evicted:
             self._rejected += dapo
-            producer = self._aglverl.trajectory.groups
+            producer = self._aglverl.producer
             self._aglverl.on_loop(producer.evicted, sorted(evicted))
             if int(self._aglverl.config.trainer.save_freq) <= 0:  # never trained: out of the journal too
                 self._aglverl.on_loop(producer.checkpointed, sorted(evicted))
