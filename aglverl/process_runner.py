@@ -274,9 +274,10 @@ class ProcessRunner:
         log, stdin = await anyio.to_thread.run_sync(_open_files, log_path, input_path, reward_path, data)
         try:
             code, timed_out = await self._spawn_and_wait(self.options.argv(), env, stdin, log)
+            return await self._outcome(slot, code, timed_out, log_path, reward_path)
         finally:
-            await anyio.to_thread.run_sync(_close, log, stdin)
-        return await self._outcome(slot, code, timed_out, log_path, reward_path)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close_and_remove, (log, stdin), (input_path, reward_path))
 
     async def _spawn_and_wait(self, argv: list[str], env: dict[str, str], stdin: IO[bytes], log: IO[bytes]) -> tuple[int, bool]:
         """Start the process in a session of its own, wait for it up to the timeout; its group is killed at
@@ -346,12 +347,15 @@ class ProcessRunner:
 def _open_files(log_path: Path, input_path: Path, reward_path: Path, data: bytes) -> tuple[IO[bytes], IO[bytes]]:
     reward_path.unlink(missing_ok=True)  # a retry must not read an earlier process's reward
     input_path.write_bytes(data)
-    return open(log_path, "wb"), open(input_path, "rb")  # closed by _close
+    return open(log_path, "wb"), open(input_path, "rb")  # closed by _close_and_remove
 
 
-def _close(*files: IO[bytes]) -> None:
+def _close_and_remove(files: Sequence[IO[bytes]], scratch: Sequence[Path]) -> None:
+    """Close an attempt's files; remove its input and reward files (the log stays)."""
     for f in files:
         f.close()
+    for path in scratch:
+        path.unlink(missing_ok=True)
 
 
 def _last_line(path: Path) -> str:

@@ -84,7 +84,8 @@ async def test_an_agent_lightning_agent_class_trains_a_step_with_its_reward_even
         response = data.batch["responses"][row][: int(data.batch["response_mask"][row].sum())].tolist()
         assert answered[tuple(prompt)] == response
     assert runner.finished == 4 and runner.peak <= 2
-    assert len(list((tmp_path / "logs").glob("*.log"))) == 4
+    logs = tmp_path / "logs"
+    assert len(list(logs.glob("*.log"))) == 4 and len(list(logs.iterdir())) == 4  # the input files are gone
 
 
 async def test_a_command_gets_the_endpoints_in_the_sdks_variables_its_input_on_stdin_and_its_output_logged(

@@ -109,8 +109,7 @@ class ProxyHop:
         body = await read_body(request, self.max_body_bytes)
         slot = await self.rollouts.start(params["rollout_id"])
         assert slot.attempt_id is not None
-        task = self.store.task(slot.rollout_id)
-        update = self.store.resources(task.resources_id)
+        update = self.store.resources(slot.resources_id or self.store.task(slot.rollout_id).resources_id)
         llm = update.resources.get("main_llm") if update is not None else None
         if not isinstance(llm, LLM):
             raise Refused(503, f"rollout {slot.agl_id} has no main_llm resource to relay its calls to")

@@ -91,6 +91,7 @@ class Slot:
     state: str = "queuing"
     version: int = 1
     attempt_id: str | None = None  # aglverl's, once claimed
+    resources_id: str | None = None  # what the claimed attempt's task names (its proxy shard's, with shards)
     last_attempt_id: str | None = None
     k8s_job_name: str | None = None
     error_message: str | None = None
@@ -179,11 +180,11 @@ class AgentLightningRollouts:
         if change.kind == "claimed":
             if current.state != "queuing":
                 current = self._new_slot(change.rollout_id, len(slots))
-            current.attempt_id = change.attempt_id
+            current.attempt_id, current.resources_id = change.attempt_id, change.resources_id
             self._move(current, "running")
         elif change.kind == "released" and current.state == "running":
             # the claim never reached an agent and is undone: not a transition, the attempt never was
-            current.state, current.attempt_id = "queuing", None
+            current.state, current.attempt_id, current.resources_id = "queuing", None, None
             current.updated_at, current.version = time.time(), current.version + 1
         elif change.kind == "ended":
             self._ended(change, slots)

@@ -134,7 +134,8 @@ class AttemptChange:
     (that claim was undone: its task never reached an agent), ``"ended"`` (attempt ``attempt_id`` ended, or,
     with ``attempt_id`` ``None``, a rollout that was never claimed was failed). ``claims`` is the rollout's
     number of claims after the change, ``state`` its state after it (an ``"ended"`` attempt whose rollout is
-    ``"queued"`` again is retried); ``error`` why it ended, when it failed.
+    ``"queued"`` again is retried); ``error`` why it ended, when it failed. ``resources_id``: for a claim, the
+    resources its task names (with proxy shards, the attempt's shard's copy).
     """
 
     kind: Literal["queued", "claimed", "released", "ended"]
@@ -143,6 +144,7 @@ class AttemptChange:
     claims: int
     state: RolloutState
     error: str | None = None
+    resources_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -515,11 +517,11 @@ class TaskStore:
         self._journal({"kind": "attempt", "rollout_id": entry.rollout_id, "attempt_id": entry.attempt_id})
         self._set_lease(entry, self._lease_clock() + self.lease_seconds)
         self.m_claimed.inc()
-        self._emit("claimed", entry, entry.attempt_id)
         task = entry.task()
         if self.pinning is not None:
             base = entry.resources_id or self._latest_resources
             task.resources_id = self.pinning.pin(entry.rollout_id, entry.attempts[-1], base) or base
+        self._emit("claimed", entry, entry.attempt_id, resources_id=task.resources_id)
         return task
 
     def try_claim(self) -> Task | None:
@@ -1001,10 +1003,12 @@ class TaskStore:
 
     def _emit(
         self, kind: Literal["queued", "claimed", "released", "ended"], entry: _Entry, attempt_id: str | None,
-        error: str | None = None,
+        error: str | None = None, *, resources_id: str | None = None,
     ) -> None:
         if self._attempt_listeners:
-            change = AttemptChange(kind, entry.rollout_id, attempt_id, entry.num_claims, entry.state, error)
+            change = AttemptChange(
+                kind, entry.rollout_id, attempt_id, entry.num_claims, entry.state, error, resources_id
+            )
             for listener in self._attempt_listeners:
                 listener(change)
 
