@@ -188,7 +188,7 @@ def test_aglverl_section_configures_the_daemon() -> None:
         ({"nonsense": {"a": 1}}, "'nonsense'"),
         ({"aglverl": {"prot": 1}}, "'aglverl.prot'; did you mean 'port'"),
         ({"aglverl": {"llm_resource": "fancy"}}, "aglverl.llm_resource"),
-        ({"aglverl": {"agents": 0}}, "aglverl.agents"),
+        ({"aglverl": {"agents": -1}}, "aglverl.agents"),
         ({"aglverl": {"max_failed_groups": -1}}, "aglverl.max_failed_groups"),
         ({"aglverl": {"hold_timeout": 0}}, "aglverl.hold_timeout"),
     ],
