@@ -598,8 +598,8 @@ def triplet_events(events: Sequence[Event]) -> list[Event]:
         if event.event_type == "model_request":
             trimmed.append(event.model_copy(update={"data": _trim_request(event.data)}))
         elif event.event_type == "reward":
-            keep = {k: event.data[k] for k in ("source", "reason") if k in event.data}
-            trimmed.append(event.model_copy(update={"data": {"value": event.data.get("value"), **keep}}))
+            extra = {k: event.data[k] for k in ("source", "reason") if k in event.data}
+            trimmed.append(event.model_copy(update={"data": {"value": event.data.get("value"), **extra}}))
         else:
             trimmed.append(event)
     last: dict[tuple[int, ...], int] = {}
@@ -629,8 +629,9 @@ def _trim_request(data: Mapping[str, Any]) -> dict[str, Any]:
             content = (choices[0].get("logprobs") or {}).get("content")
             if isinstance(content, list):
                 values = [item.get("logprob") for item in content if isinstance(item, Mapping)]
-                good = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
-                logprobs = [float(v) for v in values] if good and len(values) == len(content) else None
+                numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                good = len(numbers) == len(content) and all(math.isfinite(v) for v in numbers)
+                logprobs = numbers if good else None
     server = data.get("server") or {}
     out: dict[str, Any] = {
         "prompt_token_ids": prompt,
