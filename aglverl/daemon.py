@@ -33,6 +33,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from .agent_lightning import AgentLightningAPI, AgentLightningSettings
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .proxy import LLMProxy, ProxyConfig, RetryPolicy, SamplingMismatch
@@ -71,6 +72,9 @@ class DaemonConfig:
     - ``journal_path``/``journal_fsync``: the write-ahead journal (``None``: none); ``freeze_gc``: move the
       objects that exist at start out of the cyclic collector's reach.
     - ``proxy_shards``: 1 (the proxy in this process) or N / ``"per_node"`` (proxy shards on Ray).
+    - ``agent_lightning``: what Agent Lightning v1.0's API on the task server should know of the run
+      (:class:`~aglverl.agent_lightning.AgentLightningSettings`; ``None``: its defaults, the trainer owning the
+      models and the gate when the daemon has a producer).
     - ``proxy`` (:class:`~aglverl.proxy.config.ProxyConfig`), ``store``
       (:class:`~aglverl.store.config.StoreConfig`), ``batch`` (:class:`~aglverl.trajectory.batch.BatchConfig`),
       ``signal`` (:class:`~aglverl.trajectory.signals.SignalConfig`; its ``request_logprobs`` turns on
@@ -94,6 +98,7 @@ class DaemonConfig:
     journal_fsync: bool = False
     freeze_gc: bool = True
     proxy_shards: ShardCount = 1
+    agent_lightning: AgentLightningSettings | None = None
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -177,6 +182,7 @@ class DaemonKeywords(TypedDict, total=False):
     token_in: bool
     proxy_shards: ShardCount
     backend_nodes: Mapping[str, str] | None
+    agent_lightning: AgentLightningSettings | None
 
 
 #: The keywords that are settings of the proxy (``ProxyConfig``'s fields, same names).
@@ -242,6 +248,9 @@ class AgentDaemon:
       one row (see :mod:`aglverl.proxy.tokenin`); off, every call is relayed as text.
     - ``max_failed_groups``: with a producer, stop after this many training groups in a row whose every
       rollout failed (default 0: never).
+    - ``agent_lightning``: what Agent Lightning v1.0's API on the task server (:attr:`agent_lightning`) should
+      know of the run (:class:`~aglverl.agent_lightning.AgentLightningSettings`: the rollouts' controller config,
+      the reward of an attempt without a reward event, whether a trainer owns the models and the gate).
     - ``proxy_shards``: ``1`` (default): one :class:`~aglverl.proxy.LLMProxy` in this process, on
       ``proxy_port``; ``N`` or ``"per_node"``: that many proxies as Ray actors (Ray initialised in this process
       first), each its own process beside the inference servers, serving on its node's address, every rollout
@@ -328,6 +337,14 @@ class AgentDaemon:
                 max_failed_groups=config.max_failed_groups,
             )
         self._stack: AsyncExitStack | None = None
+        #: Agent Lightning v1.0's routes on the task server (:mod:`aglverl.agent_lightning`).
+        self.agent_lightning = AgentLightningAPI(
+            self,
+            token=config.token,
+            settings=config.agent_lightning or AgentLightningSettings(trainer_owns_gate=trajectory_sink is not None),
+            max_body_bytes=self.server.max_body_bytes,
+        )
+        self.server.add_routes(self.agent_lightning.routes())
 
     @property
     def model(self) -> str:
@@ -359,12 +376,14 @@ class AgentDaemon:
         others = [r for r in records if r.get("rollout_id") not in held] if held else records
         self.store.restore(others)
         self.collector.restore(others)
+        self.agent_lightning.rollouts.restore(records)  # the cursor's positions (aglverl.agent_lightning)
         producer = self.producer
         journal.live_records = lambda: itertools.chain(
             [{"kind": "proxy", "url": url}] if (url := self._proxy_url_for_journal()) else [],
             self.store.live_records(),
             self.collector.live_records(),
             producer.live_records() if producer is not None else (),
+            self.agent_lightning.rollouts.live_records(),
         )
         journal.open(journal.live_records())
         self.store.journal = journal
@@ -385,6 +404,7 @@ class AgentDaemon:
         if self.journal is not None:
             await tg.start(self.journal.serve)  # compactions in a worker thread
         await tg.start(self.store.serve)
+        await tg.start(self.agent_lightning.serve)  # before the task server answers its routes
         await tg.start(self.server.serve)
         await tg.start(self.proxy.serve)  # shards: their actors started in parallel (~1-2 s), serving
         await tg.start(self.collector.serve)

@@ -28,7 +28,7 @@ import hmac
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -209,10 +209,16 @@ class TaskServer:
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self._guard("metrics", self.metrics), methods=["GET"]),
         ]
-        self._inflight = _InFlight(Starlette(routes=routes))
+        self._starlette = Starlette(routes=routes)
+        self._inflight = _InFlight(self._starlette)
         self.app: ASGIApp = self._inflight
         #: More Prometheus text for ``/metrics``, fetched on each scrape (the proxy shards' registries).
         self.metrics_sources: list[Callable[[], Awaitable[str]]] = []
+
+    def add_routes(self, routes: Sequence[BaseRoute]) -> None:
+        """Serve more routes beside the task routes (another API on the same address, e.g.
+        :mod:`aglverl.agent_lightning`'s); they do their own authentication. Call before :meth:`serve`."""
+        self._starlette.router.routes.extend(routes)
 
     @property
     def url(self) -> str:

@@ -8,17 +8,34 @@ from pathlib import Path
 
 import pytest
 
+#: The Agent Lightning tier's Python (``make test-agl`` sets it): Python 3.12 with ``agentlightning==1.0.2``.
+AGL_PYTHON_ENV = "AGL_PYTHON"
+
+
+def agl_python() -> str | None:
+    """The Agent Lightning venv's interpreter: ``$AGL_PYTHON``, else ``.venv-agl/bin/python`` if it was built."""
+    given = os.environ.get(AGL_PYTHON_ENV)
+    if given:
+        return given
+    built = Path(__file__).resolve().parents[1] / ".venv-agl" / "bin" / "python"
+    return str(built) if built.exists() else None
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``vllm`` need a real vLLM: skipped (with the command that runs them) where it is missing."""
+    """Tests marked ``vllm`` need a real vLLM, tests marked ``agl`` Agent Lightning's venv: skipped (with the
+    command that runs them) where it is missing."""
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    skip = pytest.mark.skip(reason="vLLM is not installed here: the vLLM tier runs with `make test-vllm`")
-    for item in items:
-        if item.get_closest_marker("vllm") is not None:
-            item.add_marker(skip)
+    marks = []
+    if importlib.util.find_spec("vllm") is None:
+        marks.append(("vllm", "vLLM is not installed here: the vLLM tier runs with `make test-vllm`"))
+    if agl_python() is None:
+        marks.append(("agl", "Agent Lightning's venv is not built: the Agent Lightning tier runs with `make test-agl`"))
+    for name, reason in marks:
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if item.get_closest_marker(name) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture

@@ -210,7 +210,7 @@ def test_the_aglverl_section_becomes_the_daemons_settings_each_in_the_part_that_
         ({"nonsense": {"a": 1}}, "'nonsense'"),
         ({"aglverl": {"prot": 1}}, "'aglverl.prot'; did you mean 'port'"),
         ({"aglverl": {"llm_resource": "fancy"}}, "aglverl.llm_resource"),
-        ({"aglverl": {"agents": 0}}, "aglverl.agents"),
+        ({"aglverl": {"agents": -1}}, "aglverl.agents"),
         ({"aglverl": {"max_failed_groups": -1}}, "aglverl.max_failed_groups"),
         ({"aglverl": {"hold_timeout": 0}}, "aglverl.hold_timeout"),
     ],

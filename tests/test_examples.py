@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,33 @@ def test_remote_agents_example_runs_its_agents_in_another_process_and_stops_them
     assert "final training reward:" in done.stdout
     # the agents were stopped while the task server still answered: no line about it being unreachable
     assert "unreachable" not in done.stderr and "Connection refused" not in done.stderr, done.stderr[-2000:]
+
+
+def _steps(out: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_agent_lightning_agent_class_example_trains_with_its_config_section(tmp_path: Path) -> None:
+    """An Agent Lightning v1.0 agent class and Agent Lightning's config section, trained by one command: every
+    rollout ran as its own process (its output in a log file each) and reported its reward."""
+    done = _run("agl_agent.py", "--steps", "1", cwd=tmp_path)
+    assert "final training reward:" in done.stdout
+    out = tmp_path / "agl_agent-out"
+    (step,) = _steps(out)
+    assert step["step/n_completed"] == 32 and step["step/n_failed"] == 0
+    assert len(list((out / "agent_logs").glob("*.log"))) == 32
+    assert "Agent Lightning API and proxy path at http://127.0.0.1:" in done.stderr
+
+
+@pytest.mark.skipif(not (shutil.which("curl") and shutil.which("jq")), reason="word_agent.sh needs curl and jq")
+def test_command_example_trains_a_shell_script_agent(tmp_path: Path) -> None:
+    done = _run("command_agent.py", "--steps", "2", cwd=tmp_path)
+    out = tmp_path / "command_agent-out"
+    steps = _steps(out)
+    assert len(steps) == 2 and all(s["step/n_failed"] == 0 and s["step/n_completed"] == 32 for s in steps)
+    logs = sorted((out / "agent_logs").glob("*.log"))
+    assert len(logs) == 64 and "-> reward" in logs[0].read_text()
+    assert "final training reward:" in done.stdout
 
 
 def test_gpu_recipe_is_a_valid_verl_config() -> None:

@@ -471,3 +471,30 @@ def test_shards_go_beside_the_backends_nodes_or_on_every_alive_node(ray_cluster:
     assert place_shards(1, {"http://127.0.0.1:3": "a-node-that-is-gone"}) == [alive[0]]
     with pytest.raises(ValueError, match="proxy_shards must be an integer >= 1 or 'per_node', got 0"):
         AgentDaemon(proxy_shards=0)
+
+
+async def test_agent_lightnings_proxy_path_reaches_each_attempts_shard(
+    ray_cluster: Any, mock: MockVLLM, tmp_path: Any
+) -> None:
+    """Agent processes (aglverl's runner, a command using the OpenAI SDK's environment) call the task server's
+    Agent Lightning proxy path; each call is relayed to the shard its attempt is pinned to, where it is
+    recorded: every rollout completes with its call's ids, over both shards."""
+    import sys
+    from pathlib import Path
+
+    from aglverl.process_runner import ProcessOptions, ProcessRunner
+
+    program = [sys.executable, str(Path(__file__).parent / "helpers" / "agl_style_agents.py"), "sdk"]
+    async with _daemon(mock) as daemon:
+        runner = ProcessRunner(daemon, ProcessOptions.from_mapping({"command": program}), concurrency=4, log_dir=tmp_path)
+        async with anyio.create_task_group() as tg:
+            await tg.start(runner.serve)
+            ids = [await daemon.queue_task({"prompt": f"p{i}", "reward": 1.0}) for i in range(6)]
+            with anyio.fail_after(120):
+                await daemon.store.wait_terminal(ids)
+            tg.cancel_scope.cancel()
+        records = [daemon.store.record(r) for r in ids]
+        await daemon.refresh_proxy_figures()
+        per_shard = {s.index: s.counters.get("proxy/calls_ok", 0) for s in _shards(daemon).shards}
+    assert all(r.state == "completed" and len(r.calls) == 1 and r.calls[0].response_token_ids for r in records)
+    assert sum(per_shard.values()) == 6 and all(n > 0 for n in per_shard.values())

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from typing import Any, TextIO
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
+from ..agent_lightning.config import AgentLightningSettings, map_section, rollout_config_for
 from ..client import AgentFn, check_agent, run_agents
 from .config import compose_config, daemon_config, nest_overrides, run_config, user_set
 from .runtime import (
@@ -57,8 +61,23 @@ class AsyncVERL:
     ) -> None:
         if agent is not None:
             check_agent(agent)
-        self.config, self.options = compose_config(config)
-        self._overrides = nest_overrides(dict(config or {}))
+        # Agent Lightning's section (and its two verl keys) in aglverl's terms (aglverl.agent_lightning.config)
+        overrides, job_template = map_section(nest_overrides(dict(config or {})))
+        self.config, self.options = compose_config(overrides)
+        self._overrides = overrides
+        if agent is not None and self.options.processes.enabled:
+            raise ConfigError(
+                "AsyncVERL got both agent= and agents to run as processes (aglverl.processes or "
+                "agentlightning.local.agent_class): a run has one kind of built-in agent; drop one of them"
+            )
+        #: What the daemon's Agent Lightning API says of this run's rollouts (their controller config...).
+        self.agent_lightning = AgentLightningSettings(
+            rollout_config=rollout_config_for(self.options.processes, job_template),
+            reward_fillna_value=self.options.processes.reward_fillna_value,
+            trainer_owns_gate=True,
+        )
+        #: The built-in runner of agent processes, while it runs (``aglverl.processes``).
+        self.process_runner: Any = None
         self.agent = agent
         self.progress = progress
         self.daemon: Any = None
@@ -154,6 +173,7 @@ class AsyncVERL:
 
         # blocking: it makes the journal's directory
         settings = await anyio.to_thread.run_sync(daemon_config, config, self.options)
+        settings = dataclasses.replace(settings, agent_lightning=self.agent_lightning)
         plan = verl_v1.RunPlan(
             config=config,
             daemon=settings,
@@ -174,8 +194,11 @@ class AsyncVERL:
         for callback in self.on_serving:
             callback(daemon)
         async with anyio.create_task_group() as tg:
-            if self.agent is not None:
-                tg.start_soon(self._run_agents, self.options.agents or rollouts_per_step(self.config))
+            agents = rollouts_per_step(self.config) if self.options.agents is None else self.options.agents
+            if self.agent is not None and agents:
+                tg.start_soon(self._run_agents, agents)
+            if self.options.processes.enabled and agents:
+                await tg.start(self._run_processes, daemon, self.config, agents)
             try:
                 yield
             finally:
@@ -185,6 +208,17 @@ class AsyncVERL:
                         if inspect.isawaitable(result):
                             await result
                 tg.cancel_scope.cancel()
+
+    async def _run_processes(
+        self, daemon: Any, config: Any, concurrency: int, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        from ..process_runner import ProcessRunner
+
+        processes = self.options.processes
+        log_dir = processes.log_dir or os.path.join(str(config.trainer.default_local_dir), "agent_logs")
+        self.process_runner = ProcessRunner(daemon, processes, concurrency=concurrency, log_dir=log_dir)
+        logger.info("aglverl: up to %d agent processes at once; their output goes to %s", concurrency, log_dir)
+        await self.process_runner.serve(task_status=task_status)
 
     async def _run_agents(self, concurrency: int) -> None:
         assert self.agent is not None and self.daemon is not None

@@ -13,6 +13,7 @@ from typing import Any, Literal
 if sys.version_info < (3, 11):
     pass
 
+from ..process_runner import ProcessOptions
 from ..proxy.shards import check_shard_count
 from ..trajectory.signals import SignalConfig
 from .validation import ConfigError, check_fields, unknown_key_message
@@ -32,8 +33,13 @@ class DaemonOptions:
       aglverl.journal`` when checkpoints are saved, so a resumed run recovers the step in flight) or ``None``.
     - ``llm_resource``: ``"proxy"`` (per-rollout URLs, token ids recorded) or ``"plain"`` (Agent Lightning 0.1
       clients, which post their own triplets).
-    - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run (default: every rollout of a step
-      at once, ``train_batch_size * rollout.n``).
+    - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run; with ``processes``, how many agent
+      processes at once (default: every rollout of a step at once, ``train_batch_size * rollout.n``); ``0``:
+      none (agents connect from elsewhere, e.g. Agent Lightning's controller).
+    - ``processes``: agents run as one process per rollout attempt by aglverl
+      (:class:`~aglverl.process_runner.ProcessOptions`: an Agent Lightning v1.0 ``agent_class`` or any
+      ``command``, ``env_map``, ``timeout_seconds``, ``reward_fillna_value``, ``log_dir``, ``python``), as a
+      mapping of its fields; Agent Lightning's ``agentlightning:`` section maps onto it.
     - ``platform``: ``"auto"`` (CPU when no GPU is visible), ``"cpu"`` or ``"gpu"``.
     - ``signal``: the training-signal controls (:class:`~aglverl.trajectory.signals.SignalConfig`: rejection sampling,
       compact filtering, step-wise advantage, behaviour log-probs), as a mapping of its fields.
@@ -79,6 +85,7 @@ class DaemonOptions:
     token_in: bool = True
     proxy_shards: int | Literal["per_node"] = 1
     tool_call_parser: str | None = "auto"
+    processes: ProcessOptions = dataclasses.field(default_factory=ProcessOptions)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -91,14 +98,15 @@ class DaemonOptions:
             if key not in names:
                 raise ConfigError(unknown_key_message(f"aglverl.{key}", key, names))
         values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
-        check_fields(cls, {k: v for k, v in values.items() if k != "signal"}, "aglverl")
-        signal = values.get("signal")
-        if signal is not None and not isinstance(signal, Mapping):
-            raise ConfigError(f"aglverl.signal must be a mapping of SignalConfig's fields, got {signal!r}")
-        try:
-            values["signal"] = SignalConfig.from_dict(signal)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"aglverl.signal: {exc}") from exc
+        check_fields(cls, {k: v for k, v in values.items() if k not in _SUBSECTIONS}, "aglverl")
+        for key, (name, read) in _SUBSECTIONS.items():
+            value = values.get(key)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(f"aglverl.{key} must be a mapping of {name}'s fields, got {value!r}")
+            try:
+                values[key] = read(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"aglverl.{key}: {exc}") from exc
         options = cls(**values)
         for key, low, high, bound in _OPTION_RANGES:
             value = getattr(options, key)
@@ -135,6 +143,12 @@ def _check_tool_call_parser(value: str | None) -> None:
         )
 
 
+#: The ``aglverl:`` options that are sections of their own: their class's name and reader.
+_SUBSECTIONS: dict[str, tuple[str, Any]] = {
+    "signal": ("SignalConfig", SignalConfig.from_dict),
+    "processes": ("ProcessOptions", ProcessOptions.from_mapping),
+}
+
 #: Bounds of the ``aglverl:`` options: (field, low, high, ">" or ">=").
 _OPTION_RANGES: tuple[tuple[str, float, float | None, str], ...] = (
     ("port", 0, 65535, ">="),
@@ -142,7 +156,7 @@ _OPTION_RANGES: tuple[tuple[str, float, float | None, str], ...] = (
     ("lease_seconds", 0, None, ">"),
     ("max_attempts", 1, None, ">="),
     ("step_timeout", 0, None, ">"),
-    ("agents", 1, None, ">="),
+    ("agents", 0, None, ">="),
     ("hold_timeout", 0, None, ">"),
     ("max_failed_groups", 0, None, ">="),
 )

@@ -9,6 +9,7 @@ __all__ = [
     "AlreadyFinished",
     "AttemptLost",
     "InvalidResult",
+    "NotQueued",
     "StepEnded",
     "StoreClosed",
     "StoreError",
@@ -55,3 +56,9 @@ class AttemptLost(StoreError):
 
 class StoreClosed(StoreError):
     status = 503
+
+
+class NotQueued(StoreError):
+    """A rollout asked for by id (:meth:`TaskStore.claim_rollout`) is not waiting in the queue."""
+
+    status = 409

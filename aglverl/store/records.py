@@ -9,7 +9,7 @@ from typing import Any, Literal
 from ..models import Rollout, TerminationReason
 from .errors import InvalidResult
 
-__all__ = ["TERMINAL", "LLMCall", "RolloutRecord", "RolloutState", "check_token_ids"]
+__all__ = ["TERMINAL", "AttemptChange", "LLMCall", "RolloutRecord", "RolloutState", "check_token_ids"]
 
 #: Where a rollout is in its life (see :mod:`aglverl.store.tasks`).
 RolloutState = Literal["queued", "claimed", "completed", "failed"]
@@ -105,3 +105,25 @@ def check_token_ids(rollout: Rollout, vocab_size: int | None) -> None:
                 raise InvalidResult(
                     f"triplets[{i}].{side}.token_ids has id {max(ids)} >= vocabulary size {vocab_size}"
                 )
+
+
+@dataclass(slots=True, frozen=True)
+class AttemptChange:
+    """What :meth:`TaskStore.on_attempt <aglverl.store.tasks.TaskStore.on_attempt>` listeners hear, on the
+    store's loop, as it happens.
+
+    ``kind``: ``"queued"`` (a new rollout), ``"claimed"`` (attempt ``attempt_id`` started), ``"released"``
+    (that claim was undone: its task never reached an agent), ``"ended"`` (attempt ``attempt_id`` ended, or,
+    with ``attempt_id`` ``None``, a rollout that was never claimed was failed). ``claims`` is the rollout's
+    number of claims after the change, ``state`` its state after it (an ``"ended"`` attempt whose rollout is
+    ``"queued"`` again is retried); ``error`` why it ended, when it failed. ``resources_id``: for a claim, the
+    resources its task names (with proxy shards, the attempt's shard's copy).
+    """
+
+    kind: Literal["queued", "claimed", "released", "ended"]
+    rollout_id: str
+    attempt_id: str | None
+    claims: int
+    state: RolloutState
+    error: str | None = None
+    resources_id: str | None = None

@@ -44,6 +44,7 @@ from .errors import (
     AlreadyFinished,
     AttemptLost,
     InvalidResult,
+    NotQueued,
     StepEnded,
     StoreClosed,
     StoreError,
@@ -52,7 +53,7 @@ from .errors import (
 )
 from .leases import LeaseItem, Leases
 from .ports import AttemptPinning, Journal
-from .records import TERMINAL, LLMCall, RolloutRecord, RolloutState, check_token_ids
+from .records import TERMINAL, AttemptChange, LLMCall, RolloutRecord, RolloutState, check_token_ids
 from .resources import ResourceVersions
 from .waiters import Waiters
 
@@ -61,11 +62,13 @@ from .waiters import Waiters
 __all__ = [
     "TERMINAL",
     "AlreadyFinished",
+    "AttemptChange",
     "AttemptLost",
     "AttemptPinning",
     "InvalidResult",
     "Journal",
     "LLMCall",
+    "NotQueued",
     "RolloutRecord",
     "RolloutState",
     "StepEnded",
@@ -129,6 +132,7 @@ class TaskStore:
         self._resources = ResourceVersions(self._journal)
         self._closed = False
         self._forget_listeners: list[Callable[[Sequence[str]], None]] = []
+        self._attempt_listeners: list[Callable[[AttemptChange], None]] = []
         self._queued_count = 0
         self._claimed_count = 0
         #: Proxy shards that admit and record this store's attempts (``None``: the proxy is in this process).
@@ -235,6 +239,7 @@ class TaskStore:
         self._entries[rollout_id] = entry
         self._journal(entry.task_record())
         self.m_queued.inc()
+        self._emit("queued", entry, None)
         self._push(entry, front=False)
         return rollout_id
 
@@ -276,6 +281,7 @@ class TaskStore:
         if self.pinning is not None:
             base = entry.resources_id or self._resources.latest_id
             task.resources_id = self.pinning.pin(entry.rollout_id, entry.attempts[-1], base) or base
+        self._emit("claimed", entry, entry.attempt_id, resources_id=task.resources_id)
         return task
 
     def try_claim(self) -> Task | None:
@@ -331,6 +337,7 @@ class TaskStore:
         entry.lease_deadline = math.inf
         self._claimed_count -= 1
         self.m_released.inc()
+        self._emit("released", entry, attempt_id)
         self._push(entry, front=True)
         return True
 
@@ -349,8 +356,9 @@ class TaskStore:
             and entry.lease_deadline == item[0]
         )
 
-    def heartbeat(self, rollout_id: str, attempt_id: str | None = None) -> float:
-        """Extend the current attempt's lease by ``lease_seconds``; returns the seconds until it expires."""
+    def heartbeat(self, rollout_id: str, attempt_id: str | None = None, *, seconds: float | None = None) -> float:
+        """Extend the current attempt's lease by ``lease_seconds`` (or ``seconds``); returns the seconds until it
+        expires."""
         entry = self._require(rollout_id)
         attempt_id = attempt_id or entry.attempt_id
         entry.require_attempt(attempt_id)
@@ -361,8 +369,9 @@ class TaskStore:
                 f"attempt {attempt_id!r} of rollout {rollout_id!r} no longer holds the task "
                 f"(current attempt: {entry.attempt_id!r}, state: {entry.state})"
             )
-        self._set_lease(entry, self._leases.now() + self.lease_seconds)
-        return self.lease_seconds
+        lease = self.lease_seconds if seconds is None else seconds
+        self._set_lease(entry, self._leases.now() + lease)
+        return lease
 
     def freeze_leases(self) -> None:
         """Stop the lease clock: a trainer holds the agents' LLM calls for its update (minutes to hours), and
@@ -400,6 +409,8 @@ class TaskStore:
         self.m_requeued.inc(1, reason)
         entry.requeues += 1
         logger.info("requeueing %s (%s, attempt %d)", entry.rollout_id, reason, entry.num_claims)
+        entry.state = "queued"
+        self._emit("ended", entry, entry.attempt_id, message)
         self._push(entry, front=True)
 
     # ------------------------------------------------------------------ results
@@ -555,6 +566,7 @@ class TaskStore:
         entry.result_attempt = attempt_id
         entry.lease_deadline = math.inf
         (self.m_completed if state == "completed" else self.m_failed).inc()
+        self._emit("ended", entry, attempt_id if state == "completed" else entry.attempt_id, error)
         if self.pinning is not None:
             if state == "failed" and kept and self._tg is not None:
                 entry.settling = True
@@ -655,6 +667,70 @@ class TaskStore:
     def on_forget(self, listener: Callable[[Sequence[str]], None]) -> None:
         """Call ``listener(rollout_ids)`` whenever rollouts are dropped (e.g. to drop per-rollout routing state)."""
         self._forget_listeners.append(listener)
+
+    def on_attempt(self, listener: Callable[[AttemptChange], None]) -> None:
+        """Call ``listener(change)`` whenever a rollout is queued, an attempt is claimed, released or ends
+        (:class:`AttemptChange`), synchronously inside the store's method: a listener must not call back into
+        the store. Rollouts rebuilt by :meth:`restore` or taken in by :meth:`adopt` are not announced."""
+        self._attempt_listeners.append(listener)
+
+    def _emit(
+        self, kind: Literal["queued", "claimed", "released", "ended"], entry: Entry, attempt_id: str | None,
+        error: str | None = None, *, resources_id: str | None = None,
+    ) -> None:
+        if self._attempt_listeners:
+            change = AttemptChange(
+                kind, entry.rollout_id, attempt_id, entry.num_claims, entry.state, error, resources_id
+            )
+            for listener in self._attempt_listeners:
+                listener(change)
+
+    # -------------------------------------------------- reading one rollout (for views of the store)
+    def rollout_ids(self) -> list[str]:
+        """The ids of every rollout held (queued, claimed, or finished and not yet forgotten), oldest first."""
+        return list(self._entries)
+
+    def task(self, rollout_id: str) -> Task:
+        """The rollout's task as an agent would get it now (its current attempt, if claimed)."""
+        return self._require(rollout_id).task()
+
+    def owner(self, rollout_id: str) -> str | None:
+        """Who queued the rollout: a collector step or producer group, or ``None`` (owner-less)."""
+        return self._require(rollout_id).owner
+
+    def attempts(self, rollout_id: str) -> list[str]:
+        """The rollout's attempt ids, oldest first (a finished rollout's journal keeps only its last)."""
+        return list(self._require(rollout_id).attempts)
+
+    def calls_of(self, rollout_id: str, attempt_id: str) -> list[LLMCall]:
+        """The LLM calls recorded for an attempt so far, in the order they were made (with proxy shards, only
+        those taken from the attempt's shard: a finished attempt's)."""
+        calls = self._require(rollout_id).calls.get(attempt_id, [])
+        return sorted(calls, key=lambda c: (c.seq, c.choice_index))
+
+    async def claim_rollout(self, rollout_id: str, *, lease_seconds: float | None = None) -> Task:
+        """Claim this queued rollout (a runner that picks rollouts by id, e.g. an Agent Lightning controller),
+        with a lease of ``lease_seconds`` (default: the store's); with proxy shards, returns once the attempt's
+        shard admits it. Raises :class:`NotQueued` (409) when the rollout is not waiting in the queue, and
+        :class:`StoreClosed` once the store is closed; changes nothing then."""
+        entry = self._require(rollout_id)
+        if self._closed:
+            raise StoreClosed("the store is closed")
+        if entry.state != "queued":
+            raise NotQueued(f"rollout {rollout_id!r} is {entry.state}, not queued")
+        task = self._start_attempt(entry)  # its stale place in the queue is skipped when reached
+        if lease_seconds is not None:
+            self._set_lease(entry, self._leases.now() + lease_seconds)
+        if self.pinning is not None:
+            attempt_id = task.attempt_id or ""
+            try:
+                admitted = await self.pinning.admitted(rollout_id, attempt_id)
+            except BaseException:
+                self.release(rollout_id, attempt_id)
+                raise
+            if not admitted:
+                raise NotQueued(f"the proxy shard of rollout {rollout_id!r} died before admitting it; retry")
+        return task
 
     def adopt(self, record: RolloutRecord, *, resources_id: str | None, owner: str | None) -> None:
         """Take in a rollout that finished under a previous run (recovered from its journal) as finished here.

@@ -1,0 +1,183 @@
+"""Agent Lightning's proxy path on the task server, relayed to aglverl's LLM proxy.
+
+``/proxy/rollout/{rollout}/attempt/{attempt}/mode/{train|val}/openai/v1/{path}`` is where Agent Lightning's
+controllers point an agent (``AGL_OPENAI_BASE_URL``), on the one server URL they are given. :class:`ProxyHop`
+serves it on aglverl's task server and relays every call, any method and path, to aglverl's LLM proxy under the
+rollout's aglverl attempt (``/rollout/{id}/attempt/{id}/v1/{path}``, on the attempt's proxy shard when there are
+several), so it gets everything that proxy does: token ids recorded, streams relayed chunk by chunk, the
+Responses and Anthropic Messages APIs, token-in chat, calls held (not refused) while the trainer updates the
+weights, aborted generations continued. Before that it does to a JSON body what Agent Lightning's gateway does:
+``model`` becomes the served model's name and ``temperature`` the rollout's mode's (the trainer's for
+``train``, its validation setting for ``val``: the rollout's ``main_llm``); the other sampling parameters are
+aglverl's proxy's to fill in or check.
+
+A call on a ``queuing`` rollout starts it (its aglverl attempt is claimed): Agent Lightning's controllers spawn
+the agent before they report it running (``runner_type=k8s`` only on its next poll), and the agent's first call
+must not wait for that. A call on a finished rollout is a 409. The agent's credential (Agent Lightning's key,
+``Authorization: Bearer`` or ``x-api-key``) is checked here and never forwarded; the hop sends aglverl's token.
+
+Cancellation: an agent that disconnects while its call is upstream (or held) cancels the relayed request, and
+aglverl's proxy cancels the backend's; a stream the agent leaves is closed upstream the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import aiohttp
+import anyio
+import orjson
+from anyio.abc import TaskStatus
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..models import LLM
+from ..proxy.call import HOP_BY_HOP
+from ..store.tasks import TaskStore
+from .http import Refused, read_body
+from .rollouts import AgentLightningRollouts, Conflict, NotFound
+
+__all__ = ["ProxyHop"]
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
+_RESPONSE_DROP = HOP_BY_HOP
+#: How long the hop waits to connect to aglverl's proxy (in this process, on loopback or a shard's node).
+_CONNECT_SECONDS = 10.0
+
+
+class ProxyHop:
+    """Relays Agent Lightning's proxy path to aglverl's proxy (see the module docstring).
+
+    ``token``: aglverl's proxy token, sent upstream. ``max_body_bytes`` bounds a request body (413 beyond it).
+    Serve it with ``await tg.start(hop.serve)`` (it holds the upstream connection pool).
+    """
+
+    def __init__(
+        self,
+        store: TaskStore,
+        rollouts: AgentLightningRollouts,
+        *,
+        token: str | None,
+        max_body_bytes: int = 32 << 20,
+        served_model: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.store = store
+        self.rollouts = rollouts
+        self.max_body_bytes = max_body_bytes
+        self.served_model = served_model
+        self._auth = f"Bearer {token}" if token else None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hold the connection pool to aglverl's proxy until cancelled; then close it."""
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            # no total bound: a call may be held for a whole weight update (aglverl's proxy bounds the wait)
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_SECONDS),
+            auto_decompress=False,
+        )
+        self._session = session
+        try:
+            task_status.started()
+            await anyio.sleep_forever()
+        finally:
+            self._session = None
+            with anyio.CancelScope(shield=True):
+                await session.close()
+
+    # ------------------------------------------------------------------ the route
+    async def handle(self, request: Request) -> Response:
+        """One call on the proxy path; the route's authentication has already passed."""
+        try:
+            return await self._relay(request)
+        except Refused as exc:
+            return Response(orjson.dumps({"detail": exc.detail}), exc.status, media_type="application/json")
+        except (NotFound, Conflict) as exc:
+            return Response(orjson.dumps({"detail": str(exc)}), exc.status, media_type="application/json")
+
+    async def _relay(self, request: Request) -> Response:
+        params = request.path_params
+        mode = params["mode"]
+        if mode not in ("train", "val"):
+            raise Refused(404, f"Unsupported proxy mode: {mode} (train or val)")
+        if self._session is None:
+            raise Refused(503, "the Agent Lightning proxy path is not serving")
+        body = await read_body(request, self.max_body_bytes)
+        slot = await self.rollouts.start(params["rollout_id"])
+        assert slot.attempt_id is not None
+        update = self.store.resources(slot.resources_id or self.store.task(slot.rollout_id).resources_id)
+        llm = update.resources.get("main_llm") if update is not None else None
+        if not isinstance(llm, LLM):
+            raise Refused(503, f"rollout {slot.agl_id} has no main_llm resource to relay its calls to")
+        url = f"{llm.get_base_url(slot.rollout_id, slot.attempt_id)}/{params['path']}"
+        if request.url.query:
+            url += f"?{request.url.query}"
+        body = self._prepare(body, llm, request.headers.get("content-type", ""))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        if self._auth is not None:
+            headers["Authorization"] = self._auth
+        upstream = await self._send(request, request.method, url, headers, body)
+        if upstream is None:
+            return Response(status_code=499)  # the agent left; nobody reads this
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
+        return StreamingResponse(_chunks(upstream), status_code=upstream.status, headers=out_headers)
+
+    def _prepare(self, body: bytes, llm: LLM, content_type: str) -> bytes:
+        """What Agent Lightning's gateway does to a JSON body: the served model's name and the mode's
+        temperature (a body that is not a JSON object goes as it is: aglverl's proxy answers it)."""
+        if not body or "json" not in content_type.lower():
+            return body
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return body
+        if not isinstance(payload, dict):
+            return body
+        payload["model"] = self.served_model() or llm.model
+        temperature = llm.sampling_parameters.get("temperature")
+        if isinstance(temperature, (int, float)) and math.isfinite(temperature):
+            payload["temperature"] = temperature
+        return orjson.dumps(payload)
+
+    async def _send(
+        self, request: Request, method: str, url: str, headers: Mapping[str, str], body: bytes
+    ) -> aiohttp.ClientResponse | None:
+        """The upstream answer's head, or ``None`` when the agent disconnected first (the request is then
+        cancelled, which aglverl's proxy sees as its agent leaving)."""
+        assert self._session is not None
+        response: aiohttp.ClientResponse | None = None
+        failure: str | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_disconnect)
+            try:
+                response = await self._session.request(method, url, data=body or None, headers=headers)
+            except aiohttp.ClientError as exc:
+                failure = f"aglverl's LLM proxy could not be reached: {exc!r}"
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise Refused(502, failure)
+        return response
+
+
+async def _chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives; the connection is closed if the agent leaves before its end."""
+    finished = False
+    try:
+        async for chunk in response.content.iter_any():
+            yield chunk
+        finished = True
+    finally:
+        if finished:
+            response.release()
+        else:
+            response.close()

@@ -1,0 +1,189 @@
+"""Agents as processes: aglverl's built-in runner next to Agent Lightning's own controller, in one run.
+
+    .venv/bin/python benchmarks/agent_processes.py                        # needs .venv-agl (make venv-agl)
+    .venv/bin/python benchmarks/agent_processes.py --rollouts 32 --concurrency 8 --agl-python .venv-agl/bin/python
+
+For each system it queues ``--rollouts`` rollouts at once on a daemon (a vLLM-shaped mock backend answering at
+once, so the figures are the orchestration's and the processes' own) and measures, per rollout, the time from
+its queueing to its agent's first LLM call (the call's start as aglverl's proxy recorded it), and the rollouts
+per second until the last one ended. Two Agent Lightning v1.0 agent classes, one process per rollout,
+``--concurrency`` at once: ``sdk``, ``examples/agl_agent.py``'s ``OneWordAgent`` (the OpenAI SDK, one call, a
+reward event with httpx), and ``stdlib``, ``benchmarks/_stdlib_agent.py`` (the same with ``urllib``: what the
+orchestration costs when the agent imports next to nothing). Each is run by:
+
+- ``aglverl``: the built-in runner (:mod:`aglverl.process_runner`), woken by the store when work is queued;
+- ``agl_poll_1s`` / ``agl_poll_10s``: ``python -m agentlightning.controller runner_type=local`` from the Agent
+  Lightning venv, pointed at the task server, polling every second / every 10 s (its default), started and
+  polling before the rollouts are queued;
+and, as one more agent, ``shell``: the built-in runner with ``examples/word_agent.sh`` (sh + curl + jq).
+
+Also the process start cost per rollout: wall and CPU seconds of ``sh -c true``, ``python -c pass``, Python
+importing ``httpx``, and importing ``openai`` + ``httpx`` (what an OpenAI-SDK agent pays before its first call),
+each started ``--starts`` times in a row. CPU seconds per rollout of each system are its processes' (children's
+``getrusage``, the controller's and its agents' for Agent Lightning's) plus this process's own (the daemon, the
+proxy path), over the rollouts. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+from _common import emit, machine_info, percentile
+from anyio.streams.text import TextReceiveStream
+
+from aglverl import AgentDaemon
+from aglverl.agent_lightning import AgentLightningSettings
+from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig
+from aglverl.process_runner import ProcessOptions, ProcessRunner
+from aglverl.testing.mock_vllm import MockVLLM
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+EXAMPLES = ROOT / "examples"
+KEY = "bench"
+AGENT_CLASSES = {"sdk": "agl_agent:OneWordAgent", "stdlib": "_stdlib_agent:StdlibAgent"}
+ENV_MAP = {"TASK_PROMPT": "input.prompt", "TASK_WORD": "input.word"}
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def start_costs(starts: int) -> dict[str, Any]:
+    """Wall and CPU seconds (medians) of starting a process that does nothing else, per kind."""
+    python = sys.executable
+    kinds = {
+        "sh -c true": ["sh", "-c", "true"],
+        "python -c pass": [python, "-c", "pass"],
+        "python: import httpx": [python, "-c", "import httpx"],
+        "python: import openai, httpx": [python, "-c", "import openai, httpx"],
+    }
+    out: dict[str, Any] = {}
+    for name, argv in kinds.items():
+        walls, cpus = [], []
+        for _ in range(starts):
+            cpu, wall = _cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+            await anyio.run_process(argv)
+            walls.append(time.perf_counter() - wall)
+            cpus.append(_cpu(resource.RUSAGE_CHILDREN) - cpu)
+        out[name] = {"wall_s": round(percentile(walls, 50), 4), "cpu_s": round(percentile(cpus, 50), 4)}
+    return out
+
+
+async def _controller(agl_python: str, server: str, poll: float, concurrency: int, tg: anyio.abc.TaskGroup) -> anyio.abc.Process:
+    """Agent Lightning's local controller, returned once it polls (its first line: 'LocalReconciler starting')."""
+    command = [
+        agl_python, "-m", "agentlightning.controller", "runner_type=local", f"agl_server.url={server}",
+        f"agl_server.key={KEY}", f"local_runner.poll_interval={poll:g}", f"local_runner.maximum_size={concurrency}",
+        "hydra.run.dir=/tmp/aglverl-bench-hydra", "hydra.output_subdir=null",
+    ]
+    process = await anyio.open_process(command, stdin=None, stderr=None)
+    assert process.stdout is not None
+    started = anyio.Event()
+
+    async def follow() -> None:  # keeps reading, so the controller never blocks on a full pipe
+        assert process.stdout is not None
+        async for text in TextReceiveStream(process.stdout):
+            if "LocalReconciler starting" in text:
+                started.set()
+
+    tg.start_soon(follow)
+    with anyio.fail_after(120):
+        await started.wait()
+    return process
+
+
+async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Queue the rollouts at once on a fresh daemon; run them with ``system``; the figures."""
+    tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(args.rollouts)]
+    agent_class = AGENT_CLASSES.get(agent)
+    settings = AgentLightningSettings(
+        rollout_config=RolloutConfig(timeout_seconds=600, local=RolloutLocalConfig(agent_class=agent_class, env_map=ENV_MAP))
+    )
+    options = ProcessOptions.from_mapping(
+        {"agent_class": agent_class, "env_map": ENV_MAP} if agent_class else {"command": ["sh", str(EXAMPLES / "word_agent.sh")]}
+    )
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", token=KEY, agent_lightning=settings, max_attempts=1) as daemon,
+        anyio.create_task_group() as tg,
+    ):
+        controller = None
+        runner = None
+        if system.startswith("agl_poll_"):
+            controller = await _controller(args.agl_python, daemon.server_url, float(system[9:-1]), args.concurrency, tg)
+        else:
+            runner = ProcessRunner(daemon, options, concurrency=args.concurrency, log_dir=args.logs / f"{agent}-{system}")
+            await tg.start(runner.serve)
+        children, own, started = _cpu(resource.RUSAGE_CHILDREN), _cpu(resource.RUSAGE_SELF), time.perf_counter()
+        ids = [await daemon.queue_task(task) for task in tasks]
+        with anyio.fail_after(args.deadline):
+            await daemon.store.wait_terminal(ids)
+        wall = time.perf_counter() - started
+        own = _cpu(resource.RUSAGE_SELF) - own
+        records = [daemon.store.record(r) for r in ids]
+        firsts = [min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time for r in records if r.calls]
+        if controller is not None:
+            controller.send_signal(signal.SIGTERM)
+            await controller.wait()
+        children = _cpu(resource.RUSAGE_CHILDREN) - children
+        tg.cancel_scope.cancel()
+    n = len(ids)
+    return {
+        "rollouts": n,
+        "succeeded": sum(r.state == "completed" for r in records),
+        "queued_to_first_call_s": {
+            "p50": round(percentile(firsts, 50), 3), "p90": round(percentile(firsts, 90), 3),
+            "max": round(max(firsts), 3) if firsts else None,
+        },
+        "rollouts_per_s": round(n / wall, 3),
+        "wall_s": round(wall, 2),
+        "cpu_s_per_rollout": {"processes": round(children / n, 3), "daemon": round(own / n, 4)},
+        "peak_processes": runner.peak if runner is not None else None,
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), str(HERE), os.environ.get("PYTHONPATH")) if p)
+    runs = [(agent, system) for agent in ("sdk", "stdlib") for system in ("aglverl", "agl_poll_1s", "agl_poll_10s")]
+    if shutil.which("jq") and shutil.which("curl"):
+        runs.append(("shell", "aglverl"))
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "rollouts": args.rollouts,
+        "concurrency": args.concurrency,
+        "start_cost": await start_costs(args.starts),
+    }
+    for agent, system in runs:
+        result.setdefault(agent, {})[system] = await one_system(agent, system, args)
+    result["machine_after"] = machine_info()["loadavg_1_5_15"]
+    emit(result)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--starts", type=int, default=5, help="starts of each kind of process (start cost)")
+    parser.add_argument("--agl-python", default=str(ROOT / ".venv-agl" / "bin" / "python"))
+    parser.add_argument("--deadline", type=float, default=900.0, help="seconds a system gets for its rollouts")
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/aglverl-bench-agent-logs"))
+    args = parser.parse_args()
+    if not Path(args.agl_python).exists():
+        parser.exit(2, f"no Agent Lightning venv at {args.agl_python}: run `make venv-agl` (or pass --agl-python)\n")
+    anyio.run(main, args)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,103 @@
+"""An Agent Lightning v1.0 agent class, trained by aglverl with Agent Lightning's own config section.
+
+    python examples/agl_agent.py                 # 6 GRPO steps of the tiny model on CPU, one process per rollout
+    python examples/agl_agent.py --steps 2
+
+``OneWordAgent`` is written the way Agent Lightning v1.0's examples write agents: a class whose ``run()`` reads
+its rollout from the environment Agent Lightning's controllers give it (``AGL_OPENAI_BASE_URL``,
+``AGL_EVENT_URL``, ``AGL_KEY``, and the task's fields named by ``local.env_map``), calls the model with the
+OpenAI SDK and POSTs its reward as a ``reward`` event. It imports nothing of aglverl (nor of Agent Lightning):
+the same class runs under Agent Lightning's ``python -m agentlightning.controller runner_type=local``.
+
+The training config is verl's plus Agent Lightning's ``agentlightning:`` section, as an Agent Lightning user
+writes it; ``AsyncVERL`` maps it onto aglverl's keys (README, "Coming from Agent Lightning") and its built-in
+runner starts one process per rollout, ``aglverl.agents`` at a time. Set ``aglverl.agents: 0`` (``--agents 0``)
+and point Agent Lightning's own controller at the task server URL this prints to let it run them instead.
+
+The task is ``one_word.py``'s (answer "yes"), smaller: 8 prompts x 4 answers a step, because every rollout
+starts a Python process that imports the OpenAI SDK (~1.2 s of CPU, most of a step's 20-50 s on a 2-core
+VM; ``benchmarks/agent_processes.py``). In its 6 default steps the tiny model (random weights) stays near reward
+0.0: this example shows the contract, ``one_word.py`` the learning (it needs ~16 x 8 rollouts a step for 13-25
+steps). Metrics go to ``agl_agent-out/``, each agent process's output to
+``agl_agent-out/agent_logs/<rollout id>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+
+class OneWordAgent:
+    """One rollout: ask for the word, score the answer, report the score (Agent Lightning v1.0's contract)."""
+
+    def run(self) -> None:
+        import httpx
+        import openai
+
+        key = os.environ.get("AGL_KEY") or ""
+        client = openai.OpenAI(base_url=os.environ["AGL_OPENAI_BASE_URL"], api_key=key or "-", max_retries=0)
+        reply = client.chat.completions.create(
+            model="served-model",  # the server puts the served model's name here
+            messages=[{"role": "user", "content": os.environ["TASK_PROMPT"]}],
+        )
+        value = reward(reply.choices[0].message.content or "", os.environ["TASK_WORD"])
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        event = {"event_type": "reward", "data": {"value": value}}
+        httpx.post(os.environ["AGL_EVENT_URL"], json=event, headers=headers).raise_for_status()
+
+
+def reward(answer: str, word: str) -> float:
+    """The share of the answer's words that are ``word``."""
+    words = re.findall(r"[a-z0-9']+", answer.lower())
+    return sum(w == word for w in words) / len(words) if words else 0.0
+
+
+def make_config(steps: int, agents: int, out: str) -> dict:
+    return {
+        "actor_rollout_ref": {
+            "rollout": {"n": 4},
+            "actor": {"ppo_mini_batch_size": 8, "optim": {"lr": 5e-3}},
+        },
+        "data": {"train_batch_size": 8, "max_prompt_length": 64, "max_response_length": 8},
+        "algorithm": {"adv_estimator": "grpo"},
+        "trainer": {"total_training_steps": steps, "val_before_train": False},
+        "aglverl": {"agents": agents, "processes": {"log_dir": os.path.join(out, "agent_logs")}},
+        "agentlightning": {  # Agent Lightning v1.0's section, as in its verl config
+            "rollout_timeout_seconds": 120,
+            "local": {
+                "agent_class": "agl_agent:OneWordAgent",
+                "env_map": {"TASK_PROMPT": "input.prompt", "TASK_WORD": "input.word"},
+            },
+            "reward_fillna_value": None,  # an agent that reports no reward fails its attempt (it is retried)
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--agents", type=int, default=8, help="agent processes at once (0: none, use a controller)")
+    parser.add_argument("--out", default="agl_agent-out", help="directory for metrics, logs and the agents' output")
+    args = parser.parse_args()
+
+    import anyio
+
+    from aglverl.algorithm import AsyncVERL
+    from aglverl.cli.console import Console
+
+    # the agent processes import this file as the module ``agl_agent``
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    console = Console(args.out, title="agl_agent.py: an Agent Lightning agent class answers 'yes'")
+    algo = AsyncVERL(make_config(args.steps, args.agents, args.out))
+    algo.on_serving.append(lambda daemon: console.say(f"Agent Lightning API and proxy path at {daemon.server_url}"))
+    tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(32)]
+    summary = anyio.run(console.run, algo, tasks)
+    print(console.describe(summary))
+    print(f"final training reward: {summary['final_reward']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The built-in runner: one process per rollout attempt, with Agent Lightning's environment (no Agent Lightning
+package needed). Real processes against a real daemon and a vLLM-shaped mock backend on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import SocketStream
+
+from aglverl import AgentDaemon, BatchConfig
+from aglverl.process_runner import ProcessOptions, ProcessRunner, resolve_env_map
+from aglverl.testing.mock_vllm import MockVLLM
+
+pytestmark = pytest.mark.anyio
+
+HELPERS = Path(__file__).parent / "helpers"
+PROGRAM = [sys.executable, str(HELPERS / "agl_style_agents.py")]
+BATCH = BatchConfig(max_prompt_length=256, max_response_length=16)
+TOKEN = "s3cret"
+
+
+@pytest.fixture(autouse=True)
+def _agents_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent classes' module is importable by the processes (as a user's would be on PYTHONPATH)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]))
+
+
+@asynccontextmanager
+async def running(
+    tmp_path: Path, options: Mapping[str, Any], *, concurrency: int = 2, max_attempts: int = 1
+) -> AsyncIterator[tuple[AgentDaemon, ProcessRunner, MockVLLM]]:
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, max_attempts=max_attempts, token=TOKEN) as daemon,
+    ):
+        runner = ProcessRunner(
+            daemon, ProcessOptions.from_mapping(options), concurrency=concurrency, log_dir=tmp_path / "logs"
+        )
+        async with anyio.create_task_group() as tg:
+            await tg.start(runner.serve)
+            yield daemon, runner, mock
+            tg.cancel_scope.cancel()
+
+
+async def finished(daemon: AgentDaemon, rollout_id: str) -> Any:
+    with anyio.fail_after(60):
+        await daemon.store.wait_terminal([rollout_id])
+    return daemon.store.record(rollout_id)
+
+
+@pytest.mark.parametrize("agent_class", ["RewardAgent", "AsyncRewardAgent"], ids=["sync-run", "async-run"])
+async def test_an_agent_lightning_agent_class_trains_a_step_with_its_reward_events(tmp_path: Path, agent_class: str) -> None:
+    """Agent Lightning v1.0's contract, run by aglverl: the class's ``run()`` calls the OpenAI SDK at
+    AGL_OPENAI_BASE_URL and posts a reward event to AGL_EVENT_URL; the step's batch carries exactly those rewards
+    on the ids the backend generated for those calls."""
+    options = {
+        "agent_class": f"agl_style_agents:{agent_class}",
+        "env_map": {"TASK_REWARD": "input.reward", "TASK_PROMPT": "input.prompt"},
+        "timeout_seconds": 60,
+    }
+    async with running(tmp_path, options) as (daemon, runner, mock):
+        await daemon.submit([{"prompt": "first", "reward": 0.25}, {"prompt": "second", "reward": 0.75}], n=2)
+        with anyio.fail_after(90):
+            batch = await daemon.batches.receive()
+    data = batch.data
+    assert len(data) == 4
+    scores = data.batch["token_level_scores"].sum(-1).tolist()
+    assert sorted(scores) == [0.25, 0.25, 0.75, 0.75]
+    answered = {}
+    for seen in mock.generation_requests():
+        ((prompt, response),) = mock.expected(seen.json)
+        answered[tuple(prompt)] = response
+    mask = data.batch["attention_mask"][:, : BATCH.max_prompt_length].bool()
+    for row in range(len(data)):
+        prompt = data.batch["prompts"][row][mask[row]].tolist()
+        response = data.batch["responses"][row][: int(data.batch["response_mask"][row].sum())].tolist()
+        assert answered[tuple(prompt)] == response
+    assert runner.finished == 4 and runner.peak <= 2
+    logs = tmp_path / "logs"
+    assert len(list(logs.glob("*.log"))) == 4 and len(list(logs.iterdir())) == 4  # the input files are gone
+
+
+async def test_a_command_gets_the_endpoints_in_the_sdks_variables_its_input_on_stdin_and_its_output_logged(
+    tmp_path: Path,
+) -> None:
+    """Any program: the OpenAI SDK's own defaults (OPENAI_BASE_URL / OPENAI_API_KEY) reach the rollout's proxy
+    path, the input arrives on stdin, the reward comes from AGL_REWARD_FILE, and the output is in its log."""
+    async with running(tmp_path, {"command": [*PROGRAM, "sdk"]}) as (daemon, _, mock):
+        rollout_id = await daemon.queue_task({"prompt": "hello", "reward": 0.5})
+        record = await finished(daemon, rollout_id)
+        assert record.state == "completed" and record.result.final_reward == 0.5
+        assert len(record.calls) == 1 and record.calls[0].response_token_ids
+    (line,) = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
+    seen = json.loads(line)
+    assert seen["input"] == {"prompt": "hello", "reward": 0.5}
+    assert seen["env"]["AGL_MODE"] == "train" and seen["env"]["AGL_MODEL"] == "mock"
+    assert seen["env"]["ANTHROPIC_BASE_URL"].endswith(f"/proxy/rollout/{rollout_id}/attempt/0/mode/train/openai")
+    assert [r.json["model"] for r in mock.generation_requests()] == ["mock"]  # the served name, forced
+
+
+async def test_a_crashed_attempt_fails_naming_its_log_and_is_retried_as_a_new_agent_lightning_rollout(
+    tmp_path: Path,
+) -> None:
+    """A non-zero exit is a failed attempt: its Agent Lightning rollout ends failed with the exit code, the
+    last line of its output and its log file; aglverl's retry runs as ``<id>-retry-1`` and succeeds."""
+    async with running(tmp_path, {"command": [*PROGRAM, "crash-first"]}, max_attempts=2) as (daemon, _, _mock):
+        rollout_id = await daemon.queue_task({"prompt": "p", "reward": 1.0})
+        record = await finished(daemon, rollout_id)
+        view = daemon.agent_lightning.rollouts
+        first, retry = view.slot(rollout_id), view.slot(f"{rollout_id}-retry-1")
+        assert record.state == "completed" and record.result.final_reward == 1.0
+        assert (first.state, retry.state) == ("failed", "succeeded")
+    log = tmp_path / "logs" / f"{rollout_id}.log"
+    assert "exited with code 3" in first.error_message
+    assert "no luck on a first attempt" in first.error_message and str(log) in first.error_message
+    assert f"retried as {rollout_id}-retry-1" in first.error_message
+    assert "no luck" in log.read_text()
+
+
+async def test_an_agent_killed_by_a_signal_fails_its_attempt(tmp_path: Path) -> None:
+    async with running(tmp_path, {"command": [*PROGRAM, "signal"]}) as (daemon, _, _mock):
+        record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
+    assert record.state == "failed" and "was killed by SIGSEGV" in record.error
+
+
+async def test_a_timeout_kills_the_agents_whole_process_group(tmp_path: Path) -> None:
+    """Past ``timeout_seconds`` the process group is killed with SIGKILL: the agent and the child it started
+    (which the agent starts at once: the deadline leaves it seconds to, on a busy machine)."""
+    pidfile = tmp_path / "child.pid"
+    options = {"command": [*PROGRAM, "hang", str(pidfile)], "timeout_seconds": 5.0}
+    async with running(tmp_path, options) as (daemon, _, _mock):
+        record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
+    assert record.state == "failed" and "timed out after 5 s; its process group was killed" in record.error
+    await _exited(int(pidfile.read_text()))
+
+
+async def _exited(pid: int) -> None:
+    """Return once the process has exited (a pidfd becomes readable then: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with anyio.fail_after(10):
+            await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+async def test_an_exit_without_a_reward_fails_the_attempt(tmp_path: Path) -> None:
+    async with running(tmp_path, {"command": [*PROGRAM, "no-reward"]}) as (daemon, _, _mock):
+        record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
+    assert record.state == "failed" and "exited 0 without a reward" in record.error
+    assert "AGL_EVENT_URL" in record.error and "AGL_REWARD_FILE" in record.error
+
+
+async def test_an_exit_without_a_reward_gets_reward_fillna_value_when_set(tmp_path: Path) -> None:
+    options = {"command": [*PROGRAM, "no-reward"], "reward_fillna_value": 0.125}
+    async with running(tmp_path, options) as (daemon, _, _mock):
+        record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
+    assert record.state == "completed" and record.result.final_reward == 0.125
+
+
+async def test_no_more_than_concurrency_processes_run_at_once(tmp_path: Path) -> None:
+    """Six rollouts, two processes at a time: each agent holds a connection to the test until released. While
+    two are held, the runner runs two and four rollouts wait queued; releasing one starts exactly one more."""
+    held: list[SocketStream] = []
+    arrived = anyio.Event()
+
+    async def gatekeeper(stream: SocketStream) -> None:
+        nonlocal arrived
+        await stream.receive()
+        held.append(stream)
+        arrived.set()
+        await anyio.sleep_forever()
+
+    async def arrivals(count: int) -> None:
+        nonlocal arrived
+        with anyio.fail_after(60):
+            while len(held) < count:
+                arrived = anyio.Event()
+                await arrived.wait()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    options = {"command": [*PROGRAM, "gate", "127.0.0.1", str(port)]}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, gatekeeper)
+        async with running(tmp_path, options, concurrency=2) as (daemon, runner, _mock):
+            ids = [await daemon.queue_task({"n": i}) for i in range(6)]
+            store = daemon.store
+            for released in range(6):
+                await arrivals(min(2 + released, 6))
+                if released < 5:  # two held at once, the others queued
+                    assert runner.running == 2
+                    assert sum(store.state(r) == "queued" for r in ids) == max(0, 4 - released)
+                await held[released].send(b"x")
+            with anyio.fail_after(60):
+                await store.wait_terminal(ids)
+            assert all(store.state(r) == "completed" for r in ids)
+            assert runner.peak == 2
+        tg.cancel_scope.cancel()
+    assert len(list((tmp_path / "logs").glob("*.log"))) == 6
+
+
+def test_env_map_reads_the_input_as_agent_lightning_does() -> None:
+    task = {"q": "why", "items": [{"id": 7}], "n": 3}
+    env = resolve_env_map(task, {"ALL": "input", "Q": "input.q", "ID": "input.items.0.id", "N": "input.n", "LIT": "x"})
+    assert env == {"ALL": json.dumps(task, separators=(",", ":")), "Q": "why", "ID": "7", "N": "3", "LIT": "x"}
+    with pytest.raises(ValueError, match=r"env_map\.Z: the task input has no 'input\.missing'"):
+        resolve_env_map(task, {"Z": "input.missing"})
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"agent_class": "a:B", "command": ["x"]}, "not both"),
+        ({"agent_class": "not a class path"}, "agent_class must be"),
+        ({"command": []}, "command must be"),
+        ({"timeout_seconds": 0}, "timeout_seconds must be"),
+        ({"reward_fillna_value": float("nan")}, "reward_fillna_value must be"),
+        ({"env_map": {"A": 1}}, "env_map must map"),
+        ({"commnd": "x"}, "unknown key 'commnd'"),
+    ],
+)
+def test_bad_process_options_are_refused_naming_the_key(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ProcessOptions.from_mapping(options)
