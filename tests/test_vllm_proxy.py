@@ -19,6 +19,7 @@ import aiohttp
 import anyio
 import pytest
 from aiohttp import web
+from helpers.hop import CHAT, recording_hop
 from helpers.vllm_server import MAX_MODEL_LEN, VllmOutput, vllm_server
 from test_proxy_resume import Stream
 from test_translate import anthropic_sdk, claim, finish, openai_sdk, proxied
@@ -328,12 +329,9 @@ async def test_an_aborted_call_made_again_is_recorded_with_the_version_it_was_ma
 
 
 # ---------------------------------------------------------------------------------------------- token-in
-async def test_a_vllm_without_scale_out_is_warned_about_once_and_its_calls_relayed_as_text(
-    vllm: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    # This module's server runs without --enable-scale-out: vLLM answers the token-in routes 403.
-    caplog.set_level(logging.WARNING, logger="aglverl.proxy.tokenin")
-    async with proxied(vllm) as (proxy, store):
+async def three_turns(url: str) -> tuple[Any, list[Any]]:
+    """A three-turn chat agent through a fresh proxy in front of ``url``: the proxy and the calls recorded."""
+    async with proxied(url) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [{"role": "user", "content": "hello"}]
         async with openai_sdk(base) as client:
@@ -343,9 +341,36 @@ async def test_a_vllm_without_scale_out_is_warned_about_once_and_its_calls_relay
                     {"role": "assistant", "content": reply.choices[0].message.content},
                     {"role": "user", "content": "and?"},
                 ]
-        calls = finish(store, rid, aid)
+        return proxy, finish(store, rid, aid)
+
+
+async def test_a_vllm_without_scale_out_generates_later_turns_from_their_ids_in_one_request(
+    vllm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # This module's server runs without --enable-scale-out; token-in needs none of its routes: the proxy
+    # tokenizes the tail itself and sends the ids in the chat request (kv_transfer_params.prompt_token_ids).
+    caplog.set_level(logging.WARNING, logger="aglverl.proxy.tokenin")
+    async with recording_hop(vllm) as hop:
+        proxy, calls = await three_turns(hop.url)
+    assert proxy.token_in is not None
+    assert [proxy.token_in.m_calls.value(o) for o in ("first_call", "no_backend", "generated")] == [1, 0, 2]
+    assert hop.paths() == [CHAT] * 3 and len(hop.with_ids()) == 2
+    assert not [r for r in caplog.records if "has no token-in chat" in r.getMessage()]
+    assert all(c.status == "ok" and c.response_token_ids for c in calls)
+
+
+async def test_a_vllm_without_scale_out_nor_a_tokenizer_here_is_warned_about_once_and_relayed_as_text(
+    vllm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Without the model's tokenizer the proxy would ask vLLM to render the tail: without --enable-scale-out
+    # vLLM answers its render route 403.
+    caplog.set_level(logging.WARNING, logger="aglverl.proxy.tokenin")
+    async with recording_hop(vllm) as hop:
+        hop.root = "/nowhere/on/this/machine/tiny"  # the model is where the proxy cannot read it
+        proxy, calls = await three_turns(hop.url)
     assert proxy.token_in is not None
     assert [proxy.token_in.m_calls.value(o) for o in ("first_call", "no_backend", "generated")] == [1, 2, 0]
+    assert not hop.with_ids()
     [warning] = [r.getMessage() for r in caplog.records if "has no token-in chat" in r.getMessage()]
     assert (
         "403" in warning and "Scale-out endpoints are disabled" in warning and "--enable-scale-out" in warning

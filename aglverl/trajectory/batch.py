@@ -100,7 +100,7 @@ def pad_rows(rows: Rows, config: BatchConfig) -> DataProto:
 def _padded(flat: np.ndarray, real: np.ndarray, pad: int, dtype: type) -> np.ndarray:
     """The jagged ``flat`` values in a padded array shaped like ``real``, at its true places (row-major: each
     row's values in order), ``pad`` elsewhere."""
-    out = np.zeros(real.shape, dtype) if pad == 0 else np.full(real.shape, pad, dtype)
+    out: np.ndarray = np.zeros(real.shape, dtype) if pad == 0 else np.full(real.shape, pad, dtype)
     out[real] = flat
     return out
 

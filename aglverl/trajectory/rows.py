@@ -322,7 +322,7 @@ def build_rows(
         uid=plan.uid[per_row].astype(object),
         data_id=data_ids[row_rollout],
         rollout_id=rollout_ids[row_rollout],
-        turn_index=turns.index[kept.heads],
+        turn_index=turns.position[kept.heads],
         row_rollout=row_rollout,
         row_calls=_row_calls(turns, kept),
         version=version,
@@ -337,14 +337,14 @@ def build_rows(
 # ---------------------------------------------------------------------------------------------- the steps
 class _Turns(NamedTuple):
     """Every turn of the batch laid out flat, rollout-major: its ids and lengths, its rollout and its index
-    in that rollout; ``n_turns`` per rollout."""
+    in that rollout (``position``); ``n_turns`` per rollout."""
 
     prompts: list[Sequence[int]]
     responses: list[Sequence[int]]
     prompt_len: np.ndarray
     response_len: np.ndarray
     rollout: np.ndarray
-    index: np.ndarray
+    position: np.ndarray
     n_turns: np.ndarray
 
 
@@ -565,7 +565,7 @@ def _logprobs(
 
 def _row_calls(turns: _Turns, kept: _Kept) -> list[list[int]]:
     """Each row's calls, as turn indices of its rollout (slicing one list: ~10x faster than ``np.split``)."""
-    indices = turns.index[kept.calls].tolist()
+    indices = turns.position[kept.calls].tolist()
     bounds = [*np.flatnonzero(kept.first).tolist(), len(indices)]
     return [indices[a:b] for a, b in itertools.pairwise(bounds)]
 
@@ -632,7 +632,7 @@ def _namer(rollouts: Sequence[FinishedRollout], turns: _Turns) -> Callable[[int]
     """How an error names a turn (by its flat index): its rollout and its index there."""
 
     def where(turn: int) -> str:
-        return f"rollout {rollouts[turns.rollout[turn]].rollout_id!r} turn {turns.index[turn]}"
+        return f"rollout {rollouts[turns.rollout[turn]].rollout_id!r} turn {turns.position[turn]}"
 
     return where
 

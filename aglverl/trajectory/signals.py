@@ -454,7 +454,7 @@ def grpo_advantages(
     return advantages
 
 
-def per_rollout_weights(members: Sequence[str]) -> torch.Tensor:
+def per_rollout_weights(members: Sequence[str] | np.ndarray) -> torch.Tensor:
     """``1/k`` (float32) for each row of a member (its rollout) that has ``k`` rows: its weight in its GRPO
     group's mean and std, so that a rollout is one member whatever its number of rows."""
     names = np.asarray(members, dtype=object).astype(str)
