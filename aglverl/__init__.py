@@ -102,7 +102,7 @@ __all__ = [
     "tiny_model_path",
 ]
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

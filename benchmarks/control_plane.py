@@ -915,11 +915,11 @@ IDLE_LEAVES = ("Condition.wait (threading.py)", "EpollSelector.select (selectors
 #: Components of the daemon by a frame that appears in the stack (first match wins), for the CPU split.
 COMPONENTS = (
     ("benchmark's own checks (after the step)", ("_check_rows", "_GcWatch", "_LoopLag")),
-    ("collector + batch build", ("RolloutCollector", "aglverl/batch.py", "aglverl/collector.py")),
+    ("collector + batch build", ("RolloutCollector", "aglverl/trajectory/")),
     ("LLM proxy (handlers)", ("LLMProxy.",)),
     ("task server (uvicorn + starlette + routes)", ("uvicorn/", "starlette/", "TaskServer.")),
     ("trainer side (submit)", ("AgentDaemon.submit",)),
-    ("store (outside handlers)", ("aglverl/store.py",)),
+    ("store (outside handlers)", ("aglverl/store/",)),
 )
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -35,8 +35,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from ..proxy.control import ProxyControl
 from ..server import validation_message
-from ..store.tasks import StoreError
+from ..store.tasks import StoreError, TaskStore
 from .config import AgentLightningSettings
 from .hop import ProxyHop
 from .http import Refused, json_response, read_body
@@ -50,16 +51,27 @@ from .wire import (
     RolloutPatch,
 )
 
-if TYPE_CHECKING:
-    from ..daemon import AgentDaemon
-
-__all__ = ["AgentLightningAPI"]
+__all__ = ["AgentLightningAPI", "DaemonPort"]
 
 logger = logging.getLogger(__name__)
 
 _STATES = ("queuing", "running", "succeeded", "failed")
 _CREATES = TypeAdapter(list[RolloutCreate])
 _MODELS = TypeAdapter(list[Model])
+
+
+class DaemonPort(Protocol):
+    """What the routes need of the daemon that mounts them (:class:`~aglverl.daemon.AgentDaemon` is one): its
+    store, its proxy, the backends the proxy sends calls to, and its gate."""
+
+    store: TaskStore
+    proxy: ProxyControl
+
+    def set_backends(self, backends: Sequence[str]) -> None: ...
+
+    async def hold_calls(self) -> None: ...
+
+    async def resume_calls(self, weight_version: int | None = None) -> None: ...
 
 
 class AgentLightningAPI:
@@ -72,7 +84,7 @@ class AgentLightningAPI:
     """
 
     def __init__(
-        self, daemon: AgentDaemon, *, token: str | None, settings: AgentLightningSettings, max_body_bytes: int
+        self, daemon: DaemonPort, *, token: str | None, settings: AgentLightningSettings, max_body_bytes: int
     ) -> None:
         self.daemon = daemon
         self.settings = settings
@@ -111,7 +123,9 @@ class AgentLightningAPI:
             Route("/api/rollouts/{rollout_id}", g(self.get_rollout), methods=["GET"]),
             Route("/api/rollouts/{rollout_id}", g(self.patch_rollout), methods=["PATCH"]),
             Route("/api/rollouts/{rollout_id}", g(self.delete_rollout), methods=["DELETE"]),
-            Route("/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", g(self.post_event), methods=["POST"]),
+            Route(
+                "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", g(self.post_event), methods=["POST"]
+            ),
             Route("/api/rollouts/{rollout_id}/events", g(self.get_events), methods=["GET"]),
             Route("/api/models", g(self.register_models), methods=["POST"]),
             Route("/api/models", g(self.delete_models), methods=["DELETE"]),
@@ -126,7 +140,9 @@ class AgentLightningAPI:
         ]
 
     # ------------------------------------------------------------------ plumbing
-    def _guard(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def _guard(
+        self, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             if not self._authorized(request):
                 return json_response({"detail": "Invalid or missing API key"}, 401)
@@ -158,7 +174,11 @@ class AgentLightningAPI:
     @staticmethod
     def _parse(adapter: Any, data: Any, what: str) -> Any:
         try:
-            return adapter.validate_python(data) if isinstance(adapter, TypeAdapter) else adapter.model_validate(data)
+            return (
+                adapter.validate_python(data)
+                if isinstance(adapter, TypeAdapter)
+                else adapter.model_validate(data)
+            )
         except ValidationError as exc:
             raise Refused(422, f"invalid {what}: {validation_message(exc)}") from None
 
@@ -174,8 +194,11 @@ class AgentLightningAPI:
 
     def _trainer_owns(self, what: str) -> None:
         if self.settings.trainer_owns_gate:
-            raise Refused(409, f"{what} belongs to the trainer of this run (it starts the inference replicas and "
-                                "holds the calls around its weight updates); nothing was changed")
+            raise Refused(
+                409,
+                f"{what} belongs to the trainer of this run (it starts the inference replicas and "
+                "holds the calls around its weight updates); nothing was changed",
+            )
 
     # ------------------------------------------------------------------ rollouts
     async def create(self, request: Request) -> Response:
@@ -187,7 +210,9 @@ class AgentLightningAPI:
     async def list_rollouts(self, request: Request) -> Response:
         states = request.query_params.getlist("state_in")
         if not states:
-            raise Refused(422, f"query parameter 'state_in' is required (one or more of {', '.join(_STATES)})")
+            raise Refused(
+                422, f"query parameter 'state_in' is required (one or more of {', '.join(_STATES)})"
+            )
         wrong = [s for s in states if s not in _STATES]
         if wrong:
             raise Refused(422, f"query parameter 'state_in': {wrong[0]!r} is not one of {', '.join(_STATES)}")
@@ -195,7 +220,9 @@ class AgentLightningAPI:
         return json_response(self.rollouts.listed(set(states), limit))
 
     async def terminal(self, request: Request) -> Response:
-        page = self.rollouts.terminal_page(self._int_query(request, "after", 0), self._int_query(request, "limit", 1000))
+        page = self.rollouts.terminal_page(
+            self._int_query(request, "after", 0), self._int_query(request, "limit", 1000)
+        )
         return json_response(page)
 
     async def get_rollout(self, request: Request) -> Response:
@@ -215,7 +242,9 @@ class AgentLightningAPI:
     async def post_event(self, request: Request) -> Response:
         event = self._parse(EventCreate, await self._body(request), "event")
         params = request.path_params
-        return json_response(self.rollouts.add_event(params["rollout_id"], params["attempt_id"], event.event_type, event.data))
+        return json_response(
+            self.rollouts.add_event(params["rollout_id"], params["attempt_id"], event.event_type, event.data)
+        )
 
     async def get_events(self, request: Request) -> Response:
         query = request.query_params
@@ -234,8 +263,9 @@ class AgentLightningAPI:
         models: list[Model] = self._parse(_MODELS, await self._body(request), "models")
         backends = [m.endpoint.rstrip("/").removesuffix("/v1") for m in models]
         try:
-            self.daemon.set_backends([m.endpoint.rstrip("/").removesuffix("/v1") for m in self._models.values()]
-                                     + backends)
+            self.daemon.set_backends(
+                [m.endpoint.rstrip("/").removesuffix("/v1") for m in self._models.values()] + backends
+            )
         except ValueError as exc:
             raise Refused(422, f"invalid model endpoint: {exc}") from None
         for model in models:

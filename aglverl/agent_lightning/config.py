@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..config_errors import ConfigError, unknown_key_message
 from .wire import RolloutConfig, RolloutK8sConfig, RolloutLocalConfig
 
 __all__ = ["SECTION_DEFAULTS", "AgentLightningSettings", "map_section", "rollout_config_for"]
@@ -95,8 +96,6 @@ def rollout_config_for(processes: Any, job_template: str | None = None) -> Rollo
 
 
 def _error(message: str) -> Exception:
-    from ..algorithm.validation import ConfigError  # the algorithm package imports this module
-
     return ConfigError(message)
 
 
@@ -130,8 +129,6 @@ def _pop(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
 
 
 def _check_keys(values: Mapping[str, Any], defaults: Mapping[str, Any], path: str) -> None:
-    from ..algorithm.validation import unknown_key_message
-
     if not isinstance(values, Mapping):
         raise _error(f"{path} must be a mapping, got {values!r}")
     for key, value in values.items():

@@ -22,21 +22,12 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
 
+from ..config_errors import ConfigError, unknown_key_message
+
 __all__ = ["ConfigError", "check_fields", "check_types", "check_values", "describe", "unknown_key_message"]
-
-
-class ConfigError(ValueError):
-    """The training config is invalid; the message names the key, the value and what is allowed."""
-
-
-def unknown_key_message(full_key: str, key: str, known: Iterable[str]) -> str:
-    """``unknown config key 'a.b'; did you mean 'c'?`` (the suggestion only when one is close)."""
-    close = difflib.get_close_matches(key, sorted(known), n=3)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return f"unknown config key {full_key!r}{hint}"
 
 
 # ---------------------------------------------------------------------------------------------- types

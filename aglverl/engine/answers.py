@@ -18,7 +18,7 @@ import anyio
 import orjson
 from aiohttp import web
 
-from .. import __version__
+from .._version import __version__
 from .job import Choice, Delta, Job
 from .requests import ApiError
 from .token_routes import generate_logprobs, weight_versions
