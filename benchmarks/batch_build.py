@@ -6,19 +6,27 @@ the reward position with ``argmax`` over ``position_ids * attention_mask``, as A
 are dropped). Both timings start from the same Python lists and end with a ``DataProto``; the script checks
 the two batches are identical and prints one JSON object to stdout.
 
-    .venv/bin/python benchmarks/batch_build.py [--triplets 1024] [--repeats 7] [--seed 0]
+    .venv/bin/python benchmarks/batch_build.py [--triplets 1024] [--repeats 7] [--seed 0] [--against DIR]
+
+``--against DIR`` adds ``versus``: the ``build_batch`` of the aglverl package in ``DIR`` (``git archive <rev>
+aglverl | tar -x -C DIR``; loaded under another name beside this tree's, from the same rollouts), timed
+interleaved with this tree's, and whether both batches are identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import importlib
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,6 +146,54 @@ def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[fl
     return [statistics.median(samples) for samples in times]
 
 
+def against(directory: str) -> Any:
+    """The ``build_batch`` module of the aglverl package in ``directory``, imported as ``aglverl_against``
+    (its imports within the package are relative, so it runs beside this tree's)."""
+    root = Path(directory) / "aglverl"
+    spec = importlib.util.spec_from_file_location(
+        "aglverl_against", root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["aglverl_against"] = package
+    spec.loader.exec_module(package)
+    for name in ("aglverl_against.trajectory.batch", "aglverl_against.batch"):  # the house, or before it
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise SystemExit(
+        f"--against {directory}: no build_batch in aglverl/trajectory/batch.py or aglverl/batch.py"
+    )
+
+
+def _fields(value: Any, into: type) -> dict[str, Any]:
+    """``value``'s fields that the dataclass ``into`` also has (the benchmark's rollouts set no newer one)."""
+    names = {f.name for f in dataclasses.fields(into)}
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name in names}
+
+
+def versus(
+    rollouts: Sequence[FinishedRollout], config: BatchConfig, directory: str, repeats: int
+) -> dict[str, Any]:
+    """This tree's ``build_batch`` against the one in ``directory``, interleaved, from the same rollouts."""
+    old = against(directory)
+    old_config = old.BatchConfig(**_fields(config, old.BatchConfig))
+    old_rollouts = [old.FinishedRollout(**_fields(r, old.FinishedRollout)) for r in rollouts]
+    ours, _ = build_batch(rollouts, config)
+    theirs, _ = old.build_batch(old_rollouts, old_config)
+    old_s, new_s = median_seconds(
+        [lambda: old.build_batch(old_rollouts, old_config), lambda: build_batch(rollouts, config)], repeats
+    )
+    return {
+        "against": directory,
+        "against_s": round(old_s, 4),
+        "aglverl_s": round(new_s, 4),
+        "change_pct": round(100 * (new_s / old_s - 1), 1),
+        "identical": identical(ours, theirs),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-turns", type=int, default=4, help="triplets per rollout are 1..this")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--against", metavar="DIR", help="also time the build_batch of the aglverl in DIR")
     args = parser.parse_args(argv)
 
     config = BatchConfig(
@@ -180,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target_speedup": TARGET_SPEEDUP,
         "meets_target": same and speedup >= TARGET_SPEEDUP,
     }
+    if args.against:
+        result["versus"] = versus(rollouts, config, args.against, args.repeats)
     print(json.dumps(result))
     return 0 if result["meets_target"] else 1
 
