@@ -36,7 +36,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..server import validation_message
-from ..store.tasks import StoreError
+from ..store import StoreError
 from .config import AgentLightningSettings
 from .hop import ProxyHop
 from .http import Refused, json_response, read_body
