@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .engine.tiny import resolve_model, tiny_model_path
     from .proxy import LLMProxy, RetryPolicy
     from .server import TaskServer
-    from .store.tasks import LLMCall, TaskStore
+    from .store import LLMCall, TaskStore
     from .trajectory.batch import BatchConfig, FinishedRollout, MissingRewardError, build_batch
     from .trajectory.signals import SignalConfig, compute_advantage, logprob_mismatch
     from .trajectory.steps import RolloutCollector, Step, StepReport, TrainingBatch
@@ -54,8 +54,8 @@ _LAZY = {
     "SignalConfig": "trajectory.signals",
     "compute_advantage": "trajectory.signals",
     "logprob_mismatch": "trajectory.signals",
-    "LLMCall": "store.tasks",
-    "TaskStore": "store.tasks",
+    "LLMCall": "store",
+    "TaskStore": "store",
     "InferenceServer": "engine.server",
     "InferenceServerThread": "engine.thread",
     "InferenceStats": "engine.server",

@@ -40,9 +40,7 @@ from .proxy import LLMProxy, ProxyConfig, RetryPolicy, SamplingMismatch
 from .proxy.control import BusyTimeline, ProxyControl
 from .proxy.shards import ProxyShards, ShardCount, check_shard_count
 from .server import TaskServer
-from .store.config import StoreConfig
-from .store.journal import Journal
-from .store.tasks import TaskStore
+from .store import Journal, StoreConfig, TaskStore
 from .trajectory.batch import BatchConfig
 from .trajectory.groups import OWNER_PREFIX, GroupSink, TrajectoryProducer
 from .trajectory.signals import SignalConfig

@@ -51,7 +51,7 @@ from anyio.abc import TaskStatus
 from .agent_lightning.rollouts import CONTROLLER_GRACE_SECONDS, Slot
 from .agent_lightning.wire import DEFAULT_ATTEMPT_ID
 from .models import Task
-from .store.tasks import StoreError
+from .store import StoreError
 
 if TYPE_CHECKING:
     from .daemon import AgentDaemon

@@ -45,7 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ._net import bind_listener, url_of
 from .models import INSTANCE_HEADER, GenericResponse, Mode, Rollout, TaskIfAny, dumps
-from .store.tasks import StoreError, TaskStore
+from .store import StoreError, TaskStore
 
 __all__ = ["MAX_TASKS_PER_POST", "TaskBatch", "TaskServer", "validation_message"]
 

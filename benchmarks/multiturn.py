@@ -306,11 +306,7 @@ async def _proxy_child(cfg: dict[str, Any]) -> None:
                 pass
         return
     from aglverl.proxy import LLMProxy
-
-    try:
-        from aglverl.store.tasks import TaskStore
-    except ImportError:  # before the house was regrouped (046b5eb)
-        from aglverl.store import TaskStore  # type: ignore[attr-defined,no-redef]
+    from aglverl.store import TaskStore  # a module before the house was regrouped (046b5eb), a package since
 
     store = TaskStore(lease_seconds=3600)
     proxy = LLMProxy(store, backends=[cfg["backend"]], token_in=cfg["token_in"])

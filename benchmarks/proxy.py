@@ -96,7 +96,7 @@ async def serving_proxy(
     """An LLMProxy (``options``) in front of ``backend`` with ``rollouts`` claimed rollouts; yields its URL and
     their base URLs."""
     from aglverl.proxy import LLMProxy
-    from aglverl.store.tasks import TaskStore
+    from aglverl.store import TaskStore
 
     store = TaskStore(lease_seconds=3600)
     proxy = LLMProxy(store, backends=[backend], **options)

@@ -201,14 +201,14 @@ def _registry_figures(daemon: Any) -> dict[str, Any]:
     store, proxy = daemon.store, daemon.proxy
     outcomes = ("ok", "upstream_error", "failed", "cancelled", "rejected")
     return {
-        "store_queued": store.m_queued.value(),
-        "store_claimed": store.m_claimed.value(),
-        "store_completed": store.m_completed.value(),
-        "store_failed": store.m_failed.value(),
-        "store_requeued": {r: store.m_requeued.value(r) for r in ("lease_expired", "agent_failed")},
-        "store_released_unused_claims": store.m_released.value(),
+        "store_queued": store.meters.queued.value(),
+        "store_claimed": store.meters.claimed.value(),
+        "store_completed": store.meters.completed.value(),
+        "store_failed": store.meters.failed.value(),
+        "store_requeued": {r: store.meters.requeued.value(r) for r in ("lease_expired", "agent_failed")},
+        "store_released_unused_claims": store.meters.released.value(),
         "store_results_ignored": {
-            r: store.m_duplicates.value(r) for r in ("resent", "already_finished", "stale_failure")
+            r: store.meters.ignored.value(r) for r in ("resent", "already_finished", "stale_failure")
         },
         "proxy_calls": {o: proxy.m_calls.value(o) for o in outcomes},
         "proxy_retries": proxy.m_retries.value(),

@@ -13,7 +13,7 @@ import pytest
 from aglverl import Rollout
 from aglverl.agent_lightning.rollouts import AgentLightningRollouts, Conflict, triplet_events
 from aglverl.agent_lightning.wire import RolloutCreate, StatusPatch
-from aglverl.store.tasks import AttemptChange, LLMCall, TaskStore
+from aglverl.store import AttemptChange, LLMCall, TaskStore
 
 pytestmark = pytest.mark.anyio
 

@@ -212,7 +212,7 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
     proxy.reconfigure(pause_timeout=1.0)
     store.reconfigure(lease_seconds=1.0)
     before = producer.version
-    expired = store.m_requeued.value("lease_expired") + store.m_failed.value()
+    expired = store.meters.requeued.value("lease_expired") + store.meters.failed.value()
     producer.dispatch([Prompt("held", {"prompt": "Say yes."}, 1, global_steps=3)], resources_id=run.resources["train"])
     claimed, holding = anyio.Event(), anyio.Event()
     answers: list[str] = []
@@ -254,5 +254,6 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
     assert answers and answers[0] in {"length", "stop"}  # the agent got its answer, not a 503
     (stats,) = producer.take_stats(["held"])
     assert stats.n_completed == 1 and stats.n_rollouts == 1
-    assert store.m_requeued.value("lease_expired") + store.m_failed.value() == expired  # the lease never expired
+    # the lease never expired
+    assert store.meters.requeued.value("lease_expired") + store.meters.failed.value() == expired
     assert daemon.proxy_counters()["proxy/held_calls"] >= 1

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from aglverl.models import LLM, Rollout, Triplet
 from aglverl.server import TaskServer
-from aglverl.store.tasks import TaskStore
+from aglverl.store import TaskStore
 
 pytestmark = pytest.mark.anyio
 

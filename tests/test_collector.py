@@ -18,7 +18,7 @@ import torch
 from aglverl import AgentDaemon, SignalConfig, run_agents
 from aglverl.client import AgentClient, AgentFn
 from aglverl.models import LLM, Rollout, Triplet
-from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, prompt_token_ids, token_logprob
 from aglverl.trajectory.batch import BatchConfig
 from aglverl.trajectory.steps import RolloutCollector, TrainingBatch

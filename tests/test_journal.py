@@ -15,8 +15,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aglverl import AgentDaemon, BatchConfig, Rollout, Triplet
 from aglverl.client import AgentClient
-from aglverl.store.journal import Journal, read_records
-from aglverl.store.tasks import LLMCall
+from aglverl.store import Journal, LLMCall
+from aglverl.store.journal import read_records
 
 pytestmark = pytest.mark.anyio
 

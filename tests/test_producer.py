@@ -14,7 +14,7 @@ import pytest
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, SignalConfig, Triplet, run_agents
 from aglverl.client import AgentClient
-from aglverl.store.tasks import TaskStore
+from aglverl.store import TaskStore
 from aglverl.testing import MockVLLM
 from aglverl.trajectory.groups import (
     AgentsFailing,

@@ -23,7 +23,7 @@ from aglverl._net import bind_listener
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import Capture, LLMProxy, RetryPolicy
-from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
 from aglverl.trajectory.rollouts import termination_of
 

@@ -25,7 +25,7 @@ from aglverl.proxy.meters import Meters
 from aglverl.proxy.pool import Pool
 from aglverl.proxy.recorder import Recorder
 from aglverl.proxy.session import Sessions
-from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import load_replay_cases
 
 pytestmark = pytest.mark.anyio

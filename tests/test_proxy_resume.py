@@ -27,7 +27,7 @@ from aglverl.engine.server import InferenceServer
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy
-from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.store import LLMCall, TaskStore
 from aglverl.trajectory.rollouts import trajectory_of
 
 pytestmark = pytest.mark.anyio

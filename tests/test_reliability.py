@@ -212,7 +212,7 @@ async def test_only_backend_refusing_fails_attempts_with_502_until_it_is_revived
     error = error_of(first)
     assert error["type"] == "BadGatewayError" and error["code"] == 502
     assert "unreachable" in error["message"] and url in error["message"]
-    assert daemon.store.m_requeued.value("agent_failed") == requeued
+    assert daemon.store.meters.requeued.value("agent_failed") == requeued
     assert daemon.proxy.m_ejections.value() >= 1
     assert calls(daemon) == {"failed": requeued, "ok": 2}
 
@@ -229,7 +229,7 @@ async def test_only_backend_dead_for_good_fails_every_rollout_after_max_attempts
     assert m["step/n_failed"] == 3 and m["step/n_completed"] == 0
     assert m["step/n_requeued"] == 3  # each rollout: attempt 1 failed -> requeued, attempt 2 failed -> failed
     assert len(agent.errors) == 6 and {e.status_code for e in agent.errors} == {502}  # type: ignore[attr-defined]
-    assert daemon.store.m_failed.value() == 3
+    assert daemon.store.meters.failed.value() == 3
     assert len(batch.data) == 0
 
 
@@ -260,7 +260,7 @@ async def test_backend_500_on_every_try_reaches_the_agent_as_an_openai_500_and_t
     assert m["step/n_completed"] == 2 and m["step/n_requeued"] == 1 and m["step/n_failed"] == 0
     assert m["step/n_calls_unusable"] == 0  # the failed call belonged to the superseded attempt
     assert len(batch.data) == 2
-    assert daemon.store.m_requeued.value("agent_failed") == 1
+    assert daemon.store.meters.requeued.value("agent_failed") == 1
     assert calls(daemon) == {"upstream_error": 1, "ok": 2}
 
 
@@ -329,7 +329,7 @@ async def test_call_stalled_past_the_lease_is_overtaken_by_a_new_attempt_and_can
             await mock.wait_until(lambda m: m.cancelled == 1 and m.active == 0)
     assert agent.errors == []
     assert report.metrics["step/n_completed"] == 1 and report.metrics["step/n_requeued"] == 1
-    assert daemon.store.m_requeued.value("lease_expired") == 1
+    assert daemon.store.meters.requeued.value("lease_expired") == 1
     assert len(batch.data) == 1
     assert calls(daemon) == {"ok": 1, "cancelled": 1}
 

@@ -15,7 +15,7 @@ import pytest
 
 from aglverl.models import PromptTemplate
 from aglverl.server import TaskServer
-from aglverl.store.tasks import TaskStore
+from aglverl.store import TaskStore
 
 pytestmark = pytest.mark.anyio
 

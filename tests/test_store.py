@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from aglverl.models import Rollout, Task, Triplet
-from aglverl.store.tasks import (
+from aglverl.store import (
     AlreadyFinished,
     InvalidResult,
     LLMCall,
@@ -56,7 +56,7 @@ async def test_expired_lease_requeues_with_new_attempt_and_same_rollout_id() -> 
         assert second.rollout_id == rid
         assert second.attempt_id != first.attempt_id
         assert second.num_claims == 2
-        assert store.m_requeued.value("lease_expired") == 1
+        assert store.meters.requeued.value("lease_expired") == 1
         tg.cancel_scope.cancel()
 
 
@@ -78,7 +78,7 @@ async def test_no_lease_runs_while_frozen_and_thawing_adds_the_frozen_time() -> 
         with anyio.fail_after(2):
             again = await store.claim(wait=5)  # the clock runs again: the lease expires
         assert again is not None and again.rollout_id == rid and again.attempt_id != task.attempt_id
-        assert store.m_requeued.value("lease_expired") == 1
+        assert store.meters.requeued.value("lease_expired") == 1
         tg.cancel_scope.cancel()
 
 
@@ -163,7 +163,7 @@ async def test_resent_result_is_acknowledged_and_a_different_one_refused() -> No
     store.fail([rid], "irrelevant: already completed")
     record = store.record(rid)
     assert record.result is not None and record.result.final_reward == 1.0
-    assert store.m_duplicates.value("resent") == 1
+    assert store.meters.ignored.value("resent") == 1
 
 
 async def test_result_after_failure_is_refused_with_the_reason() -> None:
@@ -238,7 +238,7 @@ async def test_cancelled_long_poll_gives_its_task_back_to_the_front_of_the_queue
     assert store.state(rid) == "queued"
     task = store.try_claim()
     assert task is not None and task.rollout_id == rid and task.num_claims == 1
-    assert store.m_released.value() == 1
+    assert store.meters.released.value() == 1
 
 
 async def test_heartbeat_extends_the_lease() -> None:
@@ -252,7 +252,7 @@ async def test_heartbeat_extends_the_lease() -> None:
             await anyio.sleep(0.1)
             store.heartbeat(rid, task.attempt_id)
         assert store.state(rid) == "claimed"
-        assert store.m_requeued.value("lease_expired") == 0
+        assert store.meters.requeued.value("lease_expired") == 0
         with pytest.raises(UnknownAttempt):
             store.heartbeat(rid, "other")
         tg.cancel_scope.cancel()

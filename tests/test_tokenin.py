@@ -32,7 +32,7 @@ from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
 from aglverl.proxy.dialect import DEFAULT, ENGINE, VLLM, detect
 from aglverl.proxy.session import Answer, Sessions, canonical_message
 from aglverl.proxy.tokenin import TEMPLATES_KEPT
-from aglverl.store.tasks import LLMCall
+from aglverl.store import LLMCall
 from aglverl.testing import MockVLLM, completion_token_ids, token_logprob, tool_arguments
 from aglverl.testing.mock_vllm import JINJA_TEMPLATES, SeenRequest, render_chat
 

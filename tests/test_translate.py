@@ -27,7 +27,7 @@ from aglverl.metrics import Registry
 from aglverl.models import LLM
 from aglverl.proxy import LLMProxy, RetryPolicy
 from aglverl.proxy.api import TranslationError, Translator, error_body, new_translator
-from aglverl.store.tasks import LLMCall, TaskStore
+from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, load_replay_cases, tool_arguments
 
 pytestmark = pytest.mark.anyio

@@ -37,7 +37,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..proxy.control import ProxyControl
 from ..server import validation_message
-from ..store.tasks import StoreError, TaskStore
+from ..store import StoreError, TaskStore
 from .config import AgentLightningSettings
 from .hop import ProxyHop
 from .http import Refused, json_response, read_body

@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..models import LLM
 from ..proxy.call import HOP_BY_HOP
-from ..store.tasks import TaskStore
+from ..store import TaskStore
 from .http import Refused, read_body
 from .rollouts import AgentLightningRollouts, Conflict, NotFound
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import Rollout
-from ..store.tasks import TERMINAL, AttemptChange, LLMCall, StoreError, TaskStore
+from ..store import TERMINAL, AttemptChange, LLMCall, StoreError, TaskStore
 from .wire import (
     DEFAULT_ATTEMPT_ID,
     TERMINAL_STATES,

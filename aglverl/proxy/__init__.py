@@ -7,7 +7,7 @@ every HTTP method:
   the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
   ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and, with
   ``request_logprobs``, ``"logprobs"`` too (``true`` for chat, ``0`` for completions: the sampled tokens' own
-  logprobs), and are recorded in the store as :class:`~aglverl.store.tasks.LLMCall` rows, one per choice: exact
+  logprobs), and are recorded in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact
   prompt/response ids, logprobs, finish reason, the limit that ended the response (``max_tokens`` or the
   backend's context window, told apart by the request's ``max_tokens``; a prompt refused as too long is a
   ``context`` limit too), weight version, backend, latency.
@@ -126,7 +126,7 @@ import circle):
 - :mod:`~aglverl.proxy.respond` — :class:`~aglverl.proxy.respond.Responder`: writing to the agent, whole or in
   pieces, ending a stream well or broken; the call committed before the agent sees its end.
 - :mod:`~aglverl.proxy.recorder` — :class:`~aglverl.proxy.recorder.Recorder`: captures into
-  :class:`~aglverl.store.tasks.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
+  :class:`~aglverl.store.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
   the proxy reaches the store), turns into token-in sessions, every call counted once.
 - :mod:`~aglverl.proxy.pool` — :class:`~aglverl.proxy.pool.Pool`: backends: picking, ejection, probes, sending
   a try, the upstream session.

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from ..store.tasks import StoreError
+from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
 from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS

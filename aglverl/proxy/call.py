@@ -26,7 +26,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..store.tasks import LLMCall
+from ..store import LLMCall
 from .api import Translator
 from .capture import Capture
 from .dialect import DEFAULT, Dialect

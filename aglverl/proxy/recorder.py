@@ -1,4 +1,4 @@
-"""The recorder: a call's capture becomes :class:`~aglverl.store.tasks.LLMCall` rows in the store, and its turn in
+"""The recorder: a call's capture becomes :class:`~aglverl.store.LLMCall` rows in the store, and its turn in
 its attempt's token-in session.
 
 :class:`Recorder` is what every path that answers an attributed call ends with. Its interface:
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from ..models import checked_token_ids
-from ..store.tasks import LLMCall
+from ..store import LLMCall
 from .call import Call, error_message
 from .meters import Meters
 from .session import Sessions

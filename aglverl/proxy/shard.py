@@ -42,7 +42,7 @@ from typing import Any, Literal
 import anyio
 
 from ..metrics import Registry
-from ..store.tasks import LLMCall, StepEnded, UnknownAttempt, UnknownRollout
+from ..store import LLMCall, StepEnded, UnknownAttempt, UnknownRollout
 from .app import LLMProxy
 from .config import ProxyConfig
 

@@ -54,7 +54,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ..metrics import Registry
 from ..models import LLM, ProxyLLM, ResourcesUpdate
-from ..store.tasks import AttemptLost, LLMCall, TaskStore
+from ..store import AttemptLost, LLMCall, TaskStore
 from .config import ProxyConfig
 from .control import GAUGES
 from .shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
@@ -206,7 +206,7 @@ def _labelled(text: str, shard: int) -> dict[str, tuple[list[str], list[str]]]:
 
 class ProxyShards:
     """The LLM proxy as ``count`` shards on Ray (see the module docstring); the store's
-    :class:`~aglverl.store.tasks.AttemptPinning`. Serve it with ``await tg.start(shards.serve)`` on the store's loop,
+    :class:`~aglverl.store.AttemptPinning`. Serve it with ``await tg.start(shards.serve)`` on the store's loop,
     with Ray initialised in this process.
 
     ``config``: the shards' settings (:class:`~aglverl.proxy.config.ProxyConfig`: policy, token, timeouts...;
@@ -460,7 +460,7 @@ class ProxyShards:
     async def take(self, rollout_id: str, attempt_id: str) -> list[LLMCall] | None:
         """The attempt's records from its shard (one round trip); ``None`` for an attempt not pinned here.
 
-        Raises :class:`~aglverl.store.tasks.AttemptLost` when its shard died, or did not answer within
+        Raises :class:`~aglverl.store.AttemptLost` when its shard died, or did not answer within
         :attr:`take_timeout` (alive but hung: its loop blocked, its process stopped): the attempt is void then,
         voided in the store here for a shard that did not answer (its revocation queued for when it does). So
         an agent's ``POST /rollout`` gets its 409 ("... is void") after that bound at the latest and its

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..store.tasks import LLMCall
+from ..store import LLMCall
 
 __all__ = ["ProxyStore"]
 
@@ -24,7 +24,7 @@ class ProxyStore(Protocol):
         ...
 
     def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
-        """Admit a call of this attempt, or raise :class:`~aglverl.store.tasks.StoreError` (its ``status`` and message
+        """Admit a call of this attempt, or raise :class:`~aglverl.store.StoreError` (its ``status`` and message
         say why: an unknown rollout or attempt is a 404, a finished rollout a 409)."""
         ...
 

@@ -10,11 +10,55 @@ threads.
 - :mod:`.leases` — the lease deadlines, the clock a trainer can stop, the reaper's wait; :mod:`.waiters` — agents
   parked in a long-poll, handed queued tasks oldest first.
 - :mod:`.resources` — the published resources versions.
+- :mod:`.meters` — the store's Prometheus series (:class:`~aglverl.store.meters.StoreMeters`, the store's
+  ``meters``).
+- :mod:`.takes` — taking attempts' recorded calls from their proxy shards, one take per attempt.
 - :mod:`.records` — what the store hands out: :class:`~aglverl.store.records.LLMCall`,
   :class:`~aglverl.store.records.RolloutRecord`; :mod:`.errors` — what it refuses, with HTTP statuses;
   :mod:`.ports` — what it calls out to (its journal; proxy shards pinning attempts).
 - :mod:`.journal` — the write-ahead journal (:class:`~aglverl.store.journal.Journal`).
 
-The names callers have always imported from :mod:`.tasks` (``LLMCall``, ``RolloutRecord``, the errors, the
-ports) are re-exported there.
+Where to import from: code outside this package imports the names in ``__all__`` below from
+:mod:`aglverl.store` (``from aglverl.store import TaskStore, LLMCall``), and any other name (``read_records``,
+``StoreMeters``, the ``Journal`` protocol of :mod:`.ports`) from the module that defines it. Here ``Journal``
+is the write-ahead journal of :mod:`.journal`. Modules inside the package import from the module that defines
+a name, never from the package itself.
 """
+
+from .config import StoreConfig
+from .errors import (
+    AlreadyFinished,
+    AttemptLost,
+    InvalidResult,
+    NotQueued,
+    StepEnded,
+    StoreClosed,
+    StoreError,
+    UnknownAttempt,
+    UnknownRollout,
+)
+from .journal import Journal
+from .ports import AttemptPinning
+from .records import TERMINAL, AttemptChange, LLMCall, RolloutRecord, RolloutState
+from .tasks import TaskStore
+
+__all__ = [
+    "TERMINAL",
+    "AlreadyFinished",
+    "AttemptChange",
+    "AttemptLost",
+    "AttemptPinning",
+    "InvalidResult",
+    "Journal",
+    "LLMCall",
+    "NotQueued",
+    "RolloutRecord",
+    "RolloutState",
+    "StepEnded",
+    "StoreClosed",
+    "StoreConfig",
+    "StoreError",
+    "TaskStore",
+    "UnknownAttempt",
+    "UnknownRollout",
+]

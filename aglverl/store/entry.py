@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 
@@ -82,6 +82,52 @@ class Entry:
                 f"attempt {attempt_id!r} of rollout {self.rollout_id!r} is void: the proxy shard that recorded "
                 f"its LLM calls died, so the rollout was handed out again; this was ignored"
             )
+
+    def void(self, attempt_id: str) -> None:
+        """Make ``attempt_id`` void (its proxy shard died): its calls are dropped, its later result refused."""
+        if self.lost is None:
+            self.lost = set()
+        self.lost.add(attempt_id)
+        self.calls.pop(attempt_id, None)
+
+    def keep_taken(self, attempt_id: str, calls: Sequence[LLMCall]) -> None:
+        """Keep calls of ``attempt_id`` taken from its proxy shard, unless the attempt is unknown or void, or the
+        rollout finished keeping another attempt's calls (this take came too late)."""
+        if self.state in TERMINAL and attempt_id not in self.calls:
+            return
+        if attempt_id in self.attempts and not (self.lost and attempt_id in self.lost):
+            self.calls.setdefault(attempt_id, []).extend(calls)
+
+    def is_resend(self, attempt_id: str, result: Rollout) -> bool:
+        """Whether ``result`` is the completed rollout's winning result posted again by its attempt (how the
+        attempt was named, or the task echoed, aside)."""
+        if self.state != "completed" or attempt_id != self.result_attempt or self.result is None:
+            return False
+        ignore = {"attempt_id", "task"}
+        return result.model_dump(exclude=ignore) == self.result.model_dump(exclude=ignore)
+
+    def finish(
+        self,
+        state: Literal["completed", "failed"],
+        *,
+        result: Rollout | None,
+        attempt_id: str | None,
+        error: str | None,
+        termination: TerminationReason | None,
+    ) -> str | None:
+        """End this rollout: a completed one keeps the calls of ``attempt_id`` (the winner), a failed one its last
+        attempt's, unless void. Returns the attempt whose calls are kept (``None``: none)."""
+        kept = attempt_id if state == "completed" else self.attempt_id
+        if kept and self.lost and kept in self.lost:
+            kept = None
+        self.calls = {kept: self.calls.get(kept, [])} if kept else {}
+        self.error = error
+        self.termination = result.declared_termination if result is not None else termination
+        self.state = state
+        self.result = result
+        self.result_attempt = attempt_id
+        self.lease_deadline = math.inf
+        return kept
 
     def notify(self) -> None:
         """Tell whoever waits for this rollout's end (groups of rollouts, a single waiter) that it came."""

@@ -19,7 +19,8 @@ learn from them, see ``SignalConfig``). Why a rollout failed (``agent_error``, `
 
 With proxy shards (:attr:`TaskStore.pinning`) an attempt's calls are recorded in another process: see
 :class:`~aglverl.store.ports.AttemptPinning`. The rollout's records, its journal records, the errors, the
-leases, the parked agents and the resource versions have modules of their own in this package.
+leases, the parked agents, the resource versions, the metrics (:attr:`TaskStore.meters`) and the takes of
+calls from proxy shards have modules of their own in this package.
 """
 
 from __future__ import annotations
@@ -43,42 +44,21 @@ from .entry import Entry, Group
 from .errors import (
     AlreadyFinished,
     AttemptLost,
-    InvalidResult,
     NotQueued,
     StepEnded,
     StoreClosed,
-    StoreError,
     UnknownAttempt,
     UnknownRollout,
 )
 from .leases import LeaseItem, Leases
+from .meters import StoreMeters
 from .ports import AttemptPinning, Journal
 from .records import TERMINAL, AttemptChange, LLMCall, RolloutRecord, RolloutState, check_token_ids
 from .resources import ResourceVersions
+from .takes import Takes
 from .waiters import Waiters
 
-# The records, errors and ports live in their own modules; they are re-exported here, where callers have
-# always imported them from.
-__all__ = [
-    "TERMINAL",
-    "AlreadyFinished",
-    "AttemptChange",
-    "AttemptLost",
-    "AttemptPinning",
-    "InvalidResult",
-    "Journal",
-    "LLMCall",
-    "NotQueued",
-    "RolloutRecord",
-    "RolloutState",
-    "StepEnded",
-    "StoreClosed",
-    "StoreConfig",
-    "StoreError",
-    "TaskStore",
-    "UnknownAttempt",
-    "UnknownRollout",
-]
+__all__ = ["TaskStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +71,6 @@ _TERMINATION_OF: Mapping[str, TerminationReason] = {
     "shard_lost": "lease_expired",  # the attempt's recorded calls vanished with their proxy shard
 }
 RetryReason = Literal["agent_failed", "lease_expired", "shard_lost"]
-
-
-def _same(a: Rollout, b: Rollout | None) -> bool:
-    """Whether two results say the same thing (how the attempt was named, or the task echoed, aside)."""
-    ignore = {"attempt_id", "task"}
-    return b is not None and a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
 
 
 def _new_id(prefix: str) -> str:
@@ -137,9 +111,17 @@ class TaskStore:
         self._claimed_count = 0
         #: Proxy shards that admit and record this store's attempts (``None``: the proxy is in this process).
         self.pinning: AttemptPinning | None = None
-        self._takes: dict[tuple[str, str], anyio.Event] = {}
+        self._takes = Takes(self._entries)
         self._tg: TaskGroup | None = None
-        self._register_metrics(registry or Registry())
+        #: Where the store's series are registered (the task server and the collector add theirs).
+        self.registry = registry or Registry()
+        self.meters = StoreMeters(
+            self.registry,
+            tasks_queued=lambda: self._queued_count,
+            tasks_claimed=lambda: self._claimed_count,
+            agents_waiting=lambda: len(self._waiters),
+            rollouts_held=lambda: len(self._entries),
+        )
 
     @property
     def lease_seconds(self) -> float:
@@ -158,31 +140,6 @@ class TaskStore:
         already running keeps its deadline). Returns the new config; an unknown name is a ``TypeError``."""
         self.config = dataclasses.replace(self.config, **changes)
         return self.config
-
-    # ------------------------------------------------------------------ metrics
-    def _register_metrics(self, r: Registry) -> None:
-        self.registry = r
-        c = r.counter
-        self.m_queued = c("aglverl_tasks_queued_total", "Rollouts queued.")
-        self.m_claimed = c("aglverl_tasks_claimed_total", "Claims handed to agents (attempts started).")
-        self.m_completed = c("aglverl_rollouts_completed_total", "Rollouts completed with a result.")
-        self.m_failed = c("aglverl_rollouts_failed_total", "Rollouts failed terminally.")
-        self.m_requeued = c("aglverl_tasks_requeued_total", "Tasks requeued for a new attempt.", ["reason"])
-        self.m_released = c("aglverl_tasks_released_total", "Claims returned unused (agent gone).")
-        self.m_lost = c(
-            "aglverl_attempts_lost_total", "Attempts voided because the proxy shard recording their calls died."
-        )
-        self.m_duplicates = c(
-            "aglverl_results_ignored_total", "Results acknowledged and ignored.", ["reason"]
-        )
-        self.m_rollout_latency = r.histogram(
-            "aglverl_rollout_seconds", "Claim to accepted result, per rollout (seconds)."
-        )
-        self.m_queue_wait = r.histogram("aglverl_task_queue_seconds", "Enqueue to first claim (seconds).")
-        r.gauge("aglverl_tasks_queued", "Tasks waiting for an agent.", lambda: self._queued_count)
-        r.gauge("aglverl_tasks_claimed", "Tasks claimed and not yet finished.", lambda: self._claimed_count)
-        r.gauge("aglverl_agents_waiting", "Agents parked in a long-poll.", lambda: len(self._waiters))
-        r.gauge("aglverl_rollouts_held", "Rollouts held in memory.", lambda: len(self._entries))
 
     # ------------------------------------------------------------------ life cycle
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -238,7 +195,7 @@ class TaskStore:
         )
         self._entries[rollout_id] = entry
         self._journal(entry.task_record())
-        self.m_queued.inc()
+        self.meters.queued.inc()
         self._emit("queued", entry, None)
         self._push(entry, front=False)
         return rollout_id
@@ -266,7 +223,7 @@ class TaskStore:
     def _start_attempt(self, entry: Entry) -> Task:
         now = time.monotonic()
         if entry.num_claims == 0:
-            self.m_queue_wait.observe(now - entry.since)
+            self.meters.queue_wait.observe(now - entry.since)
         self._queued_count -= 1
         self._claimed_count += 1
         entry.state = "claimed"
@@ -276,7 +233,7 @@ class TaskStore:
         entry.since = now
         self._journal(entry.attempt_record(entry.attempts[-1]))
         self._set_lease(entry, self._leases.now() + self.lease_seconds)
-        self.m_claimed.inc()
+        self.meters.claimed.inc()
         task = entry.task()
         if self.pinning is not None:
             base = entry.resources_id or self._resources.latest_id
@@ -336,7 +293,7 @@ class TaskStore:
         entry.num_claims -= 1
         entry.lease_deadline = math.inf
         self._claimed_count -= 1
-        self.m_released.inc()
+        self.meters.released.inc()
         self._emit("released", entry, attempt_id)
         self._push(entry, front=True)
         return True
@@ -406,7 +363,7 @@ class TaskStore:
             error = f"{message} (attempt {entry.num_claims} of {self.max_attempts})"
             self._finish(entry, "failed", error=error, termination=_TERMINATION_OF[reason])
             return
-        self.m_requeued.inc(1, reason)
+        self.meters.requeued.inc(1, reason)
         entry.requeues += 1
         logger.info("requeueing %s (%s, attempt %d)", entry.rollout_id, reason, entry.num_claims)
         entry.state = "queued"
@@ -446,29 +403,8 @@ class TaskStore:
             assert attempt_id is not None
             if entry.state not in TERMINAL:
                 entry.refuse_lost(attempt_id)
-                await self._take(entry.rollout_id, attempt_id)
+                await self._takes.take(self.pinning, entry.rollout_id, attempt_id)
         return self.submit_result(rollout)
-
-    async def _take(self, rollout_id: str, attempt_id: str) -> None:
-        """Move the attempt's records from its shard into the store (one take at a time per attempt)."""
-        assert self.pinning is not None
-        key = (rollout_id, attempt_id)
-        pending = self._takes.get(key)
-        if pending is not None:
-            await pending.wait()
-            return
-        done = self._takes[key] = anyio.Event()
-        try:
-            with anyio.CancelScope(shield=True):
-                calls = await self.pinning.take(rollout_id, attempt_id)
-            entry = self._entries.get(rollout_id)
-            # a finished rollout keeps its kept attempt's calls only (another attempt's take comes too late)
-            if calls and entry is not None and (entry.state not in TERMINAL or attempt_id in entry.calls):
-                if attempt_id in entry.attempts and not (entry.lost and attempt_id in entry.lost):
-                    entry.calls.setdefault(attempt_id, []).extend(calls)
-        finally:
-            del self._takes[key]
-            done.set()
 
     def attempts_lost(self, attempts: Iterable[tuple[str, str]], reason: str) -> int:
         """Void attempts whose recorded calls are gone (their proxy shard died); returns how many.
@@ -482,11 +418,8 @@ class TaskStore:
             entry = self._entries.get(rollout_id)
             if entry is None or entry.state in TERMINAL or attempt_id not in entry.attempts:
                 continue
-            if entry.lost is None:
-                entry.lost = set()
-            entry.lost.add(attempt_id)
-            entry.calls.pop(attempt_id, None)
-            self.m_lost.inc()
+            entry.void(attempt_id)
+            self.meters.lost.inc()
             n += 1
             if entry.state == "claimed" and entry.attempt_id == attempt_id:
                 self._retry_or_fail(entry, "shard_lost", f"attempt {attempt_id} lost: {reason}")
@@ -509,14 +442,10 @@ class TaskStore:
         if entry.state not in TERMINAL:
             entry.refuse_lost(attempt_id)
         if entry.state in TERMINAL:
-            if (
-                entry.state == "completed"
-                and attempt_id == entry.result_attempt
-                and _same(rollout, entry.result)
-            ):
-                self.m_duplicates.inc(1, "resent")
+            if entry.is_resend(attempt_id, rollout):
+                self.meters.ignored.inc(1, "resent")
                 return f"rollout {rollout.rollout_id} was already received from this attempt; resend ignored"
-            self.m_duplicates.inc(1, "already_finished")
+            self.meters.ignored.inc(1, "already_finished")
             by = f" by attempt {entry.result_attempt}" if entry.result_attempt else ""
             raise AlreadyFinished(
                 f"rollout {rollout.rollout_id} is already {entry.state}{by}; this result was ignored"
@@ -528,14 +457,14 @@ class TaskStore:
             self._claimed_count -= 1
         elif entry.state == "queued":
             self._queued_count -= 1
-        self.m_rollout_latency.observe(time.monotonic() - entry.since)
+        self.meters.rollout_latency.observe(time.monotonic() - entry.since)
         self._finish(entry, "completed", result=rollout, attempt_id=attempt_id)
         return f"rollout {rollout.rollout_id} received and stored"
 
     def _agent_failed(self, entry: Entry, attempt_id: str, rollout: Rollout) -> str:
         error = str(rollout.metadata.get("error", "agent reported failure"))
         if entry.state != "claimed" or attempt_id != entry.attempt_id:
-            self.m_duplicates.inc(1, "stale_failure")
+            self.meters.ignored.inc(1, "stale_failure")
             return f"failure of superseded attempt {attempt_id} of {rollout.rollout_id} ignored"
         self._retry_or_fail(entry, "agent_failed", f"agent reported failure: {error}")
         return f"failure of rollout {rollout.rollout_id} recorded ({entry.state})"
@@ -555,17 +484,8 @@ class TaskStore:
         With proxy shards a failed rollout's last attempt still has its records on its shard: the rollout is
         finished at once (nothing more is accepted for it), and its waiters hear of it once those are taken.
         """
-        kept = attempt_id if state == "completed" else entry.attempt_id
-        if kept and entry.lost and kept in entry.lost:
-            kept = None
-        entry.calls = {kept: entry.calls.get(kept, [])} if kept else {}
-        entry.error = error
-        entry.termination = result.declared_termination if result is not None else termination
-        entry.state = state
-        entry.result = result
-        entry.result_attempt = attempt_id
-        entry.lease_deadline = math.inf
-        (self.m_completed if state == "completed" else self.m_failed).inc()
+        kept = entry.finish(state, result=result, attempt_id=attempt_id, error=error, termination=termination)
+        (self.meters.completed if state == "completed" else self.meters.failed).inc()
         self._emit("ended", entry, attempt_id if state == "completed" else entry.attempt_id, error)
         if self.pinning is not None:
             if state == "failed" and kept and self._tg is not None:
@@ -581,7 +501,7 @@ class TaskStore:
         """A failed rollout's last attempt's records, taken from its shard; then its waiters hear of it."""
         assert self.pinning is not None
         try:
-            await self._take(entry.rollout_id, kept)
+            await self._takes.take(self.pinning, entry.rollout_id, kept)
         except AttemptLost:
             entry.calls = {}
         except Exception:  # the rollout stays failed, without calls, whatever the take ran into

@@ -42,7 +42,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from ..metrics import Registry
 from ..models import Mode
-from ..store.tasks import TERMINAL, RolloutRecord, TaskStore
+from ..store import TERMINAL, RolloutRecord, TaskStore
 from .rollouts import INLINE_BUILD_TOKENS, finished_rollout, tokens_in, trajectory_of
 from .rows import BatchConfig, Rows, WidthWarning, build_rows
 from .signals import REASON_BITS, SignalConfig

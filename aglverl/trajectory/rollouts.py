@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..models import TerminationReason, Triplet
-from ..store.tasks import LLMCall, RolloutRecord
+from ..store import LLMCall, RolloutRecord
 from .signals import FAILURE_REASONS, reason_flags
 
 __all__ = [

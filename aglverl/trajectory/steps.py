@@ -28,7 +28,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..models import Mode
-from ..store.tasks import RolloutRecord, TaskStore
+from ..store import RolloutRecord, TaskStore
 from .batch import pad_rows
 from .rollouts import (
     INLINE_BUILD_TOKENS,

@@ -17,7 +17,7 @@ import openai
 
 from aglverl.proxy import LLMProxy
 from aglverl.proxy.tokenin import OUTCOMES
-from aglverl.store.tasks import LLMCall
+from aglverl.store import LLMCall
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 
