@@ -38,6 +38,7 @@ from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .proxy import LLMProxy, ProxyConfig, RetryPolicy, SamplingMismatch
 from .proxy.control import BusyTimeline, ProxyControl
+from .proxy.overload import OverloadPolicy
 from .proxy.shards import ProxyShards, ShardCount, check_shard_count
 from .server import TaskServer
 from .store import Journal, StoreConfig, TaskStore
@@ -178,6 +179,7 @@ class DaemonKeywords(TypedDict, total=False):
     freeze_gc: bool
     sampling_mismatch: SamplingMismatch
     token_in: bool
+    overload: OverloadPolicy
     proxy_shards: ShardCount
     backend_nodes: Mapping[str, str] | None
     agent_lightning: AgentLightningSettings | None
@@ -195,6 +197,7 @@ _PROXY_KEYWORDS = (
     "upstream_keepalive",
     "sampling_mismatch",
     "token_in",
+    "overload",
 )
 #: The keywords that are settings of the store (``StoreConfig``'s fields, same names).
 _STORE_KEYWORDS = ("lease_seconds", "max_attempts", "vocab_size")
@@ -228,7 +231,8 @@ class AgentDaemon:
       :class:`~aglverl.proxy.LLMProxy`): retries before the first byte, the bound on one upstream try, how long
       a failing backend stays out, how long an aborted generation may go without a token, how long calls wait
       while a trainer holds the proxy for its update, the key the backends expect, and how long idle
-      connections to them are kept (below the backends' own keep-alive).
+      connections to them are kept (below the backends' own keep-alive). ``overload``: when the proxy turns
+      new calls away with a 429 (:class:`~aglverl.proxy.overload.OverloadPolicy`: its event loop's lag).
     - ``token``: bearer token required by the task server and the proxy.
     - ``freeze_gc``: at start, move every object that exists (the imported libraries) out of the cyclic garbage
       collector's reach (``gc.freeze()``), so full collections no longer stall the loop for ~0.4 s; it affects

@@ -17,8 +17,9 @@ import orjson
 import pytest
 from test_translate import claim, finish, proxied
 
+from aglverl.daemon import AgentDaemon, DaemonConfig
 from aglverl.metrics import Registry
-from aglverl.proxy import Overload, OverloadPolicy, ProxyError
+from aglverl.proxy import LLMProxy, Overload, OverloadPolicy, ProxyError
 from aglverl.testing import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -69,10 +70,9 @@ async def test_the_lag_probe_measures_a_stalled_loop_and_forgets_it_over_its_win
 async def test_an_overloaded_proxy_answers_new_calls_429_in_their_api_and_finishes_admitted_ones() -> None:
     async with (
         MockVLLM(latency=1.0) as mock,
-        proxied(mock.url) as (proxy, store),
+        proxied(mock.url, overload=OverloadPolicy(max_lag=0.05)) as (proxy, store),
         aiohttp.ClientSession() as http,
     ):
-        proxy.overload.policy = OverloadPolicy(max_lag=0.05)
         admitted = [claim(proxy, store) for _ in range(8)]
         _, _, base = claim(proxy, store)
         answers: list[int] = []
@@ -118,7 +118,7 @@ async def test_the_sdks_wait_out_retry_after_and_get_their_answer(sdk: str) -> N
     with a 429; the SDK waits the ``retry-after-ms`` the proxy gave (0.5-1.5 s), and its retry, the loop's lag
     back under the limit by then, is answered."""
     async with MockVLLM() as mock, proxied(mock.url) as (proxy, store):
-        proxy.overload.policy = OverloadPolicy(max_lag=0.1, window=0.2, min_in_flight=0)
+        proxy.reconfigure(overload=OverloadPolicy(max_lag=0.1, window=0.2, min_in_flight=0))
         rid, aid, base = claim(proxy, store)
         # After the stall the lag is over twice the limit for ~0.2 s (the first try refused), under the limit
         # from ~0.36 s (the retry answered).
@@ -143,12 +143,12 @@ async def test_a_late_loop_with_few_calls_in_flight_or_refusing_off_sheds_nothin
     """The default ``min_in_flight``: a loop made late with no call in flight (a stall of the process, other
     work on its loop) has nothing to shed; ``refuse=False`` admits everything and still reports the lag."""
     async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
-        proxy.overload.policy = OverloadPolicy(max_lag=0.05)
+        proxy.reconfigure(overload=OverloadPolicy(max_lag=0.05))
         _, _, base = claim(proxy, store)
         await stall(proxy.overload, 0.3)
         async with http.post(f"{base}/chat/completions", json=CHAT) as response:
             quiet = response.status
-        proxy.overload.policy = OverloadPolicy(max_lag=0.05, min_in_flight=0, refuse=False)
+        proxy.reconfigure(overload=OverloadPolicy(max_lag=0.05, min_in_flight=0, refuse=False))
         await stall(proxy.overload, 0.3)
         async with http.post(f"{base}/chat/completions", json=CHAT) as response:
             off = response.status
@@ -173,3 +173,19 @@ def test_past_the_limit_a_share_of_new_calls_is_turned_away_that_grows_with_the_
     assert turned_away(0.1) == 0 and turned_away(0.3, in_flight=7) == 0  # at the limit; too few in flight
     assert 800 <= turned_away(0.15) <= 1200  # half of them, give or take 9 standard deviations
     assert turned_away(0.2) == turned_away(0.5) == 2000  # all of them from twice the limit
+
+
+def test_the_policy_is_a_proxy_setting_from_the_daemons_keywords_to_every_part() -> None:
+    """``AgentDaemon(overload=...)`` is the proxy's ``overload`` setting (a shard gets it in its config, whole);
+    reconfiguring the proxy hands the new policy to the probe and the check."""
+    policy = OverloadPolicy(max_lag=0.25, min_in_flight=2)
+    config = DaemonConfig.from_keywords(overload=policy, pause_timeout=30)
+    assert config.proxy.overload is policy and config.proxy.pause_timeout == 30
+    daemon = AgentDaemon(overload=policy)
+    assert daemon.proxy.overload.policy is policy
+    assert isinstance(daemon.proxy, LLMProxy)
+    calmer = OverloadPolicy(max_lag=1.0)
+    assert daemon.proxy.reconfigure(overload=calmer).overload is calmer
+    assert daemon.proxy.overload.policy is calmer
+    with pytest.raises(ValueError, match="max_lag"):
+        OverloadPolicy(max_lag=0)

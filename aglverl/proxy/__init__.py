@@ -83,7 +83,8 @@ averaged over 0.5 s; ``proxy.overload.lag``, ``aglverl_proxy_loop_lag_seconds``,
 past :class:`OverloadPolicy`'s ``max_lag`` (0.1 s) with at least ``min_in_flight`` calls in flight, answers a
 share of NEW calls, all of them at twice the limit, with a 429 and ``Retry-After`` in the agent's API (the
 openai and anthropic SDKs wait and retry); calls already admitted always run to their end.
-``proxy.overload.policy = OverloadPolicy(refuse=False)`` turns the refusals off (the lag is still measured).
+The proxy's ``overload`` setting (``OverloadPolicy(refuse=False)``) turns the refusals off (the lag is still
+measured).
 
 Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
 (4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about

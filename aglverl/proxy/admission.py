@@ -116,14 +116,24 @@ class Admission:
         token_in: TokenIn | None,
         sampling_of: SamplingOf | None = None,
     ) -> None:
+        #: The event loop's lag and the 429 for new calls while it is over its limit (``config.overload``).
+        self.overload = Overload(meters.registry, config.overload)
         self.config = config
         self.sampling_of = sampling_of
         self.store = store
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
-        #: The event loop's lag and the 429 for new calls while it is over its limit.
-        self.overload = Overload(meters.registry)
+
+    @property
+    def config(self) -> ProxyConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: ProxyConfig) -> None:
+        """A new config (the proxy's :meth:`~aglverl.proxy.LLMProxy.reconfigure`) brings its overload policy."""
+        self._config = config
+        self.overload.policy = config.overload
 
     async def admit(self, request: web.Request, call: Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""

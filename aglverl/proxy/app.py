@@ -336,8 +336,8 @@ class LLMProxy:
     @property
     def overload(self) -> Overload:
         """The event loop's lag (:attr:`Overload.lag <aglverl.proxy.overload.Overload.lag>`), measured while
-        serving, and the policy past which new calls get a 429 (``proxy.overload.policy =
-        OverloadPolicy(...)``; see :mod:`aglverl.proxy.overload`)."""
+        serving, and the policy past which new calls get a 429 (the ``overload`` setting; see
+        :mod:`aglverl.proxy.overload`)."""
         return self._admission.overload
 
     # ------------------------------------------------------------------ life cycle

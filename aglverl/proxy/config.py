@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, Unpack, overload
 
+from .overload import OverloadPolicy
+
 __all__ = ["UPSTREAM_KEEPALIVE", "ProxyConfig", "ProxySettings", "RetryPolicy", "SamplingMismatch", "SamplingOf"]
 
 #: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
@@ -90,6 +92,7 @@ class ProxyConfig:
     request_logprobs: bool = False
     sampling_mismatch: SamplingMismatch = "refuse"
     token_in: bool = True
+    overload: OverloadPolicy = field(default_factory=OverloadPolicy)
     auth: bytes | None = field(init=False, repr=False, compare=False)
     backend_auth: str | None = field(init=False, repr=False, compare=False)
 
@@ -130,6 +133,7 @@ class ProxySettings(TypedDict, total=False):
     request_logprobs: bool
     sampling_mismatch: SamplingMismatch
     token_in: bool
+    overload: OverloadPolicy
 
 
 class _Configured(Protocol):

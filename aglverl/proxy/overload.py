@@ -29,9 +29,10 @@ refusing or not) and ``aglverl_proxy_calls_shed_total`` (calls answered 429); th
 them as ``proxy/loop_lag_seconds``, ``proxy/loop_overloaded_seconds`` and ``proxy/calls_shed``
 (:meth:`LLMProxy.counters <aglverl.proxy.LLMProxy.counters>`).
 
-The policy (:class:`OverloadPolicy`, frozen) is read at each probe and check: ``proxy.overload.policy =
-OverloadPolicy(max_lag=0.5)`` holds from the next call on; ``OverloadPolicy(refuse=False)`` measures and
-reports but never refuses. Nothing here awaits anything; :meth:`Overload.check` raises
+The policy (:class:`OverloadPolicy`, frozen) is the proxy's ``overload`` setting (``LLMProxy(store,
+overload=OverloadPolicy(max_lag=0.5))``, ``AgentDaemon(overload=...)``, or ``proxy.reconfigure(overload=...)``
+while serving), read at each probe and check, so a new one holds from the next call on;
+``OverloadPolicy(refuse=False)`` measures and reports but never refuses. Nothing here awaits anything; :meth:`Overload.check` raises
 :class:`~aglverl.proxy.call.ProxyError` (429); a policy with a value that is not a positive number of seconds
 is a ``ValueError`` naming it.
 """
