@@ -37,14 +37,16 @@ def _run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def test_one_word_example_learns_past_its_stated_reward_quietly(tmp_path: Path) -> None:
-    """Its docstring: the reward ends above 0.8 at the 25th (default) step. The console shows the bar and a few
-    lines; verl's ~200 metrics a step go to the log file, every step's metrics to metrics.jsonl."""
-    done = _run("one_word.py", cwd=tmp_path)
+def test_one_word_example_trains_quietly(tmp_path: Path) -> None:
+    """Three steps: the console shows the bar and a few lines; verl's ~200 metrics a step go to the log file,
+    every step's metrics to metrics.jsonl. Its learning (0.9 within its 25 default steps) is the demo's: the same
+    task and settings (``aglverl demo``; ``make demo`` in CI fails unless the reward reaches 0.9, and
+    ``test_learning.py`` trains it 15 steps)."""
+    done = _run("one_word.py", "--steps", "3", cwd=tmp_path)
     final = float(re.search(r"final training reward: (\d\.\d{3})", done.stdout).group(1))  # type: ignore[union-attr]
-    assert final > 0.8, done.stdout
+    assert 0.0 <= final <= 1.0, done.stdout
     out = tmp_path / "one_word-out"
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 25
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert "actor/pg_loss" in (out / "train.log").read_text()  # verl's console logger, off the console
     assert "actor/pg_loss" not in done.stdout + done.stderr and len(done.stdout.splitlines()) == 2
 

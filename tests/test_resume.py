@@ -102,11 +102,11 @@ def _no_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
 KILL_LOOP = Path(__file__).parent / "helpers" / "train_kill_loop.py"
 
 
-@pytest.mark.parametrize("mode", ["colocate_async", "sync"])
 def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_sample_n_times(
-    tmp_path: Path, tiny_model: Path, mode: str
+    tmp_path: Path, tiny_model: Path
 ) -> None:
-    """10 steps, a checkpoint every 3 (colocate_async: rollouts run ahead of the trainer, across steps and
+    """In a mode drawn with the moments (colocate_async or sync, each about 3.5 minutes here: one per run keeps
+    CI in its budget; the seed in a failure's message names both), 10 steps, a checkpoint every 3 (colocate_async: rollouts run ahead of the trainer, across steps and
     checkpoints; sync: a restart replays up to two steps since its checkpoint), SIGKILL at a random agent
     answer, in the middle of a checkpoint save, and at another random answer; restarted each time with
     resume_mode: auto. Over the final lineage (each run continues from the checkpoint it found), every step is
@@ -116,6 +116,7 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
 
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
+    mode = rng.choice(["colocate_async", "sync"])
     moments = [f"answer:{rng.randint(6, 24)}", "save", f"answer:{rng.randint(4, 16)}", "none"]
     for run, moment in enumerate(moments, 1):
         if moment == "save":  # the next checkpoint this run will save
@@ -123,7 +124,7 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
             moment = f"save:{resumed + 3}"
         code = _run(tmp_path, run, mode, moment, helper=KILL_LOOP)
         log = (tmp_path / f"run{run}.log").read_text()[-3000:]
-        assert code == (0 if moment == "none" else -signal.SIGKILL), f"seed {seed}, run {run} ({moment}):\n{log}"
+        assert code == (0 if moment == "none" else -signal.SIGKILL), f"{mode}, seed {seed}, run {run} ({moment}):\n{log}"
 
     runs = {row["run"]: row for row in _lines(tmp_path / "runs.jsonl")}
     steps = _lines(tmp_path / "steps.jsonl")
