@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import random
+import re
 import traceback
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -299,8 +300,9 @@ class _FailureLog:
 
     def failed(self, rollout_id: str, exc: BaseException) -> None:
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        seen = self.counts.get(error, 0)
-        self.counts[error] = seen + 1
+        kind = re.sub(r"\d+(?:\.\d+)?", "N", error)  # one error whatever its numbers (ids, delays, sizes)
+        seen = self.counts.get(kind, 0)
+        self.counts[kind] = seen + 1
         if seen:
             logger.debug("agent failed on %s: %s", rollout_id, error)
         else:

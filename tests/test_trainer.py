@@ -112,7 +112,9 @@ async def first_run(shared_ray: None, tmp_path_factory: pytest.TempPathFactory) 
         final = await algo.run(TRAIN, VAL)
         tg.cancel_scope.cancel()
     totals = algo.daemon.proxy_counters()  # the run's, from the daemon (its proxy ran in this process)
+    overload = algo.daemon.proxy.overload  # type: ignore[attr-defined]
     return {
+        "overload": (overload.policy.refuse, overload.statistics()),
         "final": final,
         "steps": steps,
         "seen": recorder.seen,
@@ -183,6 +185,9 @@ async def test_a_steps_proxy_counts_are_that_steps_calls_not_the_runs_running_to
     for metrics in steps:
         assert 0 < metrics["proxy/calls_ok"] <= metrics["batch/n_calls"] + validation_calls
     totals = first_run["totals"]
+    # The agents ran on the proxy's loop: its lag was measured, and no call was turned away for it.
+    refuse, lag = first_run["overload"]
+    assert refuse is False and lag.probes > 0 and lag.shed == 0 and totals["proxy/calls_shed"] == 0
     assert sum(m["proxy/calls_ok"] for m in steps) == totals["proxy/calls_ok"]
     assert sum(m["proxy/retries"] for m in steps) == totals["proxy/retries"]
 
