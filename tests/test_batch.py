@@ -656,6 +656,46 @@ def test_merged_batch_matches_the_chain_reference(case: tuple[list[FinishedRollo
 
 
 @settings(max_examples=100, deadline=None)
+@given(rollout_batches(chained=True), st.sampled_from(["merge", "per_call"]))
+def test_rows_padded_to_the_widths_are_the_jagged_rows_and_pad_to_the_same_batch(
+    case: tuple[list[FinishedRollout], BatchConfig], trajectory: str
+) -> None:
+    """The collector's layout (``padded=True``: each row at a stride of the widths, pads of ``pad_token_id``)
+    holds the same rows as the producer's (end to end), and both pad to the same batch."""
+    rollouts, config = case
+    rollouts = [
+        dataclasses.replace(r, reward=0.5, logprobs=[[-0.5] * len(resp) for _, resp in r.turns]) for r in rollouts
+    ]
+    signal = SignalConfig(trajectory=trajectory)  # type: ignore[arg-type]
+    jagged = build_rows(rollouts, config, signal)
+    padded = build_rows(rollouts, config, signal, padded=True)
+
+    n = len(jagged)
+    assert len(padded) == n
+    assert padded.is_padded(config)
+    assert padded.prompt_ids.size == n * config.max_prompt_length
+    assert padded.response_ids.size == n * config.max_response_length
+    assert jagged.prompt_ids.size == int(jagged.prompt_len.sum())
+    for i in range(n):
+        assert padded.prompt(i).tolist() == jagged.prompt(i).tolist()
+        assert padded.response(i).tolist() == jagged.response(i).tolist()
+        assert padded.mask(i).tolist() == jagged.mask(i).tolist()
+        lp_padded, lp_jagged = padded.row_logprobs(i), jagged.row_logprobs(i)
+        assert (lp_padded is None) == (lp_jagged is None)
+        assert lp_padded is None or lp_jagged is None or lp_padded.tolist() == lp_jagged.tolist()
+    assert padded.metrics == jagged.metrics and padded.row_calls == jagged.row_calls
+
+    from_jagged, from_padded = pad_rows(jagged, config), pad_rows(padded, config)
+    assert set(from_jagged.batch.keys()) == set(from_padded.batch.keys())
+    for key in from_jagged.batch.keys():
+        assert_tensor(tensor(from_padded, key), tensor(from_jagged, key))
+    for key in NON_TENSOR_KEYS:
+        assert column(from_padded, key) == column(from_jagged, key)
+    pointers = [t.untyped_storage().data_ptr() for t in from_padded.batch.values() if t.numel()]
+    assert len(set(pointers)) == len(pointers)  # no two tensors share storage
+
+
+@settings(max_examples=100, deadline=None)
 @given(rollout_batches(chained=True))
 def test_every_generated_id_is_trained_exactly_once_in_call_order_or_counted(
     case: tuple[list[FinishedRollout], BatchConfig],

@@ -2,7 +2,8 @@
 
 :func:`build_batch` is :func:`aglverl.trajectory.rows.build_rows` (which calls make each row, what it carries:
 the rules are there) followed by :func:`pad_rows`; only this path pads (the producer's sink files the rows as
-they are). The rows of a batch of ``B`` rows, with ``P``/``R`` the config's ``max_prompt_length`` /
+they are). It asks for rows laid out padded to the widths (``padded=True``: each id packed once, straight to
+its padded place), so its prompts, responses and masks are reshapes; jagged rows are scattered into place. The rows of a batch of ``B`` rows, with ``P``/``R`` the config's ``max_prompt_length`` /
 ``max_response_length``::
 
     prompts         [B, P]    left-padded; a longer prompt keeps its LAST P ids and is marked is_drop_mask
@@ -26,8 +27,8 @@ collector always passes one) the batch also carries::
                                every row has them (``logprobs/present``), the key verl's rollout correction reads
 
 Padding is whole-batch numpy: each row is a window, shifted by its length, of one template row (masks and
-positions in one gather each), the jagged ids go to their places with one boolean-mask assignment per array,
-and the tensors are ``torch.from_numpy`` views of arrays of their own (no copies, no shared storage).
+positions in one gather each), jagged ids go to their places with one boolean-mask assignment per array,
+and the tensors are ``torch.from_numpy`` views of arrays of their own (no copies, no two sharing storage).
 Importing this module imports verl (about 4 s), which is why the daemon imports it when it starts rather
 than on the first batch.
 """
@@ -58,17 +59,26 @@ def build_batch(
     DataProto still has every tensor, with a leading dimension of 0. The inputs are never modified; every
     tensor has its own storage.
     """
-    rows = build_rows(rollouts, config, signal)
+    rows = build_rows(rollouts, config, signal, padded=True)
     return pad_rows(rows, config), rows.metrics
 
 
 def pad_rows(rows: Rows, config: BatchConfig) -> DataProto:
     """``rows`` as one padded ``DataProto`` of ``config``'s widths (see the module docstring); ``rows`` must
-    have been built with the same widths (no row is longer)."""
+    have been built with the same widths (no row is longer). Rows built ``padded=True`` with the same
+    ``config`` lend their arrays to the batch's tensors (the batch owns them from then on)."""
     P, R, pad = config.max_prompt_length, config.max_response_length, config.pad_token_id
     prompt_mask, real_response, position_ids = _layout(rows.prompt_len, rows.response_len, P, R)
-    prompts = _padded(rows.prompt_ids, prompt_mask, pad, np.int64)
-    responses = _padded(rows.response_ids, real_response, pad, np.int64)
+    if rows.is_padded(config):
+        B = len(rows)
+        prompts, responses = rows.prompt_ids.reshape(B, P), rows.response_ids.reshape(B, R)
+        response_mask = rows.response_mask.reshape(B, R)
+        logprobs = None if rows.logprobs is None else rows.logprobs.reshape(B, R)
+    else:
+        prompts = _padded(rows.prompt_ids, prompt_mask, pad, np.int64)
+        responses = _padded(rows.response_ids, real_response, pad, np.int64)
+        response_mask = _padded(rows.response_mask, real_response, 0, np.int64)
+        logprobs = None if rows.logprobs is None else _padded(rows.logprobs, real_response, 0, np.float32)
     scores = np.zeros((len(rows), R), np.float32)
     scores[np.arange(len(rows)), rows.response_len - 1] = rows.scores
     tensors = {
@@ -76,7 +86,7 @@ def pad_rows(rows: Rows, config: BatchConfig) -> DataProto:
         "responses": responses,
         "input_ids": np.concatenate([prompts, responses], axis=1),
         "attention_mask": np.concatenate([prompt_mask, real_response], axis=1, dtype=np.int64),
-        "response_mask": _padded(rows.response_mask, real_response, 0, np.int64),
+        "response_mask": response_mask,
         "position_ids": position_ids,
         "is_drop_mask": rows.is_drop.copy(),
         "token_level_scores": scores,
@@ -84,8 +94,8 @@ def pad_rows(rows: Rows, config: BatchConfig) -> DataProto:
     if rows.advantage_weights is not None and rows.group_weights is not None:
         tensors["advantage_weights"] = rows.advantage_weights.copy()
         tensors["group_weights"] = rows.group_weights.copy()
-    if rows.logprobs is not None and rows.metrics.get("logprobs/present"):
-        tensors["rollout_log_probs"] = _padded(rows.logprobs, real_response, 0, np.float32)
+    if logprobs is not None and rows.metrics.get("logprobs/present"):
+        tensors["rollout_log_probs"] = logprobs
     non_tensors = {
         "data_id_list": rows.data_id,
         "uid": rows.uid,

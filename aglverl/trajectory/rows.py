@@ -38,6 +38,12 @@ row (:func:`_spans`), then pack the ids, the response mask, the logprobs and the
 and count (:func:`_metrics`). The only Python-level loops run once per rollout or per call: reading rewards
 and lengths, finding the chains, and unboxing each call's ids, which ``struct`` packs in C straight to their
 offset in the flat arrays; masks and offsets are whole-batch numpy index arithmetic.
+
+The flat arrays are laid out one of two ways, and each row says where its ids start: end to end (the
+producer's, each row as long as its ids), or ``padded=True`` (the collector's): each row at a stride of the
+width, a prompt right-aligned in its ``max_prompt_length`` and a response left-aligned in its
+``max_response_length``, the rest ``pad_token_id`` (0 in the mask and logprobs). The padded layout is a
+reshape away from verl's rectangles, so the collector's ids are packed once, straight to their padded places.
 """
 
 from __future__ import annotations
@@ -117,7 +123,8 @@ class Rows:
     """A batch's training rows, jagged: each row only as long as its ids (see the module docstring).
 
     ``B`` rows, in the order of the rollouts given and, within a rollout, of their first calls. The ids are
-    laid end to end: row ``i``'s prompt is ``prompt_ids[prompt_start[i]:][:prompt_len[i]]`` (a prompt longer
+    in flat arrays, laid end to end or padded to the widths (:meth:`is_padded`): row ``i``'s prompt is
+    ``prompt_ids[prompt_start[i]:][:prompt_len[i]]`` (a prompt longer
     than ``max_prompt_length``: its last ids), its response (``r1 + d2 + r2 + ...``, a single call longer than
     ``max_response_length``: its first ids) ``response_ids[response_start[i]:][:response_len[i]]``, aligned
     with ``response_mask`` (int64: 1 on the ids the engine generated for a call that trains, 0 between calls)
@@ -172,6 +179,15 @@ class Rows:
     def n_calls(self) -> np.ndarray:
         """Per row, how many calls it holds."""
         return np.fromiter(map(len, self.row_calls), np.int64, count=len(self.row_calls))
+
+    def is_padded(self, config: BatchConfig) -> bool:
+        """Whether the flat arrays are ``config``'s padded rectangles, raveled (``build_rows(padded=True)``,
+        or rows that each fill both widths, which lay out the same either way)."""
+        n = len(self)
+        return (
+            self.prompt_ids.size == n * config.max_prompt_length
+            and self.response_ids.size == n * config.max_response_length
+        )
 
     def prompt(self, i: int) -> np.ndarray:
         start = int(self.prompt_start[i])
@@ -238,9 +254,15 @@ class WidthWarning:
 
 
 def build_rows(
-    rollouts: Sequence[FinishedRollout], config: BatchConfig, signal: SignalConfig | None = None
+    rollouts: Sequence[FinishedRollout],
+    config: BatchConfig,
+    signal: SignalConfig | None = None,
+    *,
+    padded: bool = False,
 ) -> Rows:
     """The training rows of ``rollouts`` (one per chain of calls, see the module docstring) and their metrics.
+    ``padded``: lay the ids out at a stride of the widths (see the module docstring; :meth:`Rows.is_padded`)
+    rather than end to end.
 
     Triplets with an empty response are dropped (``batch/n_empty_responses_dropped``); a rollout without
     triplets contributes no rows (``batch/n_rollouts_without_triplets``); a missing reward is replaced by
@@ -281,7 +303,7 @@ def build_rows(
     )
     plan = _plan(rollouts, turns, rewards, chains, config, signal)
     kept = _kept_calls(plan, chains)
-    spans = _spans(kept, turns, chains, config)
+    spans = _spans(kept, turns, chains, config, padded)
     where = _namer(rollouts, turns)
     prompt_ids = _prompt_ids(turns, kept, spans, where)
     response_ids = _response_ids(turns, chains, kept, spans, where)
@@ -307,7 +329,7 @@ def build_rows(
     per_row = kept.order[kept.first]  # each row's entry in the plan's arrays (its first call's)
     return Rows(
         prompt_ids=prompt_ids,
-        prompt_start=_starts(spans.prompt_len),
+        prompt_start=spans.prompt_start,
         prompt_len=spans.prompt_len,
         response_ids=response_ids,
         response_start=spans.row_start,
@@ -428,7 +450,9 @@ class _Spans(NamedTuple):
     first call), where that gap starts in the row (``gap_at``), where its response starts (``response_at``,
     both offsets in the flat response ids) and how many of its response ids the row keeps (``kept``).
     Per row: prompt and response lengths after truncation, whether each was cut, and where the row's
-    response starts in the flat response ids (``row_start``).
+    prompt and response start in the flat ids (``prompt_start``, ``row_start``). The flat arrays' sizes
+    (``prompt_size``, ``response_size``) and the value between rows (``pad``) go with the layout: end to end,
+    or padded to the widths.
     """
 
     gap: np.ndarray
@@ -439,10 +463,14 @@ class _Spans(NamedTuple):
     response_len: np.ndarray
     prompt_cut: np.ndarray
     response_cut: np.ndarray
+    prompt_start: np.ndarray
     row_start: np.ndarray
+    prompt_size: int
+    response_size: int
+    pad: int
 
 
-def _spans(kept: _Kept, turns: _Turns, chains: Chains, config: BatchConfig) -> _Spans:
+def _spans(kept: _Kept, turns: _Turns, chains: Chains, config: BatchConfig, padded: bool) -> _Spans:
     P, R = config.max_prompt_length, config.max_response_length
     calls, row_of, first = kept.calls, kept.row_of, kept.first
     # Each call adds the ids between it and the row's previous call (none for a row's first call) and its
@@ -455,24 +483,34 @@ def _spans(kept: _Kept, turns: _Turns, chains: Chains, config: BatchConfig) -> _
     offset_in_row = starts - starts[first][row_of]
     response_in_row = offset_in_row + gap
     full_prompt_len = turns.prompt_len[kept.heads]
-    response_len = np.minimum(full_response_len, R)
-    row_start = _starts(response_len)
+    prompt_len, response_len = np.minimum(full_prompt_len, P), np.minimum(full_response_len, R)
+    if padded:
+        strides = np.arange(kept.n_rows, dtype=np.int64)
+        prompt_start, row_start = strides * P + (P - prompt_len), strides * R
+        prompt_size, response_size, pad = kept.n_rows * P, kept.n_rows * R, config.pad_token_id
+    else:
+        prompt_start, row_start = _starts(prompt_len), _starts(response_len)
+        prompt_size, response_size, pad = int(prompt_len.sum()), int(response_len.sum()), 0
     return _Spans(
         gap=gap,
         gap_at=row_start[row_of] + offset_in_row,
         response_at=row_start[row_of] + response_in_row,
         kept=np.minimum(turns.response_len[calls], R - response_in_row),
-        prompt_len=np.minimum(full_prompt_len, P),
+        prompt_len=prompt_len,
         response_len=response_len,
         prompt_cut=full_prompt_len > P,
         response_cut=full_response_len > R,
+        prompt_start=prompt_start,
         row_start=row_start,
+        prompt_size=prompt_size,
+        response_size=response_size,
+        pad=pad,
     )
 
 
 def _prompt_ids(turns: _Turns, kept: _Kept, spans: _Spans, where: Callable[[int], str]) -> np.ndarray:
-    """Every row's prompt (its first call's; a longer one keeps its last ids), laid end to end."""
-    out = np.zeros(int(spans.prompt_len.sum()), np.int64)
+    """Every row's prompt (its first call's; a longer one keeps its last ids), in the spans' layout."""
+    out = _buffer(spans.prompt_size, spans.pad, np.int64)
     lengths = spans.prompt_len
     full = turns.prompt_len[kept.heads]
     _place(
@@ -481,7 +519,7 @@ def _prompt_ids(turns: _Turns, kept: _Kept, spans: _Spans, where: Callable[[int]
         kept.heads,
         full - lengths,
         lengths,
-        _starts(lengths),
+        spans.prompt_start,
         where,
         "prompt token ids must be int64 integers",
     )
@@ -491,8 +529,8 @@ def _prompt_ids(turns: _Turns, kept: _Kept, spans: _Spans, where: Callable[[int]
 def _response_ids(
     turns: _Turns, chains: Chains, kept: _Kept, spans: _Spans, where: Callable[[int], str]
 ) -> np.ndarray:
-    """Every row's response (its calls' responses with the ids between them), laid end to end."""
-    out = np.zeros(int(spans.response_len.sum()), np.int64)
+    """Every row's response (its calls' responses with the ids between them), in the spans' layout."""
+    out = _buffer(spans.response_size, spans.pad, np.int64)
     gap_calls = np.flatnonzero(spans.gap > 0)
     _place(
         out,
@@ -520,7 +558,7 @@ def _response_ids(
 def _response_mask(spans: _Spans, generated: np.ndarray) -> np.ndarray:
     """1 (int64) on the response ids of the calls that train (``generated``), 0 elsewhere, aligned with the
     response ids."""
-    out = np.zeros(int(spans.response_len.sum()), np.int64)
+    out = np.zeros(spans.response_size, np.int64)
     starts, lengths = spans.response_at[generated], spans.kept[generated]
     out[np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))] = 1
     return out
@@ -542,7 +580,7 @@ def _logprobs(
         bool,
         count=len(calls),
     )
-    values = np.zeros(int(spans.response_len.sum()), np.float64)
+    values = np.zeros(spans.response_size, np.float64)
     at = np.flatnonzero(aligned)
     _place(
         values,
@@ -641,6 +679,10 @@ def _namer(rollouts: Sequence[FinishedRollout], turns: _Turns) -> Callable[[int]
 def _starts(lengths: np.ndarray) -> np.ndarray:
     """Where each of consecutive pieces of these lengths starts."""
     return np.cumsum(lengths) - lengths
+
+
+def _buffer(size: int, pad: int, dtype: type) -> np.ndarray:
+    return np.zeros(size, dtype) if pad == 0 else np.full(size, pad, dtype)
 
 
 def _place(

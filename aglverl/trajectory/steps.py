@@ -310,7 +310,7 @@ class RolloutCollector:
                 if rollout.reward is not None:
                     rewards.append(rollout.reward)
             finished.append(rollout)
-        rows = build_rows(finished, self.batch_config, self.signal)
+        rows = build_rows(finished, self.batch_config, self.signal, padded=True)
         self.width_warning.note(rows)
         data, metrics = pad_rows(rows, self.batch_config), rows.metrics
         metrics.update(_weight_versions(records))
