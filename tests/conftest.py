@@ -22,8 +22,8 @@ def agl_python() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``vllm`` need a real vLLM, tests marked ``agl`` Agent Lightning's venv: skipped (with the
-    command that runs them) where it is missing."""
+    """Tests marked ``vllm`` need a real vLLM, tests marked ``agl`` Agent Lightning's venv, tests marked ``agl03``
+    agentlightning 0.3 installed here: skipped (with the command that runs them) where it is missing."""
     import importlib.util
 
     marks = []
@@ -31,6 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marks.append(("vllm", "vLLM is not installed here: the vLLM tier runs with `make test-vllm`"))
     if agl_python() is None:
         marks.append(("agl", "Agent Lightning's venv is not built: the Agent Lightning tier runs with `make test-agl`"))
+    if importlib.util.find_spec("agentlightning") is None:
+        marks.append(("agl03", "agentlightning 0.3 is not installed here: the tier runs with `make test-agl03`"))
     for name, reason in marks:
         skip = pytest.mark.skip(reason=reason)
         for item in items:

@@ -14,6 +14,11 @@ task server as they talk to Agent Lightning's server, at the same one base URL:
 
 The built-in runner that runs Agent Lightning agent classes (and any program) one process per rollout is
 :mod:`aglverl.process_runner`.
+
+Agent Lightning 0.2/0.3 (``agl.Trainer(algorithm=agl.VERL(config)).fit(agent)``, Python 3.11 with
+``agentlightning==0.3.0`` installed): :class:`VERL` (:mod:`.verl`), an ``agl.Algorithm`` in ``agl.VERL``'s place;
+:mod:`.verl_config` (its ``agentlightning:`` section); :mod:`.lightning_store` (aglverl's attempts as rollouts of
+the Trainer's store). ``VERL`` is imported on first use: the rest of this package does not need agentlightning.
 """
 
 from __future__ import annotations
@@ -32,3 +37,11 @@ __all__ = [
     "retry_id",
     "rollout_config_for",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "VERL":  # needs agentlightning 0.2/0.3 installed: imported only when asked for
+        from .verl import VERL
+
+        return VERL
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,6 +13,8 @@ cleanly on Ctrl-C or SIGTERM.
 
 - ``aglverl demo`` runs the embedded end-to-end training (verl's trainer on CPU, the tiny model, agents on the
   toy task); its last stdout line is a JSON summary (see :mod:`aglverl.cli.demo`).
+- ``aglverl fit SCRIPT [ARGS...]`` runs an Agent Lightning 0.2/0.3 program as it is, ``agl.VERL`` resolving to
+  aglverl's ``VERL`` (see :mod:`aglverl.cli.fit`; needs agentlightning 0.3: ``make venv-agl03``).
 """
 
 from __future__ import annotations
@@ -311,16 +313,42 @@ async def _demo(args: argparse.Namespace) -> None:
     print(orjson.dumps(summary).decode(), flush=True)
 
 
+def _fit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "fit",
+        help="run an Agent Lightning 0.2/0.3 program unchanged, agl.VERL resolving to aglverl's VERL",
+    )
+    p.add_argument("script", help="the program (run as `python SCRIPT ARGS...` would run it)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from .fit import run_script
+
+    try:
+        run_script(args.script, args.args)
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name != "agentlightning" and "aglverl fit" not in str(exc):
+            raise  # the script's own missing import: its traceback is the message
+        print(f"aglverl fit: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aglverl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _serve_model_parser(sub)
     _demo_parser(sub)
+    _fit_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "fit":  # the program runs its own event loops (Trainer.fit)
+        return _fit(args)
     commands = {"serve": _serve, "serve-model": _serve_model, "demo": _demo}
     try:
         anyio.run(commands[args.command], args)
