@@ -1,0 +1,178 @@
+"""Agent Lightning 0.2/0.3's program trains on aglverl: ``agl.Trainer(algorithm=VERL(config), n_runners=2).fit(agent)``
+with the real agentlightning 0.3.0 (its Trainer, store, client-server execution strategy, forked runners,
+tracer, ``@rollout``, ``LitAgent``, ``emit_reward``), verl's V1 trainer on CPU and the tiny model; one Ray
+session for the module. Each run trains 2 steps of 2 prompts x 2 rollouts (the ``agl03`` tier, in .venv-agl03).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.agl03
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network: litellm's price list is local
+agl = pytest.importorskip("agentlightning")
+
+from aglverl.agent_lightning import VERL  # noqa: E402  (needs agentlightning)
+from aglverl.algorithm import compose_config, verl_runtime  # noqa: E402
+from aglverl.config_errors import ConfigError  # noqa: E402
+
+HELPERS = Path(__file__).parent / "helpers"
+sys.path.insert(0, str(HELPERS))
+import seed_agents  # noqa: E402
+
+
+def _config(steps: int = 2, *, width: int = 4, **aglverl: Any) -> dict[str, Any]:
+    return {
+        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": width, "shuffle": False},
+        "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
+        "algorithm": {"adv_estimator": "grpo"},
+        "aglverl": {"journal": None, "max_attempts": 2, **aglverl},
+        "trainer": {"total_training_steps": steps, "save_freq": -1, "test_freq": -1, "val_before_train": False,
+                    "logger": []},
+        "ray_kwargs": {"ray_init": {"log_to_driver": False}},
+    }
+
+
+def _rows(log: Path, n: int, split: str = "train", **extra: Any) -> list[dict[str, Any]]:
+    """Alternating rewards 0.25 / 0.75: with two prompts a step (in order), each step's rollouts average 0.5."""
+    return [
+        {"prompt": "Say yes.", "reward": 0.25 if i % 2 == 0 else 0.75, "split": split, "log": str(log), **extra}
+        for i in range(n)
+    ]
+
+
+def _seen(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _fit(algo: Any, agent: Any, train: list[dict[str, Any]], val: list[dict[str, Any]] | None = None) -> list[dict[str, float]]:
+    """``Trainer(n_runners=2).fit``, as a program runs it; returns every step's metrics."""
+    steps: list[dict[str, float]] = []
+    algo.algorithm.on_step.append(lambda step, metrics: steps.append(dict(metrics)))
+    trainer = agl.Trainer(algorithm=algo, n_runners=2)
+    trainer.fit(agent, train_dataset=train, val_dataset=val)
+    return steps
+
+
+def _agl_rollouts(store: Any) -> list[Any]:
+    return list(asyncio.run(store.query_rollouts()))
+
+
+@pytest.fixture(scope="module")
+def shared_ray(tiny_model: Path) -> Iterator[None]:
+    config, _ = compose_config(_config())
+    with ExitStack() as stack:
+        stack.enter_context(verl_runtime(config))
+        yield
+
+
+def test_function_agent_returning_its_reward_trains_and_validates_at_temperature_0(
+    shared_ray: None, tmp_path: Path
+) -> None:
+    """The docs' program: a sync ``@agl.rollout`` function returns its reward. Rewards reach training (each
+    step's mean is 0.5, not 0); validation runs once per row before training and at the last step, at
+    ``val_kwargs``' temperature 0, training at the rollout temperature; every row carries its ``data_id``; an
+    agent that raises fails its rollout (aglverl retries it, then evicts its group) and training goes on."""
+    log = tmp_path / "seen.jsonl"
+    config = _config()
+    config["trainer"].update(val_before_train=True, test_freq=2)
+    train = _rows(log, 8)
+    train[2]["raise"] = True  # step 2's first prompt: both its rollouts raise, twice each
+    algo = VERL(config)
+    steps = _fit(algo, seed_agents.function_agent, train, _rows(log, 2, "val"))
+
+    assert len(steps) == 2
+    assert steps[0]["training/reward"] == pytest.approx(0.5)
+    assert steps[1]["training/rollout_failure/evicted_samples"] > 0  # the raising group, replaced
+    assert algo.metrics["val/reward"] == pytest.approx(0.5) and algo.metrics["val/n_rollouts"] == 2
+    seen = _seen(log)
+    val = [s for s in seen if s["split"] == "val"]
+    train_seen = [s for s in seen if s["split"] == "train"]
+    assert len(val) == 4  # 2 rows, once each, before training and at step 2
+    assert {s["sampling"]["temperature"] for s in val} == {0.0}
+    assert {s["sampling"]["temperature"] for s in train_seen} == {1.0}
+    assert all("/rollout/" in s["endpoint"] and s["data_id"] for s in seen)
+    raised = [r for r in _agl_rollouts(algo.get_store()) if r.input.get("raise")]
+    assert len(raised) == 4 and {r.status for r in raised} == {"failed"}  # 2 rollouts x aglverl.max_attempts
+
+
+def test_litagent_with_emit_reward_trains_though_a_runner_is_killed_mid_rollout(
+    shared_ray: None, tmp_path: Path
+) -> None:
+    """A ``LitAgent`` class resolves its ``ProxyLLM`` (``get_base_url(rollout_id, attempt_id)``) and reports its
+    reward with ``agl.emit_reward``: the reward reaches training through the tracer. Its first rollout kills its
+    own runner process: Agent Lightning's store times that rollout out after ``aglverl.lease_seconds``, aglverl
+    runs it again on the other runner, and training ends; ``fit`` then reports the killed runner, as Agent
+    Lightning's execution strategy does for any runner that died."""
+    log = tmp_path / "seen.jsonl"
+    train = _rows(log, 8)
+    train[0]["kill_once"] = str(tmp_path / "killed")
+    algo = VERL(_config(lease_seconds=8))
+    steps: list[dict[str, float]] = []
+    with pytest.raises(RuntimeError, match=r"exitcode=-9"):
+        steps = _fit(algo, seed_agents.EmittingAgent(), train)
+    assert (tmp_path / "killed").exists()
+    assert algo.metrics["step/n_completed"] == 4
+    assert algo.metrics["training/reward"] == pytest.approx(0.5)
+    assert not steps or all(m["training/reward"] == pytest.approx(0.5) for m in steps)
+    timed_out = [r for r in _agl_rollouts(algo.get_store()) if r.status == "failed"]
+    assert len(timed_out) == 1 and timed_out[0].input.get("kill_once")
+
+
+def test_bad_config_is_an_error_at_construction_naming_the_key() -> None:
+    """A misspelt ``agentlightning:`` key, a 1.0 key, ``trace_aggregator.debug`` and ``trainer_cls`` are refused
+    when ``VERL`` is constructed, each naming what is wrong; the docs' example config constructs as it is."""
+    with pytest.raises(ConfigError, match=r"'agentlightning.trace_aggregator.levl'.*did you mean 'level'"):
+        VERL(_config() | {"agentlightning": {"trace_aggregator": {"levl": "trajectory"}}})
+    with pytest.raises(ConfigError, match=r"agentlightning.rollout_timeout_seconds is a key of Agent Lightning 1.0"):
+        VERL(_config() | {"agentlightning": {"rollout_timeout_seconds": 60}})
+    with pytest.raises(ConfigError, match=r"trace_aggregator.debug: True cannot be honoured"):
+        VERL(_config() | {"agentlightning": {"trace_aggregator": {"debug": True}}})
+    with pytest.raises(ConfigError, match=r"trainer_cls='MyTrainer'.*cannot be honoured"):
+        VERL(_config(), trainer_cls=type("MyTrainer", (), {}))
+    algo = VERL(_config() | {"agentlightning": {"port": 9999, "trace_aggregator": {"level": "transition"}}})
+    assert algo.algorithm.options.port == 9999 and algo.algorithm.options.signal.trajectory == "per_call"
+    assert isinstance(algo, agl.Algorithm) and algo.is_async()
+
+
+def test_aglverl_fit_runs_the_unchanged_program_whose_async_multiturn_agent_trains_a_row_per_conversation(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """``aglverl fit SCRIPT ARGS``: a program written for ``agl.VERL`` (both import paths; not edited) trains 2
+    steps and returns from ``fit``. Its agent is an ``async def`` ``@agl.rollout`` of three turns re-sending its
+    history as text: each conversation is one merged row (``trace_aggregator`` left out: aglverl merges)."""
+    log = tmp_path / "seen.jsonl"
+    metrics = tmp_path / "metrics.jsonl"
+    program = HELPERS / "seed_program_unchanged.py"
+    aglverl = Path(sys.executable).with_name("aglverl")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]),
+        "VERL_FILE_LOGGER_PATH": str(metrics),  # verl's "file" logger, which the program's trainer.logger names
+    }
+    done = subprocess.run(
+        [str(aglverl), "fit", str(program), "--log", str(log), "--steps", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"fit_returned": True, "algorithm": "aglverl.agent_lightning.verl.VERL", "same_class": True}
+    steps = [json.loads(line)["data"] for line in metrics.read_text().splitlines()]
+    assert len(steps) == 2
+    for step in steps:  # through verl's trainer.logger, as agl.VERL logs
+        assert step["training/reward"] == pytest.approx(0.5)
+        assert step["step/n_rollouts"] == 4 and step["step/n_rows"] == 4  # a row per conversation
+        assert step["batch/n_calls"] == 12 and step["batch/n_calls_merged"] == 8
+    seen = _seen(log)
+    assert len(seen) == 8 and all(len(s["answers"]) == 3 and "/rollout/" in s["endpoint"] for s in seen)
