@@ -223,3 +223,25 @@ async def test_demo_runs_as_the_makefile_runs_it(tiny_model: Path, tmp_path: Pat
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "reward.png", "train.log"]
     assert (out / "train.log").stat().st_size > 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_fit_names_a_script_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from aglverl.cli import main
+
+    assert main(["fit", str(tmp_path / "train.py")]) == 2
+    assert "aglverl fit: no such script" in capsys.readouterr().err
+
+
+def test_fit_without_agentlightning_says_what_to_install(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In a venv without Agent Lightning (``.venv``), ``aglverl fit`` names the venv that has it; the script
+    never runs."""
+    import importlib.util
+
+    if importlib.util.find_spec("agentlightning") is not None:
+        pytest.skip("agentlightning is installed here")
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    from aglverl.cli import main
+
+    assert main(["fit", str(script)]) == 2
+    assert "make venv-agl03" in capsys.readouterr().err

@@ -73,6 +73,7 @@ class VERL(agl.Algorithm):
             raise ConfigError(f"VERL's config must be a mapping of verl's overrides, got {type(config).__name__}")
         overrides = map_verl_section(nest_overrides(dict(config)))
         self.algorithm = AsyncVERL(overrides)
+        _check_span_exporter()
         self.config = self.algorithm.config
         #: The bridge of the run in progress (``None`` outside :meth:`run`).
         self.bridge: LightningStoreBridge | None = None
@@ -157,6 +158,34 @@ class VERL(agl.Algorithm):
         since 0.2): at the running task server, else at ``agentlightning.port`` / ``aglverl.port``."""
         url = self.algorithm.server_url or f"http://localhost:{self.algorithm.options.port}"
         return agl.AgentLightningClient(endpoint=url)
+
+
+#: The first opentelemetry release whose OTLP/HTTP span exporter Agent Lightning 0.3.0's exporters cannot drive.
+_SPANS_LOST_FROM = (1, 45)
+
+
+def _check_span_exporter() -> None:
+    """A warning when the installed opentelemetry loses every span Agent Lightning's tracer exports (so a reward
+    an agent reports with ``agl.emit_reward`` would never reach training; one it returns still does)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("opentelemetry-exporter-otlp-proto-http")
+    except PackageNotFoundError:
+        return
+    try:
+        release = tuple(int(part) for part in installed.split(".")[:2])
+    except ValueError:
+        return
+    if release >= _SPANS_LOST_FROM:
+        logger.warning(
+            "aglverl: opentelemetry-exporter-otlp-proto-http %s is installed: Agent Lightning 0.3.0's span exporters "
+            "cannot send spans to its store with it, so a reward an agent reports with agl.emit_reward is lost (0.0 "
+            "in training; a reward it returns still arrives). Install the 1.44 releases: pip install "
+            "opentelemetry-api==1.44.0 opentelemetry-sdk==1.44.0 opentelemetry-exporter-otlp==1.44.0 "
+            "opentelemetry-exporter-otlp-proto-http==1.44.0 (make venv-agl03 pins them)",
+            installed,
+        )
 
 
 def _as_rows(dataset: Any, name: str) -> Any:

@@ -36,7 +36,7 @@ from typing import Any
 from ..config_errors import ConfigError
 from .config import _check_keys, _merged, _put
 
-__all__ = ["VERL_SECTION_DEFAULTS", "map_verl_section"]
+__all__ = ["VERL_SECTION_DEFAULTS", "map_verl_section", "refuse_verl_keys"]
 
 #: Agent Lightning 0.3.0's ``agentlightning:`` section, its defaults (``agentlightning/verl/config.yaml``).
 VERL_SECTION_DEFAULTS: dict[str, Any] = {
@@ -55,6 +55,28 @@ _SECTION_1_0_KEYS = frozenset(
     {"agl_base_url", "agl_key", "hooks", "rollout_timeout_seconds", "local", "k8s", "reward_fillna_value",
      "max_ppo_update_times", "async_rollout"}
 )
+
+
+#: Keys only ``agl.VERL``'s section has (Agent Lightning 1.0's has a ``trace_aggregator`` too, without these).
+_VERL_ONLY_KEYS = (("port",), ("trace_aggregator", "debug"), ("trace_aggregator", "mismatch_log_dir"))
+
+
+def refuse_verl_keys(overrides: Mapping[str, Any]) -> None:
+    """For ``AsyncVERL``, which reads Agent Lightning 1.0's section: a key only ``agl.VERL``'s section has is a
+    :class:`~aglverl.config_errors.ConfigError` saying which entry point trains such a config."""
+    section = overrides.get("agentlightning")
+    for path in _VERL_ONLY_KEYS:
+        node: Any = section
+        for part in path:
+            node = node.get(part) if isinstance(node, Mapping) else None
+            if node is None:
+                break
+        else:
+            raise ConfigError(
+                f"agentlightning.{'.'.join(path)} is a key of agl.VERL's section (Agent Lightning 0.2/0.3), not of "
+                "Agent Lightning 1.0's, which AsyncVERL reads: train an agl.VERL config with "
+                "aglverl.agent_lightning.VERL inside agl.Trainer.fit (or `aglverl fit SCRIPT`)"
+            )
 
 
 def map_verl_section(overrides: Mapping[str, Any]) -> dict[str, Any]:

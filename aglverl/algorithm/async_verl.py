@@ -19,6 +19,7 @@ if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
 from ..agent_lightning.config import AgentLightningSettings, map_section, rollout_config_for
+from ..agent_lightning.verl_config import refuse_verl_keys
 from ..client import AgentFn, check_agent, run_agents
 from .config import compose_config, daemon_config, nest_overrides, run_config, user_set
 from .runtime import (
@@ -62,7 +63,9 @@ class AsyncVERL:
         if agent is not None:
             check_agent(agent)
         # Agent Lightning's section (and its two verl keys) in aglverl's terms (aglverl.agent_lightning.config)
-        overrides, job_template = map_section(nest_overrides(dict(config or {})))
+        nested = nest_overrides(dict(config or {}))
+        refuse_verl_keys(nested)  # agl.VERL's (0.2/0.3) section is aglverl.agent_lightning.VERL's
+        overrides, job_template = map_section(nested)
         self.config, self.options = compose_config(overrides)
         self._overrides = overrides
         if agent is not None and self.options.processes.enabled:
