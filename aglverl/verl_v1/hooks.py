@@ -109,6 +109,7 @@ class Hooks:
         n = sum(s.n_rollouts for s in stats)
         metrics["val/reward"] = sum(s.reward_sum for s in stats) / n if n else 0.0
         metrics["val/n_rollouts"] = float(n)
+        metrics["val/n_rollouts_w_reward"] = float(sum(s.n_completed for s in stats))  # agl.VERL's name
         return metrics
 
     def _compute_metrics(
@@ -328,7 +329,20 @@ def _step_metrics(trainer: Any, run: Run, uids: list[str], timing: Mapping[str, 
     low = metrics.get("step/call_weight_version_min")
     if low is not None:
         metrics["step/staleness"] = float(trainer.global_steps - 1 - low)
+    metrics.update({agl: metrics[ours] for agl, ours in AGL_VERL_NAMES.items() if ours in metrics})
     return metrics
+
+
+#: The names Agent Lightning's ``agl.VERL`` logs its step counts under, for aglverl's same figures (a program
+#: moved from ``agl.VERL`` keeps its dashboards): ``training/reward``, ``val/reward``, ``training/global_step``
+#: and ``training/epoch`` are already those names.
+AGL_VERL_NAMES = {
+    "training/n_rollouts": "step/n_rollouts",
+    "training/n_rollouts_w_reward": "step/n_completed",
+    "training/n_triplets": "batch/n_triplets",
+    "training/n_truncated_triplets": "batch/n_responses_truncated",
+    "training/n_triplets_prompt_too_long": "batch/n_prompts_truncated",
+}
 
 
 def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
