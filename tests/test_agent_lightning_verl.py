@@ -94,8 +94,10 @@ def test_function_agent_returning_its_reward_trains_and_validates_at_temperature
 
     assert len(steps) == 2
     assert steps[0]["training/reward"] == pytest.approx(0.5)
+    assert steps[0]["training/n_rollouts"] == 4 and steps[0]["training/n_triplets"] == 4  # agl.VERL's names
     assert steps[1]["training/rollout_failure/evicted_samples"] > 0  # the raising group, replaced
     assert algo.metrics["val/reward"] == pytest.approx(0.5) and algo.metrics["val/n_rollouts"] == 2
+    assert algo.metrics["val/n_rollouts_w_reward"] == 2
     seen = _seen(log)
     val = [s for s in seen if s["split"] == "val"]
     train_seen = [s for s in seen if s["split"] == "train"]

@@ -21,13 +21,17 @@ def test_no_section_leaves_the_overrides_as_they_are() -> None:
 
 
 def test_port_is_the_task_servers_port() -> None:
-    assert _mapped({"port": 9999}) == {"aglverl": {"port": 9999}}
+    assert _mapped({"port": 9999}) == {"aglverl": {"port": 9999, "signal": {"trajectory": "merge"}}}
 
 
 def test_trace_aggregator_level_picks_the_row_layout() -> None:
     assert _mapped({"trace_aggregator": {"level": "transition"}}) == {"aglverl": {"signal": {"trajectory": "per_call"}}}
     assert _mapped({"trace_aggregator": {"level": "trajectory"}}) == {"aglverl": {"signal": {"trajectory": "merge"}}}
-    assert _mapped({"trace_aggregator": {}}) == {}  # left out: aglverl's default (merge)
+    merge = {"aglverl": {"signal": {"trajectory": "merge"}}}
+    assert _mapped({"trace_aggregator": {}}) == merge  # left out: aglverl's default (merge)
+    assert _mapped({"port": 1}, aglverl={"signal": {"trajectory": "per_call"}})["aglverl"]["signal"] == {
+        "trajectory": "per_call"
+    }
 
 
 def test_trajectory_widths_are_the_merged_rows_widths_and_do_nothing_under_transition() -> None:
@@ -63,7 +67,9 @@ def test_bad_keys_are_refused_naming_them(section: Any, message: str) -> None:
 
 
 def test_mismatch_log_dir_and_debug_false_are_accepted() -> None:
-    assert _mapped({"trace_aggregator": {"debug": False, "mismatch_log_dir": "./m"}}) == {}
+    assert _mapped({"trace_aggregator": {"debug": False, "mismatch_log_dir": "./m"}}) == {
+        "aglverl": {"signal": {"trajectory": "merge"}}
+    }
 
 
 def test_the_callers_overrides_are_not_changed() -> None:

@@ -34,7 +34,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config_errors import ConfigError
-from .config import _check_keys, _merged, _put
+from .config import _check_keys, _get, _merged, _put
+from .config import _map_trace_aggregator as _map_levels_and_widths
 
 __all__ = ["VERL_SECTION_DEFAULTS", "map_verl_section", "refuse_verl_keys"]
 
@@ -115,6 +116,8 @@ def _copy(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """``debug`` refused; then as Agent Lightning 1.0's ``trace_aggregator`` (:mod:`.config`), the level left out
+    meaning aglverl's row layout (``merge`` unless ``aglverl.signal.trajectory`` says ``per_call``)."""
     if aggregator["debug"] not in (False, None):
         raise ConfigError(
             f"agentlightning.trace_aggregator.debug: {aggregator['debug']!r} cannot be honoured: it diagnoses "
@@ -123,21 +126,7 @@ def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], g
             "batch/n_calls_drifted every step); remove it"
         )
     level = given.get("level")
-    if level is not None and level not in ("trajectory", "transition"):
-        raise ConfigError(
-            f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}"
-        )
-    if level is not None:
-        trajectory = "merge" if level == "trajectory" else "per_call"
-        _put(user, "aglverl.signal.trajectory", trajectory, "agentlightning.trace_aggregator.level")
-    if level == "transition":
-        return  # agl.VERL reads the trajectory widths only when it merges
-    for key, target in (
-        ("trajectory_max_prompt_length", "data.max_prompt_length"),
-        ("trajectory_max_response_length", "data.max_response_length"),
-    ):
-        if key in given:
-            value = given[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"agentlightning.trace_aggregator.{key} must be an integer >= 1, got {value!r}")
-            _put(user, target, value, f"agentlightning.trace_aggregator.{key}")
+    if level is None:
+        per_call = _get(user, "aglverl.signal.trajectory") == (True, "per_call")
+        level = "transition" if per_call else "trajectory"
+    _map_levels_and_widths(user, {"level": level}, given)
