@@ -112,8 +112,9 @@ def test_function_agent_returning_its_reward_trains_and_validates_at_temperature
 def test_litagent_with_emit_reward_trains_though_a_runner_is_killed_mid_rollout(
     shared_ray: None, tmp_path: Path
 ) -> None:
-    """A ``LitAgent`` class resolves its ``ProxyLLM`` (``get_base_url(rollout_id, attempt_id)``) and reports its
-    reward with ``agl.emit_reward``: the reward reaches training through the tracer. Its first rollout kills its
+    """A ``LitAgent`` class resolves its ``main_llm`` (``get_base_url(rollout_id, attempt_id)``; reading
+    ``llm.endpoint`` directly gives the same attempt's URL) and reports its reward with ``agl.emit_reward``: the
+    reward reaches training through the tracer. Its first rollout kills its
     own runner process: Agent Lightning's store times that rollout out after ``aglverl.lease_seconds``, aglverl
     runs it again on the other runner, and training ends; ``fit`` then reports the killed runner, as Agent
     Lightning's execution strategy does for any runner that died."""
@@ -128,6 +129,8 @@ def test_litagent_with_emit_reward_trains_though_a_runner_is_killed_mid_rollout(
     assert algo.metrics["step/n_completed"] == 4
     assert algo.metrics["training/reward"] == pytest.approx(0.5)
     assert not steps or all(m["training/reward"] == pytest.approx(0.5) for m in steps)
+    seen = _seen(log)
+    assert seen and all(s["direct"] == s["endpoint"] and "/rollout/" in s["endpoint"] for s in seen)
     timed_out = [r for r in _agl_rollouts(algo.get_store()) if r.status == "failed"]
     assert len(timed_out) == 1 and timed_out[0].input.get("kill_once")
 

@@ -24,6 +24,15 @@ def _note(task: dict[str, Any], **seen: Any) -> None:
         f.write(json.dumps({"pid": os.getpid(), "split": task.get("split"), "data_id": task.get("data_id"), **seen}) + "\n")
 
 
+def _first_to_create(path: str) -> bool:
+    """Whether this call created ``path`` (atomically: of two runners racing, exactly one does)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _chat(base_url: str, llm: agl.LLM, messages: list[dict[str, Any]]) -> str:
     client = openai.OpenAI(base_url=base_url, api_key=llm.api_key or "unused", max_retries=0)
     reply = client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)  # type: ignore[arg-type]
@@ -63,10 +72,10 @@ class EmittingAgent(agl.LitAgent[dict[str, Any]]):
     def rollout(self, task: dict[str, Any], resources: agl.NamedResources, rollout: agl.Rollout) -> None:
         llm = resources["main_llm"]
         assert isinstance(llm, agl.LLM) and isinstance(rollout, agl.AttemptedRollout)
-        if task.get("kill_once") and not os.path.exists(task["kill_once"]):
-            open(task["kill_once"], "w").close()
+        if task.get("kill_once") and _first_to_create(task["kill_once"]):
             os.kill(os.getpid(), signal.SIGKILL)  # the runner process dies mid-rollout
         base_url = llm.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
         answer = _chat(base_url, llm, [{"role": "user", "content": task["prompt"]}])
-        _note(task, kind="lit", mode=rollout.mode, sampling=llm.sampling_parameters, endpoint=base_url, answers=[answer])
+        _note(task, kind="lit", mode=rollout.mode, sampling=llm.sampling_parameters, endpoint=base_url,
+              direct=llm.endpoint, answers=[answer])  # `direct`: what agents that skip get_base_url call
         agl.emit_reward(float(task["reward"]))
