@@ -29,6 +29,8 @@ median later step's wall time polling minus long-polled. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import resource
 import statistics
@@ -150,7 +152,7 @@ async def run_asyncverl_agent(args: argparse.Namespace) -> dict[str, Any]:
     async with MockVLLM(completion_tokens=4, latency=args.latency) as mock, AgentDaemon(
         backends=[mock.url], model="mock", max_attempts=1
     ) as daemon, anyio.create_task_group() as tg:
-        tg.start_soon(run_agents, daemon.server_url, aglverl_agent, **{"concurrency": args.runners})
+        tg.start_soon(functools.partial(run_agents, daemon.server_url, aglverl_agent, concurrency=args.runners))
         steps = await _steps(daemon, args)
         tg.cancel_scope.cancel()
     return _figures(steps, args, _cpu(resource.RUSAGE_SELF) - own, 0.0)
@@ -223,6 +225,7 @@ def cli() -> None:
             result[system] = anyio.run(run_agl10_class, args)
         else:
             parser.exit(2, f"unknown system {system!r}\n")
+        print(json.dumps({system: result[system]}), file=sys.stderr, flush=True)  # each system as it ends
     polled, long_polled = result.get("agl_trainer_verl_polling"), result.get("agl_trainer_verl")
     if polled and long_polled and polled["later_step_wall_s_median"] and long_polled["later_step_wall_s_median"]:
         result["idle_sleep_cost_s"] = round(polled["later_step_wall_s_median"] - long_polled["later_step_wall_s_median"], 3)

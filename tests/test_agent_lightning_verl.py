@@ -151,6 +151,20 @@ def test_bad_config_is_an_error_at_construction_naming_the_key() -> None:
     assert isinstance(algo, agl.Algorithm) and algo.is_async()
 
 
+def test_run_trains_when_called_synchronously_or_awaited() -> None:
+    """``run`` called with no event loop (``Trainer.fit_v0``, a script) runs the training itself; inside a loop it
+    returns the coroutine the Trainer awaits. Either way its errors reach the caller as themselves."""
+    algo = VERL(_config())
+    with pytest.raises(ConfigError, match="the training dataset is empty"):
+        algo.run(train_dataset=[])
+
+    async def awaited() -> None:
+        await algo.run(train_dataset=[])
+
+    with pytest.raises(ConfigError, match="the training dataset is empty"):
+        asyncio.run(awaited())
+
+
 def test_aglverl_fit_runs_the_unchanged_program_whose_async_multiturn_agent_trains_a_row_per_conversation(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -191,6 +191,10 @@ class LightningStoreBridge:
         except StoreError as exc:  # the attempt ended meanwhile (a step's deadline): nothing to report
             logger.info("attempt %s of %s ended before its Agent Lightning rollout: %s", task.attempt_id, task.rollout_id, exc)
             return
+        except Exception as exc:  # Agent Lightning's store refused it: the attempt fails, training goes on
+            logger.warning("attempt %s of %s could not run in Agent Lightning's store: %r", task.attempt_id, task.rollout_id, exc)
+            error = f"Agent Lightning's store could not run the attempt: {exc!r}"
+            result = Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, status="failed", metadata={"error": error})
         try:
             await self.daemon.store.accept_result(result)
         except StoreError as exc:
@@ -240,9 +244,18 @@ class LightningStoreBridge:
         )
 
     async def _wait(self, agl_id: str) -> agl.Rollout:
-        """The Agent Lightning rollout once it ended (its store wakes the wait; no polling in its in-memory
-        store)."""
+        """The Agent Lightning rollout once it ended: woken by the in-memory store's completion event, which it
+        sets whichever thread ends the rollout (a runner's update through its server, a timeout found by its
+        health check). Agent Lightning's own ``wait_for_rollouts`` waits each rollout in a thread of the
+        loop's default executor, 10 s at a time (6 threads on 2 cores for a step's dozens of rollouts, and
+        up to 10 s more at shutdown); it is the fallback for other stores."""
+        ended = _completion_event(self.store, agl_id)
         while True:
+            if ended is not None:
+                await ended
+                rollout = await self.store.get_rollout_by_id(agl_id)
+                if rollout is not None:
+                    return rollout
             done = await self.store.wait_for_rollouts(rollout_ids=[agl_id], timeout=None)
             if done:
                 return done[0]
@@ -272,6 +285,15 @@ _WHY: Mapping[str, str] = {
     "timeout": ": it ran past aglverl.lease_seconds",
     "unresponsive": ": its runner stopped reporting",
 }
+
+
+def _completion_event(store: Any, rollout_id: str) -> Any:
+    """The in-memory store's completion event of a rollout (an ``aiologic.Event``: awaitable from any thread's
+    loop), behind the store server that wraps it; ``None`` for a store that has none."""
+    inner = getattr(store, "store", None) or store
+    events = getattr(inner, "_completion_events", None)
+    event = events.get(rollout_id) if isinstance(events, dict) else None
+    return event if event is not None and hasattr(event, "__await__") else None
 
 
 def _with_data_id(task_input: Any, data_id: Any) -> Any:
