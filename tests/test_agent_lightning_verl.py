@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -60,9 +61,15 @@ def _fit(algo: Any, agent: Any, train: list[dict[str, Any]], val: list[dict[str,
     """``Trainer(n_runners=2).fit``, as a program runs it; returns every step's metrics."""
     steps: list[dict[str, float]] = []
     algo.algorithm.on_step.append(lambda step, metrics: steps.append(dict(metrics)))
-    trainer = agl.Trainer(algorithm=algo, n_runners=2)
+    trainer = agl.Trainer(algorithm=algo, n_runners=2, port=_free_port())  # its store server: loopback
     trainer.fit(agent, train_dataset=train, val_dataset=val)
     return steps
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _agl_rollouts(store: Any) -> list[Any]:
