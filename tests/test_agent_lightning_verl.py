@@ -177,7 +177,8 @@ def test_aglverl_fit_runs_the_unchanged_program_whose_async_multiturn_agent_trai
 ) -> None:
     """``aglverl fit SCRIPT ARGS``: a program written for ``agl.VERL`` (both import paths; not edited) trains 2
     steps and returns from ``fit``. Its agent is an ``async def`` ``@agl.rollout`` of three turns re-sending its
-    history as text: each conversation is one merged row (``trace_aggregator`` left out: aglverl merges)."""
+    history as text; its config is ``agl.VERL``'s documented trajectory aggregation (``data.max_response_length``
+    4 for each call, ``trajectory_max_response_length`` 96 for the merged row): each conversation is one row."""
     log = tmp_path / "seen.jsonl"
     metrics = tmp_path / "metrics.jsonl"
     program = HELPERS / "seed_program_unchanged.py"

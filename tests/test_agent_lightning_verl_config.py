@@ -21,17 +21,13 @@ def test_no_section_leaves_the_overrides_as_they_are() -> None:
 
 
 def test_port_is_the_task_servers_port() -> None:
-    assert _mapped({"port": 9999}) == {"aglverl": {"port": 9999, "signal": {"trajectory": "merge"}}}
+    assert _mapped({"port": 9999}) == {"aglverl": {"port": 9999}}
 
 
 def test_trace_aggregator_level_picks_the_row_layout() -> None:
     assert _mapped({"trace_aggregator": {"level": "transition"}}) == {"aglverl": {"signal": {"trajectory": "per_call"}}}
     assert _mapped({"trace_aggregator": {"level": "trajectory"}}) == {"aglverl": {"signal": {"trajectory": "merge"}}}
-    merge = {"aglverl": {"signal": {"trajectory": "merge"}}}
-    assert _mapped({"trace_aggregator": {}}) == merge  # left out: aglverl's default (merge)
-    assert _mapped({"port": 1}, aglverl={"signal": {"trajectory": "per_call"}})["aglverl"]["signal"] == {
-        "trajectory": "per_call"
-    }
+    assert _mapped({"trace_aggregator": {}}) == {}  # left out: aglverl's default (merge)
 
 
 def test_trajectory_widths_are_the_merged_rows_widths_and_do_nothing_under_transition() -> None:
@@ -43,9 +39,25 @@ def test_trajectory_widths_are_the_merged_rows_widths_and_do_nothing_under_trans
     assert "data" not in _mapped({"trace_aggregator": {"level": "transition", **widths}})
 
 
-def test_a_width_that_disagrees_with_verls_key_names_both() -> None:
-    with pytest.raises(ConfigError, match=r"trajectory_max_prompt_length \(4096\) and data.max_prompt_length \(512\)"):
-        _mapped({"trace_aggregator": {"trajectory_max_prompt_length": 4096}}, data={"max_prompt_length": 512})
+def test_the_docs_trajectory_widths_replace_the_rows_widths_and_keep_each_calls_bound() -> None:
+    """``agl.VERL``'s documented trajectory aggregation: ``data.max_response_length`` (2048) bounds each call,
+    the trajectory widths are the merged rows' (as ``agl.VERL`` builds its batch); left out (aglverl merges by
+    default) they apply the same way, and under ``aglverl.signal.trajectory: per_call`` they do nothing."""
+    section = {"trace_aggregator": {"trajectory_max_prompt_length": 4096, "trajectory_max_response_length": 34384}}
+    data = {"max_prompt_length": 4096, "max_response_length": 2048}
+    assert _mapped({"trace_aggregator": {"level": "trajectory", **section["trace_aggregator"]}}, data=data) == {
+        "aglverl": {"signal": {"trajectory": "merge"}},
+        "data": {"max_prompt_length": 4096, "max_response_length": 34384},
+        "actor_rollout_ref": {"rollout": {"response_length": 2048, "max_model_len": 4096 + 34384}},
+    }
+    assert _mapped(section, data={"max_prompt_length": 512})["data"] == {
+        "max_prompt_length": 4096,
+        "max_response_length": 34384,  # no per-call bound given: calls are bounded by the rows' width
+    }
+    per_call = _mapped(section, data=data, aglverl={"signal": {"trajectory": "per_call"}})
+    assert per_call["data"] == data and "actor_rollout_ref" not in per_call
+    with pytest.raises(ConfigError, match=r"data.max_response_length \(2048\) and actor_rollout_ref.rollout.response_length \(1024\) disagree"):
+        _mapped(section, data=data, actor_rollout_ref={"rollout": {"response_length": 1024}})
 
 
 @pytest.mark.parametrize(
@@ -67,9 +79,7 @@ def test_bad_keys_are_refused_naming_them(section: Any, message: str) -> None:
 
 
 def test_mismatch_log_dir_and_debug_false_are_accepted() -> None:
-    assert _mapped({"trace_aggregator": {"debug": False, "mismatch_log_dir": "./m"}}) == {
-        "aglverl": {"signal": {"trajectory": "merge"}}
-    }
+    assert _mapped({"trace_aggregator": {"debug": False, "mismatch_log_dir": "./m"}}) == {}
 
 
 def test_the_callers_overrides_are_not_changed() -> None:

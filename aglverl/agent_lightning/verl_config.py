@@ -17,9 +17,16 @@ that says so.
 ``trace_aggregator.level``                              ``aglverl.signal.trajectory``: ``trajectory`` -> ``merge``
                                                         (one row per conversation), ``transition`` -> ``per_call``;
                                                         left out: aglverl's default, ``merge``
-``trace_aggregator.trajectory_max_prompt_length`` /     ``data.max_prompt_length`` / ``max_response_length`` (the
-``trajectory_max_response_length``                      merged rows' widths) when rows are merged; with ``level:
-                                                        transition`` they do nothing, as in ``agl.VERL``
+``trace_aggregator.trajectory_max_prompt_length``       ``data.max_prompt_length`` (the merged rows' prompt width), in
+                                                        place of the one given there, when rows are merged
+``trace_aggregator.trajectory_max_response_length``     ``data.max_response_length`` (the merged rows' width), when
+                                                        rows are merged; ``data.max_response_length`` given too is
+                                                        each call's bound, as in ``agl.VERL``:
+                                                        ``actor_rollout_ref.rollout.response_length`` (the calls'
+                                                        ``max_tokens``), and the engine's context
+                                                        (``rollout.max_model_len``, unless given) holds a whole
+                                                        conversation. With ``level: transition`` both do nothing,
+                                                        as in ``agl.VERL``
 ``trace_aggregator.debug: true``                        refused: aglverl builds rows from the ids the engine saw
                                                         (there is no retokenization to diagnose) and counts every
                                                         call that does not extend its conversation in
@@ -35,7 +42,6 @@ from typing import Any
 
 from ..config_errors import ConfigError
 from .config import _check_keys, _get, _merged, _put
-from .config import _map_trace_aggregator as _map_levels_and_widths
 
 __all__ = ["VERL_SECTION_DEFAULTS", "map_verl_section", "refuse_verl_keys"]
 
@@ -88,7 +94,7 @@ def map_verl_section(overrides: Mapping[str, Any]) -> dict[str, Any]:
     section = user.pop("agentlightning", None)
     if section is None:
         return user
-    for name in ("aglverl", "data"):
+    for name in ("aglverl", "data", "actor_rollout_ref"):
         if isinstance(user.get(name), Mapping):
             user[name] = _copy(user[name])
     if isinstance(section, Mapping):
@@ -116,8 +122,8 @@ def _copy(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], given: Mapping[str, Any]) -> None:
-    """``debug`` refused; then as Agent Lightning 1.0's ``trace_aggregator`` (:mod:`.config`), the level left out
-    meaning aglverl's row layout (``merge`` unless ``aglverl.signal.trajectory`` says ``per_call``)."""
+    """``debug`` refused; ``level`` onto aglverl's row layout (left out: aglverl's, ``merge`` unless
+    ``aglverl.signal.trajectory`` says ``per_call``); the trajectory widths when rows are merged."""
     if aggregator["debug"] not in (False, None):
         raise ConfigError(
             f"agentlightning.trace_aggregator.debug: {aggregator['debug']!r} cannot be honoured: it diagnoses "
@@ -126,7 +132,32 @@ def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], g
             "batch/n_calls_drifted every step); remove it"
         )
     level = given.get("level")
+    if level is not None and level not in ("trajectory", "transition"):
+        raise ConfigError(f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}")
     if level is None:
-        per_call = _get(user, "aglverl.signal.trajectory") == (True, "per_call")
-        level = "transition" if per_call else "trajectory"
-    _map_levels_and_widths(user, {"level": level}, given)
+        level = "transition" if _get(user, "aglverl.signal.trajectory") == (True, "per_call") else "trajectory"
+    else:
+        trajectory = "merge" if level == "trajectory" else "per_call"
+        _put(user, "aglverl.signal.trajectory", trajectory, "agentlightning.trace_aggregator.level")
+    if level == "transition":
+        return  # agl.VERL reads the trajectory widths only when it merges
+    for key in ("trajectory_max_prompt_length", "trajectory_max_response_length"):
+        if key in given:
+            value = given[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"agentlightning.trace_aggregator.{key} must be an integer >= 1, got {value!r}")
+    if "trajectory_max_prompt_length" in given:
+        # the rows' prompt width, in place of data's, as agl.VERL builds its batch
+        user.setdefault("data", {})["max_prompt_length"] = given["trajectory_max_prompt_length"]
+    if "trajectory_max_response_length" in given:
+        data = user.setdefault("data", {})
+        per_call = data.get("max_response_length")
+        if per_call is not None:
+            # agl.VERL: data.max_response_length bounds each call, the trajectory width each merged row
+            _put(user, "actor_rollout_ref.rollout.response_length", per_call, "data.max_response_length")
+            prompt = data.get("max_prompt_length")
+            rollout = user.setdefault("actor_rollout_ref", {}).setdefault("rollout", {})
+            if isinstance(prompt, int) and rollout.get("max_model_len") is None:
+                # the engine's context holds a whole conversation (not one call's prompt + answer)
+                rollout["max_model_len"] = prompt + given["trajectory_max_response_length"]
+        data["max_response_length"] = given["trajectory_max_response_length"]

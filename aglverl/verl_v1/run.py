@@ -98,7 +98,9 @@ def sampling_parameters(config: Any, *, validation: bool = False) -> dict[str, A
     params: dict[str, Any] = {
         "temperature": float(source.temperature),
         "top_p": float(source.top_p),
-        "max_tokens": int(config.data.max_response_length),
+        # each call's bound: verl's rollout.response_length, which is data.max_response_length unless set apart
+        # (agl.VERL's trajectory aggregation: calls bounded by it, merged rows by data.max_response_length)
+        "max_tokens": int(rollout.response_length),
     }
     if validation and not source.do_sample:
         params.update(temperature=0.0, top_p=1.0)

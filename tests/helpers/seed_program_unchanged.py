@@ -21,11 +21,20 @@ args = parser.parse_args()
 
 config = {
     "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
-    "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 96, "shuffle": False},
+    "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 4, "shuffle": False},
     "actor_rollout_ref": {
         "rollout": {"n": 2, "multi_turn": {"format": "hermes"}},
         "actor": {"ppo_mini_batch_size": 2, "use_kl_loss": False, "entropy_coeff": 0},
         "model": {"path": "tiny"},
+    },
+    # agl.VERL's documented trajectory aggregation: data.max_response_length bounds each call, the
+    # trajectory widths each merged row
+    "agentlightning": {
+        "trace_aggregator": {
+            "level": "trajectory",
+            "trajectory_max_prompt_length": 64,
+            "trajectory_max_response_length": 96,
+        }
     },
     "trainer": {
         "val_before_train": False,
