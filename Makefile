@@ -9,6 +9,7 @@ BIN    := $(VENV)/bin
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "aglverl needs Python 3.11 or later: set PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"

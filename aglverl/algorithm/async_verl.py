@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from typing import Any, TextIO
@@ -14,9 +13,6 @@ from typing import Any, TextIO
 import anyio
 import anyio.abc
 import anyio.to_thread
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 from ..agent_lightning.config import AgentLightningSettings, map_section, rollout_config_for
 from ..client import AgentFn, check_agent, run_agents

@@ -16,9 +16,6 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-if sys.version_info < (3, 11):
-    pass
-
 from ..trajectory.signals import SignalConfig
 from .options import DaemonOptions
 

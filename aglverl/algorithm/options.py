@@ -6,12 +6,8 @@ import dataclasses
 import difflib
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any, Literal
-
-if sys.version_info < (3, 11):
-    pass
 
 from ..process_runner import ProcessOptions
 from ..proxy.shards import check_shard_count
