@@ -6,7 +6,7 @@ refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, 
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
 forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
 a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
-(``max_request_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
+(``max_body_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
 request (the default dialect's ids fields, vLLM's ``return_token_ids``; logprobs; identity encoding), the
 sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
@@ -182,7 +182,7 @@ class Admission:
 
     async def _read_body(self, request: web.Request) -> bytes:
         length = request.content_length
-        limit = self.config.max_request_bytes
+        limit = self.config.max_body_bytes
         if length is not None and length > limit:
             raise ProxyError(
                 413, f"request body of {length} bytes exceeds the proxy's limit of {limit} bytes"
@@ -259,7 +259,7 @@ class Admission:
                     400,
                     f"{call.path}: {'; '.join(mismatches)}: this rollout trains on-policy, so its calls must "
                     "sample as the trainer does (omit the parameter to get the trainer's value, or start the "
-                    "trainer with aglverl.sampling_mismatch: mask to keep such calls out of the loss)",
+                    "trainer with aglverl.proxy.sampling_mismatch: mask to keep such calls out of the loss)",
                 )
             self.meters.sampling.inc(1, "masked")
             call.off_policy = True

@@ -38,7 +38,15 @@ from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
 from .call import Call, Outcome, ProxyError
-from .config import ProxyConfig, ProxySettings, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
+from .config import (
+    ProxyConfig,
+    ProxySettings,
+    RetryPolicy,
+    SamplingMismatch,
+    SamplingOf,
+    _Setting,
+    with_aliases,
+)
 from .control import APPLIED, Applied
 from .gate import Gate
 from .meters import Meters
@@ -66,7 +74,7 @@ class LLMProxy:
     come as ``config`` (a :class:`~aglverl.proxy.config.ProxyConfig`, handed whole to every part) or as that
     value's fields in keywords (``LLMProxy(store, pause_timeout=30)``), not both. ``token``: when set, every request needs ``Authorization: Bearer <token>`` (an OpenAI client's
     ``api_key``); it is never logged nor forwarded. ``backend_api_key``: sent to the backends as a bearer token
-    (they never see the agents' credentials). ``max_request_bytes``/``max_response_bytes`` bound bodies;
+    (they never see the agents' credentials). ``max_body_bytes`` (``max_request_bytes``, its old name)/``max_response_bytes`` bound bodies;
     ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
     event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused or held,
     and how long an aborted generation may go without a new token (held, or refused) before it gives up;
@@ -95,7 +103,8 @@ class LLMProxy:
     retry = _Setting[RetryPolicy]()
     request_timeout = _Setting[float]()
     connect_timeout = _Setting[float]()
-    max_request_bytes = _Setting[int]()
+    max_body_bytes = _Setting[int]()
+    max_request_bytes = _Setting[int]()  # the old name of max_body_bytes
     max_response_bytes = _Setting[int]()
     eject_seconds = _Setting[float]()
     pause_timeout = _Setting[float]()
@@ -173,12 +182,12 @@ class LLMProxy:
         :class:`ProxyConfig` with ``changes`` goes to every part at once; returns it.
 
         A setting holds from its next use: a wait already running keeps its deadline, and what the proxy reads
-        when it starts serving (``host``, ``port``, ``max_request_bytes``, the upstream session's
+        when it starts serving (``host``, ``port``, ``max_body_bytes``, the upstream session's
         ``request_timeout``, ``connect_timeout`` and ``upstream_keepalive``) holds from its next :meth:`serve`.
         An unknown name is a ``TypeError``; ``token_in``, read when the proxy is built, cannot change
         (``ValueError``).
         """
-        config = dataclasses.replace(self._config, **changes)
+        config = dataclasses.replace(self._config, **with_aliases(changes))
         if config.token_in != self._config.token_in:
             raise ValueError("token_in is read when the proxy is built: make a new LLMProxy to change it")
         self._config = config
@@ -368,7 +377,7 @@ class LLMProxy:
                 await self._close(http)
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self._config.max_request_bytes)
+        app = web.Application(client_max_size=self._config.max_body_bytes)
         app.router.add_route("*", "/v1/{path:.*}", self._unattributed)
         app.router.add_route("*", "/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:.*}", self._attributed)
         app.router.add_route("*", "/{tail:.*}", self._no_route)
