@@ -19,7 +19,8 @@ from test_translate import claim, finish, proxied
 
 from aglverl.daemon import AgentDaemon, DaemonConfig
 from aglverl.metrics import Registry
-from aglverl.proxy import LLMProxy, Overload, OverloadPolicy, ProxyError
+from aglverl.proxy import LLMProxy, Overload, OverloadPolicy
+from aglverl.proxy.call import ProxyError
 from aglverl.testing import MockVLLM
 
 pytestmark = pytest.mark.anyio

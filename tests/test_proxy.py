@@ -22,7 +22,8 @@ from yarl import URL
 from aglverl._net import bind_listener
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import Capture, LLMProxy, RetryPolicy
+from aglverl.proxy import LLMProxy, RetryPolicy
+from aglverl.proxy.capture import Capture
 from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
 from aglverl.trajectory.rollouts import termination_of
@@ -779,8 +780,8 @@ async def test_token_is_required_when_configured_and_never_forwarded(http: aioht
                     assert_openai_error(await r.json(), 401, "token")
             async with sdk(url, api_key="s3cret") as client:
                 await client.chat.completions.create(model="mock", messages=CHAT, max_tokens=1)
-    [seen] = mock.requests
-    assert "Authorization" not in seen.headers
+    [listing, seen] = mock.requests  # the model listing, read once (the backend's dialect), then the call
+    assert listing.path == "/v1/models" and "Authorization" not in seen.headers
 
 
 async def test_path_escaping_v1_is_refused(http: aiohttp.ClientSession) -> None:

@@ -18,7 +18,9 @@ from anyio.lowlevel import checkpoint
 import aglverl.proxy
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import Call, Capture, ProxyError, RetryPolicy
+from aglverl.proxy import RetryPolicy
+from aglverl.proxy.call import Call, ProxyError
+from aglverl.proxy.capture import Capture
 from aglverl.proxy.config import ProxyConfig
 from aglverl.proxy.gate import Gate
 from aglverl.proxy.meters import Meters

@@ -495,7 +495,7 @@ async def test_token_in_off_relays_every_call_as_text() -> None:
         rid, aid, base = claim(proxy, store)
         await conversation(base, False, turns=2)
         finish(store, rid, aid)
-    assert proxy.token_in is None and [r.path for r in mock.requests] == [CHAT, CHAT]
+    assert proxy.token_in is None and [r.path for r in upstream(mock)] == [CHAT, CHAT]
     assert not from_ids(mock)
 
 

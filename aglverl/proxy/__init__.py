@@ -148,57 +148,23 @@ import circle):
 
 from __future__ import annotations
 
-from .admission import SAMPLING_NEUTRAL, TRAINER_SAMPLING, reconcile_sampling
 from .app import LLMProxy
-from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
-from .call import Call as Call  # the package's own names, re-exported (``as``) for tests; not in __all__
-from .call import forward_headers as forward_headers
-from .capture import CAPTURED_PATHS
-from .capture import Capture as Capture
-from .capture import ChoiceCapture as ChoiceCapture
-from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch
+from .config import ProxyConfig, RetryPolicy, SamplingMismatch
 from .control import ProxyControl
-from .dialect import CONTEXT_REFUSAL, CONTINUED_FIELDS, DIALECTS, WEIGHT_VERSION_HEADER, Dialect
+from .dialect import Dialect, register
 from .overload import LagStatistics, Overload, OverloadPolicy
-from .pool import (
-    COMPLETIONS_TARGET,
-    EJECT_AFTER_TIMEOUTS,
-    PROBE_PATH,
-    PROBE_READ_TIMEOUT,
-    RETRY_STATUSES,
-    STICKY_ROLLOUTS,
-)
-from .pool import Backend as Backend
-from .resume import Resumption as Resumption
-from .resume import resume_blocker as resume_blocker
 
+# What a user of the proxy names: the proxy, its settings and their policies, what the daemon drives, what a
+# new backend implements (and registers); every other name is imported from the module that defines it.
 __all__ = [
-    "CAPTURED_PATHS",
-    "COMPLETIONS_TARGET",
-    "CONTEXT_REFUSAL",
-    "CONTINUED_FIELDS",
-    "DIALECTS",
-    "EJECT_AFTER_TIMEOUTS",
-    "ERROR_BODY_LIMIT",
-    "HOP_BY_HOP",
-    "PROBE_PATH",
-    "PROBE_READ_TIMEOUT",
-    "RETRY_STATUSES",
-    "SAMPLING_NEUTRAL",
-    "STICKY_ROLLOUTS",
-    "TRAINER_SAMPLING",
-    "UPSTREAM_KEEPALIVE",
-    "WEIGHT_VERSION_HEADER",
     "Dialect",
     "LLMProxy",
     "LagStatistics",
-    "Outcome",
     "Overload",
     "OverloadPolicy",
     "ProxyConfig",
     "ProxyControl",
-    "ProxyError",
     "RetryPolicy",
     "SamplingMismatch",
-    "reconcile_sampling",
+    "register",
 ]

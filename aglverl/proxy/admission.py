@@ -7,8 +7,8 @@ attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknow
 forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
 a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
 (``max_body_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
-request (the default dialect's ids fields, vLLM's ``return_token_ids``; logprobs; identity encoding), the
-sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
+request (identity encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
+:meth:`~aglverl.proxy.call.Call.prepare`), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
 closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
@@ -31,9 +31,8 @@ from aiohttp import web
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
 from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
-from .capture import CAPTURED_PATHS
+from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
-from .dialect import DEFAULT
 from .gate import Gate
 from .meters import Meters
 from .overload import Overload
@@ -206,7 +205,9 @@ class Admission:
         return "chat"
 
     def _prepare_capture(self, call: Call, kind: Literal["chat", "completion"]) -> None:
-        """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
+        """Validate the JSON body, reconcile its sampling parameters, and mark the call to be captured in identity
+        encoding; the fields that make the backend answer with ids are its dialect's, added when a backend is
+        picked (:meth:`Call.prepare <aglverl.proxy.call.Call.prepare>`)."""
         try:
             obj = orjson.loads(call.body)
         except orjson.JSONDecodeError as exc:
@@ -218,25 +219,13 @@ class Admission:
         model = obj.get("model")
         call.model = model if isinstance(model, str) else None
         call.kind = kind
-        call.capture = DEFAULT.capture(kind)
+        call.capture = Capture(kind)
         call.headers["Accept-Encoding"] = "identity"
-        empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        # Before any backend is picked: the default dialect's fields (a proxy's backends speak one wire).
-        fill |= {key: value for key, value in DEFAULT.ids_fields(kind).items() if key not in obj}
-        if self.config.request_logprobs and "logprobs" not in obj:
-            fill["logprobs"] = DEFAULT.logprobs_field(kind)
-        if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
-            call.body = orjson.dumps({**obj, **fill})
-        elif fill:
-            # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
-            i = call.body.index(b"{") + 1
-            added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
-            call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
-        obj.update(fill)
-        call.request = obj
+        call.given, call.fill, call.text = obj, fill, call.body
+        call.request = {**obj, **fill} if fill else obj
         # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
-        call.max_tokens = token_limit(obj)
+        call.max_tokens = token_limit(call.request)
 
     def _reconcile_sampling(self, call: Call, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Check the call's sampling parameters against its trainer's; return the parameters to add.

@@ -4,8 +4,8 @@ A black-box agent sends its history back as text; re-rendered and re-tokenized, 
 the ids the engine generated, and a conversation never merges into one training row. :class:`TokenIn` keeps
 the attempt's :class:`~aglverl.proxy.session.Sessions` and, for a chat call whose messages extend a recorded
 turn's messages + answer (:class:`~aglverl.proxy.session.Match`), sends it as ONE chat completion carrying its
-exact prompt ids (:meth:`~aglverl.proxy.dialect.Dialect.with_prompt_ids`: vLLM's
-``kv_transfer_params["prompt_token_ids"]``): the earlier call's prompt + generated ids, the template's end of
+exact prompt ids, as its backend's dialect makes a call from ids (:meth:`~aglverl.proxy.dialect.Dialect.token_in`:
+vLLM's ``kv_transfer_params["prompt_token_ids"]`` on the chat route): the earlier call's prompt + generated ids, the template's end of
 turn where the answer stopped short of it, then the new tail's ids. The backend skips templating and
 tokenization and answers with its own chat answer (its tool-call and reasoning parsers, JSON or SSE), which the
 relay passes on and records like any call's (:class:`~aglverl.proxy.relay.Relay`): the recorded prompt extends
@@ -434,9 +434,9 @@ class TokenIn:
         except _Fallback as exc:
             self.m_calls.inc(1, exc.outcome)
             return None
-        text = call.body
-        call.body = backend.dialect.with_prompt_ids(text, call.request, prompt)
-        plan.prompt = prompt
+        target = call.target
+        call.prompt_ids = plan.prompt = prompt
+        call.wire = None  # spelled anew, as the dialect sends a call made from ids (Call.prepare)
         outcome = "generated"
         try:
             return await self.relay.attempts(request, call, refusals=True)
@@ -446,8 +446,9 @@ class TokenIn:
             if call.dialect.refuses_prompt_ids(exc.status, message):
                 self._no_prompt_ids(backend, state, f"it refused them: {exc.status}: {message}")
             logger.debug("backend %s refused a call made from ids: %s", call.backend, exc)
-            call.body, plan.prompt = text, None
-            call.capture = call.dialect.capture("chat", answers=True)  # the relay starts afresh
+            call.prompt_ids = plan.prompt = call.wire = None  # relayed as text from the start
+            call.target, call.reshape = target, None
+            call.capture = call.dialect.capture("chat", answers=True)
             return None
         finally:
             used = call.capture.prompt_ids if call.capture is not None else None
