@@ -333,6 +333,8 @@ class AgentDaemon:
             max_body_bytes=self.server.max_body_bytes,
         )
         self.server.add_routes(self.agent_lightning.routes())
+        if isinstance(self.proxy, LLMProxy):  # on this loop: the hop applies its overload decision first
+            self.agent_lightning.hop.refusal = self.proxy.refusal
 
     @property
     def model(self) -> str:

@@ -2,7 +2,8 @@
 
 :class:`Admission` has one entry, :meth:`Admission.admit` (and :meth:`Admission.authorize`, the token check
 alone, for routes that lead nowhere). In order: the agent's API (a translated one is known first, so that every
-refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time), the
+refusal is in that API's shape), the token (``Authorization``, or an API's key header such as Anthropic's
+``x-api-key``: :attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
 forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
 a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
@@ -30,7 +31,7 @@ from aiohttp import web
 
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
-from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
+from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
 from .gate import Gate
@@ -137,9 +138,9 @@ class Admission:
     async def admit(self, request: web.Request, call: Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
         path = request.match_info["path"]
-        api = APIS.get(path) if request.method == "POST" else None
+        api = APIS.match(path) if request.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = Translator(api)
+            call.translator = Translator(*api)
         self.authorize(request)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
@@ -149,12 +150,12 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
-        self.overload.check(self.gate.in_flight)
+        self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
         query = request.rel_url.raw_query_string
         call.method = request.method
         call.path = "/v1/" + path
         call.target = f"{target}?{query}" if query else target
-        call.headers = forward_headers(request.headers, REQUEST_DROP)
+        call.headers = forward_headers(request.headers, APIS.not_forwarded)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
         call.body = await self._read_body(request)
@@ -170,13 +171,12 @@ class Admission:
     def authorize(self, request: web.Request) -> None:
         if self.config.auth is None:
             return
-        header = request.headers.get("Authorization")
-        if header is None and "x-api-key" in request.headers:  # how Anthropic's SDK sends its api_key
-            header = "Bearer " + request.headers["x-api-key"]
+        header = APIS.credential(request.headers)  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self.config.auth):
+            others = " or ".join(f"'{name}'" for name in APIS.key_headers)
             raise ProxyError(
-                401, "missing or wrong proxy token: send 'Authorization: Bearer <token>' (or 'x-api-key')"
+                401, f"missing or wrong proxy token: send 'Authorization: Bearer <token>' (or {others})"
             )
 
     async def _read_body(self, request: web.Request) -> bytes:

@@ -57,6 +57,7 @@ from .relay import Relay
 from .respond import Responder
 from .resume import Resumer
 from .session import Sessions
+from .shed import Shedder
 from .store_view import ProxyStore
 from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 from .tokenin import TokenIn
@@ -279,6 +280,7 @@ class LLMProxy:
         """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
         when it forgets them)."""
         self._pool.forget(rollout_ids)
+        self._admission.overload.forget(rollout_ids)
         if self.token_in is not None:
             self.token_in.forget(rollout_ids)
 
@@ -342,6 +344,16 @@ class LLMProxy:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
 
+    def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
+        """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then
+        under way: its later calls are never turned away): the proxy's overload decision, for a component that
+        relays calls to it on the same loop and decides before it reads them (Agent Lightning's hop)."""
+        try:
+            self._admission.overload.admit(self._gate.in_flight, rollout_id, attempt_id)
+        except ProxyError as exc:
+            return exc
+        return None
+
     @property
     def overload(self) -> Overload:
         """The event loop's lag (:attr:`Overload.lag <aglverl.proxy.overload.Overload.lag>`), measured while
@@ -358,8 +370,13 @@ class LLMProxy:
         """
         if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
+        overload, gate, meters = self._admission.overload, self._gate, self._meters
         http = HttpListener(
-            self._make_app(), self._config.host, self._config.port, shutdown_timeout=_CLOSE_TIMEOUT
+            self._make_app(),
+            self._config.host,
+            self._config.port,
+            shutdown_timeout=_CLOSE_TIMEOUT,
+            protocol=lambda inner: Shedder(inner, overload, gate, meters),  # new calls shed at the socket
         )
         self._pool.open()
         self._closing = False

@@ -33,16 +33,6 @@ from .dialect import DEFAULT, Dialect
 from .reshape import CompletionAsChat
 from .session import Plan
 
-HOP_BY_HOP: frozenset[str] = frozenset(
-    {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
-)
-#: Also dropped from requests: the backend's own Host and a recomputed length; the agent's credential (meant
-#: for this proxy, never for the backend: OpenAI SDKs send ``Authorization``, Anthropic's ``x-api-key``);
-#: ``Expect`` because the proxy has already read the whole body.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
-#: Also dropped from responses: the length, recomputed for the body actually sent.
-RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-
 #: Largest error body kept from a retried 5xx/429, to pass through if no retry succeeds.
 ERROR_BODY_LIMIT = 64 << 10
 

@@ -52,7 +52,6 @@ from yarl import URL
 from .call import (
     ERROR_BODY_LIMIT,
     JSON,
-    RESPONSE_DROP,
     Call,
     ProxyError,
     Unreachable,
@@ -61,6 +60,7 @@ from .call import (
 )
 from .config import ProxyConfig
 from .dialect import DEFAULT, Dialect, detect
+from .headers import RESPONSE_DROP
 from .meters import Meters
 from .sse import EventCut, payloads
 

@@ -40,7 +40,6 @@ from .api import TranslationError
 from .call import (
     ERROR_BODY_LIMIT,
     JSON,
-    RESPONSE_DROP,
     SSE,
     Call,
     ProxyError,
@@ -50,6 +49,7 @@ from .call import (
 )
 from .config import ProxyConfig
 from .gate import Gate
+from .headers import RESPONSE_DROP
 from .meters import Meters
 from .pool import RETRY_STATUSES, Backend, Held, Pool
 from .recorder import Recorder
