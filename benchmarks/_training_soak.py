@@ -40,6 +40,8 @@ import anyio
 import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from aglverl.cli.loop import run as run_loop
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from _common import machine_info, status_kib
@@ -328,4 +330,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(run_trainer, orjson.loads(sys.argv[1]))
+    run_loop(run_trainer, orjson.loads(sys.argv[1]))

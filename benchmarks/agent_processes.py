@@ -44,6 +44,7 @@ from anyio.streams.text import TextReceiveStream
 from aglverl import AgentDaemon
 from aglverl.agent_lightning import AgentLightningSettings
 from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig
+from aglverl.cli.loop import run as run_loop
 from aglverl.process_runner import ProcessOptions, ProcessRunner
 from aglverl.testing.mock_vllm import MockVLLM
 
@@ -182,7 +183,7 @@ def cli() -> None:
     args = parser.parse_args()
     if not Path(args.agl_python).exists():
         parser.exit(2, f"no Agent Lightning venv at {args.agl_python}: run `make venv-agl` (or pass --agl-python)\n")
-    anyio.run(main, args)
+    run_loop(main, args)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ import anyio.abc
 import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from aglverl.cli.loop import run as run_loop
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from _common import (
@@ -565,8 +567,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     runners = {"mock": _run_mock, "daemon": _run_daemon, "baseline": _run_baseline, "agents": _run_agents}
-    options = {"use_uvloop": True} if cfg.get("uvloop") else {}
-    anyio.run(runners[role], cfg, backend_options=options)
+    run_loop(runners[role], cfg, loop="uvloop" if cfg.get("uvloop") else None)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -1221,7 +1222,7 @@ def main() -> None:
     if args.child:
         _child_main(args.child[0], json.loads(args.child[1]))
         return
-    anyio.run(main_async, args)
+    run_loop(main_async, args)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import anyio
 import orjson
 import torch
 
+from aglverl.cli.loop import run as run_loop
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from _common import machine_info, summary_ms
@@ -155,7 +157,7 @@ def main() -> None:
     parser.add_argument("--batch-wait-ms", type=float, default=2.0)
     parser.add_argument("--torch-threads", type=int, default=None)
     args = parser.parse_args()
-    results = anyio.run(measure, args)
+    results = run_loop(measure, args)
     target = 0.8
     out = {
         "benchmark": "inference",

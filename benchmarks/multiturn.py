@@ -49,6 +49,8 @@ from typing import Any
 
 import orjson
 
+from aglverl.cli.loop import run as run_loop
+
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(Path(__file__).resolve())
 sys.path.insert(0, str(HERE))
@@ -131,7 +133,6 @@ def child(
     kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: int, extra: dict[str, Any]
 ) -> None:
     """Train one variant; one JSON line per step on stdout, then ``{"done": ...}``."""
-    import anyio
     import ray
     from transformers import AutoTokenizer
 
@@ -179,7 +180,7 @@ def child(
         sys.stdout.flush()
 
     algo.on_step.append(on_step)
-    anyio.run(algo.run, demo_samples(64))
+    run_loop(algo.run, demo_samples(64))
     sys.stdout.buffer.write(orjson.dumps({"done": time.monotonic() - started}) + b"\n")
 
 
@@ -514,9 +515,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child is not None:
         if args.child[:1] == ["proxy-child"]:
-            import anyio
 
-            anyio.run(_proxy_child, orjson.loads(args.child[1]))
+            run_loop(_proxy_child, orjson.loads(args.child[1]))
             return
         extra = orjson.loads(args.extra)
         child(args.kind, args.turns[0], args.trajectory, args.cost_steps, args.prompts, args.n, extra)
@@ -559,9 +559,8 @@ def main() -> None:
         chat[template] = runs
     proxy: dict[str, Any] = {}
     if "proxy" in args.parts:
-        import anyio
 
-        proxy = anyio.run(
+        proxy = run_loop(
             proxy_cost,
             args.proxy_turns,
             args.conversations,

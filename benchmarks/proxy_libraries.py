@@ -23,6 +23,7 @@ import timeit
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aglverl.cli.loop import run as run_loop
 from aglverl.metrics import LATENCY_BUCKETS, Registry
 from aglverl.proxy import RetryPolicy
 
@@ -204,7 +205,7 @@ def main() -> None:
     result = {
         "benchmark": "the proxy's retry loop and metrics registry vs maintained libraries (per-call cost)",
         "metrics": metrics(),
-        "retry": asyncio.run(retry()),
+        "retry": run_loop(retry),
         "run_seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result, indent=2))

@@ -62,6 +62,8 @@ from _common import JsonChild, child_args, emit, machine_info, status_kib, stdin
 from proxy_capacity import BODY, ROLLOUTS
 from yarl import URL
 
+from aglverl.cli.loop import run as run_loop
+
 #: Seconds an agent waits for a call before giving up on it.
 CALL_TIMEOUT = 60.0
 #: Connections the load generator keeps to a proxy at most (thousands of agents, under the file limits).
@@ -180,7 +182,7 @@ async def _probe_cost(proxy: Any, seconds: float) -> dict[str, Any]:
 
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
-    anyio.run(_run_backend if role == "backend" else _run_proxy, cfg)
+    run_loop(_run_backend if role == "backend" else _run_proxy, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -514,7 +516,7 @@ def main() -> None:
         args.seconds, args.blocks, args.probe_seconds = 4.0, 1, 2.0
     started = time.monotonic()
     machine_before = machine_info()
-    results = anyio.run(measure, args)
+    results = run_loop(measure, args)
     out = {
         "benchmark": "one LLMProxy process at twice its capacity: overload protection on and off (loopback, static backend)",
         "call": "chat completion, 256 tokens with ids and log-probs, recorded; no retry after a 429",

@@ -50,6 +50,8 @@ from _common import (
 from proxy import call as _json_call  # benchmarks/proxy.py: one JSON call, its latency
 from proxy_capacity import BODY, CHUNK_LATENCY, JSON_RATES, STREAM_RATES, sweep
 
+from aglverl.cli.loop import run as run_loop
+
 ROLLOUTS = 128
 #: Rollouts posted for the turnaround figure, each after ``TURNAROUND_CALLS`` recorded calls.
 TURNAROUND_ROLLOUTS = 64
@@ -113,7 +115,7 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     assert role == "daemon", role
-    anyio.run(_run_daemon, cfg)
+    run_loop(_run_daemon, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- the agents' side
@@ -244,7 +246,7 @@ def main() -> None:
         parser.error(f"--shards must list shard counts >= 1, got {args.shards!r}")
     started = time.monotonic()
     machine_before = machine_info()
-    runs = anyio.run(measure, counts, args.quick, args.max_seconds)
+    runs = run_loop(measure, counts, args.quick, args.max_seconds)
     out = {
         "benchmark": "the LLM proxy as N shards (AgentDaemon(proxy_shards=N)): added p99 <= 5 ms capacity and costs",
         "runs": runs,

@@ -68,6 +68,8 @@ import anyio
 import numpy as np
 import orjson
 
+from aglverl.cli.loop import run as run_loop
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from _common import (
@@ -460,7 +462,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     runners = {"mock": _run_mock, "daemon": _run_daemon, "agents": _run_agents}
-    anyio.run(runners[role], cfg)
+    run_loop(runners[role], cfg)
 
 
 # ---------------------------------------------------------------------------------------------- verdicts
@@ -769,7 +771,7 @@ def main() -> None:
         _training_soak.add_arguments(t)
         targs = t.parse_args()
         _training_soak.prepare(targs)
-        print(json.dumps(anyio.run(_training_soak.training_soak, targs), indent=1))
+        print(json.dumps(run_loop(_training_soak.training_soak, targs), indent=1))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -796,7 +798,7 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=600.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    result = anyio.run(soak, args)
+    result = run_loop(soak, args)
     print(json.dumps(result, indent=1))
 
 

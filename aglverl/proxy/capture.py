@@ -83,6 +83,7 @@ class _Decoders:
                 ("prompt_token_ids", Any, None),
                 ("logprobs", _Logprobs | None, None),
                 ("finish_reason", Any, None),
+                ("stop_reason", Any, None),  # vLLM: the stop token id (or string) that ended the choice
                 ("text", Any, None),  # completions
                 ("delta", Any, None),  # chat, streamed
                 ("message", Any, None),  # chat, whole
@@ -118,6 +119,7 @@ class ChoiceCapture:
         "ids_missing",
         "logprobs",
         "prompt_ids",
+        "stop_reason",
     )
 
     def __init__(self) -> None:
@@ -127,6 +129,7 @@ class ChoiceCapture:
         self.ids: list[int] | None = None
         self.logprobs: list[Any] | None = None  # as sent; checked to be one number per id by result()
         self.finish_reason: str | None = None
+        self.stop_reason: Any = None  # what the backend says ended it (vLLM: a stop token id, or a string)
         self.ids_missing = False
 
 
@@ -315,6 +318,7 @@ class Capture:
                     c.logprobs.extend(values)
             if ch.finish_reason is not None:
                 c.finish_reason = ch.finish_reason
+                c.stop_reason = ch.stop_reason
 
     def _has_output(self, ch: Any) -> bool:
         if self.kind == "completion":

@@ -208,12 +208,16 @@ class Shedder(asyncio.Protocol):
 
 def _length(head: bytes) -> int | None:
     """The body length a request head announces (0 without one); ``None``: framing not followed here
-    (``Transfer-Encoding``, or a length that is not a number)."""
-    lower = head.lower()
-    if b"\r\ntransfer-encoding:" in lower:
+    (``Transfer-Encoding``, or a length that is not a number). The usual spellings are looked for as they are;
+    only a head that has neither is lowered (per call, this is the shedder's work when it does not shed)."""
+    if b"ransfer-" in head or b"RANSFER-" in head:  # Transfer-Encoding, as any client spells it
         return None
-    at = lower.find(b"\r\ncontent-length:")
+    at = head.find(b"\r\nContent-Length:")
     if at < 0:
-        return 0
-    value = lower[at + 17 : lower.find(b"\r\n", at + 17)].strip()
+        at = head.find(b"\r\ncontent-length:")
+        if at < 0:
+            at = head.lower().find(b"\r\ncontent-length:")
+            if at < 0:
+                return 0
+    value = head[at + 17 : head.find(b"\r\n", at + 17)].strip()
     return int(value) if value.isdigit() else None
