@@ -34,7 +34,7 @@ import random
 from typing import Any
 
 from .api import APIS, Translator
-from .call import JSON, ProxyError
+from .call import ProxyError
 from .gate import Gate
 from .meters import Meters
 from .overload import Overload
@@ -53,19 +53,20 @@ _IDLE_FIELDS = ("_request_in_progress", "_messages")
 
 
 class _Refusals:
-    """The 429 bodies, one per agent API (the message fixed: its numbers would be the only per-call work)."""
+    """The 429 bodies by the route after ``/v1/``, in its agent's API (the message fixed: its numbers would be
+    the only per-call work)."""
 
     def __init__(self) -> None:
-        self._bodies: dict[Any, bytes] = {}
+        self._bodies: dict[bytes, bytes] = {}
 
-    def body(self, path: bytes) -> bytes:
-        found = APIS.match(path.decode("latin-1"))
-        key = found[0] if found is not None else None
-        body = self._bodies.get(key)
+    def body(self, route: bytes) -> bytes:
+        body = self._bodies.get(route)
         if body is None:
+            found = APIS.match(route.decode("latin-1"))
             message = "the LLM proxy is overloaded: the call was not forwarded; retry after the Retry-After delay"
-            error = ProxyError(429, message)
-            body = self._bodies[key] = error.body(Translator(*found) if found is not None else None)
+            body = ProxyError(429, message).body(Translator(*found) if found is not None else None)
+            if len(self._bodies) < 64:  # routes are few; one with a path parameter is made anew past that
+                self._bodies[route] = body
         return body
 
 
@@ -148,7 +149,6 @@ class Shedder(asyncio.Protocol):
             return self._give_up(buf if held else data)
         total = end + 4 + length
         if fresh and self._overload.shedding and self._refuse(head):
-            self._answer(head)
             consumed = min(total, len(buf))
             self._remaining = total - consumed
             self._dropping = self._remaining > 0
@@ -167,36 +167,46 @@ class Shedder(asyncio.Protocol):
         return b""
 
     def _refuse(self, head: bytes) -> bool:
-        """Whether the request of ``head`` is a new call to turn away now (see the module docstring)."""
+        """Whether the request of ``head`` is a new call to turn away now (see the module docstring); answers it
+        when it is."""
         inner = self._inner
         if inner._request_in_progress or inner._messages:
             return False  # aiohttp holds a request here: an answer now would overtake its answer
-        line_end = head.find(b"\r\n")
-        parts = head[:line_end].split(b" ")
+        line = head[: head.find(b"\r\n")]
+        parts = line.split(b" ")
         if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[1].startswith(_ROLLOUT):
             return False
         path = parts[1]
         at = path.find(_ATTEMPT, len(_ROLLOUT))
         v1 = path.find(_V1, at + len(_ATTEMPT)) if at > 0 else -1
-        if v1 < 0 or b"%" in path[:v1] or b"\r\nexpect:" in head.lower():
+        if v1 < 0 or b"%" in path[:v1]:
+            return False
+        lower = head.lower()
+        if b"\r\nexpect:" in lower:
             return False
         rollout_id = path[len(_ROLLOUT) : at].decode("latin-1")
         attempt_id = path[at + len(_ATTEMPT) : v1].decode("latin-1")
-        return self._overload.refuses(self._gate.in_flight, rollout_id, attempt_id)
+        if not self._overload.refuses(self._gate.in_flight, rollout_id, attempt_id):
+            return False
+        self._answer(path[v1 + len(_V1) :].split(b"?", 1)[0], b"\r\nconnection: close\r\n" in lower)
+        return True
 
-    def _answer(self, head: bytes) -> None:
-        """Write the 429 for the refused call of ``head`` and count it."""
-        path = head[: head.find(b"\r\n")].split(b" ")[1]
-        route = path.split(b"?", 1)[0]
-        body = _REFUSALS.body(route[route.find(_V1) + len(_V1) :])
+    def _answer(self, route: bytes, close: bool) -> None:
+        """Write the 429 for a refused call to ``route`` (after ``/v1/``) and count it."""
+        body = _REFUSALS.body(route)
         policy = self._overload.policy
         delay = policy.retry_after * random.uniform(0.5, 1.5)
-        close = b"\r\nconnection: close\r\n" in head.lower()
-        answer = (
-            b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: " + JSON.encode() + b"\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\nRetry-After: " + str(math.ceil(policy.retry_after)).encode()
-            + b"\r\nretry-after-ms: " + str(round(delay * 1e3)).encode()
-            + (b"\r\nConnection: close" if close else b"") + b"\r\n\r\n" + body
+        answer = b"".join(
+            (
+                b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: ",
+                str(len(body)).encode(),
+                b"\r\nRetry-After: ",
+                str(math.ceil(policy.retry_after)).encode(),
+                b"\r\nretry-after-ms: ",
+                str(round(delay * 1e3)).encode(),
+                b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n",
+                body,
+            )
         )
         self._meters.calls.inc(1, "rejected")
         transport = self._transport
