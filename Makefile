@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv venv-vllm venv-agl demo test test-vllm test-agl serve bench lint clean
+.PHONY: venv venv-vllm venv-agl demo test test-vllm test-agl serve bench bench-quick lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
@@ -81,6 +81,11 @@ bench: venv
 	$(BIN)/python benchmarks/batch_build.py
 	$(BIN)/python benchmarks/proxy.py
 	$(BIN)/python benchmarks/control_plane.py
+
+# Every benchmark's quick mode, a miniature load each (CI runs it, so that none rots unseen; ~1-2 min); the ones
+# that start Ray and verl's trainer are left out (`.venv/bin/python benchmarks/quick.py --heavy` runs them too).
+bench-quick: venv
+	$(BIN)/python benchmarks/quick.py
 
 lint: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples

@@ -1217,8 +1217,12 @@ def main() -> None:
     add("--deadline", type=float, default=120.0, help="cap on one step, seconds")
     add("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
     add("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")
+    add("--quick", action="store_true", help="N=32, M=8, 10 ms, one measured step, no waiting for quiet (a smoke run)")
     add("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.quick:
+        args.tasks, args.agents, args.latency_ms, args.repeats = 32, 8, 10.0, 1
+        args.warmup_tasks, args.quiet_max_wait, args.healthz_interval = 8, 0.0, 0.0
     if args.child:
         _child_main(args.child[0], json.loads(args.child[1]))
         return

@@ -512,7 +512,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per trajectory in the learning runs")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--logs", default="/tmp/aglverl-bench-multiturn")
+    parser.add_argument(
+        "--quick", action="store_true", help="the proxy part alone, 2 turns, 2 conversations, 2 rounds (a smoke run)"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.parts, args.proxy_turns, args.conversations, args.repeats = ["proxy"], [2], 2, 2
     if args.child is not None:
         if args.child[:1] == ["proxy-child"]:
 

@@ -398,12 +398,12 @@ async def closed_loop(client: Client, agents: int, seconds: float, think: float)
     return outcomes, time.perf_counter() - started
 
 
-async def calibrate(proxy: JsonChild, client: Client) -> dict[str, Any]:
+async def calibrate(proxy: JsonChild, client: Client, seconds: float = CALIBRATION_SECONDS) -> dict[str, Any]:
     """The proxy's capacity: the calls per second that fill one core at its CPU cost per call, measured on the
     (unprotected) proxy at ``CALIBRATION_RATE`` (which it carries), with the loop's lag there. CPU time per
     call hardly depends on how busy the machine is, so the figure holds on a shared machine; the load that
     fills the core is where a single loop stops keeping up and its calls start queueing."""
-    level = await block("unprotected", proxy, client, "open", CALIBRATION_RATE, CALIBRATION_SECONDS)
+    level = await block("unprotected", proxy, client, "open", CALIBRATION_RATE, seconds)
     figures = level["proxy_figures"]
     cpu_per_call = figures["cpu_percent"] / 100 / max(1e-9, level["goodput_per_s"])
     return {
@@ -539,9 +539,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await open_loop(clients[name], 50, 1.0)
         idle = {name: round(status_kib(c.pid, "VmRSS:") / 1024, 1) for name, c in children.items()}
         probe_cost = await children["protected"].request({"probe_cost": args.probe_seconds})
-        calibration = await calibrate(children["unprotected"], clients["unprotected"])
+        calibration = await calibrate(children["unprotected"], clients["unprotected"], args.calibration_seconds)
         capacity = calibration["capacity_per_s"]
-        refusal = await refusal_cost(children["protected"], clients["protected"], CALIBRATION_SECONDS)
+        refusal = await refusal_cost(children["protected"], clients["protected"], args.calibration_seconds)
         runs: dict[str, Any] = {}
         for factor in args.factors:
             rate = factor * capacity if args.rate == "cpu" else float(args.rate) * factor / 2
@@ -609,6 +609,7 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per proxy, in turn")
     parser.add_argument("--probe-seconds", type=float, default=PROBE_COST_SECONDS, help=argparse.SUPPRESS)
+    parser.add_argument("--calibration-seconds", type=float, default=CALIBRATION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="factor 2, one 2 s block per load and proxy (a smoke run)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -616,7 +617,8 @@ def main() -> None:
         _child_main(args.child[0], orjson.loads(args.child[1]))
         return
     if args.quick:
-        args.seconds, args.blocks, args.probe_seconds, args.factors = 2.0, 1, 1.0, [2.0]
+        args.seconds, args.blocks, args.probe_seconds, args.factors = 1.0, 1, 0.4, [2.0]
+        args.calibration_seconds = 1.5
     started = time.monotonic()
     machine_before = machine_info()
     results = run_loop(measure, args)

@@ -797,7 +797,11 @@ def main() -> None:
     p.add_argument("--stream-fraction", type=float, default=0.5)
     p.add_argument("--max-seconds", type=float, default=600.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="128 rollouts in steps of 32, 16 agents (a smoke run)")
     args = p.parse_args()
+    if args.quick:
+        args.rollouts, args.rollouts_per_step, args.agents, args.agent_procs = 128, 32, 16, 1
+        args.max_seconds, args.latency_ms, args.jitter_ms, args.think_ms = 60.0, 2.0, 8.0, 3.0
     result = run_loop(soak, args)
     print(json.dumps(result, indent=1))
 
