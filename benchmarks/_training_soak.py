@@ -38,9 +38,8 @@ from typing import Any
 
 import anyio
 import orjson
+from _common import run_loop
 from anyio.streams.buffered import BufferedByteReceiveStream
-
-from aglverl.cli.loop import run as run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

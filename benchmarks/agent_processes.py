@@ -38,13 +38,12 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from _common import emit, machine_info, percentile
+from _common import emit, machine_info, percentile, run_loop
 from anyio.streams.text import TextReceiveStream
 
 from aglverl import AgentDaemon
 from aglverl.agent_lightning import AgentLightningSettings
 from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig
-from aglverl.cli.loop import run as run_loop
 from aglverl.process_runner import ProcessOptions, ProcessRunner
 from aglverl.testing.mock_vllm import MockVLLM
 

@@ -13,7 +13,8 @@ import asyncio
 import json
 import time
 
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
+
 from aglverl.engine.chat_template import ChatTemplate
 from aglverl.engine.constrained import hermes_structural_tag
 from aglverl.engine.server import InferenceServer

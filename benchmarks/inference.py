@@ -24,8 +24,7 @@ import aiohttp
 import anyio
 import orjson
 import torch
-
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 

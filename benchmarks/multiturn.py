@@ -48,8 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(Path(__file__).resolve())

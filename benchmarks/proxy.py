@@ -44,9 +44,7 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
-
-from aglverl.cli.loop import loop_name
-from aglverl.cli.loop import run as run_loop
+from _common import loop_name, run_loop
 
 #: What the proxy must achieve (ms); the old designs for reference.
 TARGETS_MS = {"added_latency_p50_idle": 0.5, "added_ttfb_p50": 1.0}

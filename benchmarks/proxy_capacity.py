@@ -68,15 +68,14 @@ from _common import (
     JsonChild,
     child_args,
     emit,
+    loop_name,
     machine_info,
     percentile,
+    run_loop,
     stdin_commands,
     summary_ms,
 )
 from proxy import call as _json_call  # benchmarks/proxy.py: one JSON call, its latency
-
-from aglverl.cli.loop import loop_name
-from aglverl.cli.loop import run as run_loop
 
 #: The added latency p99 (ms) that ends a sweep.
 LIMIT_MS = 5.0

@@ -24,7 +24,8 @@ import timeit
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
+
 from aglverl.metrics import LATENCY_BUCKETS, Registry
 from aglverl.proxy import RetryPolicy
 

@@ -60,11 +60,18 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
-from _common import JsonChild, child_args, emit, machine_info, status_kib, stdin_commands, summary_ms
+from _common import (
+    JsonChild,
+    child_args,
+    emit,
+    machine_info,
+    run_loop,
+    status_kib,
+    stdin_commands,
+    summary_ms,
+)
 from proxy_capacity import BODY
 from yarl import URL
-
-from aglverl.cli.loop import run as run_loop
 
 #: Seconds an agent waits for a call before giving up on it.
 CALL_TIMEOUT = 60.0

@@ -44,13 +44,12 @@ from _common import (
     emit,
     machine_info,
     peak_rss_bytes,
+    run_loop,
     stdin_commands,
     summary_ms,
 )
 from proxy import call as _json_call  # benchmarks/proxy.py: one JSON call, its latency
 from proxy_capacity import BODY, CHUNK_LATENCY, JSON_RATES, STREAM_RATES, sweep
-
-from aglverl.cli.loop import run as run_loop
 
 ROLLOUTS = 128
 #: Rollouts posted for the turnaround figure, each after ``TURNAROUND_CALLS`` recorded calls.

@@ -25,7 +25,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 

@@ -67,8 +67,7 @@ import aiohttp
 import anyio
 import numpy as np
 import orjson
-
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

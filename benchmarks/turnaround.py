@@ -22,8 +22,7 @@ from typing import Any
 
 import anyio
 import numpy as np
-
-from aglverl.cli.loop import run as run_loop
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
