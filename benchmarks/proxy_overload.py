@@ -1,7 +1,7 @@
 """One LLM proxy process driven past its capacity, with its overload protection on and off, in the same run.
 
-Run: ``python benchmarks/proxy_overload.py [--rate R] [--seconds 8] [--blocks 4] [--policy F=V,...] [--quick]``.
-Prints ONE JSON object on stdout.
+Run: ``python benchmarks/proxy_overload.py [--factors 2,4] [--rate cpu|R] [--seconds 8] [--blocks 4]
+[--policy F=V,...] [--against DIR] [--quick]``. Prints ONE JSON object on stdout.
 
 Processes on loopback, so each figure belongs to one program:
 
@@ -9,37 +9,45 @@ Processes on loopback, so each figure belongs to one program:
   with their ids and log-probs, as :class:`~aglverl.testing.MockVLLM` makes it, 23 kB): it costs next to
   nothing, so the load saturates the proxy, not the backend;
 - two :class:`~aglverl.proxy.LLMProxy` processes in front of it, alike (``request_logprobs``, every call captured
-  and recorded under one of 512 rollouts, into a store view that drops the records, so that a proxy's memory
-  is what its calls in flight hold) but for their :class:`~aglverl.proxy.OverloadPolicy`: ``protected`` has the
-  default (new calls get a 429 with ``Retry-After`` while the loop's lag is over ``max_lag``), ``unprotected``
-  has ``refuse=False`` (it measures the lag and admits everything: the behaviour before the protection);
-- this process: an open-loop load generator on a lean HTTP/1.1 client (keep-alive connections, pre-encoded
-  requests: a fraction of aiohttp's cost per call): calls start at the offered rate whatever is still running,
-  as independent agents send them; a call that gets a 429 is not retried (the offered load stays what it is).
+  and recorded, into a store view that drops the records, so that a proxy's memory is what its calls in flight
+  hold; token-in off: the static backend renders nothing) but for their
+  :class:`~aglverl.proxy.OverloadPolicy`: ``protected`` has the default (new conversations' first calls get a
+  429 with ``Retry-After`` while the loop's lag is over ``max_lag``), ``unprotected`` has ``refuse=False`` (it
+  measures the lag and admits everything); with ``--against DIR``, a third, ``protected_against``, of the
+  aglverl in ``DIR`` (``git archive REV | tar -x -C DIR``) with its own default protection;
+- this process: the load, on a lean HTTP/1.1 client (keep-alive connections, requests encoded by hand: a
+  fraction of aiohttp's cost per call), two ways:
 
-The offered load defaults to 800 calls/s: twice the 400 calls/s one proxy process sustained at added latency
-p99 <= 5 ms on this machine when it was quiet (``benchmarks/RESULTS.md``, ``docs/scaling.md``). ``calibration``
-measures, in the same run, the proxy's CPU time per call at ``CALIBRATION_RATE`` and the calls per second that
-fill one core at that cost (where its one loop stops keeping up whatever the machine, the limit a quiet machine
-approaches); ``--rate cpu`` drives twice that instead, ``--rate R`` any load. The two proxies are driven in
-turn, block by block (``protected``, ``unprotected``, ...), ``--seconds`` each, every block waiting for its last
-call to end, so both see the same machine over the run. Per proxy and block:
+  - ``open`` loop: calls start at the offered rate whatever is still running, as independent agents send them,
+    each the first call of a new rollout attempt (the calls the protection may turn away); a call that gets a
+    429 is not retried (the offered load stays what it is);
+  - ``closed`` loop: a population of multi-turn agents (``TURNS`` calls per conversation on one rollout attempt,
+    its history re-sent as text, ``THINK`` seconds between calls), sized to offer the same rate if answered at
+    once; an agent waits out a 429's ``retry-after-ms`` and tries again, as the SDKs do. A 429 to a later turn
+    (``later_turns_shed``) would be a conversation refused mid-way: the protection never does that.
 
-- ``goodput_per_s``: calls answered 200 per second of the block's wall time (its last call's end included),
-  and ``goodput_within_1s_per_s`` those answered within a second (a proxy hop should add milliseconds: a call
-  that waited seconds in the proxy's queue is late for its agent, which may have given up);
+``calibration`` measures, in the same run, the proxy's CPU time per call at ``CALIBRATION_RATE`` and the calls
+per second that fill one core at that cost (``capacity_per_s``: where its one loop stops keeping up whatever the
+machine); each ``--factors`` multiple of it is one load level (``--rate R``: R calls/s for factor 2 instead).
+``refusal_cost`` measures what a refused call costs the protected proxy (all calls refused, at the socket). The
+proxies are driven in turn, block by block, ``--seconds`` each, every block waiting for its last call to end, so
+all see the same machine over the run. Per proxy and block:
+
+- ``goodput_per_s``: calls answered 200 per second of the block's wall time (its last call's end included), and
+  ``goodput_of_capacity`` that over the calibrated capacity; ``goodput_within_1s_per_s`` those answered within a
+  second (a proxy hop should add milliseconds: a call that waited seconds in the proxy's queue is late);
 - ``ok_ms``: latency of the calls answered 200 (p50 / p99 / max): what an admitted call costs an agent;
-- ``shed``: 429 answers (and their latency), ``failed``: anything else (other statuses, no answer within
-  ``CALL_TIMEOUT`` s, connection errors);
-- ``proxy_figures``: its CPU share, the loop's lag as its probes saw it (their mean lateness, the smoothed lag
-  at the block's end), seconds over ``max_lag``, and its memory: resident set after the block and its peak
+- ``shed`` (and ``later_turns_shed``): 429 answers and their latency, ``failed``: anything else (other statuses,
+  no answer within ``CALL_TIMEOUT`` s, connection errors): the calls lost;
+- ``proxy_figures``: its CPU share, the loop's lag as its probes saw it (their mean lateness, the smoothed lag at
+  the block's end), seconds over ``max_lag``, and its memory: resident set after the block and its peak
   (``VmHWM``) so far, and the share of wall time it was runnable but waiting for a CPU (the machine's other work
   holding it back); ``load_generator_*``: the same for this process.
 
 ``probe_cost``: the lag probe's own cost: the proxy's loop thread CPU time idle with the probe stopped and with
 it every millisecond, per probe. Every figure is of the machine it ran on: a shared 2-core VM whose other jobs
-take CPU from these processes (``machine.loadavg_1_5_15``); what carries is the comparison between the two
-proxies of one run.
+take CPU from these processes (``machine.loadavg_1_5_15``); what carries is the comparison between the proxies
+of one run.
 """
 
 from __future__ import annotations
@@ -122,7 +130,8 @@ async def _run_proxy(cfg: dict[str, Any]) -> None:
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         policy = proxy.overload.policy = OverloadPolicy(refuse=cfg["refuse"], **cfg["policy"])
-        emit({"url": proxy.url, "pid": os.getpid(), "policy": repr(policy)})
+        module = sys.modules[LLMProxy.__module__].__file__
+        emit({"url": proxy.url, "pid": os.getpid(), "policy": repr(policy), "module": module})
         marks: dict[str, Any] = {}
         async for cmd in stdin_commands():
             if cmd.get("block") == "start":
@@ -200,6 +209,8 @@ async def _probe_cost(proxy: Any, seconds: float) -> dict[str, Any]:
 
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
+    if cfg.get("path"):  # another version's aglverl, found before this tree's
+        sys.path.insert(0, cfg["path"])
     run_loop(_run_backend if role == "backend" else _run_proxy, cfg)
 
 
@@ -533,14 +544,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     children: dict[str, JsonChild] = {}
     clients: dict[str, Client] = {}
     try:
-        for name, refuse in (("protected", True), ("unprotected", False)):
-            children[name] = await JsonChild.start(
-                child_args(
-                    __file__,
-                    "proxy",
-                    {"backend": backend.info["url"], "refuse": refuse, "policy": args.policy},
-                )
-            )
+        versions = [("protected", True, None), ("unprotected", False, None)]
+        if args.against:  # the tree's own protection, at the same loads
+            versions.append(("protected_against", True, args.against))
+        for name, refuse, path in versions:
+            cfg = {"backend": backend.info["url"], "refuse": refuse, "policy": args.policy, "path": path}
+            children[name] = await JsonChild.start(child_args(__file__, "proxy", cfg))
             clients[name] = Client(children[name].info["url"])
         for name in children:  # warm-up: connections, the first calls' imports
             await open_loop(clients[name], 50, 1.0)
@@ -568,6 +577,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "backend_answer_bytes": backend.info["answer_bytes"],
             "policies": {name: c.info["policy"] for name, c in children.items()},
+            "modules": {name: c.info["module"] for name, c in children.items()},
             "rss_mib_after_warm_up": idle,
             "probe_cost": probe_cost,
             "calibration": calibration,
@@ -616,6 +626,9 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per proxy, in turn")
     parser.add_argument("--probe-seconds", type=float, default=PROBE_COST_SECONDS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--against", metavar="DIR", help="also drive a proxy of the aglverl in DIR (git archive REV | tar -x), protected"
+    )
     parser.add_argument("--calibration-seconds", type=float, default=CALIBRATION_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="factor 2, one 2 s block per load and proxy (a smoke run)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -623,6 +636,8 @@ def main() -> None:
     if args.child:
         _child_main(args.child[0], orjson.loads(args.child[1]))
         return
+    if args.against:
+        args.against = os.path.abspath(args.against)
     if args.quick:
         args.seconds, args.blocks, args.probe_seconds, args.factors = 1.0, 1, 0.4, [2.0]
         args.calibration_seconds = 1.5
