@@ -61,7 +61,7 @@ import aiohttp
 import anyio
 import anyio.abc
 import orjson
-from _common import run_loop
+from _common import loop_name, run_loop
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -833,7 +833,7 @@ async def run_point(mock: JsonChild, work: Work, opts: Options) -> dict[str, Any
         "stream": opts.stream,
         "work": work.describe(),
         "repeats": opts.repeats,
-        "server_event_loop": "uvloop" if opts.server_uvloop else "asyncio",
+        "server_event_loop": "uvloop" if opts.server_uvloop else loop_name(),
         "aglverl_source": aglverl_source(),
         "machine": machine_info(),
     }

@@ -4,7 +4,8 @@ installs it), else asyncio's; ``AGLVERL_LOOP=asyncio`` (or the command's ``--loo
 For the commands (``aglverl serve``, ``serve-model``, ``demo``) and the benchmarks, which own their process. An
 application that embeds the daemon keeps its own loop (``async with AgentDaemon(...)``): it chooses uvloop with
 ``anyio.run(main, backend_options={"use_uvloop": True})`` or ``uvloop.run(main())`` (see the README). Proxy
-shards run on the loop of their Ray worker (uvloop where Ray finds it).
+shards run on the loop of their Ray worker: uvloop where Ray finds it, unless ``RAY_USE_UVLOOP=0`` (Ray's own
+switch; a local Ray started by the run passes the driver's environment to its workers).
 """
 
 from __future__ import annotations
