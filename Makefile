@@ -4,11 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv venv-vllm venv-agl venv-agl03 demo test test-vllm test-agl test-agl03 serve bench lint clean
+.PHONY: venv venv-vllm venv-agl venv-agl03 demo test test-vllm test-agl test-agl03 serve bench bench-quick lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "aglverl needs Python 3.11 or later: set PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev]"
@@ -123,6 +124,11 @@ bench: venv
 	$(BIN)/python benchmarks/batch_build.py
 	$(BIN)/python benchmarks/proxy.py
 	$(BIN)/python benchmarks/control_plane.py
+
+# Every benchmark's quick mode, a miniature load each (CI runs it, so that none rots unseen; ~1-2 min); the ones
+# that start Ray and verl's trainer are left out (`.venv/bin/python benchmarks/quick.py --heavy` runs them too).
+bench-quick: venv
+	$(BIN)/python benchmarks/quick.py
 
 lint: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples

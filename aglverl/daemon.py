@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any, Literal, Unpack
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -36,9 +36,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from .agent_lightning import AgentLightningAPI, AgentLightningSettings
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
-from .proxy import LLMProxy, ProxyConfig, RetryPolicy, SamplingMismatch
+from .proxy import LLMProxy, ProxyConfig
+from .proxy.config import ALIASES, POLICY_FIELDS, ProxyPolicySettings, with_aliases
 from .proxy.control import BusyTimeline, ProxyControl
-from .proxy.overload import OverloadPolicy
 from .proxy.shards import ProxyShards, ShardCount, check_shard_count
 from .server import TaskServer
 from .store import Journal, StoreConfig, TaskStore
@@ -125,35 +125,46 @@ class DaemonConfig:
     @classmethod
     def from_keywords(cls, **keywords: Unpack[DaemonKeywords]) -> DaemonConfig:
         """The config :class:`AgentDaemon`'s keywords describe (see :class:`DaemonKeywords`); ``TypeError`` for
-        a keyword it does not take. ``host`` and ``token`` go to the task server and the proxy, ``proxy_port``
-        is the proxy's ``port``, a ``hold_timeout`` left out or ``None`` is ``pause_timeout``, and a ``retry``,
-        ``batch`` or ``signal`` of ``None`` is the default."""
+        a keyword it does not take. Every setting of the proxy (:class:`~aglverl.proxy.config.ProxyConfig`'s
+        fields) is a keyword of the same name, or they come together as ``proxy`` (a ``ProxyConfig``, or a
+        mapping of its fields as a run's ``aglverl.proxy:`` section has them), the keywords then changing
+        what it says. ``host`` and ``token`` go to the task server and the proxy (unless ``proxy`` names its
+        own host), ``proxy_port`` is the proxy's ``port``, a ``hold_timeout`` left out or ``None`` is
+        ``pause_timeout``, and a ``retry``, ``batch`` or ``signal`` of ``None`` is the default."""
         values: dict[str, Any] = dict(keywords)
-        unknown = sorted(set(values) - set(DaemonKeywords.__annotations__))
+        known = DaemonKeywords.__optional_keys__
+        unknown = sorted(set(values) - known)
         if unknown:
-            close = difflib.get_close_matches(unknown[0], DaemonKeywords.__annotations__, n=1)
+            close = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"AgentDaemon got an unexpected keyword argument {unknown[0]!r}{hint}")
         for name in ("retry", "batch", "signal", "sampling_parameters", "backend_nodes"):
             if name in values and values[name] is None:
                 del values[name]
-        proxy = {name: values.pop(name) for name in _PROXY_KEYWORDS if name in values}
+        given = with_aliases({name: values.pop(name) for name in list(values) if name in _PROXY_KEYWORDS})
         if "proxy_port" in values:
-            proxy["port"] = values.pop("proxy_port")
+            given["port"] = values.pop("proxy_port")
+        section = values.pop("proxy", None)
+        base = section.settings() if isinstance(section, ProxyConfig) else dict(section or {})
         for shared in ("host", "token"):
-            if shared in values:
-                proxy[shared] = values[shared]
+            if shared in values and not (shared == "host" and "host" in base):
+                given[shared] = values[shared]
+        proxy = ProxyConfig.from_mapping({**base, **given})
         store = {name: values.pop(name) for name in _STORE_KEYWORDS if name in values}
-        return cls(proxy=ProxyConfig.from_settings(**proxy), store=StoreConfig(**store), **values)
+        return cls(proxy=proxy, store=StoreConfig(**store), **values)
 
 
-class DaemonKeywords(TypedDict, total=False):
+class DaemonKeywords(ProxyPolicySettings, total=False):
     """:class:`AgentDaemon`'s keywords (its documented options), each of which goes to one field of
-    :class:`DaemonConfig` or of one of its parts (:meth:`DaemonConfig.from_keywords`)."""
+    :class:`DaemonConfig` or of one of its parts (:meth:`DaemonConfig.from_keywords`): the proxy's settings
+    (:class:`~aglverl.proxy.config.ProxyPolicySettings`, every field of its config but these three) by their
+    own names, and these."""
 
     host: str
     port: int
     proxy_port: int
+    token: str | None
+    proxy: ProxyConfig | Mapping[str, Any] | None
     backends: Sequence[str]
     model: str
     sampling_parameters: Mapping[str, Any] | None
@@ -165,40 +176,16 @@ class DaemonKeywords(TypedDict, total=False):
     vocab_size: int | None
     batch: BatchConfig | None
     signal: SignalConfig | None
-    token: str | None
-    retry: RetryPolicy | None
-    request_timeout: float
-    connect_timeout: float
-    eject_seconds: float
-    pause_timeout: float
-    hold_timeout: float | None
-    backend_api_key: str | None
-    upstream_keepalive: float
     journal_path: str | os.PathLike[str] | None
     journal_fsync: bool
     freeze_gc: bool
-    sampling_mismatch: SamplingMismatch
-    token_in: bool
-    overload: OverloadPolicy
     proxy_shards: ShardCount
     backend_nodes: Mapping[str, str] | None
     agent_lightning: AgentLightningSettings | None
 
 
-#: The keywords that are settings of the proxy (``ProxyConfig``'s fields, same names).
-_PROXY_KEYWORDS = (
-    "retry",
-    "request_timeout",
-    "connect_timeout",
-    "eject_seconds",
-    "pause_timeout",
-    "hold_timeout",
-    "backend_api_key",
-    "upstream_keepalive",
-    "sampling_mismatch",
-    "token_in",
-    "overload",
-)
+#: The keywords that are settings of the proxy (:class:`ProxyConfig`'s fields, same names, and their old names).
+_PROXY_KEYWORDS = POLICY_FIELDS | ALIASES.keys()
 #: The keywords that are settings of the store (``StoreConfig``'s fields, same names).
 _STORE_KEYWORDS = ("lease_seconds", "max_attempts", "vocab_size")
 
@@ -226,13 +213,18 @@ class AgentDaemon:
     - ``signal``: the training-signal controls (:class:`~aglverl.trajectory.signals.SignalConfig`: compact filtering by
       termination reason, rejection sampling, step-wise advantage, turn weighting, and whether the proxy
       asks the backends for behaviour logprobs); ``SignalConfig.from_dict`` reads an ``aglverl:`` section.
-    - ``retry``, ``request_timeout``, ``connect_timeout``, ``eject_seconds``, ``pause_timeout``,
-      ``hold_timeout``, ``backend_api_key``, ``upstream_keepalive``: the LLM proxy's policy (see
-      :class:`~aglverl.proxy.LLMProxy`): retries before the first byte, the bound on one upstream try, how long
-      a failing backend stays out, how long an aborted generation may go without a token, how long calls wait
-      while a trainer holds the proxy for its update, the key the backends expect, and how long idle
-      connections to them are kept (below the backends' own keep-alive). ``overload``: when the proxy turns
-      new calls away with a 429 (:class:`~aglverl.proxy.overload.OverloadPolicy`: its event loop's lag).
+    - the LLM proxy's settings: every field of :class:`~aglverl.proxy.config.ProxyConfig` (its meaning in
+      :class:`~aglverl.proxy.LLMProxy`) is a keyword of the same name (``retry``, ``request_timeout``,
+      ``pause_timeout``, ``hold_timeout``, ``max_body_bytes``, ``sampling_mismatch``, ``token_in``, ``overload``,
+      ...), or they come together as ``proxy`` (a ``ProxyConfig``, or a mapping of its fields such as a run's
+      ``aglverl.proxy:`` section), the keywords then changing what it says; ``proxy_port`` is its ``port``.
+      ``sampling_mismatch``: what the proxy does with a call that sets other sampling parameters than its
+      rollout's ``main_llm`` names: ``"refuse"`` (400 naming the parameter) or ``"mask"`` (kept, recorded
+      ``off_policy``, its rows kept out of the loss); parameters a call omits are filled in either way.
+      ``token_in`` (default on): a chat call whose messages extend an earlier call's messages + answer is
+      generated from that call's exact ids, so a conversation an agent re-sends as text trains as one row
+      (:mod:`aglverl.proxy.tokenin`). ``overload``: when the proxy turns first calls away with a 429
+      (:class:`~aglverl.proxy.overload.OverloadPolicy`).
     - ``token``: bearer token required by the task server and the proxy.
     - ``freeze_gc``: at start, move every object that exists (the imported libraries) out of the cyclic garbage
       collector's reach (``gc.freeze()``), so full collections no longer stall the loop for ~0.4 s; it affects
@@ -242,12 +234,6 @@ class AgentDaemon:
       handed out again, with this daemon's resources: a recovered ``main_llm`` points at the live proxy) and
       the producer's groups in flight. ``journal_fsync``: also ``fsync`` before answering (survives power
       loss, not just a killed process).
-    - ``sampling_mismatch``: what the proxy does with a call that sets other sampling parameters than its
-      rollout's ``main_llm`` names: ``"refuse"`` (400 naming the parameter) or ``"mask"`` (kept, recorded
-      ``off_policy``, its rows kept out of the loss). Parameters a call omits are filled in either way.
-    - ``token_in``: token-in chat (default on): a chat call whose messages extend an earlier call's messages +
-      answer is generated from that call's exact ids, so a conversation an agent re-sends as text trains as
-      one row (see :mod:`aglverl.proxy.tokenin`); off, every call is relayed as text.
     - ``max_failed_groups``: with a producer, stop after this many training groups in a row whose every
       rollout failed (default 0: never).
     - ``agent_lightning``: what Agent Lightning v1.0's API on the task server (:attr:`agent_lightning`) should
@@ -347,6 +333,8 @@ class AgentDaemon:
             max_body_bytes=self.server.max_body_bytes,
         )
         self.server.add_routes(self.agent_lightning.routes())
+        if isinstance(self.proxy, LLMProxy):  # on this loop: the hop applies its overload decision first
+            self.agent_lightning.hop.refusal = self.proxy.refusal
 
     @property
     def model(self) -> str:

@@ -9,15 +9,16 @@ Nothing here sleeps to wait for a child: every wait is a read of its next line (
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import math
 import os
 import platform
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from subprocess import PIPE
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import anyio
@@ -26,18 +27,42 @@ import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 __all__ = [
+    "LOOP_ENV",
     "JsonChild",
     "emit",
+    "loop_name",
     "machine_info",
     "peak_rss_bytes",
     "percentile",
     "proc_cpu_seconds",
+    "run_loop",
     "stdin_commands",
     "summary_ms",
     "system_busy_seconds",
 ]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: The event loop the benchmarks' processes run on: as ``aglverl``'s commands choose it (``auto``: uvloop where
+#: installed; ``asyncio``). Decided here, not by importing aglverl: a child that measures another tree of aglverl
+#: (``--against DIR``) must import that tree's package, first.
+LOOP_ENV = "AGLVERL_LOOP"
+T = TypeVar("T")
+
+
+def loop_name(choice: str | None = None) -> str:
+    """``uvloop`` or ``asyncio``: ``choice``, else ``$AGLVERL_LOOP``, else uvloop where it is installed."""
+    choice = choice or os.environ.get(LOOP_ENV) or "auto"
+    if choice not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"{LOOP_ENV} / --loop must be auto, uvloop or asyncio, got {choice!r}")
+    if choice == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return choice
+
+
+def run_loop(func: Callable[..., Awaitable[T]], *args: Any, loop: str | None = None) -> T:
+    """``anyio.run(func, *args)`` on the loop :func:`loop_name` picks."""
+    options = {"use_uvloop": True} if loop_name(loop) == "uvloop" else {}
+    return anyio.run(func, *args, backend_options=options)
 #: Longest JSON line a child may write.
 MAX_LINE = 64 << 20
 #: How long a child gets to exit after its stdin closed, before it is terminated (then killed).

@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 import orjson
+from _common import run_loop
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -328,4 +329,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(run_trainer, orjson.loads(sys.argv[1]))
+    run_loop(run_trainer, orjson.loads(sys.argv[1]))

@@ -38,7 +38,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from _common import emit, machine_info, percentile
+from _common import emit, machine_info, percentile, run_loop
 from anyio.streams.text import TextReceiveStream
 
 from aglverl import AgentDaemon
@@ -182,7 +182,7 @@ def cli() -> None:
     args = parser.parse_args()
     if not Path(args.agl_python).exists():
         parser.exit(2, f"no Agent Lightning venv at {args.agl_python}: run `make venv-agl` (or pass --agl-python)\n")
-    anyio.run(main, args)
+    run_loop(main, args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import asyncio
 import json
 import time
 
+from _common import run_loop
+
 from aglverl.engine.chat_template import ChatTemplate
 from aglverl.engine.constrained import hermes_structural_tag
 from aglverl.engine.server import InferenceServer
@@ -89,4 +91,4 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="a smoke run (4 requests)")
     args = parser.parse_args()
-    asyncio.run(main(4 if args.quick else args.requests))
+    run_loop(main, 4 if args.quick else args.requests)

@@ -61,6 +61,7 @@ import aiohttp
 import anyio
 import anyio.abc
 import orjson
+from _common import loop_name, run_loop
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -565,8 +566,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     runners = {"mock": _run_mock, "daemon": _run_daemon, "baseline": _run_baseline, "agents": _run_agents}
-    options = {"use_uvloop": True} if cfg.get("uvloop") else {}
-    anyio.run(runners[role], cfg, backend_options=options)
+    run_loop(runners[role], cfg, loop="uvloop" if cfg.get("uvloop") else None)
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -833,7 +833,7 @@ async def run_point(mock: JsonChild, work: Work, opts: Options) -> dict[str, Any
         "stream": opts.stream,
         "work": work.describe(),
         "repeats": opts.repeats,
-        "server_event_loop": "uvloop" if opts.server_uvloop else "asyncio",
+        "server_event_loop": "uvloop" if opts.server_uvloop else loop_name(),
         "aglverl_source": aglverl_source(),
         "machine": machine_info(),
     }
@@ -1216,12 +1216,16 @@ def main() -> None:
     add("--deadline", type=float, default=120.0, help="cap on one step, seconds")
     add("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
     add("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")
+    add("--quick", action="store_true", help="N=32, M=8, 10 ms, one measured step, no waiting for quiet (a smoke run)")
     add("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.quick:
+        args.tasks, args.agents, args.latency_ms, args.repeats = 32, 8, 10.0, 1
+        args.warmup_tasks, args.quiet_max_wait, args.healthz_interval = 8, 0.0, 0.0
     if args.child:
         _child_main(args.child[0], json.loads(args.child[1]))
         return
-    anyio.run(main_async, args)
+    run_loop(main_async, args)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from _common import run_loop
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(Path(__file__).resolve())
@@ -131,7 +132,6 @@ def child(
     kind: str, turns: int, trajectory: str, steps: int, prompts: int, n: int, extra: dict[str, Any]
 ) -> None:
     """Train one variant; one JSON line per step on stdout, then ``{"done": ...}``."""
-    import anyio
     import ray
     from transformers import AutoTokenizer
 
@@ -179,7 +179,7 @@ def child(
         sys.stdout.flush()
 
     algo.on_step.append(on_step)
-    anyio.run(algo.run, demo_samples(64))
+    run_loop(algo.run, demo_samples(64))
     sys.stdout.buffer.write(orjson.dumps({"done": time.monotonic() - started}) + b"\n")
 
 
@@ -511,12 +511,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per trajectory in the learning runs")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--logs", default="/tmp/aglverl-bench-multiturn")
+    parser.add_argument(
+        "--quick", action="store_true", help="the proxy part alone, 2 turns, 2 conversations, 2 rounds (a smoke run)"
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.parts, args.proxy_turns, args.conversations, args.repeats = ["proxy"], [2], 2, 2
     if args.child is not None:
         if args.child[:1] == ["proxy-child"]:
-            import anyio
 
-            anyio.run(_proxy_child, orjson.loads(args.child[1]))
+            run_loop(_proxy_child, orjson.loads(args.child[1]))
             return
         extra = orjson.loads(args.extra)
         child(args.kind, args.turns[0], args.trajectory, args.cost_steps, args.prompts, args.n, extra)
@@ -559,9 +563,8 @@ def main() -> None:
         chat[template] = runs
     proxy: dict[str, Any] = {}
     if "proxy" in args.parts:
-        import anyio
 
-        proxy = anyio.run(
+        proxy = run_loop(
             proxy_cost,
             args.proxy_turns,
             args.conversations,

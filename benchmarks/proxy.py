@@ -15,8 +15,9 @@ Separate processes, so each CPU figure belongs to one program:
 
 Added latency is ``percentile(proxied) - percentile(direct)`` (sequential calls interleave the targets so all
 see the same machine state); time to first byte is measured to the first body chunk of a streamed chat
-completion. CPU is read from ``/proc/<pid>/stat`` (utime + stime) around each phase. All processes use the
-default asyncio loop unless ``--proxy-uvloop`` (then the proxy and the floor run on uvloop).
+completion. CPU is read from ``/proc/<pid>/stat`` (utime + stime) around each phase. Every process runs on
+uvloop where it is installed (``AGLVERL_LOOP=asyncio``: asyncio's loop; ``--proxy-uvloop`` forces uvloop for the
+proxy and the floor).
 
 ``--against DIR`` measures only this proxy against another version of it, in the same run: a second proxy
 child imports ``aglverl`` from ``DIR`` (e.g. ``git archive <rev> aglverl | tar -x -C DIR``), and sequential calls
@@ -27,7 +28,7 @@ same machine state; the spread between blocks is the noise the difference is jud
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -43,6 +44,7 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
+from _common import loop_name, run_loop
 
 #: What the proxy must achieve (ms); the old designs for reference.
 TARGETS_MS = {"added_latency_p50_idle": 0.5, "added_ttfb_p50": 1.0}
@@ -100,6 +102,10 @@ async def serving_proxy(
 
     store = TaskStore(lease_seconds=3600)
     proxy = LLMProxy(store, backends=[backend], **options)
+    if hasattr(proxy, "overload") and "overload" not in options:
+        # What a call costs, not whether a machine short of CPU gets it refused: the lag is measured, no call
+        # is turned away (a tree from before the overload protection has nothing to turn off).
+        proxy.overload.policy = dataclasses.replace(proxy.overload.policy, refuse=False)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         bases = []
@@ -140,7 +146,9 @@ async def bare_hop(backend: str, *, recorded_work: bool = False) -> AsyncIterato
 
     from aglverl._net import bind_listener, url_of
 
-    connector = aiohttp.TCPConnector(limit=0)
+    # idle connections kept below the backend's own keep-alive (5 s), as the proxy keeps them: a connection the
+    # backend is closing is never reused (a hop idle between blocks would otherwise answer 500s)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
 
         async def forward(request: web.Request) -> web.StreamResponse:
@@ -174,11 +182,10 @@ async def bare_hop(backend: str, *, recorded_work: bool = False) -> AsyncIterato
 
 def _child_main(role: str, backend: str | None, use_uvloop: bool) -> None:
     if role == "mock":
-        anyio.run(_run_mock)
+        run_loop(_run_mock)
         return
     assert backend is not None
-    options = {"use_uvloop": True} if use_uvloop else {}
-    anyio.run(_run_bare if role == "bare" else _run_proxy, backend, backend_options=options)
+    run_loop(_run_bare if role == "bare" else _run_proxy, backend, loop="uvloop" if use_uvloop else None)
 
 
 class Child:
@@ -484,7 +491,7 @@ def report(results: dict[str, Any], use_uvloop: bool) -> dict[str, Any]:
         "benchmark": "aglverl LLMProxy overhead vs direct calls to MockVLLM (loopback, separate processes)",
         "route": "attributed: /rollout/{id}/attempt/{id}/v1/chat/completions (token capture + LLMCall recorded)",
         "event_loop": {
-            "proxy": "uvloop" if use_uvloop else "asyncio (default)",
+            "proxy": "uvloop" if use_uvloop else loop_name(),
             "mock_and_client": "asyncio",
         },
         "machine": {
@@ -521,7 +528,7 @@ def main() -> None:
             children.append(new)
             old = Child("proxy", mock.info["url"], pythonpath=os.path.abspath(args.against))
             children.append(old)
-            result = asyncio.run(measure_against(mock, new, old, args.quick))
+            result = run_loop(measure_against, mock, new, old, args.quick)
         finally:
             for child in reversed(children):
                 child.stop()
@@ -545,11 +552,11 @@ def main() -> None:
         children.append(proxy)
         bare = Child("bare", mock.info["url"], *extra)
         children.append(bare)
-        results = asyncio.run(measure(mock, proxy, bare, args.quick))
+        results = run_loop(measure, mock, proxy, bare, args.quick)
     finally:
         for child in reversed(children):
             child.stop()
-    results["one_process"] = asyncio.run(measure_one_process(args.quick))
+    results["one_process"] = run_loop(measure_one_process, args.quick)
     print(json.dumps(report(results, args.proxy_uvloop), indent=2))
 
 

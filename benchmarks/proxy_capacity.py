@@ -37,8 +37,9 @@ tar -x -C DIR``), one process each, driven at the same time with the same load (
 ``--compare-rates``), in blocks; per block each one's CPU per call and per event, then the median over blocks.
 Both see the same machine state, so the ratio holds even on a shared machine. Beside them, at the same time, the
 floor: a bare aiohttp hop (``benchmarks/proxy.py``'s, asking the backend for the same ids and log-probs, parsing
-and recording nothing), what any aiohttp relay costs on this machine. With ``--loop uvloop`` this tree's
-proxies (and the floor) run on uvloop, and ``versus`` also has this tree on asyncio. ``--compare-only`` runs
+and recording nothing), what any aiohttp relay costs on this machine. The processes run on uvloop where it is
+installed (``--loop asyncio`` or ``AGLVERL_LOOP=asyncio``: asyncio's); with uvloop, ``versus`` drives the three
+on asyncio and the three on uvloop, in turn within each block, and reports each loop's group. ``--compare-only`` runs
 ``versus`` alone. CPU is read to the nanosecond (``/proc/<pid>/task/*/schedstat``).
 
 Every figure is of the machine it ran on: the CPUs are shared with the load generator, the mock, and other
@@ -67,8 +68,10 @@ from _common import (
     JsonChild,
     child_args,
     emit,
+    loop_name,
     machine_info,
     percentile,
+    run_loop,
     stdin_commands,
     summary_ms,
 )
@@ -91,6 +94,8 @@ BODY = {
     "max_tokens": COMPLETION_TOKENS,
 }
 HEADERS = {"Content-Type": "application/json"}
+#: Why calls failed, over the run (what a sweep or a comparison that stops on failures names).
+FAILURES: Counter[str] = Counter()
 
 
 # ---------------------------------------------------------------------------------------------- children
@@ -212,12 +217,11 @@ def _profile_summary(profiler: Any) -> dict[str, Any]:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     if role == "mock":
-        anyio.run(_run_mock, cfg)
+        run_loop(_run_mock, cfg)
         return
     if cfg.get("path"):  # another version's aglverl, found before this tree's
         sys.path.insert(0, cfg["path"])
-    options = {"use_uvloop": True} if cfg.get("loop") == "uvloop" else {}
-    anyio.run(_run_floor if role == "floor" else _run_proxy, cfg, backend_options=options)
+    run_loop(_run_floor if role == "floor" else _run_proxy, cfg, loop=cfg.get("loop"))
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -248,8 +252,9 @@ async def open_loop(
         nonlocal failures
         try:
             latencies.append(await one(i))
-        except (aiohttp.ClientError, RuntimeError, TimeoutError):
+        except (aiohttp.ClientError, RuntimeError, TimeoutError) as exc:
             failures += 1
+            FAILURES[repr(exc)[:160]] += 1
 
     count = max(1, round(rate * seconds))
     started = time.perf_counter()
@@ -379,52 +384,55 @@ async def profile_at(
 
 
 async def versus(
-    versions: dict[str, JsonChild],
+    groups: dict[str, dict[str, JsonChild]],
     rates: tuple[float, float],
     seconds: float,
     blocks: int,
     session: aiohttp.ClientSession,
 ) -> dict[str, Any]:
-    """Each version's CPU per call and per event under the same load at the same time, block by block."""
-    out: dict[str, Any] = {}
+    """Each version's CPU per call and per event under the same load at the same time, block by block: the
+    versions of one group (one event loop) driven together, the groups in turn within each block."""
+    out: dict[str, Any] = {group: {} for group in groups}
     for kind, rate in zip(("json", "stream"), rates, strict=True):
         body, call, per_call = _bodies(kind)
-        per_block: dict[str, list[float]] = {name: [] for name in versions}
-        added: dict[str, list[float]] = {name: [] for name in versions}
+        per_block = {g: {name: [] for name in versions} for g, versions in groups.items()}
+        added = {g: {name: [] for name in versions} for g, versions in groups.items()}
         for _ in range(blocks):
-            runs: dict[str, tuple[list[float], float, int]] = {}
-            cpu0 = {name: _cpu_of(child) for name, child in versions.items()}
-            async with anyio.create_task_group() as tg:
+            for group, versions in groups.items():
+                runs: dict[str, tuple[list[float], float, int]] = {}
+                cpu0 = {name: _cpu_of(child) for name, child in versions.items()}
+                async with anyio.create_task_group() as tg:
+                    for name, child in versions.items():
+                        urls = [f"{b}/chat/completions" for b in child.info["bases"]]
+                        tg.start_soon(
+                            _load,
+                            runs,
+                            name,
+                            rate,
+                            seconds,
+                            lambda i, urls=urls, call=call, body=body: call(session, urls[i % len(urls)], body),
+                        )
                 for name, child in versions.items():
-                    urls = [f"{b}/chat/completions" for b in child.info["bases"]]
-                    tg.start_soon(
-                        _load,
-                        runs,
-                        name,
-                        rate,
-                        seconds,
-                        lambda i, urls=urls, call=call, body=body: call(session, urls[i % len(urls)], body),
-                    )
-            for name, child in versions.items():
-                latencies, _, failed = runs[name]
-                if failed:
-                    raise RuntimeError(f"{name}: {failed} calls failed at {rate}/s")
-                units = max(1, len(latencies) * per_call)
-                per_block[name].append((_cpu_of(child) - cpu0[name]) / units * 1e6)
-                added[name].append(percentile(latencies, 50) * 1e3)
+                    latencies, _, failed = runs[name]
+                    if failed:
+                        raise RuntimeError(
+                            f"{group} {name}: {failed} calls failed at {rate}/s: {FAILURES.most_common(3)}"
+                        )
+                    units = max(1, len(latencies) * per_call)
+                    per_block[group][name].append((_cpu_of(child) - cpu0[name]) / units * 1e6)
+                    added[group][name].append(percentile(latencies, 50) * 1e3)
         unit = "us_per_event" if kind == "stream" else "us_per_call"
-        out[kind] = {
-            "offered_per_s": rate * per_call,
-            f"proxy_cpu_{unit}": {
-                name: {
-                    "median": round(statistics.median(v), 1),
-                    "min": round(min(v), 1),
-                    "max": round(max(v), 1),
-                }
-                for name, v in per_block.items()
-            },
-            "latency_p50_ms_median": {name: round(statistics.median(v), 3) for name, v in added.items()},
-        }
+        for group in groups:
+            out[group][kind] = {
+                "offered_per_s": rate * per_call,
+                f"proxy_cpu_{unit}": {
+                    name: {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
+                    for name, v in per_block[group].items()
+                },
+                "latency_p50_ms_median": {
+                    name: round(statistics.median(v), 3) for name, v in added[group].items()
+                },
+            }
     return out
 
 
@@ -452,34 +460,33 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             if args.against:
-                versions = {"old": (args.against, "asyncio"), "new": (None, "asyncio")}
-                if args.loop == "uvloop":
-                    versions["new_uvloop"] = (None, "uvloop")
-                started: dict[str, JsonChild] = {}
-                for name, (path, loop) in versions.items():
-                    [child] = await _start_proxies(mock.info["url"], 1, path, loop)
-                    children.append(child)
-                    started[name] = child
-                # The floor: what any aiohttp hop costs here, moving the same bytes (nothing parsed or recorded).
-                floor_cfg = {"backend": mock.info["url"], "loop": args.loop}
-                started["floor_bare_aiohttp_hop"] = await JsonChild.start(
-                    child_args(__file__, "floor", floor_cfg)
-                )
-                children.append(started["floor_bare_aiohttp_hop"])
-                for child in started.values():  # warm-up
+                # Per event loop, driven together: the old tree, this one, and the floor, what any aiohttp hop
+                # costs here moving the same bytes (nothing parsed or recorded).
+                loops = ["asyncio", "uvloop"] if args.loop == "uvloop" else ["asyncio"]
+                groups: dict[str, dict[str, JsonChild]] = {}
+                for loop in loops:
+                    group = groups[loop] = {}
+                    for name, path in (("old", args.against), ("new", None)):
+                        [child] = await _start_proxies(mock.info["url"], 1, path, loop)
+                        children.append(child)
+                        group[name] = child
+                    floor_cfg = {"backend": mock.info["url"], "loop": loop}
+                    group["floor_bare_aiohttp_hop"] = await JsonChild.start(child_args(__file__, "floor", floor_cfg))
+                    children.append(group["floor_bare_aiohttp_hop"])
+                for child in children:  # warm-up
                     for base in child.info["bases"][:8]:
                         await _json_call(session, f"{base}/chat/completions", orjson.dumps(BODY))
                 rates = tuple(args.compare_rates)
                 results["versus"] = {
-                    "what": "CPU per unit of each proxy version, driven at the same time with the same load; "
-                    "per block of seconds, then median/min/max over blocks",
+                    "what": "CPU per unit of each proxy version, driven at the same time with the same load, per "
+                    "event loop (the loops' groups in turn within each block); per block of seconds, then "
+                    "median/min/max over blocks",
                     "versions": {
-                        name: {"module": c.info["module"], "loop": c.info.get("loop", "asyncio")}
-                        for name, c in started.items()
+                        loop: {name: c.info["module"] for name, c in group.items()} for loop, group in groups.items()
                     },
                     "block_seconds": seconds,
                     "blocks": COMPARE_BLOCKS,
-                    **await versus(started, (rates[0], rates[1]), seconds, COMPARE_BLOCKS, session),
+                    **await versus(groups, (rates[0], rates[1]), seconds, COMPARE_BLOCKS, session),
                 }
                 await _stop(children)
                 children.clear()
@@ -553,7 +560,12 @@ def main() -> None:
     parser.add_argument(
         "--shards", type=_counts, default=[1], help="proxy processes to split the agents over, e.g. 1,2"
     )
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="this tree's loop")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default=loop_name(),
+        help="this tree's loop (default: uvloop where installed; with --against, uvloop means both loops)",
+    )
     parser.add_argument("--against", metavar="DIR", help="compare with the aglverl package found in DIR")
     parser.add_argument(
         "--compare-rates",
@@ -579,7 +591,7 @@ def main() -> None:
             )
     started = time.monotonic()
     machine_before = machine_info()
-    results = anyio.run(measure, args)
+    results = run_loop(measure, args)
     out = {
         "benchmark": "LLMProxy processes: sustained load at added latency p99 <= 5 ms (loopback, MockVLLM)",
         "limit_added_p99_ms": LIMIT_MS,

@@ -15,6 +15,7 @@ Libraries that are not importable are reported as such.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import importlib.metadata
 import json
@@ -22,6 +23,8 @@ import time
 import timeit
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from _common import run_loop
 
 from aglverl.metrics import LATENCY_BUCKETS, Registry
 from aglverl.proxy import RetryPolicy
@@ -33,7 +36,8 @@ class _Unreachable(Exception):
     pass
 
 
-def _best_us(fn: Callable[[], object], number: int = CALLS, repeat: int = 5) -> float:
+def _best_us(fn: Callable[[], object], number: int | None = None, repeat: int = 5) -> float:
+    number = number or CALLS
     return round(min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6, 3)
 
 
@@ -93,8 +97,9 @@ def metrics() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- retry
-async def _per_call_us(run: Callable[[], Awaitable[object]], calls: int = CALLS) -> float:
-    for _ in range(500):
+async def _per_call_us(run: Callable[[], Awaitable[object]], calls: int | None = None) -> float:
+    calls = calls or CALLS
+    for _ in range(min(500, calls)):
         await run()
     best = float("inf")
     for _ in range(5):
@@ -200,11 +205,16 @@ async def retry() -> dict[str, Any]:
 
 
 def main() -> None:
+    global CALLS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a hundredth of the calls (a smoke run)")
+    if parser.parse_args().quick:
+        CALLS //= 100
     started = time.monotonic()
     result = {
         "benchmark": "the proxy's retry loop and metrics registry vs maintained libraries (per-call cost)",
         "metrics": metrics(),
-        "retry": asyncio.run(retry()),
+        "retry": run_loop(retry),
         "run_seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result, indent=2))

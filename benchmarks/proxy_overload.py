@@ -1,7 +1,7 @@
 """One LLM proxy process driven past its capacity, with its overload protection on and off, in the same run.
 
-Run: ``python benchmarks/proxy_overload.py [--rate R] [--seconds 8] [--blocks 4] [--policy F=V,...] [--quick]``.
-Prints ONE JSON object on stdout.
+Run: ``python benchmarks/proxy_overload.py [--factors 2,4] [--rate cpu|R] [--seconds 8] [--blocks 4]
+[--policy F=V,...] [--against DIR] [--quick]``. Prints ONE JSON object on stdout.
 
 Processes on loopback, so each figure belongs to one program:
 
@@ -9,37 +9,45 @@ Processes on loopback, so each figure belongs to one program:
   with their ids and log-probs, as :class:`~aglverl.testing.MockVLLM` makes it, 23 kB): it costs next to
   nothing, so the load saturates the proxy, not the backend;
 - two :class:`~aglverl.proxy.LLMProxy` processes in front of it, alike (``request_logprobs``, every call captured
-  and recorded under one of 512 rollouts, into a store view that drops the records, so that a proxy's memory
-  is what its calls in flight hold) but for their :class:`~aglverl.proxy.OverloadPolicy`: ``protected`` has the
-  default (new calls get a 429 with ``Retry-After`` while the loop's lag is over ``max_lag``), ``unprotected``
-  has ``refuse=False`` (it measures the lag and admits everything: the behaviour before the protection);
-- this process: an open-loop load generator on a lean HTTP/1.1 client (keep-alive connections, pre-encoded
-  requests: a fraction of aiohttp's cost per call): calls start at the offered rate whatever is still running,
-  as independent agents send them; a call that gets a 429 is not retried (the offered load stays what it is).
+  and recorded, into a store view that drops the records, so that a proxy's memory is what its calls in flight
+  hold; token-in off: the static backend renders nothing) but for their
+  :class:`~aglverl.proxy.OverloadPolicy`: ``protected`` has the default (new conversations' first calls get a
+  429 with ``Retry-After`` while the loop's lag is over ``max_lag``), ``unprotected`` has ``refuse=False`` (it
+  measures the lag and admits everything); with ``--against DIR``, a third, ``protected_against``, of the
+  aglverl in ``DIR`` (``git archive REV | tar -x -C DIR``) with its own default protection;
+- this process: the load, on a lean HTTP/1.1 client (keep-alive connections, requests encoded by hand: a
+  fraction of aiohttp's cost per call), two ways:
 
-The offered load defaults to 800 calls/s: twice the 400 calls/s one proxy process sustained at added latency
-p99 <= 5 ms on this machine when it was quiet (``benchmarks/RESULTS.md``, ``docs/scaling.md``). ``calibration``
-measures, in the same run, the proxy's CPU time per call at ``CALIBRATION_RATE`` and the calls per second that
-fill one core at that cost (where its one loop stops keeping up whatever the machine, the limit a quiet machine
-approaches); ``--rate cpu`` drives twice that instead, ``--rate R`` any load. The two proxies are driven in
-turn, block by block (``protected``, ``unprotected``, ...), ``--seconds`` each, every block waiting for its last
-call to end, so both see the same machine over the run. Per proxy and block:
+  - ``open`` loop: calls start at the offered rate whatever is still running, as independent agents send them,
+    each the first call of a new rollout attempt (the calls the protection may turn away); a call that gets a
+    429 is not retried (the offered load stays what it is);
+  - ``closed`` loop: a population of multi-turn agents (``TURNS`` calls per conversation on one rollout attempt,
+    its history re-sent as text, ``THINK`` seconds between calls), sized to offer the same rate if answered at
+    once; an agent waits out a 429's ``retry-after-ms`` and tries again, as the SDKs do. A 429 to a later turn
+    (``later_turns_shed``) would be a conversation refused mid-way: the protection never does that.
 
-- ``goodput_per_s``: calls answered 200 per second of the block's wall time (its last call's end included),
-  and ``goodput_within_1s_per_s`` those answered within a second (a proxy hop should add milliseconds: a call
-  that waited seconds in the proxy's queue is late for its agent, which may have given up);
+``calibration`` measures, in the same run, the proxy's CPU time per call at ``CALIBRATION_RATE`` and the calls
+per second that fill one core at that cost (``capacity_per_s``: where its one loop stops keeping up whatever the
+machine); each ``--factors`` multiple of it is one load level (``--rate R``: R calls/s for factor 2 instead).
+``refusal_cost`` measures what a refused call costs the protected proxy (all calls refused, at the socket). The
+proxies are driven in turn, block by block, ``--seconds`` each, every block waiting for its last call to end, so
+all see the same machine over the run. Per proxy and block:
+
+- ``goodput_per_s``: calls answered 200 per second of the block's wall time (its last call's end included), and
+  ``goodput_of_capacity`` that over the calibrated capacity; ``goodput_within_1s_per_s`` those answered within a
+  second (a proxy hop should add milliseconds: a call that waited seconds in the proxy's queue is late);
 - ``ok_ms``: latency of the calls answered 200 (p50 / p99 / max): what an admitted call costs an agent;
-- ``shed``: 429 answers (and their latency), ``failed``: anything else (other statuses, no answer within
-  ``CALL_TIMEOUT`` s, connection errors);
-- ``proxy_figures``: its CPU share, the loop's lag as its probes saw it (their mean lateness, the smoothed lag
-  at the block's end), seconds over ``max_lag``, and its memory: resident set after the block and its peak
+- ``shed`` (and ``later_turns_shed``): 429 answers and their latency, ``failed``: anything else (other statuses,
+  no answer within ``CALL_TIMEOUT`` s, connection errors): the calls lost;
+- ``proxy_figures``: its CPU share, the loop's lag as its probes saw it (their mean lateness, the smoothed lag at
+  the block's end), seconds over ``max_lag``, and its memory: resident set after the block and its peak
   (``VmHWM``) so far, and the share of wall time it was runnable but waiting for a CPU (the machine's other work
   holding it back); ``load_generator_*``: the same for this process.
 
 ``probe_cost``: the lag probe's own cost: the proxy's loop thread CPU time idle with the probe stopped and with
 it every millisecond, per probe. Every figure is of the machine it ran on: a shared 2-core VM whose other jobs
-take CPU from these processes (``machine.loadavg_1_5_15``); what carries is the comparison between the two
-proxies of one run.
+take CPU from these processes (``machine.loadavg_1_5_15``); what carries is the comparison between the proxies
+of one run.
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -58,8 +68,17 @@ from typing import Any
 import aiohttp
 import anyio
 import orjson
-from _common import JsonChild, child_args, emit, machine_info, status_kib, stdin_commands, summary_ms
-from proxy_capacity import BODY, ROLLOUTS
+from _common import (
+    JsonChild,
+    child_args,
+    emit,
+    machine_info,
+    run_loop,
+    status_kib,
+    stdin_commands,
+    summary_ms,
+)
+from proxy_capacity import BODY
 from yarl import URL
 
 #: Seconds an agent waits for a call before giving up on it.
@@ -73,6 +92,11 @@ CALIBRATION_RATE = 300.0
 CALIBRATION_SECONDS = 4.0
 SECONDS = 8.0
 BLOCKS = 4
+#: Calls per conversation of the closed loop's agents, and their think time between calls (seconds, mean).
+TURNS = 4
+THINK = 0.25
+#: Offered load as multiples of the calibrated capacity (``--factors``).
+FACTORS = (2.0, 4.0)
 PROBE_COST_SECONDS = 5.0
 HEADERS = {"Content-Type": "application/json"}
 BODY_BYTES = orjson.dumps(BODY)
@@ -101,12 +125,13 @@ async def _run_proxy(cfg: dict[str, Any]) -> None:
     from aglverl.proxy import LLMProxy, OverloadPolicy
 
     records = Records()
-    proxy = LLMProxy(records, backends=[cfg["backend"]], request_logprobs=True)
+    # token-in off: the static backend renders nothing (a later turn would cost a render that fails)
+    proxy = LLMProxy(records, backends=[cfg["backend"]], request_logprobs=True, token_in=False)
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
-        proxy.overload.policy = OverloadPolicy(refuse=cfg["refuse"], **cfg["policy"])
-        bases = [f"{proxy.url}/rollout/rollout-{i}/attempt/attempt-{i}/v1" for i in range(ROLLOUTS)]
-        emit({"url": proxy.url, "bases": bases, "pid": os.getpid(), "policy": repr(proxy.overload.policy)})
+        policy = proxy.overload.policy = OverloadPolicy(refuse=cfg["refuse"], **cfg["policy"])
+        module = sys.modules[LLMProxy.__module__].__file__
+        emit({"url": proxy.url, "pid": os.getpid(), "policy": repr(policy), "module": module})
         marks: dict[str, Any] = {}
         async for cmd in stdin_commands():
             if cmd.get("block") == "start":
@@ -116,6 +141,10 @@ async def _run_proxy(cfg: dict[str, Any]) -> None:
                 emit({**_block_figures(proxy, marks), "records_dropped_so_far": records.recorded})
             elif "probe_cost" in cmd:
                 emit(await _probe_cost(proxy, cmd["probe_cost"]))
+            elif "refuse_all" in cmd:  # every new call turned away (the refusal's own cost), or back to the policy
+                refusing = dataclasses.replace(policy, max_lag=1e-6, min_in_flight=0, refuse=True)
+                proxy.overload.policy = refusing if cmd["refuse_all"] else policy
+                emit({"refusing_all": cmd["refuse_all"]})
             else:
                 emit({"error": f"unknown command {cmd!r}"})
         tg.cancel_scope.cancel()
@@ -180,7 +209,9 @@ async def _probe_cost(proxy: Any, seconds: float) -> dict[str, Any]:
 
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
-    anyio.run(_run_backend if role == "backend" else _run_proxy, cfg)
+    if cfg.get("path"):  # another version's aglverl, found before this tree's
+        sys.path.insert(0, cfg["path"])
+    run_loop(_run_backend if role == "backend" else _run_proxy, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- the backend
@@ -195,8 +226,7 @@ class StaticBackend(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # asyncio's, or uvloop's (not a subclass)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -250,17 +280,11 @@ class Client:
         parsed = URL(url)
         self.host, self.port = parsed.host or "127.0.0.1", parsed.port or 80
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self.requests: dict[str, bytes] = {}
         self.slots = anyio.Semaphore(CONNECTIONS)
 
     def request(self, path: str, body: bytes) -> bytes:
-        cached = self.requests.get(path)
-        if cached is None:
-            head = (
-                f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-            )
-            cached = self.requests[path] = (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-        return cached
+        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+        return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
     async def post(self, path: str, body: bytes) -> tuple[int, dict[str, str]]:
         """The status and headers of the answer (its body read and dropped)."""
@@ -295,37 +319,50 @@ class Client:
 
 
 class Outcomes:
-    """What the calls of one block got: latencies of 200s and 429s, and failures by kind."""
+    """What the calls of one block got: latencies of 200s and 429s (and the 429s of a conversation's later
+    turns), and failures by kind."""
 
     def __init__(self) -> None:
         self.ok: list[float] = []
         self.shed: list[float] = []
+        self.later_turns_shed = 0
         self.failed: Counter[str] = Counter()
         self.retry_after: Counter[str] = Counter()
 
-    async def call(self, client: Client, path: str) -> None:
+    async def call(self, client: Client, path: str, body: bytes, turn: int = 0) -> tuple[int, dict[str, str]]:
         started = time.perf_counter()
         try:
             with anyio.fail_after(CALL_TIMEOUT):
-                status, headers = await client.post(path, BODY_BYTES)
+                status, headers = await client.post(path, body)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             self.failed[type(exc).__name__] += 1
-            return
+            return 0, {}
         elapsed = time.perf_counter() - started
         if status == 200:
             self.ok.append(elapsed)
         elif status == 429:
             self.shed.append(elapsed)
+            self.later_turns_shed += turn > 0
             self.retry_after[headers.get("retry-after", "none")] += 1
         else:
             self.failed[f"status {status}"] += 1
+        return status, headers
 
 
-async def open_loop(
-    client: Client, paths: list[str], rate: float, seconds: float
-) -> tuple[Outcomes, float, float]:
-    """Start a call at ``rate`` per second for ``seconds`` (round robin over ``paths``), whatever is still
-    running; wait for all. Returns the outcomes, the achieved start rate and the wall time to the last end."""
+_conversations = itertools.count()
+
+
+def _new_path() -> str:
+    """A new rollout attempt's chat route: every call of the open loop is a conversation's first (the calls the
+    protection may turn away; a call of an attempt under way never is)."""
+    n = next(_conversations)
+    return f"/rollout/r{n}/attempt/a{n}/v1/chat/completions"
+
+
+async def open_loop(client: Client, rate: float, seconds: float) -> tuple[Outcomes, float, float]:
+    """Start a call at ``rate`` per second for ``seconds``, whatever is still running, each a new rollout
+    attempt's first; wait for all. Returns the outcomes, the achieved start rate and the wall time to the last
+    end."""
     outcomes = Outcomes()
     count = max(1, round(rate * seconds))
     started = time.perf_counter()
@@ -334,21 +371,57 @@ async def open_loop(
             delay = started + i / rate - time.perf_counter()
             if delay > 0:
                 await anyio.sleep(delay)
-            tg.start_soon(outcomes.call, client, paths[i % len(paths)])
+            tg.start_soon(outcomes.call, client, _new_path(), BODY_BYTES)
         achieved = count / (time.perf_counter() - started + 1 / rate)
     return outcomes, achieved, time.perf_counter() - started
 
 
-def _paths(proxy: JsonChild) -> list[str]:
-    return [URL(f"{b}/chat/completions").raw_path for b in proxy.info["bases"]]
+def _turn_body(turn: int) -> bytes:
+    """A conversation's call ``turn`` (0-based): its history re-sent as text, growing by a turn each call."""
+    messages = list(BODY["messages"])
+    for k in range(turn):
+        messages += [{"role": "assistant", "content": "An answer " * 20}, {"role": "user", "content": f"more {k}"}]
+    return orjson.dumps({**BODY, "messages": messages})
 
 
-async def calibrate(proxy: JsonChild, client: Client) -> dict[str, Any]:
+TURN_BODIES = [_turn_body(turn) for turn in range(TURNS)]
+
+
+async def closed_loop(client: Client, agents: int, seconds: float, think: float) -> tuple[Outcomes, float]:
+    """``agents`` multi-turn agents, each conversation ``TURNS`` calls on one rollout attempt, ``think`` seconds
+    (U(0.5, 1.5) times) between calls; an agent starts new conversations for ``seconds`` and finishes the one it
+    is in. A call answered 429 is tried again after the ``retry-after-ms`` it was given, as the SDKs do (the
+    later turns must never get one). Returns the outcomes and the wall time to the last agent's end."""
+    outcomes = Outcomes()
+    stop = time.perf_counter() + seconds
+
+    async def agent() -> None:
+        await anyio.sleep(random.uniform(0, think))  # not all at once
+        while time.perf_counter() < stop:
+            path = _new_path()
+            for turn in range(TURNS):
+                while True:
+                    status, headers = await outcomes.call(client, path, TURN_BODIES[turn], turn)
+                    if status != 429:
+                        break
+                    await anyio.sleep(int(headers.get("retry-after-ms", "1000")) / 1e3)
+                if status != 200:
+                    break  # the conversation is lost
+                await anyio.sleep(think * random.uniform(0.5, 1.5))
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(agents):
+            tg.start_soon(agent)
+    return outcomes, time.perf_counter() - started
+
+
+async def calibrate(proxy: JsonChild, client: Client, seconds: float = CALIBRATION_SECONDS) -> dict[str, Any]:
     """The proxy's capacity: the calls per second that fill one core at its CPU cost per call, measured on the
     (unprotected) proxy at ``CALIBRATION_RATE`` (which it carries), with the loop's lag there. CPU time per
     call hardly depends on how busy the machine is, so the figure holds on a shared machine; the load that
     fills the core is where a single loop stops keeping up and its calls start queueing."""
-    level = await block("unprotected", proxy, client, CALIBRATION_RATE, CALIBRATION_SECONDS)
+    level = await block("unprotected", proxy, client, "open", CALIBRATION_RATE, seconds)
     figures = level["proxy_figures"]
     cpu_per_call = figures["cpu_percent"] / 100 / max(1e-9, level["goodput_per_s"])
     return {
@@ -379,16 +452,25 @@ def _schedstat(pid: int) -> tuple[float, float]:
     return ran / 1e9, waited / 1e9
 
 
-async def block(name: str, proxy: JsonChild, client: Client, rate: float, seconds: float) -> dict[str, Any]:
+async def block(
+    name: str, proxy: JsonChild, client: Client, load: str, level: float, seconds: float
+) -> dict[str, Any]:
+    """One block of load on one proxy: ``open`` (``level`` calls/s, each a new conversation's first) or
+    ``closed`` (``level`` multi-turn agents)."""
     await proxy.request({"block": "start"})
     (cpu0, wait0), mine0 = _schedstat(proxy.pid), _schedstat(os.getpid())
-    outcomes, achieved, wall = await open_loop(client, _paths(proxy), rate, seconds)
+    if load == "open":
+        outcomes, achieved, wall = await open_loop(client, level, seconds)
+    else:
+        outcomes, wall = await closed_loop(client, int(level), seconds, THINK)
+        achieved = (len(outcomes.ok) + len(outcomes.shed) + sum(outcomes.failed.values())) / wall
     (cpu, wait), mine = _schedstat(proxy.pid), _schedstat(os.getpid())
     cpu, wait = cpu - cpu0, wait - wait0
     figures = await proxy.request({"block": "end"})
     return {
         "proxy": name,
-        "offered_per_s": rate,
+        "load": load,
+        ("offered_per_s" if load == "open" else "agents"): level,
         "achieved_start_rate_per_s": round(achieved, 1),
         "wall_seconds": round(wall, 2),
         "ok": len(outcomes.ok),
@@ -396,6 +478,7 @@ async def block(name: str, proxy: JsonChild, client: Client, rate: float, second
         "goodput_within_1s_per_s": round(sum(t <= 1.0 for t in outcomes.ok) / wall, 1),
         "ok_ms": summary_ms(outcomes.ok),
         "shed": len(outcomes.shed),
+        "later_turns_shed": outcomes.later_turns_shed,
         "shed_ms": summary_ms(outcomes.shed),
         "retry_after_headers": dict(outcomes.retry_after),
         "failed": dict(outcomes.failed),
@@ -411,28 +494,49 @@ async def block(name: str, proxy: JsonChild, client: Client, rate: float, second
     }
 
 
-def _summary(blocks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per proxy: each block's goodput, p50 / p99 of its calls answered 200, 429s, failures, the loop's mean
-    lag, the proxy's share of wall time waiting for a CPU; the medians over blocks; the peak memory."""
+def _summary(blocks: list[dict[str, Any]], capacity: float) -> dict[str, Any]:
+    """Per proxy: each block's goodput (and as a share of the calibrated capacity), p50 / p99 of its calls
+    answered 200, 429s (of later turns apart), failures, the loop's mean lag, the proxy's share of wall time
+    waiting for a CPU; the medians over blocks; the peak memory."""
     out: dict[str, Any] = {}
     for name in dict.fromkeys(b["proxy"] for b in blocks):
         mine = [b for b in blocks if b["proxy"] == name]
         series = {
             "goodput_per_s": [b["goodput_per_s"] for b in mine],
+            "goodput_of_capacity": [round(b["goodput_per_s"] / capacity, 3) for b in mine],
             "goodput_within_1s_per_s": [b["goodput_within_1s_per_s"] for b in mine],
             "ok_p50_ms": [b["ok_ms"].get("p50", math.nan) for b in mine],
             "ok_p99_ms": [b["ok_ms"].get("p99", math.nan) for b in mine],
             "shed": [b["shed"] for b in mine],
+            "later_turns_shed": [b["later_turns_shed"] for b in mine],
             "failed": [sum(b["failed"].values()) for b in mine],
             "lag_probe_mean_ms": [b["proxy_figures"]["lag_probe_mean_ms"] for b in mine],
             "proxy_runnable_waiting_percent": [b["proxy_figures"]["runnable_waiting_percent"] for b in mine],
         }
         out[name] = {
             **series,
-            "medians": {key: round(statistics.median(values), 1) for key, values in series.items()},
+            "medians": {key: round(statistics.median(values), 3) for key, values in series.items()},
             "peak_rss_mib": max(b["proxy_figures"]["peak_rss_mib_so_far"] for b in mine),
         }
     return out
+
+
+async def refusal_cost(proxy: JsonChild, client: Client, seconds: float) -> dict[str, Any]:
+    """What turning a call away costs the proxy: its CPU per call while it refuses every new call (all of
+    them at the socket: each call here is a new conversation's first), at ``CALIBRATION_RATE``."""
+    await proxy.request({"refuse_all": True})
+    try:
+        level = await block("protected", proxy, client, "open", CALIBRATION_RATE, seconds)
+    finally:
+        await proxy.request({"refuse_all": False})
+    cpu = level["proxy_figures"]["cpu_percent"] / 100 * level["wall_seconds"]
+    return {
+        "rate": CALIBRATION_RATE,
+        "refused": level["shed"],
+        "answered": level["ok"],
+        "proxy_cpu_us_per_refusal": round(cpu / max(1, level["shed"]) * 1e6, 1),
+        "shed_ms": level["shed_ms"],
+    }
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -440,34 +544,46 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     children: dict[str, JsonChild] = {}
     clients: dict[str, Client] = {}
     try:
-        for name, refuse in (("protected", True), ("unprotected", False)):
-            children[name] = await JsonChild.start(
-                child_args(
-                    __file__,
-                    "proxy",
-                    {"backend": backend.info["url"], "refuse": refuse, "policy": args.policy},
-                )
-            )
+        versions = [("protected", True, None), ("unprotected", False, None)]
+        if args.against:  # the tree's own protection, at the same loads
+            versions.append(("protected_against", True, args.against))
+        for name, refuse, path in versions:
+            cfg = {"backend": backend.info["url"], "refuse": refuse, "policy": args.policy, "path": path}
+            children[name] = await JsonChild.start(child_args(__file__, "proxy", cfg))
             clients[name] = Client(children[name].info["url"])
-        for name, child in children.items():  # warm-up: connections, the first calls' imports
-            await open_loop(clients[name], _paths(child)[:8], 50, 1.0)
+        for name in children:  # warm-up: connections, the first calls' imports
+            await open_loop(clients[name], 50, 1.0)
         idle = {name: round(status_kib(c.pid, "VmRSS:") / 1024, 1) for name, c in children.items()}
         probe_cost = await children["protected"].request({"probe_cost": args.probe_seconds})
-        calibration = await calibrate(children["unprotected"], clients["unprotected"])
-        rate = 2 * calibration["capacity_per_s"] if args.rate == "cpu" else float(args.rate)
-        blocks = []
-        for _ in range(args.blocks):
-            for name, child in children.items():
-                blocks.append(await block(name, child, clients[name], rate, args.seconds))
+        calibration = await calibrate(children["unprotected"], clients["unprotected"], args.calibration_seconds)
+        capacity = calibration["capacity_per_s"]
+        refusal = await refusal_cost(children["protected"], clients["protected"], args.calibration_seconds)
+        runs: dict[str, Any] = {}
+        for factor in args.factors:
+            rate = factor * capacity if args.rate == "cpu" else float(args.rate) * factor / 2
+            agents = round(rate * THINK)  # a closed loop that would offer ``rate`` if answered at once
+            blocks = []
+            for _ in range(args.blocks):
+                for load, level in (("open", rate), ("closed", agents)):
+                    for name, child in children.items():
+                        blocks.append(await block(name, child, clients[name], load, level, args.seconds))
+            runs[f"{factor:g}x"] = {
+                "offered_per_s": round(rate, 1),
+                "closed_loop_agents": agents,
+                "open": _summary([b for b in blocks if b["load"] == "open"], capacity),
+                "closed": _summary([b for b in blocks if b["load"] == "closed"], capacity),
+                "blocks": blocks,
+            }
         return {
             "backend_answer_bytes": backend.info["answer_bytes"],
             "policies": {name: c.info["policy"] for name, c in children.items()},
+            "modules": {name: c.info["module"] for name, c in children.items()},
             "rss_mib_after_warm_up": idle,
             "probe_cost": probe_cost,
             "calibration": calibration,
-            "offered_per_s": rate,
-            "summary": _summary(blocks),
-            "blocks": blocks,
+            "refusal_cost": refusal,
+            "closed_loop": {"turns": TURNS, "think_s_mean": THINK},
+            "runs": runs,
         }
     finally:
         for client in clients.values():
@@ -489,10 +605,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--rate",
-        default=str(2 * QUIET_CAPACITY),
-        help=f"offered calls/s (default {2 * QUIET_CAPACITY:g}: twice the {QUIET_CAPACITY:g} calls/s one proxy "
-        "sustains on this machine), or 'cpu': twice the calls/s that fill one core at the CPU cost per call "
-        "the calibration measures in this run",
+        default="cpu",
+        help="'cpu' (default): each factor times the calls/s that fill one core at the CPU cost per call the "
+        f"calibration measures in this run; a number R: R calls/s for factor 2 (R x factor / 2 for the others; "
+        f"{2 * QUIET_CAPACITY:g} is twice the {QUIET_CAPACITY:g} calls/s one proxy sustained on a quiet VM)",
+    )
+    parser.add_argument(
+        "--factors",
+        type=lambda text: [float(f) for f in text.split(",")],
+        default=list(FACTORS),
+        help="offered load as multiples of the capacity, e.g. 2,4 (the default)",
     )
     parser.add_argument("--seconds", type=float, default=SECONDS, help="seconds of load per block")
     parser.add_argument(
@@ -504,20 +626,29 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per proxy, in turn")
     parser.add_argument("--probe-seconds", type=float, default=PROBE_COST_SECONDS, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="one 4 s block each (a smoke run)")
+    parser.add_argument(
+        "--against", metavar="DIR", help="also drive a proxy of the aglverl in DIR (git archive REV | tar -x), protected"
+    )
+    parser.add_argument("--calibration-seconds", type=float, default=CALIBRATION_SECONDS, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="factor 2, one 2 s block per load and proxy (a smoke run)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child_main(args.child[0], orjson.loads(args.child[1]))
         return
+    if args.against:
+        args.against = os.path.abspath(args.against)
     if args.quick:
-        args.seconds, args.blocks, args.probe_seconds = 4.0, 1, 2.0
+        args.seconds, args.blocks, args.probe_seconds, args.factors = 1.0, 1, 0.4, [2.0]
+        args.calibration_seconds = 1.5
     started = time.monotonic()
     machine_before = machine_info()
-    results = anyio.run(measure, args)
+    results = run_loop(measure, args)
     out = {
-        "benchmark": "one LLMProxy process at twice its capacity: overload protection on and off (loopback, static backend)",
-        "call": "chat completion, 256 tokens with ids and log-probs, recorded; no retry after a 429",
+        "benchmark": "one LLMProxy process past its capacity: overload protection on and off, open and closed loop "
+        "(loopback, static backend)",
+        "call": "chat completion, 256 tokens with ids and log-probs, recorded; open loop: every call a new "
+        "conversation's first, no retry after a 429; closed loop: multi-turn agents that wait out a 429",
         "call_timeout_s": CALL_TIMEOUT,
         "machine": {
             **machine_before,

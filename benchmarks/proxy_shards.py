@@ -44,6 +44,7 @@ from _common import (
     emit,
     machine_info,
     peak_rss_bytes,
+    run_loop,
     stdin_commands,
     summary_ms,
 )
@@ -113,7 +114,7 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     assert role == "daemon", role
-    anyio.run(_run_daemon, cfg)
+    run_loop(_run_daemon, cfg)
 
 
 # ---------------------------------------------------------------------------------------------- the agents' side
@@ -244,7 +245,7 @@ def main() -> None:
         parser.error(f"--shards must list shard counts >= 1, got {args.shards!r}")
     started = time.monotonic()
     machine_before = machine_info()
-    runs = anyio.run(measure, counts, args.quick, args.max_seconds)
+    runs = run_loop(measure, counts, args.quick, args.max_seconds)
     out = {
         "benchmark": "the LLM proxy as N shards (AgentDaemon(proxy_shards=N)): added p99 <= 5 ms capacity and costs",
         "runs": runs,

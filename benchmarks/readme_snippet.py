@@ -25,7 +25,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
-import anyio
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -97,4 +97,4 @@ async def main(steps: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    anyio.run(main, parser.parse_args().steps)
+    run_loop(main, parser.parse_args().steps)

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import anyio
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -105,4 +105,4 @@ if __name__ == "__main__":
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--plot", default=None, help="write the reward-vs-wall-time curves here (PNG)")
     arguments = parser.parse_args()
-    emit({**anyio.run(main, arguments), "machine": machine_info()})
+    emit({**run_loop(main, arguments), "machine": machine_info()})

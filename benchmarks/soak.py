@@ -67,6 +67,7 @@ import aiohttp
 import anyio
 import numpy as np
 import orjson
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -460,7 +461,7 @@ async def _run_agents(cfg: dict[str, Any]) -> None:
 
 def _child_main(role: str, cfg: dict[str, Any]) -> None:
     runners = {"mock": _run_mock, "daemon": _run_daemon, "agents": _run_agents}
-    anyio.run(runners[role], cfg)
+    run_loop(runners[role], cfg)
 
 
 # ---------------------------------------------------------------------------------------------- verdicts
@@ -769,7 +770,7 @@ def main() -> None:
         _training_soak.add_arguments(t)
         targs = t.parse_args()
         _training_soak.prepare(targs)
-        print(json.dumps(anyio.run(_training_soak.training_soak, targs), indent=1))
+        print(json.dumps(run_loop(_training_soak.training_soak, targs), indent=1))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -795,8 +796,12 @@ def main() -> None:
     p.add_argument("--stream-fraction", type=float, default=0.5)
     p.add_argument("--max-seconds", type=float, default=600.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="128 rollouts in steps of 32, 16 agents (a smoke run)")
     args = p.parse_args()
-    result = anyio.run(soak, args)
+    if args.quick:
+        args.rollouts, args.rollouts_per_step, args.agents, args.agent_procs = 128, 32, 16, 1
+        args.max_seconds, args.latency_ms, args.jitter_ms, args.think_ms = 60.0, 2.0, 8.0, 3.0
+    result = run_loop(soak, args)
     print(json.dumps(result, indent=1))
 
 

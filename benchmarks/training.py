@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from _common import run_loop
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -93,7 +94,6 @@ def _engine_handles(trainer: Any) -> list[Any]:
 
 def child(steps: int, mode: str, impl: str, rollout: str = "aglverl") -> None:
     """Train the demo task; one JSON line per step on stdout, then ``{"done": ...}``."""
-    import anyio
     import ray
 
     from aglverl.algorithm import AsyncVERL
@@ -132,7 +132,7 @@ def child(steps: int, mode: str, impl: str, rollout: str = "aglverl") -> None:
         sys.stdout.flush()
 
     algo.on_step.append(on_step)
-    anyio.run(algo.run, demo_samples(64))
+    run_loop(algo.run, demo_samples(64))
     sys.stdout.buffer.write(orjson.dumps({"done": time.monotonic() - started}) + b"\n")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+from _common import run_loop
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -126,7 +127,7 @@ async def daemon_side(steps: int, rollouts: int, count: int, warmup: int, think_
 
 def main() -> None:
     if len(sys.argv) == 6 and sys.argv[1] == "--agent-process":
-        anyio.run(agents, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+        run_loop(agents, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
         return
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
@@ -135,7 +136,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--think-ms", type=float, default=20.0, help="agent work per task: uniform 0..THINK_MS ms")
     args = p.parse_args()
-    result = anyio.run(daemon_side, args.steps, args.rollouts, args.agents, args.warmup, args.think_ms)
+    result = run_loop(daemon_side, args.steps, args.rollouts, args.agents, args.warmup, args.think_ms)
     print(json.dumps(result))
 
 

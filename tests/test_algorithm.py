@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -505,3 +506,33 @@ def test_samples_load_from_lists_jsonl_and_parquet(tmp_path: Path) -> None:
         load_samples(str(tmp_path))
     with pytest.raises(ConfigError, match="row 1 must be a mapping"):
         load_samples([{"q": 1}, "text"])  # type: ignore[list-item]
+
+
+def test_the_aglverl_proxy_section_is_read_whole_into_the_proxys_config_the_old_flat_keys_as_aliases() -> None:
+    section = {
+        "pause_timeout": 30.0,
+        "max_body_bytes": 1 << 20,
+        "request_timeout": 120.0,
+        "retry": {"attempts": 5},
+        "overload": {"max_lag": 0.2, "refuse": False},
+        "token_in": False,
+    }
+    config, options = compose_config({**SMALL, "aglverl": {"token": "t", "proxy": section}})
+    proxy = daemon_config(config, options).proxy
+    assert (proxy.pause_timeout, proxy.max_body_bytes, proxy.request_timeout) == (30.0, 1 << 20, 120.0)
+    assert (proxy.retry.attempts, proxy.overload.max_lag, proxy.overload.refuse) == (5, 0.2, False)
+    assert proxy.token == "t" and not proxy.token_in and not options.token_in
+    assert proxy.hold_timeout == 4 * 3600.0  # a run's default, not pause_timeout
+    _, dotted = compose_config({**SMALL, "aglverl.proxy.max_request_bytes": 10, "aglverl.proxy_port": 8123})
+    assert (dotted.proxy.max_body_bytes, dotted.proxy.port, dotted.proxy_port) == (10, 8123, 8123)
+    for overrides, message in [
+        ({"aglverl": {"hold_timeout": 5, "proxy": {"hold_timeout": 6}}}, "aglverl.hold_timeout is the old name"),
+        ({"aglverl.proxy.pause_timout": 1}, "'aglverl.proxy.pause_timout'; did you mean 'pause_timeout'"),
+        ({"aglverl.proxy.max_body_bytes": "big"}, "aglverl.proxy.max_body_bytes must be an integer"),
+        ({"aglverl.proxy.pause_timeout": 0}, "aglverl.proxy.pause_timeout must be > 0, got 0"),
+        ({"aglverl.proxy.retry.atempts": 2}, "unknown proxy setting 'retry.atempts'; did you mean 'attempts'"),
+        ({"aglverl.proxy_port": 70000}, "aglverl.proxy_port must be >= 0 and <= 65535, got 70000"),
+        ({"aglverl.proxy": 3}, "aglverl.proxy must be a mapping of the proxy's settings"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            compose_config({**SMALL, **overrides})

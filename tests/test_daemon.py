@@ -14,6 +14,7 @@ import pytest
 from aglverl import LLM, AgentDaemon, BatchConfig, LLMProxy, ProxyLLM, Rollout, SignalConfig, run_agents
 from aglverl.client import AgentClient
 from aglverl.daemon import DaemonConfig, ProxyConfig
+from aglverl.proxy import OverloadPolicy, RetryPolicy
 from aglverl.testing.mock_vllm import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -389,3 +390,55 @@ async def test_a_weight_update_freezes_leases_and_holds_calls_until_released_und
         record = daemon.store.record(rollout_id)
         assert record.state == "completed" and record.num_claims == 1  # the lease never expired
         assert [c.weight_version for c in record.calls] == [5]
+
+
+#: A value other than the default for every proxy setting (``ProxyConfig``'s fields but host, port, token).
+NOT_DEFAULTS: dict[str, Any] = {
+    "backend_api_key": "k",
+    "retry": RetryPolicy(attempts=5),
+    "request_timeout": 7.0,
+    "connect_timeout": 2.0,
+    "max_body_bytes": 1000,
+    "max_response_bytes": 2000,
+    "eject_seconds": 3.0,
+    "pause_timeout": 9.0,
+    "hold_timeout": 11.0,
+    "shutdown_grace": 1.0,
+    "upstream_keepalive": 2.5,
+    "request_logprobs": True,
+    "sampling_mismatch": "mask",
+    "token_in": False,
+    "overload": OverloadPolicy(refuse=False),
+}
+
+
+def test_every_proxy_setting_is_a_daemon_keyword_or_a_field_of_its_proxy_section() -> None:
+    """Every field of ``ProxyConfig`` reaches the daemon's proxy as a keyword of the same name (no list of
+    them to keep in step by hand), or whole as ``proxy=`` (a config, or a mapping as a run's section has
+    them); the keywords change what the section says; ``max_request_bytes`` is ``max_body_bytes``' old name."""
+    from aglverl.proxy.config import POLICY_FIELDS
+
+    assert set(NOT_DEFAULTS) == POLICY_FIELDS  # a new setting gets its line here
+    default = ProxyConfig()
+    assert all(getattr(default, name) != value for name, value in NOT_DEFAULTS.items())
+    by_keyword = DaemonConfig.from_keywords(**NOT_DEFAULTS, proxy_port=1234, host="127.0.0.2").proxy
+    expected = ProxyConfig(**NOT_DEFAULTS, port=1234, host="127.0.0.2")
+    assert by_keyword == expected
+    mapping = {
+        **NOT_DEFAULTS,
+        "retry": {"attempts": 5},
+        "overload": {"refuse": False},
+        "port": 1234,
+        "host": "127.0.0.2",
+    }
+    assert DaemonConfig.from_keywords(proxy=mapping).proxy == expected
+    assert DaemonConfig.from_keywords(proxy=expected).proxy == expected
+    changed = DaemonConfig.from_keywords(proxy=expected, pause_timeout=1.0, max_request_bytes=5)
+    assert (changed.proxy.pause_timeout, changed.proxy.max_body_bytes, changed.proxy.hold_timeout) == (1.0, 5, 11.0)
+    daemon = AgentDaemon(max_request_bytes=4096)
+    assert isinstance(daemon.proxy, LLMProxy)
+    assert daemon.proxy.max_body_bytes == daemon.proxy.max_request_bytes == 4096
+    with pytest.raises(ValueError, match="unknown proxy setting 'pause_timout'; did you mean 'pause_timeout'"):
+        DaemonConfig.from_keywords(proxy={"pause_timout": 1.0})
+    with pytest.raises(ValueError, match="max_request_bytes is the old name of max_body_bytes"):
+        DaemonConfig.from_keywords(max_request_bytes=1, max_body_bytes=2)

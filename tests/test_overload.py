@@ -19,7 +19,8 @@ from test_translate import claim, finish, proxied
 
 from aglverl.daemon import AgentDaemon, DaemonConfig
 from aglverl.metrics import Registry
-from aglverl.proxy import LLMProxy, Overload, OverloadPolicy, ProxyError
+from aglverl.proxy import LLMProxy, Overload, OverloadPolicy
+from aglverl.proxy.call import ProxyError
 from aglverl.testing import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -189,3 +190,166 @@ def test_the_policy_is_a_proxy_setting_from_the_daemons_keywords_to_every_part()
     assert daemon.proxy.overload.policy is calmer
     with pytest.raises(ValueError, match="max_lag"):
         OverloadPolicy(max_lag=0)
+
+
+# ---------------------------------------------------------------------------------------------- cheaply, never mid-conversation
+async def refusing_all(proxy: LLMProxy) -> None:
+    """Make the proxy shed every new call: its lag held over twice the limit for a while (~0.7 s)."""
+    proxy.reconfigure(overload=OverloadPolicy(max_lag=0.05, min_in_flight=0))
+    await stall(proxy.overload, 0.6)
+    assert proxy.overload.shedding
+
+
+async def post(http: aiohttp.ClientSession, url: str, **kwargs: Any) -> tuple[int, Any]:
+    async with http.post(url, json=CHAT, **kwargs) as response:
+        return response.status, orjson.loads(await response.read())
+
+
+@pytest.mark.parametrize("where", ["socket", "handler"])
+async def test_a_later_call_of_a_rollout_under_way_is_never_refused_a_new_rollouts_first_call_is(where: str) -> None:
+    """The review's defect: turn 2 of a conversation got 429s while the loop was late, and its earlier turns were
+    wasted. A call of an attempt that already had a call let in is never turned away, on either path a call
+    can be refused on: at the socket (before aiohttp reads it), or in the handler (a request the socket does not
+    judge: here one that says ``Expect: 100-continue``)."""
+    headers = {"Expect": "100-continue"} if where == "handler" else {}
+    async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+        _, _, under_way = claim(proxy, store)
+        _, _, new = claim(proxy, store)
+        first = await post(http, f"{under_way}/chat/completions", headers=headers)
+        await refusing_all(proxy)
+        later = [await post(http, f"{under_way}/chat/completions", headers=headers) for _ in range(3)]
+        refused = await post(http, f"{new}/chat/completions", headers=headers)
+        statistics = proxy.overload.statistics()
+    assert first[0] == 200 and [status for status, _ in later] == [200, 200, 200]
+    assert refused[0] == 429 and "overloaded" in refused[1]["error"]["message"]
+    assert statistics.shed == 1
+
+
+async def test_an_sdk_conversation_goes_on_while_the_proxy_sheds_new_calls() -> None:
+    """The openai SDK without retries: a conversation whose first turn was let in runs its later turns through
+    an overloaded proxy; the first turn of another one is turned away with a 429 (``RateLimitError``)."""
+    async with MockVLLM() as mock, proxied(mock.url) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        _, _, other = claim(proxy, store)
+        messages: list[Any] = [{"role": "user", "content": "hi"}]
+        async with openai.AsyncOpenAI(base_url=base, api_key="-", max_retries=0) as client:
+            answer = await client.chat.completions.create(model="mock", messages=messages, max_tokens=4)
+            await refusing_all(proxy)
+            for turn in range(3):
+                messages += [{"role": "assistant", "content": answer.choices[0].message.content}]
+                messages += [{"role": "user", "content": f"more {turn}"}]
+                answer = await client.chat.completions.create(model="mock", messages=messages, max_tokens=4)
+        async with openai.AsyncOpenAI(base_url=other, api_key="-", max_retries=0) as client:
+            with pytest.raises(openai.RateLimitError):
+                await client.chat.completions.create(model="mock", messages=messages[:1], max_tokens=4)
+        calls = finish(store, rid, aid)
+    assert len(calls) == 4 and all(c.status == "ok" for c in calls)
+
+
+async def raw_exchange(url: str, writes: list[bytes], answers: int) -> list[bytes]:
+    """``writes`` sent on one connection, a short pause between them (each its own read on the other side);
+    the heads and bodies of ``answers`` responses read back."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for data in writes:
+            writer.write(data)
+            await writer.drain()
+            await anyio.sleep(0.02)
+        out = []
+        with anyio.fail_after(20):
+            for _ in range(answers):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                out.append(head + await reader.readexactly(length))
+        return out
+    finally:
+        writer.close()
+
+
+def raw_request(base: str, body: bytes) -> bytes:
+    path = base.split("/", 3)[3]
+    head = f"POST /{path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+#: The two event loops the proxy runs on (the CLI's and shards' uvloop, an embedding application's asyncio).
+LOOPS = pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"])
+
+
+@LOOPS
+async def test_a_new_call_is_refused_at_the_socket_as_soon_as_its_head_is_in() -> None:
+    """The 429 comes before the agent has sent its body (the decision needs none of it); the body that follows
+    is read past, and the same connection then carries a call of a rollout under way to its answer."""
+    body = orjson.dumps(CHAT)
+    async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+        _, _, under_way = claim(proxy, store)
+        _, _, new = claim(proxy, store)
+        assert (await post(http, f"{under_way}/chat/completions"))[0] == 200
+        await refusing_all(proxy)
+        new_request = raw_request(new, body)
+        cut = new_request.index(b"\r\n\r\n") + 4
+        host, port = proxy.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(new_request[:cut])  # the head alone
+            with anyio.fail_after(5):
+                refused = await reader.readuntil(b"\r\n\r\n")
+            length = int(refused.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(new_request[cut:] + raw_request(under_way, body))  # its body, then another call
+            with anyio.fail_after(20):
+                answered = await reader.readuntil(b"\r\n\r\n")
+        finally:
+            writer.close()
+        rejected = proxy.counters()["proxy/calls_rejected"]
+    assert refused.startswith(b"HTTP/1.1 429 ") and b"Retry-After: 1" in refused
+    assert answered.startswith(b"HTTP/1.1 200 ")
+    assert rejected == 1 and len([r for r in mock.requests if r.path == "/v1/chat/completions"]) == 2
+
+
+@LOOPS
+@pytest.mark.parametrize("shedding", [False, True])
+async def test_requests_cut_anywhere_reach_the_proxy_whole_whether_it_sheds_or_not(shedding: bool) -> None:
+    """What the socket's reading hands on is the requests as they came, however they are cut: a head in pieces,
+    a body in pieces, two requests in one read (pipelined), a request's end and the next one's start."""
+    body = orjson.dumps(CHAT)
+    async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+        _, _, base = claim(proxy, store)
+        assert (await post(http, f"{base}/chat/completions"))[0] == 200  # under way: let in while shedding
+        if shedding:
+            await refusing_all(proxy)
+        one = raw_request(base, body)
+        cuts = [  # (the writes, the requests in them)
+            ([one[:7], one[7:40], one[40:]], 1),
+            ([one[: len(one) - 5], one[len(one) - 5 :] + one[:20], one[20:]], 2),
+            ([one + one], 2),
+        ]
+        answers = [await raw_exchange(proxy.url, writes, count) for writes, count in cuts]
+    statuses = [a.split(b" ", 2)[1] for group in answers for a in group]
+    assert statuses == [b"200"] * len(statuses) and len(statuses) == 5
+    assert len([r for r in mock.requests if r.path == "/v1/chat/completions"]) == 6
+
+
+async def test_agent_lightnings_hop_applies_the_proxys_decision_before_it_reads_a_body() -> None:
+    """Agent Lightning's agents call through the task server's hop, then the proxy: a new rollout's first call
+    is turned away at the hop (once: the proxy never sees it), the later calls of a rollout under way never."""
+    async with (
+        MockVLLM() as mock,
+        AgentDaemon(backends=[mock.url], model="mock") as daemon,
+        aiohttp.ClientSession() as http,
+    ):
+        for rollout_id in ("a", "b"):
+            async with http.post(f"{daemon.server_url}/api/rollouts", json=[{"input": {}, "rollout_id": rollout_id}]) as r:
+                assert r.status == 201
+        hop = f"{daemon.server_url}/proxy/rollout/{{}}/attempt/0/mode/train/openai/v1/chat/completions"
+        first = await post(http, hop.format("a"))
+        proxy = daemon.proxy
+        assert isinstance(proxy, LLMProxy)
+        await refusing_all(proxy)
+        later = await post(http, hop.format("a"))
+        refused = await post(http, hop.format("b"))
+        counters = proxy.counters()
+    assert (first[0], later[0], refused[0]) == (200, 200, 429)
+    assert refused[1]["error"]["type"] == "RateLimitError"
+    assert counters["proxy/calls_shed"] == 1 and counters["proxy/calls_rejected"] == 0  # never reached it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -14,15 +15,17 @@ import anyio
 import openai
 import orjson
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
 from yarl import URL
 
-from aglverl._net import bind_listener
+from aglverl._net import HttpListener, bind_listener
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import Capture, LLMProxy, RetryPolicy
+from aglverl.proxy import LLMProxy, RetryPolicy
+from aglverl.proxy.capture import Capture
 from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, ReplayCase, load_replay_cases, prompt_token_ids, token_logprob
 from aglverl.trajectory.rollouts import termination_of
@@ -779,8 +782,8 @@ async def test_token_is_required_when_configured_and_never_forwarded(http: aioht
                     assert_openai_error(await r.json(), 401, "token")
             async with sdk(url, api_key="s3cret") as client:
                 await client.chat.completions.create(model="mock", messages=CHAT, max_tokens=1)
-    [seen] = mock.requests
-    assert "Authorization" not in seen.headers
+    [listing, seen] = mock.requests  # the model listing, read once (the backend's dialect), then the call
+    assert listing.path == "/v1/models" and "Authorization" not in seen.headers
 
 
 async def test_path_escaping_v1_is_refused(http: aiohttp.ClientSession) -> None:
@@ -954,3 +957,58 @@ async def test_request_logprobs_asks_the_backend_unless_the_agent_decided(
     assert calls[0].response_token_ids is not None
     assert calls[0].logprobs == [token_logprob(t) for t in calls[0].response_token_ids]
     assert calls[1].logprobs is None and calls[1].response_token_ids is not None
+
+
+async def test_a_stream_goes_to_the_agent_in_one_write_per_upstream_read(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend that sends its events in bursts (eight per write, a pause between): each burst the proxy reads
+    at once goes to the agent in one write, however many events it holds, recorded stream or not."""
+    bursts, per_burst = 6, 8
+
+    theirs: list[web.StreamResponse] = []  # the backend's own response: its writes are not the proxy's
+
+    async def bursty(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        theirs.append(response)
+        await response.prepare(request)
+        ids = itertools.count(1)
+        for _ in range(bursts):
+            events = b"".join(
+                b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [next(ids)]}]})
+                + b"\n\n"
+                for _ in range(per_burst)
+            )
+            await response.write(events)
+            await anyio.sleep(0.05)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", bursty)
+    backend = HttpListener(app, "127.0.0.1", 0)
+    url = await backend.start()
+    writes: list[int] = []
+    original = web.StreamResponse.write
+
+    async def counted(self: web.StreamResponse, data: bytes) -> None:
+        if self not in theirs and data:
+            writes.append(data.count(b"data: "))
+        await original(self, data)
+
+    try:
+        store = TaskStore()
+        proxy = make_proxy(store, [url])
+        async with serving(proxy):
+            rid, aid = claim(store)
+            monkeypatch.setattr(web.StreamResponse, "write", counted)
+            async with http.post(base_url(proxy, rid, aid) + "/chat/completions", json=chat_body(stream=True)) as r:
+                assert r.status == 200
+                await r.read()
+            monkeypatch.undo()
+            [record] = finish(store, rid, aid)
+    finally:
+        await backend.stop()
+    assert sum(writes) == bursts * per_burst + 1 and len(writes) <= bursts + 1  # a write per burst read
+    assert record.response_token_ids == list(range(1, bursts * per_burst + 1))

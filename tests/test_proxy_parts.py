@@ -18,7 +18,9 @@ from anyio.lowlevel import checkpoint
 import aglverl.proxy
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
-from aglverl.proxy import Call, Capture, ProxyError, RetryPolicy
+from aglverl.proxy import RetryPolicy
+from aglverl.proxy.call import Call, ProxyError
+from aglverl.proxy.capture import Capture
 from aglverl.proxy.config import ProxyConfig
 from aglverl.proxy.gate import Gate
 from aglverl.proxy.meters import Meters
@@ -340,3 +342,12 @@ def test_capture_reports_logprobs_only_as_one_number_per_id() -> None:
         assert capture.take_body(answer(logprobs))
         [(_, _, ids, lps)] = capture.result()
         assert ids == [1, 2] and lps == expected and all(type(v) is float for v in lps or ())
+
+
+def test_the_proxys_keywords_are_its_configs_fields_one_for_one() -> None:
+    """``ProxySettings`` (the keywords of ``LLMProxy``, and ``AgentDaemon``'s through ``ProxyPolicySettings``)
+    names each field of ``ProxyConfig`` once, and the old names of renamed ones: a new setting is one field and
+    its line there, in one module."""
+    from aglverl.proxy.config import ALIASES, PROXY_FIELDS, ProxySettings
+
+    assert ProxySettings.__optional_keys__ == PROXY_FIELDS | ALIASES.keys()

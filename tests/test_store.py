@@ -401,3 +401,33 @@ async def test_reason_an_agent_declares_is_recorded_with_its_result(
     metadata = {"termination_reason": declared} if declared else {}
     store.submit_result(Rollout(rollout_id=rid, final_reward=0.0, metadata=metadata))
     assert store.record(rid).termination == recorded
+
+
+async def test_every_state_change_is_one_of_the_transition_table_announced_as_it_says() -> None:
+    """A rollout's life (queued, claimed, a claim undone, an attempt failed and retried, finished) moves only
+    along :data:`~aglverl.store.TRANSITIONS`, each change announced with an attempt event the table allows for
+    it, with the state after the change; a move the table lacks is refused with nothing changed."""
+    from aglverl.store import TRANSITIONS, AttemptChange
+
+    store = TaskStore(max_attempts=3)
+    heard: list[AttemptChange] = []
+    store.on_attempt(heard.append)
+    rid = store.enqueue("x")
+    first = store.try_claim()
+    assert first is not None and first.attempt_id
+    assert store.release(rid, first.attempt_id)
+    second = store.try_claim()
+    assert second is not None and second.attempt_id
+    store.submit_result(Rollout(rollout_id=rid, attempt_id=second.attempt_id, status="failed"))
+    third = store.try_claim()
+    assert third is not None and third.attempt_id
+    store.submit_result(Rollout(rollout_id=rid, attempt_id=third.attempt_id, final_reward=1.0))
+    states = ["queued", *(change.state for change in heard[1:])]
+    assert [c.kind for c in heard] == ["queued", "claimed", "released", "claimed", "ended", "claimed", "ended"]
+    assert states == ["queued", "claimed", "queued", "claimed", "queued", "claimed", "completed"]
+    for before, change in zip(states, heard[1:], strict=False):
+        assert change.kind in TRANSITIONS[(before, change.state)]  # type: ignore[index]
+    entry = store._entries[rid]
+    with pytest.raises(RuntimeError, match="no transition completed -> queued"):
+        entry.move("queued", "ended")
+    assert store.state(rid) == "completed"

@@ -29,6 +29,7 @@ from helpers.tokenin import api_conversation, chat_turn, counts, extends
 from test_translate import claim, finish, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
+from aglverl.proxy import tokenin
 from aglverl.proxy.dialect import DEFAULT, ENGINE, VLLM, detect
 from aglverl.proxy.session import Answer, Sessions, canonical_message
 from aglverl.proxy.tokenin import TEMPLATES_KEPT
@@ -495,7 +496,7 @@ async def test_token_in_off_relays_every_call_as_text() -> None:
         rid, aid, base = claim(proxy, store)
         await conversation(base, False, turns=2)
         finish(store, rid, aid)
-    assert proxy.token_in is None and [r.path for r in mock.requests] == [CHAT, CHAT]
+    assert proxy.token_in is None and [r.path for r in upstream(mock)] == [CHAT, CHAT]
     assert not from_ids(mock)
 
 
@@ -666,3 +667,97 @@ def sent_ids_of(body: dict[str, Any]) -> list[int]:
     ids = body["kv_transfer_params"]["prompt_token_ids"]
     assert isinstance(ids, list)
     return ids
+
+
+# ---------------------------------------------------------------------------------------------- round 3 (issue 41)
+@pytest.mark.parametrize("case", ["few_shot", "forgotten"])
+async def test_a_template_the_backend_renders_otherwise_is_found_out_whatever_the_first_call_held(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check of the proxy's template against the backend's was skipped when the first call held an
+    assistant message (few-shot) and once the cache had forgotten the verdict (the turns after it were made
+    from ids, none of them rendered by the backend): the proxy then rendered tails with its own generation
+    prompt (``<|assistant|>\\n`` where the backend renders ``\\n<|assistant|>``)."""
+    if case == "forgotten":
+        monkeypatch.setattr(tokenin, "TEMPLATES_KEPT", 1)  # a run of one conversation keeps two contexts
+    async with MockVLLM(tokenizer=True) as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+        assert mock.tokenizer_dir is not None
+        other = JINJA_TEMPLATES["plain"].replace("<|assistant|>{% endif %}", "<|assistant|>\n{% endif %}")
+        (mock.tokenizer_dir / "chat_template.jinja").write_text(other)
+        rid, aid, base = claim(proxy, store)
+        messages: list[Any] = [{"role": "user", "content": "hello"}]
+        if case == "few_shot":
+            messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": " 4  "}, *messages]
+        turns = 2 if case == "few_shot" else 4
+        for turn in range(turns):
+            if case == "forgotten" and turn == 2:  # other conversations with their own tools, then this one again
+                for i in range(2):
+                    _, _, other_base = claim(proxy, store)
+                    tool = {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+                    chat: list[Any] = [{"role": "user", "content": "q"}]
+                    for _ in range(2):
+                        body = {"model": "mock", "max_tokens": 2, "tools": [tool], "messages": chat}
+                        async with http.post(f"{other_base}/chat/completions", json=body) as r:
+                            chat += [(await r.json())["choices"][0]["message"], {"role": "user", "content": "and?"}]
+            body = {"model": "mock", "max_tokens": 4, "messages": messages}
+            async with http.post(f"{base}/chat/completions", json=body) as r:
+                answer = (await r.json())["choices"][0]["message"]
+            messages += [answer, {"role": "user", "content": f"more {turn}"}]
+        calls = finish(store, rid, aid)
+    assert_chained(calls)
+    # every tail the proxy made was rendered by the backend: its generation prompt, not the proxy's
+    assert [bytes((c.prompt_token_ids or [])[-14:]) for c in calls[1:]] == [b"\n<|assistant|>"] * (turns - 1)
+
+
+async def test_an_answer_that_ended_on_another_stop_token_gets_no_second_end_of_turn() -> None:
+    """An answer the engine stopped on one of the model's other stop tokens (Qwen2.5's ``<|endoftext|>``, Llama
+    3.1's ``<|eom_id|>``: vLLM keeps it in the ids and reports it as ``stop_reason``) has ended its turn: the
+    next call's ids go on with the glue, not with the template's end of turn after it."""
+    async with MockVLLM(tokenizer=True) as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+        rid, aid, base = claim(proxy, store)
+        messages: list[Any] = [{"role": "user", "content": "hello"}]
+        async with http.post(f"{base}/chat/completions", json={"model": "mock", "messages": messages}) as r:
+            prompt = (await r.json())["prompt_token_ids"]
+        stop = completion_token_ids(prompt, 0, 4)[2]  # the third token the engine will generate is a stop token
+        finish(store, rid, aid)
+        rid, aid, base = claim(proxy, store)
+        calls_made = []
+        for turn in range(2):
+            body = {"model": "mock", "max_tokens": 4, "messages": messages, "stop_token_ids": [stop]}
+            async with http.post(f"{base}/chat/completions", json=body) as r:
+                answer = (await r.json())["choices"][0]
+            calls_made.append(answer)
+            messages += [answer["message"], {"role": "user", "content": f"more {turn}"}]
+        first, second = finish(store, rid, aid)
+    assert calls_made[0]["finish_reason"] == "stop" and calls_made[0]["stop_reason"] == stop
+    assert first.response_token_ids is not None and first.response_token_ids[-1] == stop
+    assert first.prompt_token_ids is not None and second.prompt_token_ids is not None
+    head = first.prompt_token_ids + first.response_token_ids
+    assert second.prompt_token_ids[: len(head)] == head
+    # the mock's template ends a turn with "\n" (its end of turn) and has no glue: the next turn follows the stop
+    # token at once (before: "\n<|user|>...", a second end of turn after the one the engine generated)
+    assert bytes(second.prompt_token_ids[len(head) :]) == b"<|user|>more 0\n<|assistant|>"
+
+
+async def test_the_template_cache_holds_the_runs_conversations() -> None:
+    """More conversations alive at once than the cache's floor, each with its own tool list: the cache is
+    sized from the run (twice the attempts with a session), so none of them has its template read again."""
+    rollouts = TEMPLATES_KEPT + 44
+    async with (
+        MockVLLM(completion_tokens=1, tokenizer=True) as mock,
+        proxied(mock.url) as (proxy, store),
+        aiohttp.ClientSession() as http,
+    ):
+        assert proxy.token_in is not None
+        conversations = []
+        for i in range(rollouts):
+            _, _, base = claim(proxy, store)
+            tool = {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
+            conversations.append((base, {"model": "mock", "max_tokens": 1, "tools": [tool]}, [{"role": "user", "content": "q"}]))
+        for _ in range(2):  # every conversation's first call, then every second one (a context each)
+            for base, body, messages in conversations:
+                async with http.post(f"{base}/chat/completions", json={**body, "messages": messages}) as r:
+                    answer = (await r.json())["choices"][0]["message"]
+                messages += [answer, {"role": "user", "content": "and?"}]
+        kept = proxy.token_in.templates_kept()
+    assert kept == rollouts and counts(proxy) == {"first_call": rollouts, "generated": rollouts}

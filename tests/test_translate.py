@@ -5,10 +5,10 @@ vLLM-shaped mock (tool calls, faults) and the embedded inference server, down to
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import aiohttp
 import anthropic
@@ -26,7 +26,9 @@ from aglverl import AgentDaemon, BatchConfig, InferenceServer, Rollout, run_agen
 from aglverl.metrics import Registry
 from aglverl.models import LLM
 from aglverl.proxy import LLMProxy, RetryPolicy
-from aglverl.proxy.api import TranslationError, Translator, error_body, new_translator
+from aglverl.proxy.api import APIS, Route, TranslationError, Translator, error_body, new_translator
+from aglverl.proxy.api.translator import Block, Exchange, Fields, items_of
+from aglverl.proxy.sse import sse_event
 from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM, load_replay_cases, tool_arguments
 
@@ -893,3 +895,113 @@ async def test_a_step_of_translated_agents_trains_on_the_backends_ids(api: str) 
         prompt = data.batch["prompts"][row][mask[row]].tolist()
         response = data.batch["responses"][row][: int(data.batch["response_mask"][row].sum())].tolist()
         assert answered[tuple(prompt)] == response
+
+
+# ---------------------------------------------------------------------------------------------- a new API
+class ContentsApi:
+    """A toy API in one class (Gemini's shape, trimmed): the model in the path, a route that streams and one
+    that does not, ``contents`` in, ``candidates`` out, its key in ``x-goog-api-key``."""
+
+    name: ClassVar[str] = "contents"
+    routes: ClassVar[tuple[Route, ...]] = (
+        Route("models/{model}:generateContent", model="model", stream=False),
+        Route("models/{model}:streamGenerateContent", model="model", stream=True),
+    )
+    credential_header: ClassVar[str | None] = "x-goog-api-key"
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.ex = exchange
+
+    @staticmethod
+    def error_body(status: int, message: str, param: str | None = None) -> bytes:
+        return orjson.dumps({"error": {"code": status, "message": message, "status": "TOY_ERROR"}})
+
+    def to_chat(self, body: Fields) -> dict[str, Any]:
+        messages = []
+        for content, where in items_of(body, "contents", required=True):
+            fields = Fields(content, where)
+            role = "assistant" if fields.get("role", str) == "model" else "user"
+            parts = [Fields(part, f"{where}.parts.{i}") for i, part in enumerate(fields.get("parts", list, required=True))]
+            messages.append({"role": role, "content": "".join(p.get("text", str, required=True) for p in parts)})
+            for part in parts:
+                part.done()
+            fields.done()
+        config = Fields(body.get("generationConfig", dict) or {}, "generationConfig")
+        chat = {"model": self.ex.model, "messages": messages, "max_tokens": config.get("maxOutputTokens", int)}
+        config.done()
+        body.done(chat)
+        return chat
+
+    def item_id(self, kind: Literal["text", "tool"]) -> str:
+        return ""
+
+    def _candidate(self, text: str, finish: str | None) -> dict[str, Any]:
+        candidate: dict[str, Any] = {"content": {"role": "model", "parts": [{"text": text}]}}
+        if finish is not None:
+            candidate["finishReason"] = "MAX_TOKENS" if finish == "length" else "STOP"
+        return {"candidates": [candidate], "modelVersion": self.ex.backend_model}
+
+    def final(self) -> dict[str, Any]:
+        return self._candidate("".join(b.text for b in self.ex.blocks), self.ex.finish)
+
+    def start(self) -> list[bytes]:
+        return []
+
+    def block_start(self, block: Block) -> list[bytes]:
+        return []
+
+    def text_delta(self, block: Block, text: str, logprobs: list[Any]) -> bytes:
+        return sse_event(self._candidate(text, None))
+
+    def tool_delta(self, block: Block, arguments: str) -> bytes:
+        return b""
+
+    def block_stop(self, block: Block) -> list[bytes]:
+        return []
+
+    def stream_end(self) -> list[bytes]:
+        return [sse_event(self._candidate("", self.ex.finish))]
+
+    def stream_failed(self, message: str, started: bool) -> bytes:
+        return sse_event(orjson.loads(self.error_body(502, message)))
+
+
+@pytest.fixture
+def contents_api() -> Iterator[type[ContentsApi]]:
+    APIS.register(ContentsApi)  # type: ignore[arg-type]
+    try:
+        yield ContentsApi
+    finally:
+        APIS.unregister(ContentsApi)  # type: ignore[arg-type]
+
+
+async def test_a_new_api_in_one_class_with_its_model_in_the_path_and_its_own_key_header(
+    contents_api: type[ContentsApi],
+) -> None:
+    body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}], "generationConfig": {"maxOutputTokens": 4}}
+    async with (
+        MockVLLM() as mock,
+        proxied(mock.url, token="s3cret") as (proxy, store),
+        aiohttp.ClientSession() as http,
+    ):
+        rid, aid, base = claim(proxy, store)
+        key = {"x-goog-api-key": "s3cret"}
+        async with http.post(f"{base}/models/mock:generateContent", json=body, headers=key) as r:
+            whole = (r.status, await r.json())
+        async with http.post(f"{base}/models/mock:streamGenerateContent", json=body, headers=key) as r:
+            events = sse_events(await r.read())
+        async with http.post(f"{base}/models/mock:generateContent", json=body, headers={"x-goog-api-key": "no"}) as r:
+            refused = (r.status, await r.json())
+        calls = finish(store, rid, aid)
+    status, answer = whole
+    assert status == 200 and answer["candidates"][0]["finishReason"] == "MAX_TOKENS"
+    text = answer["candidates"][0]["content"]["parts"][0]["text"]
+    streamed = "".join(e["candidates"][0]["content"]["parts"][0]["text"] for _, e in events)
+    assert streamed == text and text == "".join(f" t{t}" for t in calls[0].response_token_ids or [])
+    assert refused[0] == 401 and refused[1]["error"]["status"] == "TOY_ERROR"  # the proxy's error, in its shape
+    assert len(calls) == 2 and all(c.prompt_token_ids and c.response_token_ids for c in calls)
+    generations = [r for r in mock.requests if r.path == "/v1/chat/completions"]
+    assert [r.json["model"] for r in generations] == ["mock", "mock"]  # from the path
+    assert [r.json.get("stream", False) for r in generations] == [False, True]  # from the route
+    assert all("x-goog-api-key" not in r.headers for r in generations)  # the key stays with the proxy
+    assert "x-goog-api-key" in APIS.credential_headers

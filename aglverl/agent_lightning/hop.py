@@ -14,7 +14,10 @@ aglverl's proxy's to fill in or check.
 A call on a ``queuing`` rollout starts it (its aglverl attempt is claimed): Agent Lightning's controllers spawn
 the agent before they report it running (``runner_type=k8s`` only on its next poll), and the agent's first call
 must not wait for that. A call on a finished rollout is a 409. The agent's credential (Agent Lightning's key,
-``Authorization: Bearer`` or ``x-api-key``) is checked here and never forwarded; the hop sends aglverl's token.
+``Authorization: Bearer`` or ``x-api-key``) is checked here and never forwarded (nor any header an agent's API
+carries a key in: the proxy's one list); the hop sends aglverl's token. While the proxy on this loop is
+overloaded, a new call (not one of a rollout attempt under way) may get its 429 here, before its body is read:
+the proxy's own decision (``LLMProxy.refusal``), so that a turned-away call costs the loop once, not twice.
 
 Cancellation: an agent that disconnects while its call is upstream (or held) cancels the relayed request, and
 aglverl's proxy cancels the backend's; a stream the agent leaves is closed upstream the same way.
@@ -34,7 +37,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..models import LLM
-from ..proxy.call import HOP_BY_HOP
+from ..proxy.api import APIS, Translator
+from ..proxy.call import ProxyError
+from ..proxy.headers import HOP_BY_HOP
 from ..store import TaskStore
 from .http import Refused, read_body
 from .rollouts import AgentLightningRollouts, Conflict, NotFound
@@ -43,7 +48,6 @@ __all__ = ["ProxyHop"]
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP
 #: How long the hop waits to connect to aglverl's proxy (in this process, on loopback or a shard's node).
 _CONNECT_SECONDS = 10.0
@@ -71,6 +75,9 @@ class ProxyHop:
         self.served_model = served_model
         self._auth = f"Bearer {token}" if token else None
         self._session: aiohttp.ClientSession | None = None
+        #: The proxy's overload decision for a call of a rollout attempt (``LLMProxy.refusal``, when the proxy
+        #: runs on this loop): a new call it turns away gets its 429 here, before its body is read.
+        self.refusal: Callable[[str, str], ProxyError | None] | None = None
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Hold the connection pool to aglverl's proxy until cancelled; then close it."""
@@ -106,9 +113,14 @@ class ProxyHop:
             raise Refused(404, f"Unsupported proxy mode: {mode} (train or val)")
         if self._session is None:
             raise Refused(503, "the Agent Lightning proxy path is not serving")
-        body = await read_body(request, self.max_body_bytes)
         slot = await self.rollouts.start(params["rollout_id"])
         assert slot.attempt_id is not None
+        refused = self.refusal(slot.rollout_id, slot.attempt_id) if self.refusal is not None else None
+        if refused is not None:  # the proxy's overload policy, decided before the body is read
+            found = APIS.match(params["path"]) if request.method == "POST" else None
+            body = refused.body(Translator(*found) if found is not None else None)
+            return Response(body, 429, headers=dict(refused.headers or {}), media_type="application/json")
+        body = await read_body(request, self.max_body_bytes)
         update = self.store.resources(slot.resources_id or self.store.task(slot.rollout_id).resources_id)
         llm = update.resources.get("main_llm") if update is not None else None
         if not isinstance(llm, LLM):
@@ -117,7 +129,8 @@ class ProxyHop:
         if request.url.query:
             url += f"?{request.url.query}"
         body = self._prepare(body, llm, request.headers.get("content-type", ""))
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        drop = APIS.not_forwarded  # the agent's credential (in any header an API takes one in) stays here
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         if self._auth is not None:
             headers["Authorization"] = self._auth
         upstream = await self._send(request, request.method, url, headers, body)

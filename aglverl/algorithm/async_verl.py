@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from typing import Any, TextIO
@@ -14,9 +13,6 @@ from typing import Any, TextIO
 import anyio
 import anyio.abc
 import anyio.to_thread
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 from ..agent_lightning.config import AgentLightningSettings, map_section, rollout_config_for
 from ..agent_lightning.verl_config import refuse_verl_keys
@@ -177,9 +173,11 @@ class AsyncVERL:
         # blocking: it makes the journal's directory
         settings = await anyio.to_thread.run_sync(daemon_config, config, self.options)
         settings = dataclasses.replace(settings, agent_lightning=self.agent_lightning)
-        if self.agent is not None and settings.proxy_shards == 1:
+        given = user_set(self._overrides, "aglverl.proxy.overload.refuse")
+        if self.agent is not None and settings.proxy_shards == 1 and not given:
             # The agents run on this event loop beside the proxy: a late loop is their own work, and a 429 would
-            # only fail their rollouts (it frees nothing), so the proxy measures its lag and turns no call away.
+            # only fail their rollouts (it frees nothing), so unless the config says otherwise the proxy measures
+            # its lag and turns no call away.
             measuring = dataclasses.replace(settings.proxy.overload, refuse=False)
             settings = dataclasses.replace(settings, proxy=dataclasses.replace(settings.proxy, overload=measuring))
         plan = verl_v1.RunPlan(

@@ -16,9 +16,6 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-if sys.version_info < (3, 11):
-    pass
-
 from ..trajectory.signals import SignalConfig
 from .options import DaemonOptions
 
@@ -576,11 +573,11 @@ def run_config(config: Any, *, has_validation: bool) -> Any:
 
 def daemon_config(config: Any, options: DaemonOptions) -> DaemonConfig:
     """The daemon's settings for a run of ``config`` with the ``aglverl:`` ``options``: each option goes to the
-    setting of the same name in the part that uses it (the proxy's, the store's, the batch's, the signal's), in
-    this one place. What only verl's trainer knows (backends, served model, vocabulary size, pad id) is left
+    setting of the same name in the part that uses it (the proxy's section whole, the store's, the batch's, the
+    signal's, whose ``request_logprobs`` turns on the proxy's), in this one place. What only verl's trainer knows (backends, served model, vocabulary size, pad id) is left
     at its default for :func:`aglverl.verl_v1.daemon_config_for` to fill in. Creates the journal's directory
     (and removes a previous run's journal when ``trainer.resume_mode`` is ``disable``)."""
-    from ..daemon import DaemonConfig, ProxyConfig, StoreConfig
+    from ..daemon import DaemonConfig, StoreConfig
     from ..trajectory.batch import BatchConfig
     from .runtime import journal_path
 
@@ -595,15 +592,7 @@ def daemon_config(config: Any, options: DaemonOptions) -> DaemonConfig:
         max_failed_groups=int(data.train_batch_size) if bound is None else bound,
         journal_path=journal_path(config, options.journal),
         proxy_shards=options.proxy_shards,
-        proxy=ProxyConfig(
-            host=options.host,
-            port=options.proxy_port,
-            token=options.token,
-            hold_timeout=options.hold_timeout,
-            sampling_mismatch=options.sampling_mismatch,
-            token_in=options.token_in,
-            request_logprobs=options.signal.request_logprobs,
-        ),
+        proxy=options.proxy,
         store=StoreConfig(lease_seconds=options.lease_seconds, max_attempts=options.max_attempts),
         batch=BatchConfig(
             max_prompt_length=int(data.max_prompt_length), max_response_length=int(data.max_response_length)

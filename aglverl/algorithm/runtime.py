@@ -8,16 +8,12 @@ import dataclasses
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, cast
-
-if sys.version_info < (3, 11):
-    pass
 
 from .validation import ConfigError
 

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-if sys.version_info < (3, 11):
-    pass
 
 from .validation import ConfigError
 

@@ -9,7 +9,8 @@
   on a GPU).
 
 Both print one JSON line with their URLs once serving (``serve``: then one per finished rollout), and stop
-cleanly on Ctrl-C or SIGTERM.
+cleanly on Ctrl-C or SIGTERM. Every command runs on uvloop where it is installed (``--loop asyncio`` or
+``AGLVERL_LOOP=asyncio``: asyncio's loop; :mod:`aglverl.cli.loop`).
 
 - ``aglverl demo`` runs the embedded end-to-end training (verl's trainer on CPU, the tiny model, agents on the
   toy task); its last stdout line is a JSON summary (see :mod:`aglverl.cli.demo`).
@@ -31,6 +32,8 @@ from typing import Any
 import anyio
 import orjson
 from anyio.abc import TaskGroup
+
+from .loop import LOOP_ENV, LOOPS, run
 
 __all__ = ["main"]
 
@@ -338,6 +341,12 @@ def _fit(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="aglverl", description=__doc__)
+    parser.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default=None,
+        help=f"event loop: auto (uvloop where installed, the default), uvloop or asyncio (also ${LOOP_ENV})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _serve_model_parser(sub)
@@ -351,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fit(args)
     commands = {"serve": _serve, "serve-model": _serve_model, "demo": _demo}
     try:
-        anyio.run(commands[args.command], args)
+        run(commands[args.command], args, loop=args.loop)
     except KeyboardInterrupt:
         print("aglverl: interrupted; shut down cleanly", file=sys.stderr)
         return 130

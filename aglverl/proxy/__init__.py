@@ -5,7 +5,8 @@ every HTTP method:
 
 - ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` — attributed calls. The attempt is checked against
   the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
-  ``POST completions`` get ``"return_token_ids": true`` added (unless the client set the key) and, with
+  ``POST completions`` get the backend dialect's ids fields added (vLLM's ``"return_token_ids": true``) unless the
+  client set them and, with
   ``request_logprobs``, ``"logprobs"`` too (``true`` for chat, ``0`` for completions: the sampled tokens' own
   logprobs), and are recorded in the store as :class:`~aglverl.store.LLMCall` rows, one per choice: exact
   prompt/response ids, logprobs, finish reason, the limit that ended the response (``max_tokens`` or the
@@ -40,10 +41,12 @@ prompt ids (warned about once) is relayed as text and starts a new chain;
 embedded engine, ...) is its :mod:`~aglverl.proxy.dialect`, detected from its model listing.
 
 ``POST responses`` (OpenAI's Responses API) and ``POST messages`` (Anthropic's Messages API), on either route
-family, are translated by :mod:`aglverl.proxy.api` (one module per API, a registry by path): the body becomes a
+family, are translated by :mod:`aglverl.proxy.api` (one module per API, each declaring its routes, path
+parameters included, and its key header, behind one registry): the body becomes a
 chat completion before anything else looks at it (so an attributed one is prepared, relayed and recorded exactly like a chat call, under the
 agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
-gets, the proxy's own included, is in that API's shape; Anthropic's ``x-api-key`` is accepted as the token.
+gets, the proxy's own included, is in that API's shape; an API's key header (Anthropic's ``x-api-key``) is
+accepted as the token and, like ``Authorization``, never forwarded (:attr:`~aglverl.proxy.api.Apis.credential_headers`).
 
 The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
 chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the
@@ -81,10 +84,12 @@ reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
 Overload (:mod:`~aglverl.proxy.overload`): the proxy measures how late its event loop runs (a probe every 50 ms,
 averaged over 0.5 s; ``proxy.overload.lag``, ``aglverl_proxy_loop_lag_seconds``, ``proxy/loop_lag_seconds``) and,
 past :class:`OverloadPolicy`'s ``max_lag`` (0.1 s) with at least ``min_in_flight`` calls in flight, answers a
-share of NEW calls, all of them at twice the limit, with a 429 and ``Retry-After`` in the agent's API (the
-openai and anthropic SDKs wait and retry); calls already admitted always run to their end.
-The proxy's ``overload`` setting (``OverloadPolicy(refuse=False)``) turns the refusals off (the lag is still
-measured).
+share of the first calls of new conversations, all of them at twice the limit, with a 429 and ``Retry-After`` in
+the agent's API (the openai and anthropic SDKs wait and retry); a call of a rollout attempt under way (one of
+its calls was let in) is never turned away, and calls already admitted always run to their end. The decision is
+made as soon as a request's head is in, at the socket, before aiohttp reads it (:mod:`~aglverl.proxy.shed`);
+what the socket does not judge, the handler does the same way. The proxy's ``overload`` setting
+(``OverloadPolicy(refuse=False)``) turns the refusals off (the lag is still measured).
 
 Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
 (4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
@@ -116,7 +121,9 @@ import circle):
   the call recorded and counted, the public API, life cycle.
 - :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: auth, the attempt against the
   store, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag, the 429), path and
-  body limits, translation, the capture request, sampling reconciliation, the gate's wait.
+  body limits, translation, the capture request, sampling reconciliation, the gate's wait;
+  :mod:`~aglverl.proxy.shed` — the :class:`~aglverl.proxy.shed.Shedder` in front of aiohttp's protocol: the same
+  overload decision as soon as a request's head is in.
 - :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
   (JSON, SSE), disconnects, broken streams.
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued
@@ -141,64 +148,31 @@ import circle):
   forwarding), :mod:`~aglverl.proxy.dialect` (what a backend speaks: ids, aborts, continuations, prompt ids,
   the render route, errors, versions, health and model listing; vLLM and the embedded engine, pure),
   :mod:`~aglverl.proxy.capture` (token ids, log-probs and stop reasons out of answers and streams, pure),
-  :mod:`~aglverl.proxy.sse` (SSE framing), :mod:`~aglverl.proxy.api` (the agents' other APIs as chat
+  :mod:`~aglverl.proxy.reshape` (a completion answered to a chat call, spelled back as chat, pure),
+  :mod:`~aglverl.proxy.sse` (SSE framing), :mod:`~aglverl.proxy.headers` (what is never forwarded), :mod:`~aglverl.proxy.api` (the agents' other APIs as chat
   completions: the :class:`~aglverl.proxy.api.translator.Translator` a call holds, and one module per API,
   pure).
 """
 
 from __future__ import annotations
 
-from .admission import SAMPLING_NEUTRAL, TRAINER_SAMPLING, reconcile_sampling
 from .app import LLMProxy
-from .call import ERROR_BODY_LIMIT, HOP_BY_HOP, Outcome, ProxyError
-from .call import Call as Call  # the package's own names, re-exported (``as``) for tests; not in __all__
-from .call import forward_headers as forward_headers
-from .capture import CAPTURED_PATHS
-from .capture import Capture as Capture
-from .capture import ChoiceCapture as ChoiceCapture
-from .config import UPSTREAM_KEEPALIVE, ProxyConfig, RetryPolicy, SamplingMismatch
+from .config import ProxyConfig, RetryPolicy, SamplingMismatch
 from .control import ProxyControl
-from .dialect import CONTEXT_REFUSAL, CONTINUED_FIELDS, DIALECTS, WEIGHT_VERSION_HEADER, Dialect
+from .dialect import Dialect, register
 from .overload import LagStatistics, Overload, OverloadPolicy
-from .pool import (
-    COMPLETIONS_TARGET,
-    EJECT_AFTER_TIMEOUTS,
-    PROBE_PATH,
-    PROBE_READ_TIMEOUT,
-    RETRY_STATUSES,
-    STICKY_ROLLOUTS,
-)
-from .pool import Backend as Backend
-from .resume import Resumption as Resumption
-from .resume import resume_blocker as resume_blocker
 
+# What a user of the proxy names: the proxy, its settings and their policies, what the daemon drives, what a
+# new backend implements (and registers); every other name is imported from the module that defines it.
 __all__ = [
-    "CAPTURED_PATHS",
-    "COMPLETIONS_TARGET",
-    "CONTEXT_REFUSAL",
-    "CONTINUED_FIELDS",
-    "DIALECTS",
-    "EJECT_AFTER_TIMEOUTS",
-    "ERROR_BODY_LIMIT",
-    "HOP_BY_HOP",
-    "PROBE_PATH",
-    "PROBE_READ_TIMEOUT",
-    "RETRY_STATUSES",
-    "SAMPLING_NEUTRAL",
-    "STICKY_ROLLOUTS",
-    "TRAINER_SAMPLING",
-    "UPSTREAM_KEEPALIVE",
-    "WEIGHT_VERSION_HEADER",
     "Dialect",
     "LLMProxy",
     "LagStatistics",
-    "Outcome",
     "Overload",
     "OverloadPolicy",
     "ProxyConfig",
     "ProxyControl",
-    "ProxyError",
     "RetryPolicy",
     "SamplingMismatch",
-    "reconcile_sampling",
+    "register",
 ]

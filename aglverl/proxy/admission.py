@@ -2,13 +2,14 @@
 
 :class:`Admission` has one entry, :meth:`Admission.admit` (and :meth:`Admission.authorize`, the token check
 alone, for routes that lead nowhere). In order: the agent's API (a translated one is known first, so that every
-refusal is in that API's shape), the token (``Authorization`` or ``x-api-key``, compared in constant time), the
+refusal is in that API's shape), the token (``Authorization``, or an API's key header such as Anthropic's
+``x-api-key``: :attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
 forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
 a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
-(``max_request_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
-request (the default dialect's ids fields, vLLM's ``return_token_ids``; logprobs; identity encoding), the
-sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
+(``max_body_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
+request (identity encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
+:meth:`~aglverl.proxy.call.Call.prepare`), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
 the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
 closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
@@ -30,10 +31,9 @@ from aiohttp import web
 
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
-from .call import JSON, REQUEST_DROP, Call, ProxyError, forward_headers, token_limit
-from .capture import CAPTURED_PATHS
+from .call import JSON, Call, ProxyError, forward_headers, token_limit
+from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
-from .dialect import DEFAULT
 from .gate import Gate
 from .meters import Meters
 from .overload import Overload
@@ -138,9 +138,9 @@ class Admission:
     async def admit(self, request: web.Request, call: Call, target: str) -> None:
         """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
         path = request.match_info["path"]
-        api = APIS.get(path) if request.method == "POST" else None
+        api = APIS.match(path) if request.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = Translator(api)
+            call.translator = Translator(*api)
         self.authorize(request)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
@@ -150,12 +150,12 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
-        self.overload.check(self.gate.in_flight)
+        self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
         query = request.rel_url.raw_query_string
         call.method = request.method
         call.path = "/v1/" + path
         call.target = f"{target}?{query}" if query else target
-        call.headers = forward_headers(request.headers, REQUEST_DROP)
+        call.headers = forward_headers(request.headers, APIS.not_forwarded)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
         call.body = await self._read_body(request)
@@ -171,18 +171,17 @@ class Admission:
     def authorize(self, request: web.Request) -> None:
         if self.config.auth is None:
             return
-        header = request.headers.get("Authorization")
-        if header is None and "x-api-key" in request.headers:  # how Anthropic's SDK sends its api_key
-            header = "Bearer " + request.headers["x-api-key"]
+        header = APIS.credential(request.headers)  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self.config.auth):
+            others = " or ".join(f"'{name}'" for name in APIS.key_headers)
             raise ProxyError(
-                401, "missing or wrong proxy token: send 'Authorization: Bearer <token>' (or 'x-api-key')"
+                401, f"missing or wrong proxy token: send 'Authorization: Bearer <token>' (or {others})"
             )
 
     async def _read_body(self, request: web.Request) -> bytes:
         length = request.content_length
-        limit = self.config.max_request_bytes
+        limit = self.config.max_body_bytes
         if length is not None and length > limit:
             raise ProxyError(
                 413, f"request body of {length} bytes exceeds the proxy's limit of {limit} bytes"
@@ -206,7 +205,9 @@ class Admission:
         return "chat"
 
     def _prepare_capture(self, call: Call, kind: Literal["chat", "completion"]) -> None:
-        """Validate the JSON body and make sure the backend is asked for token ids, in identity encoding."""
+        """Validate the JSON body, reconcile its sampling parameters, and mark the call to be captured in identity
+        encoding; the fields that make the backend answer with ids are its dialect's, added when a backend is
+        picked (:meth:`Call.prepare <aglverl.proxy.call.Call.prepare>`)."""
         try:
             obj = orjson.loads(call.body)
         except orjson.JSONDecodeError as exc:
@@ -218,25 +219,13 @@ class Admission:
         model = obj.get("model")
         call.model = model if isinstance(model, str) else None
         call.kind = kind
-        call.capture = DEFAULT.capture(kind)
+        call.capture = Capture(kind)
         call.headers["Accept-Encoding"] = "identity"
-        empty = not obj
         fill = self._reconcile_sampling(call, obj)
-        # Before any backend is picked: the default dialect's fields (a proxy's backends speak one wire).
-        fill |= {key: value for key, value in DEFAULT.ids_fields(kind).items() if key not in obj}
-        if self.config.request_logprobs and "logprobs" not in obj:
-            fill["logprobs"] = DEFAULT.logprobs_field(kind)
-        if any(key in obj for key in fill):  # a parameter sent as null is replaced: re-encode the body
-            call.body = orjson.dumps({**obj, **fill})
-        elif fill:
-            # Spliced in as text: every other byte of the agent's body reaches the backend untouched.
-            i = call.body.index(b"{") + 1
-            added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
-            call.body = call.body[:i] + added + (b"" if empty else b",") + call.body[i:]
-        obj.update(fill)
-        call.request = obj
+        call.given, call.fill, call.text = obj, fill, call.body
+        call.request = {**obj, **fill} if fill else obj
         # read after the fill: a max_tokens the proxy filled in is the call's limit, and a stop there is truncated
-        call.max_tokens = token_limit(obj)
+        call.max_tokens = token_limit(call.request)
 
     def _reconcile_sampling(self, call: Call, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Check the call's sampling parameters against its trainer's; return the parameters to add.
@@ -259,7 +248,7 @@ class Admission:
                     400,
                     f"{call.path}: {'; '.join(mismatches)}: this rollout trains on-policy, so its calls must "
                     "sample as the trainer does (omit the parameter to get the trainer's value, or start the "
-                    "trainer with aglverl.sampling_mismatch: mask to keep such calls out of the loss)",
+                    "trainer with aglverl.proxy.sampling_mismatch: mask to keep such calls out of the loss)",
                 )
             self.meters.sampling.inc(1, "masked")
             call.off_policy = True

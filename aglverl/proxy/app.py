@@ -38,7 +38,15 @@ from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
 from .call import Call, Outcome, ProxyError
-from .config import ProxyConfig, ProxySettings, RetryPolicy, SamplingMismatch, SamplingOf, _Setting
+from .config import (
+    ProxyConfig,
+    ProxySettings,
+    RetryPolicy,
+    SamplingMismatch,
+    SamplingOf,
+    _Setting,
+    with_aliases,
+)
 from .control import APPLIED, Applied
 from .gate import Gate
 from .meters import Meters
@@ -49,6 +57,7 @@ from .relay import Relay
 from .respond import Responder
 from .resume import Resumer
 from .session import Sessions
+from .shed import Shedder
 from .store_view import ProxyStore
 from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 from .tokenin import TokenIn
@@ -66,7 +75,7 @@ class LLMProxy:
     come as ``config`` (a :class:`~aglverl.proxy.config.ProxyConfig`, handed whole to every part) or as that
     value's fields in keywords (``LLMProxy(store, pause_timeout=30)``), not both. ``token``: when set, every request needs ``Authorization: Bearer <token>`` (an OpenAI client's
     ``api_key``); it is never logged nor forwarded. ``backend_api_key``: sent to the backends as a bearer token
-    (they never see the agents' credentials). ``max_request_bytes``/``max_response_bytes`` bound bodies;
+    (they never see the agents' credentials). ``max_body_bytes`` (``max_request_bytes``, its old name)/``max_response_bytes`` bound bodies;
     ``request_timeout`` bounds each upstream try, body included (then a 504, or a stream ended with an error
     event); ``connect_timeout`` a TCP connect; ``pause_timeout`` how long a call waits while paused or held,
     and how long an aborted generation may go without a new token (held, or refused) before it gives up;
@@ -95,7 +104,8 @@ class LLMProxy:
     retry = _Setting[RetryPolicy]()
     request_timeout = _Setting[float]()
     connect_timeout = _Setting[float]()
-    max_request_bytes = _Setting[int]()
+    max_body_bytes = _Setting[int]()
+    max_request_bytes = _Setting[int]()  # the old name of max_body_bytes
     max_response_bytes = _Setting[int]()
     eject_seconds = _Setting[float]()
     pause_timeout = _Setting[float]()
@@ -173,12 +183,12 @@ class LLMProxy:
         :class:`ProxyConfig` with ``changes`` goes to every part at once; returns it.
 
         A setting holds from its next use: a wait already running keeps its deadline, and what the proxy reads
-        when it starts serving (``host``, ``port``, ``max_request_bytes``, the upstream session's
+        when it starts serving (``host``, ``port``, ``max_body_bytes``, the upstream session's
         ``request_timeout``, ``connect_timeout`` and ``upstream_keepalive``) holds from its next :meth:`serve`.
         An unknown name is a ``TypeError``; ``token_in``, read when the proxy is built, cannot change
         (``ValueError``).
         """
-        config = dataclasses.replace(self._config, **changes)
+        config = dataclasses.replace(self._config, **with_aliases(changes))
         if config.token_in != self._config.token_in:
             raise ValueError("token_in is read when the proxy is built: make a new LLMProxy to change it")
         self._config = config
@@ -270,6 +280,7 @@ class LLMProxy:
         """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
         when it forgets them)."""
         self._pool.forget(rollout_ids)
+        self._admission.overload.forget(rollout_ids)
         if self.token_in is not None:
             self.token_in.forget(rollout_ids)
 
@@ -333,6 +344,16 @@ class LLMProxy:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
 
+    def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
+        """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then
+        under way: its later calls are never turned away): the proxy's overload decision, for a component that
+        relays calls to it on the same loop and decides before it reads them (Agent Lightning's hop)."""
+        try:
+            self._admission.overload.admit(self._gate.in_flight, rollout_id, attempt_id)
+        except ProxyError as exc:
+            return exc
+        return None
+
     @property
     def overload(self) -> Overload:
         """The event loop's lag (:attr:`Overload.lag <aglverl.proxy.overload.Overload.lag>`), measured while
@@ -349,8 +370,13 @@ class LLMProxy:
         """
         if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
+        overload, gate, meters = self._admission.overload, self._gate, self._meters
         http = HttpListener(
-            self._make_app(), self._config.host, self._config.port, shutdown_timeout=_CLOSE_TIMEOUT
+            self._make_app(),
+            self._config.host,
+            self._config.port,
+            shutdown_timeout=_CLOSE_TIMEOUT,
+            protocol=lambda inner: Shedder(inner, overload, gate, meters),  # new calls shed at the socket
         )
         self._pool.open()
         self._closing = False
@@ -368,7 +394,7 @@ class LLMProxy:
                 await self._close(http)
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self._config.max_request_bytes)
+        app = web.Application(client_max_size=self._config.max_body_bytes)
         app.router.add_route("*", "/v1/{path:.*}", self._unattributed)
         app.router.add_route("*", "/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:.*}", self._attributed)
         app.router.add_route("*", "/{tail:.*}", self._no_route)

@@ -30,17 +30,8 @@ from ..store import LLMCall
 from .api import Translator
 from .capture import Capture
 from .dialect import DEFAULT, Dialect
+from .reshape import CompletionAsChat
 from .session import Plan
-
-HOP_BY_HOP: frozenset[str] = frozenset(
-    {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
-)
-#: Also dropped from requests: the backend's own Host and a recomputed length; the agent's credential (meant
-#: for this proxy, never for the backend: OpenAI SDKs send ``Authorization``, Anthropic's ``x-api-key``);
-#: ``Expect`` because the proxy has already read the whole body.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
-#: Also dropped from responses: the length, recomputed for the body actually sent.
-RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 #: Largest error body kept from a retried 5xx/429, to pass through if no retry succeeds.
 ERROR_BODY_LIMIT = 64 << 10
@@ -110,7 +101,9 @@ class Call:
         "delivered",
         "dialect",
         "error",
+        "fill",
         "first_byte",
+        "given",
         "headers",
         "kind",
         "limit",
@@ -120,8 +113,10 @@ class Call:
         "off_policy",
         "outcome",
         "path",
+        "prompt_ids",
         "records",
         "request",
+        "reshape",
         "response",
         "rollout_id",
         "sampling",
@@ -131,12 +126,14 @@ class Call:
         "t0",
         "tail",
         "target",
+        "text",
         "tokenin",
         "translator",
         "upstream_end",
         "upstream_start",
         "weight_version",
         "weight_version_end",
+        "wire",
     )
 
     def __init__(self, seq: int, t0: float, rollout_id: str | None, attempt_id: str | None) -> None:
@@ -163,6 +160,14 @@ class Call:
         self.off_policy = False
         # The request body as the backend got it (sampling parameters filled in): what a continuation repeats.
         self.request: dict[str, Any] | None = None
+        # A recorded call before its wire is chosen: the agent's body (translated) as it came, parsed, and the
+        # trainer's sampling parameters it omitted; what prepare() spells in a backend's dialect.
+        self.text = b""
+        self.given: dict[str, Any] = {}
+        self.fill: dict[str, Any] = {}
+        self.wire: Dialect | None = None  # the dialect the body is spelled in (prepare)
+        self.prompt_ids: list[int] | None = None  # token-in: the ids the call is made from
+        self.reshape: CompletionAsChat | None = None  # token-in answered as a completion: spelled back as chat
         # The weight version of the call's first and last tokens: the backend's X-Weight-Version when it sends
         # one, else the proxy's version when the answer (or the continuation) was asked for.
         self.weight_version = 0
@@ -182,11 +187,50 @@ class Call:
         # Its attempt's token-in session: the turn it extends (generated from ids), and what to remember it by.
         self.tokenin: Plan | None = None
 
+    def prepare(self, dialect: Dialect, logprobs: bool) -> None:
+        """Spell a recorded call in ``dialect``'s wire, for a try to a backend that speaks it (once per dialect):
+        its body gets the fields that make the answer carry ids (and, with ``logprobs``, the sampled tokens'
+        log-probs), each unless the agent set it, spliced in as text so that every other byte of the agent's
+        body reaches the backend untouched; a call made from prompt ids (:attr:`prompt_ids`) becomes the
+        dialect's token-in request, on its route, its answer spelled back as chat when it comes as a
+        completion. The capture reads the dialect's answers."""
+        if self.wire is dialect or self.kind is None:
+            return
+        self.wire = dialect
+        given = self.given
+        fields = {k: v for k, v in dialect.request_fields(self.kind, logprobs).items() if k not in given}
+        self.request = {**given, **self.fill, **fields}
+        self.body = splice(self.text, given, {**self.fill, **fields})
+        capture = self.capture
+        if capture is not None and capture.wire is not dialect.wire:
+            self.capture = dialect.capture(self.kind, capture.answers)
+        self.reshape = None
+        if self.prompt_ids is not None:
+            made = dialect.token_in(self.body, self.request, self.prompt_ids)
+            self.body = made.body
+            if made.target is not None:
+                self.target = made.target
+            if made.answer == "completion":
+                self.reshape = CompletionAsChat(dialect.wire, self.request)
+
     def fail(self, error: str, outcome: Outcome = "failed") -> None:
         """Mark the call failed with its first error; a call already delivered stays as it is."""
         if self.error is None and not self.delivered:
             self.error = error
             self.outcome = outcome
+
+
+def splice(body: bytes, given: Mapping[str, Any], fill: Mapping[str, Any]) -> bytes:
+    """``body`` (the JSON object ``given`` as the agent wrote it) with ``fill``'s fields added: spliced in as
+    text after its opening brace, every other byte kept, or re-encoded when a field it fills was sent as
+    ``null`` (replaced)."""
+    if not fill:
+        return body
+    if any(key in given for key in fill):
+        return orjson.dumps({**given, **fill})
+    i = body.index(b"{") + 1
+    added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fill.items())
+    return body[:i] + added + (b"," if given else b"") + body[i:]
 
 
 def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:

@@ -13,14 +13,16 @@ only when there is exactly one float per id. With ``answers``, each chat choice'
 
 Pure and synchronous: no I/O, no clock, nothing awaited. Bad input (an event that is not JSON, or not shaped
 like an OpenAI answer) is never raised: it makes the capture ``broken``. What becomes of a capture (records in
-the store) is :mod:`~aglverl.proxy.recorder`'s. It reads vLLM's wire (``prompt_token_ids``, ``token_ids``,
-finish reason ``"abort"``), which the embedded engine speaks too; a backend whose answers carry ids otherwise
-brings its own reader (:meth:`~aglverl.proxy.dialect.Dialect.capture`).
+the store) is :mod:`~aglverl.proxy.recorder`'s. Which fields hold the ids, and the abort's finish reason, are the
+backend's wire (:class:`AnswerWire`, its :class:`~aglverl.proxy.dialect.Dialect`'s): vLLM's
+(``prompt_token_ids``, ``token_ids``, ``"abort"``) unless told.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -46,27 +48,64 @@ class _Logprobs(msgspec.Struct, gc=False):
     token_logprobs: Any = None  # completions
 
 
-class _PieceChoice(msgspec.Struct, gc=False):
-    index: Any = 0
-    token_ids: Any = None
-    prompt_token_ids: Any = None
-    logprobs: _Logprobs | None = None
-    finish_reason: Any = None
-    text: Any = None  # completions
-    delta: Any = None  # chat, streamed
-    message: Any = None  # chat, whole
+@dataclass(frozen=True, slots=True)
+class AnswerWire:
+    """Where a backend's answers carry what capture reads, by the names its wire gives them: the prompt's ids
+    (top-level in a chat answer, per choice in a completion), each choice's generated ids, and the finish
+    reason of a generation the engine aborted. vLLM's (:data:`VLLM_WIRE`) by default; a backend's
+    :class:`~aglverl.proxy.dialect.Dialect` names its own."""
+
+    prompt_ids: str = "prompt_token_ids"
+    response_ids: str = "token_ids"
+    abort_reason: str = "abort"
+    #: ``abort_reason`` as it stands in an answer's JSON (what a cheap look for an abort searches).
+    abort_marker: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "abort_marker", orjson.dumps(self.abort_reason))
 
 
-class _Piece(msgspec.Struct, gc=False):
-    """What capture reads of a whole answer or of one SSE event; every other field is skipped."""
-
-    model: Any = None
-    prompt_token_ids: Any = None
-    choices: list[_PieceChoice] | None = None
+#: vLLM's answers (``return_token_ids``), which the embedded engine gives too.
+VLLM_WIRE = AnswerWire()
 
 
-_decode_piece = msgspec.json.Decoder(_Piece).decode
-_decode_pieces = msgspec.json.Decoder(list[_Piece]).decode
+class _Decoders:
+    """The typed decoders of one wire: an answer (or event) and an array of them, reading only what capture
+    records; the structs name the fields as the rest of this module does, the wire's names renamed in."""
+
+    def __init__(self, wire: AnswerWire) -> None:
+        rename = {"token_ids": wire.response_ids, "prompt_token_ids": wire.prompt_ids}
+        choice = msgspec.defstruct(
+            "_PieceChoice",
+            [
+                ("index", Any, 0),
+                ("token_ids", Any, None),
+                ("prompt_token_ids", Any, None),
+                ("logprobs", _Logprobs | None, None),
+                ("finish_reason", Any, None),
+                ("stop_reason", Any, None),  # vLLM: the stop token id (or string) that ended the choice
+                ("text", Any, None),  # completions
+                ("delta", Any, None),  # chat, streamed
+                ("message", Any, None),  # chat, whole
+            ],
+            rename=rename,
+            gc=False,
+        )
+        piece = msgspec.defstruct(
+            "_Piece",
+            [("model", Any, None), ("prompt_token_ids", Any, None), ("choices", list[choice] | None, None)],  # type: ignore[valid-type]
+            rename=rename,
+            gc=False,
+        )
+        self.one = msgspec.json.Decoder(piece).decode
+        self.many = msgspec.json.Decoder(list[piece]).decode  # type: ignore[valid-type]
+
+
+@functools.cache
+def _decoders(wire: AnswerWire) -> _Decoders:
+    return _Decoders(wire)
+
+
 _NUMBERS = frozenset({float, int})
 _FLOAT = frozenset({float})
 
@@ -80,6 +119,7 @@ class ChoiceCapture:
         "ids_missing",
         "logprobs",
         "prompt_ids",
+        "stop_reason",
     )
 
     def __init__(self) -> None:
@@ -89,6 +129,7 @@ class ChoiceCapture:
         self.ids: list[int] | None = None
         self.logprobs: list[Any] | None = None  # as sent; checked to be one number per id by result()
         self.finish_reason: str | None = None
+        self.stop_reason: Any = None  # what the backend says ended it (vLLM: a stop token id, or a string)
         self.ids_missing = False
 
 
@@ -108,6 +149,7 @@ class Capture:
         "_buf",
         "_crlf",
         "_data",
+        "_decoders",
         "answers",
         "broken",
         "choices",
@@ -115,10 +157,16 @@ class Capture:
         "kind",
         "model",
         "prompt_ids",
+        "wire",
     )
 
-    def __init__(self, kind: Literal["chat", "completion"], answers: bool = False) -> None:
+    def __init__(
+        self, kind: Literal["chat", "completion"], answers: bool = False, wire: AnswerWire = VLLM_WIRE
+    ) -> None:
         self.kind = kind
+        #: The names the backend's answers give what is read (its dialect's).
+        self.wire = wire
+        self._decoders = _decoders(wire)
         #: Also assemble each chat choice's answer (content, tool calls) as the agent gets it.
         self.answers = answers
         self.prompt_ids: list[int] | None = None
@@ -193,14 +241,15 @@ class Capture:
         if not datas:
             return
         try:
-            pieces = [_decode_piece(datas[0])] if len(datas) == 1 else _decode_pieces(_as_array(datas))
+            decoders = self._decoders
+            pieces = [decoders.one(datas[0])] if len(datas) == 1 else decoders.many(_as_array(datas))
         except msgspec.DecodeError:
             pieces = None
         # Joined into one array, an event that is not one JSON value (``{...}, {...}``) would pass as several:
         # one piece per event, or each event is decoded alone.
         if pieces is None or len(pieces) != len(datas):
             self.broken = True  # not an OpenAI-shaped event: ids from this stream cannot be trusted
-            pieces = [piece for data in datas if (piece := _decoded_or_none(data)) is not None]
+            pieces = [piece for data in datas if (piece := self._decoded_or_none(data)) is not None]
         for piece in pieces:
             try:
                 self._take(piece)
@@ -212,7 +261,7 @@ class Capture:
         """Take one whole JSON answer; ``False`` when it is not JSON at all (a body that is JSON but not
         shaped like an answer makes the capture ``broken``)."""
         try:
-            self._take(_decode_piece(body))
+            self._take(self._decoders.one(body))
         except msgspec.ValidationError:
             self.broken = True
         except msgspec.DecodeError:
@@ -225,7 +274,13 @@ class Capture:
         """Take one parsed JSON body (or event)."""
         self.take_body(orjson.dumps(obj))
 
-    def _take(self, piece: _Piece) -> None:
+    def _decoded_or_none(self, data: bytes) -> Any:
+        try:
+            return self._decoders.one(data)
+        except msgspec.DecodeError:
+            return None
+
+    def _take(self, piece: Any) -> None:
         if self.model is None:
             self.model = piece.model if isinstance(piece.model, str) else None
         if self.prompt_ids is None:
@@ -263,8 +318,9 @@ class Capture:
                     c.logprobs.extend(values)
             if ch.finish_reason is not None:
                 c.finish_reason = ch.finish_reason
+                c.stop_reason = ch.stop_reason
 
-    def _has_output(self, ch: _PieceChoice) -> bool:
+    def _has_output(self, ch: Any) -> bool:
         if self.kind == "completion":
             return bool(ch.text)
         delta = ch.delta or ch.message or {}
@@ -272,8 +328,9 @@ class Capture:
 
     @property
     def aborted(self) -> bool:
-        """Whether a choice ended with ``finish_reason`` ``"abort"`` (the engine cut it off)."""
-        return any(c.finish_reason == "abort" for c in self.choices.values())
+        """Whether a choice ended with the wire's abort reason (the engine cut it off: vLLM's ``"abort"``)."""
+        reason = self.wire.abort_reason
+        return any(c.finish_reason == reason for c in self.choices.values())
 
     def result(self) -> list[tuple[Any, ChoiceCapture, list[int] | None, list[float] | None]]:
         """``(index, choice, response_ids, logprobs)`` per choice in index order; ids ``None`` unless complete,
@@ -295,13 +352,6 @@ class Capture:
 
 def _as_array(datas: list[bytes]) -> bytes:
     return b"[" + b",".join(datas) + b"]"
-
-
-def _decoded_or_none(data: bytes) -> _Piece | None:
-    try:
-        return _decode_piece(data)
-    except msgspec.DecodeError:
-        return None
 
 
 def _event_datas(block: bytes) -> list[bytes]:

@@ -14,14 +14,27 @@ resumption of aborted generations read it).
 
 from __future__ import annotations
 
+import difflib
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, Unpack, overload
 
 from .overload import OverloadPolicy
 
-__all__ = ["UPSTREAM_KEEPALIVE", "ProxyConfig", "ProxySettings", "RetryPolicy", "SamplingMismatch", "SamplingOf"]
+__all__ = [
+    "ALIASES",
+    "POLICY_FIELDS",
+    "PROXY_FIELDS",
+    "UPSTREAM_KEEPALIVE",
+    "ProxyConfig",
+    "ProxyPolicySettings",
+    "ProxySettings",
+    "RetryPolicy",
+    "SamplingMismatch",
+    "SamplingOf",
+    "with_aliases",
+]
 
 #: Idle seconds a pooled upstream connection is kept: below uvicorn's (vLLM's) 5 s keep-alive, so the proxy
 #: drops an idle connection before the server does and never sends a request into one being closed.
@@ -68,11 +81,15 @@ class RetryPolicy:
 class ProxyConfig:
     """What the proxy is configured with (see :class:`~aglverl.proxy.LLMProxy` for each setting's meaning).
 
-    ``token`` and ``backend_api_key`` are kept out of the value's ``repr``. Derived at construction: ``auth``,
-    the header value agents must send (``Bearer <token>``, bytes, compared in constant time; ``None``: no
-    token), and ``backend_auth``, the ``Authorization`` value sent to the backends (``None``: none).
-    ``hold_timeout`` here is its own setting (default 600 s); the keywords of ``LLMProxy`` and ``AgentDaemon``
-    read a ``hold_timeout`` left out or ``None`` as ``pause_timeout`` (:meth:`from_settings`).
+    The one place a proxy setting is declared: ``LLMProxy``'s keywords, ``AgentDaemon``'s and a run's
+    ``aglverl.proxy:`` section (:meth:`from_mapping`) all take exactly these fields, by these names (a new
+    setting is a field here and its line in :class:`ProxySettings`). ``token`` and ``backend_api_key`` are
+    kept out of the value's ``repr``. Derived at construction: ``auth``, the header value agents must send
+    (``Bearer <token>``, bytes, compared in constant time; ``None``: no token), and ``backend_auth``, the
+    ``Authorization`` value sent to the backends (``None``: none). ``hold_timeout`` here is its own setting
+    (default 600 s); the keywords of ``LLMProxy`` and ``AgentDaemon`` read a ``hold_timeout`` left out or
+    ``None`` as ``pause_timeout`` (:meth:`from_settings`). ``max_body_bytes`` bounds a request's body (413
+    beyond it; ``max_request_bytes`` is its old name, still taken as a keyword).
     """
 
     host: str = "127.0.0.1"
@@ -82,7 +99,7 @@ class ProxyConfig:
     retry: RetryPolicy = RetryPolicy()  # frozen: one shared default instance is safe
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
-    max_request_bytes: int = 32 << 20
+    max_body_bytes: int = 32 << 20
     max_response_bytes: int = 256 << 20
     eject_seconds: float = 5.0
     pause_timeout: float = PAUSE_TIMEOUT
@@ -103,27 +120,75 @@ class ProxyConfig:
         key = self.backend_api_key
         object.__setattr__(self, "backend_auth", None if key is None else f"Bearer {key}")
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The old name of :attr:`max_body_bytes`."""
+        return self.max_body_bytes
+
     @classmethod
     def from_settings(cls, **settings: Unpack[ProxySettings]) -> ProxyConfig:
         """The config the keywords of :class:`~aglverl.proxy.LLMProxy` (and ``AgentDaemon``'s proxy keywords)
-        describe: as the constructor, except that a ``hold_timeout`` left out or ``None`` is ``pause_timeout``."""
-        values: dict[str, Any] = dict(settings)
+        describe: as the constructor, except that a ``hold_timeout`` left out or ``None`` is ``pause_timeout``
+        and ``max_request_bytes`` is taken for ``max_body_bytes``."""
+        values: dict[str, Any] = with_aliases(settings)
         if values.get("hold_timeout") is None:
             values["hold_timeout"] = values.get("pause_timeout", PAUSE_TIMEOUT)
         return cls(**values)
 
+    def settings(self) -> dict[str, Any]:
+        """The config's settings by name (what :meth:`from_settings` takes back)."""
+        return {name: getattr(self, name) for name in PROXY_FIELDS}
 
-class ProxySettings(TypedDict, total=False):
-    """:class:`ProxyConfig`'s fields as keywords (``LLMProxy(store, pause_timeout=30)``)."""
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None, **defaults: Any) -> ProxyConfig:
+        """The config a section of plain data describes (a run's ``aglverl.proxy:``, YAML or a dict): its keys
+        are the fields (``max_request_bytes`` taken for ``max_body_bytes``), ``retry`` and ``overload`` are
+        mappings of :class:`RetryPolicy`'s and :class:`~aglverl.proxy.overload.OverloadPolicy`'s fields (or such
+        values), ``defaults`` fill in what the section leaves out, and a ``hold_timeout`` still left out (or
+        ``null``) is ``pause_timeout``, as for keywords. An unknown key is a ``ValueError`` naming it (and the
+        field it is close to); a bad value raises what the classes raise."""
+        merged: dict[str, Any] = {**defaults, **with_aliases(values or {})}
+        if merged.get("hold_timeout") is None:
+            merged["hold_timeout"] = merged.get("pause_timeout", PAUSE_TIMEOUT)
+        _refuse_unknown(merged, PROXY_FIELDS, "")
+        for name, policy in (("retry", RetryPolicy), ("overload", OverloadPolicy)):
+            value = merged.get(name)
+            if isinstance(value, Mapping):
+                _refuse_unknown(value, {f.name for f in fields(policy)}, f"{name}.")
+                merged[name] = policy(**value)
+        return cls(**merged)
 
-    host: str
-    port: int
-    token: str | None
+
+def with_aliases(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with the settings' old names (:data:`ALIASES`) under their names now; both given: an error."""
+    out = dict(values)
+    for old, new in ALIASES.items():
+        if old in out:
+            if new in out:
+                raise ValueError(f"{old} is the old name of {new}: give one of them")
+            out[new] = out.pop(old)
+    return out
+
+
+def _refuse_unknown(values: Mapping[str, Any], known: Iterable[str], prefix: str) -> None:
+    known = sorted(known)
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown proxy setting {prefix + str(key)!r}{hint}")
+
+
+class ProxyPolicySettings(TypedDict, total=False):
+    """:class:`ProxyConfig`'s fields but where the proxy listens and its token, as keywords (``AgentDaemon``
+    takes these as they are: its ``host``, ``port`` and ``token`` are the task server's too)."""
+
     backend_api_key: str | None
     retry: RetryPolicy
     request_timeout: float
     connect_timeout: float
-    max_request_bytes: int
+    max_body_bytes: int
+    max_request_bytes: int  # the old name of max_body_bytes
     max_response_bytes: int
     eject_seconds: float
     pause_timeout: float
@@ -134,6 +199,23 @@ class ProxySettings(TypedDict, total=False):
     sampling_mismatch: SamplingMismatch
     token_in: bool
     overload: OverloadPolicy
+
+
+class ProxySettings(ProxyPolicySettings, total=False):
+    """:class:`ProxyConfig`'s fields as keywords (``LLMProxy(store, pause_timeout=30)``).
+    ``tests/test_proxy_parts.py`` checks that they are the config's fields, one for one."""
+
+    host: str
+    port: int
+    token: str | None
+
+
+#: The settings' old names, and the names they have now.
+ALIASES: Mapping[str, str] = {"max_request_bytes": "max_body_bytes"}
+#: The names of the proxy's settings (:class:`ProxyConfig`'s fields that are set, not derived).
+PROXY_FIELDS: frozenset[str] = frozenset(f.name for f in fields(ProxyConfig) if f.init)
+#: Of those, what ``AgentDaemon`` takes by the same name (its ``host``, ``port``, ``token`` are the task server's).
+POLICY_FIELDS: frozenset[str] = PROXY_FIELDS - {"host", "port", "token"}
 
 
 class _Configured(Protocol):

@@ -1,16 +1,20 @@
 """Backend dialects: everything the proxy must know about the inference server behind it, in one place.
 
 The proxy speaks to its backends in OpenAI's chat / completions API plus a few extensions that differ from one
-server to the next. :class:`Dialect` is that difference, as the proxy uses it:
+server to the next. :class:`Dialect` is that difference, as the proxy uses it; no other module names a field,
+route or value of a backend's own wire:
 
-- **token ids**: the fields a recorded call gets so that the answer carries its prompt and generated ids
-  (:meth:`Dialect.ids_fields`), and the capture that reads them, log-probs and finish reasons out of answers
-  and streams (:meth:`Dialect.capture`); a generation the engine aborted ends with finish reason
-  :attr:`Dialect.abort_reason`;
-- **continuing an aborted generation** token-exactly (:meth:`Dialect.continuation`: target and body), and
-  the request fields no continuation can carry on (:attr:`Dialect.unresumable_fields`);
-- **token-in**: a chat completion generated from given prompt ids, in one request
-  (:meth:`Dialect.with_prompt_ids`), whether a refusal says the backend does not take them
+- **token ids**: the fields a recorded call gets so that the answer carries its prompt and generated ids, and
+  the sampled tokens' log-probs when asked (:meth:`Dialect.request_fields`), and where answers carry them
+  (:attr:`Dialect.wire`: the ids' field names and the finish reason of a generation the engine aborted), read
+  by the capture it makes (:meth:`Dialect.capture`), by the relay's look for an abort in a stream, and by the
+  resumer (:meth:`Dialect.response_ids`);
+- **continuing an aborted generation** token-exactly (:meth:`Dialect.continuation`: target and body, its answer
+  a completion of this wire), and the request fields no continuation can carry on
+  (:attr:`Dialect.unresumable_fields`);
+- **token-in**: a chat call generated from given prompt ids, in one request (:meth:`Dialect.token_in`: the
+  route, the body, and whether the answer comes as chat or as a completion the proxy spells back as chat,
+  :mod:`~aglverl.proxy.reshape`), whether a refusal says the backend does not take them
   (:meth:`Dialect.refuses_prompt_ids`), and the render route a proxy without the model's tokenizer uses for a
   tail's ids (:attr:`Dialect.render_target`, :meth:`Dialect.render_body`, :meth:`Dialect.rendered_ids`,
   :meth:`Dialect.lacks_route`), with what to tell the operator when a piece is missing (:attr:`Dialect.advice`);
@@ -22,15 +26,17 @@ server to the next. :class:`Dialect` is that difference, as the proxy uses it:
 
 Two dialects: :data:`VLLM` (vLLM 0.32's OpenAI server) and :data:`ENGINE` (aglverl's embedded engine, which
 answers in vLLM's shapes by design, so it is the same wire with its own name, marker and advice). A third
-backend (SGLang, another server) is one new class with these members, registered by its listing's
-``owned_by`` in :data:`DIALECTS`.
+backend (SGLang, another server) is one new class, registered by its listing's ``owned_by``
+(:func:`register`): a subclass of :class:`VLLMDialect` that names its own :class:`~aglverl.proxy.capture.AnswerWire`
+and overrides what its server does otherwise (``tests/test_dialect.py`` adds one whose ids have other names,
+whose aborts end ``"cancelled"`` and which takes prompt ids on its completions route).
 
-How the proxy learns a backend's dialect: **detected at first contact**. Every backend starts as
-:data:`DEFAULT` (vLLM's wire: the relay's first calls need nothing more); the first time the proxy needs a
-fact only the backend can tell (its tokenizer, its context window) it reads the model listing once
-(:meth:`~aglverl.proxy.pool.Pool.facts`) and the card's ``owned_by`` picks the dialect (:func:`detect`;
-unknown markers keep :data:`DEFAULT`). The fields a call gets at admission, before any backend is picked, are
-the default dialect's: a proxy's backends are expected to speak one wire.
+How the proxy learns a backend's dialect: **detected at first contact**. The first recorded call to a backend
+(or the token-in part, or a continuation, whichever needs it first) reads its model listing once
+(:meth:`~aglverl.proxy.pool.Pool.dialect`), and the cards' ``owned_by`` picks the dialect (:func:`detect`;
+unknown markers keep :data:`DEFAULT`, vLLM's wire). A call is spelled in its backend's dialect when a try goes
+there (:meth:`Call.prepare <aglverl.proxy.call.Call.prepare>`), so backends of different wires can share a
+proxy.
 
 Pure and synchronous: values and functions of their input, no I/O.
 """
@@ -45,7 +51,7 @@ from typing import Any, Literal, Protocol
 import orjson
 from multidict import CIMultiDictProxy
 
-from .capture import Capture
+from .capture import VLLM_WIRE, AnswerWire, Capture
 
 __all__ = [
     "CONTEXT_REFUSAL",
@@ -56,8 +62,10 @@ __all__ = [
     "VLLM",
     "WEIGHT_VERSION_HEADER",
     "Dialect",
+    "TokenInRequest",
     "VLLMDialect",
     "detect",
+    "register",
 ]
 
 Kind = Literal["chat", "completion"]
@@ -103,6 +111,16 @@ _SEED_SPACE = 2**63
 _PROMPT_IDS = b'"kv_transfer_params"'
 
 
+@dataclass(frozen=True, slots=True)
+class TokenInRequest:
+    """A chat call made from prompt ids, as a dialect sends it (:meth:`Dialect.token_in`): the route
+    (``None``: the call's own), the body, and the shape its answer comes in there."""
+
+    target: str | None
+    body: bytes
+    answer: Kind
+
+
 class Dialect(Protocol):
     """What the proxy needs to know about one kind of backend (see the module docstring)."""
 
@@ -131,8 +149,13 @@ class Dialect(Protocol):
         """Where a proxy without the model's tokenizer renders a tail into ids (a POST)."""
 
     @property
+    def wire(self) -> AnswerWire:
+        """Where its answers carry prompt and generated ids, and the finish reason of a generation the engine
+        aborted (a weight update): what the capture, the relay's look for an abort and the resumer read."""
+
+    @property
     def abort_reason(self) -> str:
-        """The finish reason of a generation the engine aborted (a weight update)."""
+        """The finish reason of a generation the engine aborted (``wire.abort_reason``)."""
 
     @property
     def advice(self) -> Mapping[str, str]:
@@ -144,7 +167,9 @@ class Dialect(Protocol):
 
     def ids_fields(self, kind: Kind) -> Mapping[str, Any]: ...
     def logprobs_field(self, kind: Kind) -> Any: ...
+    def request_fields(self, kind: Kind, logprobs: bool) -> Mapping[str, Any]: ...
     def capture(self, kind: Kind, answers: bool = False) -> Capture: ...
+    def response_ids(self, choice: Mapping[str, Any]) -> list[int] | None: ...
     def weight_version(self, headers: CIMultiDictProxy[str]) -> int | None: ...
     def context_refusal(self, status: int, message: str) -> bool: ...
     def continuation(
@@ -157,6 +182,7 @@ class Dialect(Protocol):
         stream: bool,
     ) -> bytes: ...
     def with_prompt_ids(self, body: bytes, request: Mapping[str, Any], ids: Sequence[int]) -> bytes: ...
+    def token_in(self, body: bytes, request: Mapping[str, Any], ids: Sequence[int]) -> TokenInRequest: ...
     def refuses_prompt_ids(self, status: int, message: str) -> bool: ...
     def render_body(
         self, request: Mapping[str, Any], messages: Sequence[Any], generation_prompt: bool
@@ -194,7 +220,7 @@ class VLLMDialect:
     models_path: str = "/v1/models"
     continuation_target: str = "/v1/completions"
     render_target: str = "/v1/chat/completions/render"
-    abort_reason: str = "abort"
+    wire: AnswerWire = VLLM_WIRE
     unresumable_fields: tuple[str, ...] = (
         "guided_json",
         "guided_regex",
@@ -203,6 +229,10 @@ class VLLMDialect:
         "structured_outputs",
         "prompt_logprobs",
     )
+
+    @property
+    def abort_reason(self) -> str:
+        return self.wire.abort_reason
 
     # ------------------------------------------------------------------ token ids
     def ids_fields(self, kind: Kind) -> Mapping[str, Any]:
@@ -214,9 +244,20 @@ class VLLMDialect:
         alternatives: 0)."""
         return True if kind == "chat" else 0
 
+    def request_fields(self, kind: Kind, logprobs: bool) -> Mapping[str, Any]:
+        """What a recorded call's body gets (each unless the agent set it): the ids fields and, with
+        ``logprobs``, the field that asks for the sampled tokens' log-probs."""
+        fields = self.ids_fields(kind)
+        return {**fields, "logprobs": self.logprobs_field(kind)} if logprobs else fields
+
     def capture(self, kind: Kind, answers: bool = False) -> Capture:
         """A reader of this wire's answers and streams (ids, log-probs, finish reasons; chat answers too)."""
-        return Capture(kind, answers)
+        return Capture(kind, answers, self.wire)
+
+    def response_ids(self, choice: Mapping[str, Any]) -> list[int] | None:
+        """A parsed choice's generated ids, in this wire's field (``None``: absent or not a list)."""
+        ids = choice.get(self.wire.response_ids)
+        return ids if type(ids) is list else None
 
     def weight_version(self, headers: CIMultiDictProxy[str]) -> int | None:
         """The weight version the backend reports for an answer, if it reports a valid one."""
@@ -271,6 +312,12 @@ class VLLMDialect:
         return orjson.dumps(body)
 
     # ------------------------------------------------------------------ token-in
+    def token_in(self, body: bytes, request: Mapping[str, Any], ids: Sequence[int]) -> TokenInRequest:
+        """A chat call generated from ``ids``: where it goes (``None``: the call's own chat route), its body
+        (:meth:`with_prompt_ids`), and the shape of the answer there (``"chat"``: as the agent expects it;
+        ``"completion"``: a completion the proxy spells back as a chat answer)."""
+        return TokenInRequest(None, self.with_prompt_ids(body, request, ids), "chat")
+
     def with_prompt_ids(self, body: bytes, request: Mapping[str, Any], ids: Sequence[int]) -> bytes:
         """The chat request ``body`` generated from ``ids`` instead of its rendered messages, in one request:
         ``kv_transfer_params["prompt_token_ids"]`` (vLLM skips templating and tokenization; ``messages`` and
@@ -353,6 +400,12 @@ ENGINE: Dialect = VLLMDialect(name="aglverl-engine", owned_by="aglverl", advice=
 DEFAULT: Dialect = VLLM
 #: The known dialects by their model cards' ``owned_by``.
 DIALECTS: dict[str, Dialect] = {d.owned_by: d for d in (VLLM, ENGINE)}
+
+
+def register(dialect: Dialect) -> Dialect:
+    """Make ``dialect`` known by its ``owned_by`` (a backend whose model cards say so speaks it); returns it."""
+    DIALECTS[dialect.owned_by] = dialect
+    return dialect
 
 
 def detect(cards: Sequence[Any]) -> Dialect:

@@ -42,12 +42,17 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..metrics import Registry
 from .call import ProxyError
 
-__all__ = ["LagStatistics", "Overload", "OverloadPolicy"]
+__all__ = ["UNDER_WAY_KEPT", "LagStatistics", "Overload", "OverloadPolicy"]
+
+#: Rollouts whose attempt under way is remembered at most (as the pool's sticky rollouts): far more than can be
+#: in flight at once; the store forgets finished ones anyway.
+UNDER_WAY_KEPT = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +104,14 @@ class Overload:
     (see the module docstring). Registers its series in ``registry``."""
 
     def __init__(self, registry: Registry, policy: OverloadPolicy | None = None) -> None:
-        #: Read at each probe and check; replace it to change the policy.
-        self.policy = policy or OverloadPolicy()
         #: The loop's lag, seconds: the probes' lateness, time-weighted average over ``policy.window``.
         self.lag = 0.0
+        #: Read at each probe and decision; assign a new one to change it (it holds from the next call on).
+        self.policy = policy or OverloadPolicy()
+        # The rollouts with an attempt under way (a call of it admitted), and that attempt: its later calls are
+        # never turned away. Dropped when the store forgets the rollout; bounded besides (ids nobody forgets,
+        # such as unknown ones, age out).
+        self._under_way: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0
@@ -123,6 +132,12 @@ class Overload:
             "aglverl_proxy_calls_shed_total",
             "New calls answered 429 (Retry-After) because the proxy's event loop was overloaded.",
         )
+
+    @property
+    def shedding(self) -> bool:
+        """Whether new calls are being turned away (a share of them): refusing on and the lag over the limit."""
+        policy = self.policy
+        return policy.refuse and self.lag > policy.max_lag
 
     def statistics(self) -> LagStatistics:
         """The figures so far, as a small frozen record (a reader diffs two of them for a period)."""
@@ -172,16 +187,34 @@ class Overload:
         self._schedule(now)
 
     # ------------------------------------------------------------------ admission
-    def check(self, in_flight: int) -> None:
-        """Raise a 429 :class:`~aglverl.proxy.call.ProxyError` with ``Retry-After`` when a new call is to be
-        turned away now (refusing on, the lag over the limit, ``in_flight`` calls at least the policy's
-        ``min_in_flight``, and the call drawn in the share to turn away); return otherwise."""
+    def refuses(self, in_flight: int, rollout_id: str | None, attempt_id: str | None) -> bool:
+        """Whether a call is to be turned away now: a call of a rollout attempt under way never is; a new one is
+        while shedding with at least ``min_in_flight`` calls in flight, drawn in the share to turn away
+        (counted); a new call let in puts its attempt under way. The one decision of every path that refuses
+        (the socket's, :mod:`~aglverl.proxy.shed`, and the handler's, :meth:`admit`)."""
+        if rollout_id is not None and self._under_way.get(rollout_id) == attempt_id:
+            return False
         policy = self.policy
-        if not policy.refuse or self.lag <= policy.max_lag or in_flight < policy.min_in_flight:
+        if (
+            self.shedding
+            and in_flight >= policy.min_in_flight
+            and random.random() < (self.lag - policy.max_lag) / policy.max_lag
+        ):  # past the limit by a share of it, that share of new calls is turned away
+            self.m_shed.inc()
+            return True
+        if rollout_id is not None and attempt_id is not None:
+            under_way = self._under_way
+            under_way[rollout_id] = attempt_id
+            if len(under_way) > UNDER_WAY_KEPT:
+                del under_way[next(iter(under_way))]
+        return False
+
+    def admit(self, in_flight: int, rollout_id: str | None = None, attempt_id: str | None = None) -> None:
+        """:meth:`refuses` as a handler answers it: a 429 :class:`~aglverl.proxy.call.ProxyError` with
+        ``Retry-After`` for a call turned away, nothing for a call let in."""
+        if not self.refuses(in_flight, rollout_id, attempt_id):
             return
-        if random.random() >= (self.lag - policy.max_lag) / policy.max_lag:
-            return  # past the limit by a share of it, that share of new calls is turned away
-        self.m_shed.inc()
+        policy = self.policy
         delay = policy.retry_after * random.uniform(0.5, 1.5)
         headers = {
             "Retry-After": str(math.ceil(policy.retry_after)),
@@ -194,3 +227,16 @@ class Overload:
             f"after {delay:.1f}s",
             headers=headers,
         )
+
+    def check(self, in_flight: int) -> None:
+        """:meth:`admit` for a call of no rollout (the name this had before rollouts under way were known)."""
+        self.admit(in_flight)
+
+    def under_way(self, rollout_id: str, attempt_id: str) -> bool:
+        """Whether a call of this rollout attempt was let in (its later calls are never turned away)."""
+        return self._under_way.get(rollout_id) == attempt_id
+
+    def forget(self, rollout_ids: Iterable[str]) -> None:
+        """Drop rollouts that are over from the attempts under way."""
+        for rollout_id in rollout_ids:
+            self._under_way.pop(rollout_id, None)

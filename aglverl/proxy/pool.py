@@ -52,7 +52,6 @@ from yarl import URL
 from .call import (
     ERROR_BODY_LIMIT,
     JSON,
-    RESPONSE_DROP,
     Call,
     ProxyError,
     Unreachable,
@@ -61,6 +60,7 @@ from .call import (
 )
 from .config import ProxyConfig
 from .dialect import DEFAULT, Dialect, detect
+from .headers import RESPONSE_DROP
 from .meters import Meters
 from .sse import EventCut, payloads
 
@@ -73,13 +73,8 @@ RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 STICKY_ROLLOUTS = 100_000
 #: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
 EJECT_AFTER_TIMEOUTS = 3
-#: What an ejected backend of the default dialect must answer 200 to before it takes traffic again.
-PROBE_PATH = DEFAULT.health_path
 #: Seconds a probe may take on top of ``connect_timeout``.
 PROBE_READ_TIMEOUT = 2.0
-
-#: Where the default dialect continues an aborted generation: token ids in, token ids out.
-COMPLETIONS_TARGET = DEFAULT.continuation_target
 
 
 class Backend:
@@ -90,10 +85,12 @@ class Backend:
         "ejected",
         "ejected_until",
         "facts",
+        "facts_retry",
         "in_flight",
         "not_before",
         "picks",
         "probing",
+        "reading",
         "removed",
         "timeouts",
         "url",
@@ -111,6 +108,8 @@ class Backend:
         self.timeouts = 0  # calls in a row that outlived request_timeout
         self.dialect: Dialect = DEFAULT  # what it speaks; detected from its model listing (Pool.facts)
         self.facts: Facts | None = None  # its model listing, once read
+        self.facts_retry = 0.0  # a listing that did not answer is not asked for again before this (monotonic)
+        self.reading: anyio.Event | None = None  # set when the listing being read has answered (or not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,18 +396,45 @@ class Pool:
         finally:
             upstream.close()
 
+    async def dialect(self, backend: Backend) -> Dialect:
+        """What ``backend`` speaks: detected from its model listing at the first contact that needs it (a
+        recorded call's first try there), once; a listing that does not answer leaves :data:`DEFAULT` (logged),
+        asked for again after ``eject_seconds``."""
+        if backend.facts is not None or time.monotonic() < backend.facts_retry:
+            return backend.dialect
+        try:
+            await self.facts(backend)
+        except Unreachable as exc:
+            backend.facts_retry = time.monotonic() + self.config.eject_seconds
+            logger.warning(
+                "backend %s did not answer its model listing (%s): taken to speak %s until it does",
+                backend.url,
+                exc,
+                backend.dialect.name,
+            )
+        return backend.dialect
+
     async def facts(self, backend: Backend) -> Facts:
-        """``backend``'s model listing (its dialect's ``models_path``), read once: the cards and the dialect
-        they name, which becomes the backend's. :class:`Unreachable` when it did not answer (its message is
-        the error's ``repr``; asked again next time); a listing that is not OpenAI-shaped counts as no cards."""
+        """``backend``'s model listing (its dialect's ``models_path``), read once (concurrent callers share the
+        read): the cards and the dialect they name, which becomes the backend's. :class:`Unreachable` when it
+        did not answer (its message is the error's ``repr``; asked again next time); a listing that is not
+        OpenAI-shaped counts as no cards."""
+        while backend.facts is None and backend.reading is not None:
+            await backend.reading.wait()
         if backend.facts is not None:
             return backend.facts
+        reading = backend.reading = anyio.Event()
         target = backend.dialect.models_path
         try:
-            async with self.session.get(URL(backend.url + target, encoded=True)) as response:
+            auth = self.config.backend_auth  # a backend with a key asks it for its listing too (vLLM's /v1/*)
+            headers = {"Authorization": auth} if auth is not None else None
+            async with self.session.get(URL(backend.url + target, encoded=True), headers=headers) as response:
                 listing = await response.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise Unreachable(repr(exc)) from exc
+        finally:
+            backend.reading = None
+            reading.set()
         cards = listing.get("data") if isinstance(listing, dict) else None
         cards = cards if isinstance(cards, list) else []
         backend.dialect = detect(cards)

@@ -30,7 +30,7 @@ from ..models import checked_token_ids
 from ..store import LLMCall
 from .call import Call, error_message
 from .meters import Meters
-from .session import Sessions
+from .session import Sessions, Witness
 from .store_view import ProxyStore
 
 __all__ = ["Recorder"]
@@ -116,10 +116,14 @@ class Recorder:
             return
         choice = call.capture.choices.get(0) if call.capture is not None else None
         if choice is not None and choice.answer is not None:
-            rendered = plan.prompt is None or plan.prompt != record.prompt_token_ids
-            self.sessions.remember(
-                plan.pending, choice.answer, record.prompt_token_ids, record.response_token_ids, rendered
-            )
+            prompt, response = record.prompt_token_ids, record.response_token_ids
+            if plan.prompt is None or plan.prompt != prompt:  # the backend rendered the messages itself
+                messages = (call.request or {}).get("messages")
+                witness = Witness(messages, prompt) if isinstance(messages, list) else None
+            else:  # made from ids: the conversation's rendered call stays its witness
+                witness = plan.match.turn.witness if plan.match is not None else None
+            stop = choice.finish_reason == "stop" and response[-1:] == [choice.stop_reason]
+            self.sessions.remember(plan.pending, choice.answer, prompt, response, witness, stop)
 
     def finish(self, call: Call) -> None:
         """Count the call; record it if that has not happened, or mark its records failed if delivery failed."""

@@ -40,7 +40,6 @@ from .api import TranslationError
 from .call import (
     ERROR_BODY_LIMIT,
     JSON,
-    RESPONSE_DROP,
     SSE,
     Call,
     ProxyError,
@@ -50,6 +49,7 @@ from .call import (
 )
 from .config import ProxyConfig
 from .gate import Gate
+from .headers import RESPONSE_DROP
 from .meters import Meters
 from .pool import RETRY_STATUSES, Backend, Held, Pool
 from .recorder import Recorder
@@ -114,6 +114,9 @@ class Relay:
                 if delay > 0:
                     await anyio.sleep(delay)
             tried.append(backend)
+            if call.kind is not None:  # recorded: spelled in the backend's dialect
+                dialect = backend.dialect if backend.facts is not None else await self.pool.dialect(backend)
+                call.prepare(dialect, self.config.request_logprobs)
             backend.in_flight += 1
             try:
                 upstream = await self.pool.send(backend, call)
@@ -195,6 +198,8 @@ class Relay:
             # Nothing has reached the agent yet, so this is as retryable as a refused connection.
             raise Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
         call.upstream_end = time.monotonic()
+        if call.reshape is not None:  # a call made from ids, answered as a completion: a chat answer again
+            body = call.reshape.whole(upstream.status, body)
         captured = self.recorder.capture_body(call, upstream.status, body)
         if captured and call.capture is not None and call.capture.aborted:
             assert call.request is not None
@@ -239,6 +244,9 @@ class Relay:
         limit, size = self.config.max_response_bytes, 0
         content = upstream.content
         taker = capture if events else None  # what takes the ids of each piece of complete events
+        reshape = call.reshape  # a call made from ids, answered as a completion: chat events again
+        if reshape is not None:
+            reshape.open(status, call.sse)
         while True:
             try:
                 chunk = await content.readany()
@@ -250,6 +258,13 @@ class Relay:
                     call, 502, f"backend {call.backend} broke off the response: {exc!r}"
                 )
                 return response
+            if reshape is not None:
+                if chunk:
+                    chunk = reshape.feed(chunk)
+                    if not chunk:
+                        continue  # no complete event yet
+                else:  # the end: what is left of an unfinished event goes as it came
+                    chunk, reshape = reshape.rest(), None
             if not chunk:
                 if cut is None or head is not None or not (chunk := cut.rest()):
                     break
@@ -270,7 +285,7 @@ class Relay:
             if events:
                 if cut is not None:
                     chunk = cut.feed(chunk)
-                if may_abort(chunk):
+                if may_abort(chunk, call.dialect.wire.abort_marker):
                     chunk, head = self.resumer.take_abort(call, chunk)
                 if not chunk:
                     continue

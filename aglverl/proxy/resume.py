@@ -48,6 +48,7 @@ from .gate import Gate
 from .meters import Meters
 from .pool import RETRY_STATUSES, Backend, BoundedEvents, Pool, read_bounded
 from .recorder import Recorder
+from .reshape import chat_logprobs
 from .respond import Responder
 from .sse import (
     DONE_EVENT,
@@ -61,15 +62,13 @@ from .sse import (
 
 logger = logging.getLogger(__name__)
 
-#: The end of a generation aborted exactly at its limit (nothing is left to continue).
-_LENGTH_END: Mapping[str, Any] = {
-    "index": 0,
-    "text": "",
-    "logprobs": None,
-    "finish_reason": "length",
-    "stop_reason": None,
-    "token_ids": [],
-}
+
+
+def _length_end(dialect: Dialect) -> dict[str, Any]:
+    """The end of a generation aborted exactly at its limit (nothing is left to continue), as a completion
+    choice of ``dialect``'s wire."""
+    ids = dialect.wire.response_ids
+    return {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None, ids: []}
 
 
 def resume_blocker(
@@ -180,12 +179,14 @@ def _refused_message(pause_timeout: float, refusals: int) -> str:
     )
 
 
-def _continued_choice(raw: bytes) -> dict[str, Any]:
-    """The choice of a whole continuation answer; :class:`ProxyError` (502) unless a completion with ids."""
+def _continued_choice(raw: bytes, dialect: Dialect) -> tuple[dict[str, Any], list[int]]:
+    """The choice of a whole continuation answer and its ids; :class:`ProxyError` (502) unless a completion
+    with ids."""
     choices = choices_of(json_object(raw))
-    if not choices or type(choices[0].get("token_ids")) is not list:
+    ids = dialect.response_ids(choices[0]) if choices else None
+    if ids is None:
         raise ProxyError(502, "the backend's continuation is not a completion with token ids")
-    return choices[0]
+    return choices[0], ids
 
 
 def _merged(call: Call, answer: Any, pieces: Sequence[dict[str, Any]], state: Resumption) -> Any:
@@ -205,7 +206,7 @@ def _merged(call: Call, answer: Any, pieces: Sequence[dict[str, Any]], state: Re
             _unfinish(piece, "completion")
         if isinstance(logprobs, dict):
             if chat:
-                logprobs.setdefault("content", []).extend(_chat_logprobs(piece.get("logprobs"), top))
+                logprobs.setdefault("content", []).extend(chat_logprobs(piece.get("logprobs"), top))
             else:
                 shifted = _offset_logprobs(piece.get("logprobs"), len(text)) or {}
                 for field in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
@@ -213,34 +214,11 @@ def _merged(call: Call, answer: Any, pieces: Sequence[dict[str, Any]], state: Re
         text += piece.get("text") or ""
     holder[key] = text
     last = pieces[-1]
-    choice["token_ids"] = state.ids
+    choice[call.dialect.wire.response_ids] = state.ids
     choice["finish_reason"], choice["stop_reason"] = last.get("finish_reason"), last.get("stop_reason")
     if isinstance(answer.get("usage"), dict):
         answer["usage"] = state.usage(answer["usage"])
     return answer
-
-
-def _chat_logprobs(logprobs: Any, top: int) -> list[dict[str, Any]]:
-    """A completion's logprobs as chat ``logprobs.content`` entries, with at most ``top`` alternatives."""
-    if not isinstance(logprobs, dict):
-        return []
-    tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
-    tops = logprobs.get("top_logprobs") or []
-    out = []
-    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
-        alternatives = tops[i] if top and i < len(tops) and isinstance(tops[i], dict) else {}
-        best = sorted(alternatives.items(), key=lambda item: -item[1])[:top]
-        out.append(
-            {
-                "token": token,
-                "logprob": value,
-                "bytes": list(token.encode("utf-8", "replace")),
-                "top_logprobs": [
-                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "replace"))} for t, v in best
-                ],
-            }
-        )
-    return out
 
 
 def _offset_logprobs(logprobs: Any, offset: int) -> Any:
@@ -306,7 +284,7 @@ class Resumer:
         pieces: list[dict[str, Any]] = []
         while True:
             if state.left == 0:
-                pieces.append(dict(_LENGTH_END))
+                pieces.append(_length_end(call.dialect))
                 break
             upstream = await self._continuation(call, state)
             try:
@@ -317,10 +295,10 @@ class Resumer:
                 raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
             finally:
                 upstream.close()
-            piece = _continued_choice(raw)
+            piece, ids = _continued_choice(raw, call.dialect)
             pieces.append(piece)
             aborted = piece.get("finish_reason") == call.dialect.abort_reason
-            self._progressed(call, state, piece["token_ids"], aborted)
+            self._progressed(call, state, ids, aborted)
             if not aborted:
                 break
         merged = _merged(call, answer, pieces, state)
@@ -349,6 +327,7 @@ class Resumer:
             backend = self.pool.pick(call.rollout_id, ())
             if backend is None:
                 raise ProxyError(503, "no backends are configured")
+            call.prepare(await self.pool.dialect(backend), self.config.request_logprobs)
             try:
                 upstream = await self.pool.send(backend, call)
             except Unreachable:
@@ -485,7 +464,7 @@ class Resumer:
         ``[DONE]``) is dropped: the rest of the answer comes from the continuation.
         """
         out: list[bytes] = []
-        abort = orjson.dumps(call.dialect.abort_reason)
+        abort = call.dialect.wire.abort_marker
         for raw in EVENT_END.split(chunk):
             if not raw:
                 continue
@@ -498,7 +477,7 @@ class Resumer:
             assert event is not None
             for choice in ended:
                 _unfinish(choice, call.kind)
-            if any(c.get("token_ids") or _text_of(c, call.kind) for c in choices):
+            if any(call.dialect.response_ids(c) or _text_of(c, call.kind) for c in choices):
                 out.append(sse_event(event))
             head = {key: event.get(key) for key in ("id", "object", "created", "model")}
             return b"".join(out), head
@@ -517,7 +496,7 @@ class Resumer:
             state = self._resumption(call, head)
             while True:
                 if state.left == 0:  # cut exactly at the limit: nothing is left to generate
-                    end = {"choices": [dict(_LENGTH_END)]}
+                    end = {"choices": [_length_end(call.dialect)]}
                     events, _ = self._converted(call, state, end)
                     if not await self.responder.forward(call, response, events + DONE_EVENT, call.capture):
                         return False
@@ -593,8 +572,9 @@ class Resumer:
                 return b"", False
             return sse_event({**head, "choices": [], "usage": state.usage(usage)}), False
         c = choices[0]
-        ids = c.get("token_ids")
-        if type(ids) is not list:
+        wire = call.dialect.wire
+        ids = call.dialect.response_ids(c)
+        if ids is None:
             raise ProxyError(502, f"backend {call.backend} sent no token ids for the continuation")
         aborted = c.get("finish_reason") == call.dialect.abort_reason
         if aborted:
@@ -604,7 +584,7 @@ class Resumer:
         request = call.request or {}
         finish = c.get("finish_reason")
         if call.kind == "chat":
-            logprobs = _chat_logprobs(c.get("logprobs"), request.get("top_logprobs") or 0)
+            logprobs = chat_logprobs(c.get("logprobs"), request.get("top_logprobs") or 0)
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": {"content": text},
@@ -613,9 +593,9 @@ class Resumer:
             }
             if finish is not None:
                 choice["stop_reason"] = c.get("stop_reason")
-            choice["token_ids"] = ids
+            choice[wire.response_ids] = ids
         else:
-            choice = {**c, "index": 0, "prompt_token_ids": None}
+            choice = {**c, "index": 0, wire.prompt_ids: None}
             choice["logprobs"] = _offset_logprobs(c.get("logprobs"), state.chars)
             state.chars += len(text)
         return sse_event({**head, "choices": [choice]}), aborted

@@ -51,6 +51,7 @@ __all__ = [
     "Plan",
     "Sessions",
     "Turn",
+    "Witness",
     "canonical_message",
     "conversation_shape",
 ]
@@ -218,15 +219,32 @@ class Answer:
 
 
 @dataclass(slots=True, frozen=True)
+class Witness:
+    """A call the backend rendered itself (relayed as text): its messages exactly as the backend got them and the
+    prompt ids it made of them: what the token-in part checks its own renderer against."""
+
+    messages: list[Any]
+    prompt: list[int]
+
+
+@dataclass(slots=True, frozen=True)
 class Turn:
-    """A recorded call: its exact prompt ids and generated ids, under the rendering context it was made in;
-    ``rendered``: its prompt is the backend's own rendering of its messages (a call relayed as text), which the
-    token-in part compares its own renderer against."""
+    """A recorded call: its exact prompt ids and generated ids, under the rendering context it was made in.
+    ``witness``: the conversation's rendered call (this one's, when it was relayed as text; carried over from
+    the turn a call made from ids extends), so that a check of the template can be made at any turn (a few-shot
+    first call, a cache that forgot its verdict). ``stop``: the response ended on a stop token the engine
+    reported (``stop_reason``), which ends the turn as the template's own end of turn would."""
 
     prompt: list[int]
     response: list[int]
     context: bytes
-    rendered: bool = False
+    witness: Witness | None = None
+    stop: bool = False
+
+    @property
+    def rendered(self) -> bool:
+        """Whether the prompt is the backend's own rendering of the call's messages."""
+        return self.witness is not None and self.witness.prompt is self.prompt
 
 
 @dataclass(slots=True, frozen=True)
@@ -371,11 +389,12 @@ class Sessions:
         answer: Answer,
         prompt: Sequence[int],
         response: Sequence[int],
-        rendered: bool = False,
+        witness: Witness | None = None,
+        stop: bool = False,
     ) -> bool:
         """Keep a recorded call's turn under its messages + ``answer`` (and under its messages alone when the
-        answer is empty, which an agent may leave out); ``rendered``: the prompt is the backend's rendering of
-        the messages. ``False`` when the answer cannot be canonicalised."""
+        answer is empty, which an agent may leave out), with its ``witness`` and ``stop`` (see :class:`Turn`).
+        ``False`` when the answer cannot be canonicalised."""
         canonical = answer.canonical()
         if canonical is None:
             return False
@@ -383,7 +402,10 @@ class Sessions:
         session = attempts.get(pending.attempt_id)
         if session is None:
             session = attempts[pending.attempt_id] = _Session()
-        turn = Turn(_as_list(prompt), _as_list(response), pending.context, rendered)
+        prompt = _as_list(prompt)
+        if witness is not None and witness.prompt == prompt:
+            witness = Witness(witness.messages, prompt)  # its own: ``Turn.rendered``
+        turn = Turn(prompt, _as_list(response), pending.context, witness, stop)
         session.turns.setdefault(_chain(pending.digest, canonical), {})[pending.context] = (turn, True)
         if answer.empty:
             session.turns.setdefault(pending.digest, {})[pending.context] = (turn, False)

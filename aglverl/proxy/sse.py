@@ -52,8 +52,9 @@ class EventCut:
         return rest
 
 
-def may_abort(events: bytes) -> bool:
-    """Whether complete SSE events may hold an aborted choice (a cheap look: the word, where it can be).
+def may_abort(events: bytes, marker: bytes = b'"abort"') -> bool:
+    """Whether complete SSE events may hold an aborted choice (a cheap look: ``marker``, the backend's abort
+    reason as JSON spells it, vLLM's ``"abort"``, where it can be).
 
     An abort is a stream's last choice event, followed at most by a usage event and ``[DONE]`` (with n > 1,
     the other choices' aborts come right before it), so the last three events of a long chunk are enough:
@@ -67,7 +68,7 @@ def may_abort(events: bytes) -> bool:
             if end < 0:
                 break
         start = end + 2 if end >= 0 else 0
-    return events.find(b'"abort"', start) >= 0
+    return events.find(marker, start) >= 0
 
 
 def _event_data(raw: bytes) -> bytes:

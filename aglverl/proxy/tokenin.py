@@ -4,8 +4,8 @@ A black-box agent sends its history back as text; re-rendered and re-tokenized, 
 the ids the engine generated, and a conversation never merges into one training row. :class:`TokenIn` keeps
 the attempt's :class:`~aglverl.proxy.session.Sessions` and, for a chat call whose messages extend a recorded
 turn's messages + answer (:class:`~aglverl.proxy.session.Match`), sends it as ONE chat completion carrying its
-exact prompt ids (:meth:`~aglverl.proxy.dialect.Dialect.with_prompt_ids`: vLLM's
-``kv_transfer_params["prompt_token_ids"]``): the earlier call's prompt + generated ids, the template's end of
+exact prompt ids, as its backend's dialect makes a call from ids (:meth:`~aglverl.proxy.dialect.Dialect.token_in`:
+vLLM's ``kv_transfer_params["prompt_token_ids"]`` on the chat route): the earlier call's prompt + generated ids, the template's end of
 turn where the answer stopped short of it, then the new tail's ids. The backend skips templating and
 tokenization and answers with its own chat answer (its tool-call and reasoning parsers, JSON or SSE), which the
 relay passes on and records like any call's (:class:`~aglverl.proxy.relay.Relay`): the recorded prompt extends
@@ -16,16 +16,21 @@ call is a chat call by then and gets the same.
 
 - the served model's own tokenizer and chat template in the proxy (:class:`_LocalRenderer`: the model card's
   ``root`` of the backend's listing, loaded once per model in a worker thread; renders run in a worker thread
-  too, never on the event loop), checked once per rendering context against a turn the backend rendered itself
-  (the first call of a conversation: a template the backend overrides, ``--chat-template``, shows there);
+  too, never on the event loop), checked once per rendering context against the call of the conversation the
+  backend rendered itself, its messages exactly as sent (its first call, few-shot answers in it included; every
+  later turn carries it, so the check is made again if the cache forgot the verdict): a template the backend
+  overrides, ``--chat-template``, shows there;
 - where the proxy has no tokenizer for the served model (the path is not on this machine), the backend's render
   route (:class:`_RemoteRenderer`, vLLM's with ``--enable-scale-out``): one request more per call, said once.
 
 The tail is rendered after a tiny fixed conversation (user ``"a"``, assistant ``"b"``: the *anchor*) under the
 call's tools and template arguments; the anchor's ids as the template renders them before a later turn (and its
 end-of-turn id and the *glue* after it, ChatML's ``"\\n"``) are read once per rendering context from four
-renders of the anchor with two answers (``"b"`` / ``"c"``), alone and followed by a turn, and kept in a bounded
-cache (:data:`TEMPLATES_KEPT` per renderer, least recently used out). A template whose anchor renders otherwise
+renders of the anchor with two answers (``"b"`` / ``"c"``), alone and followed by a turn, and kept in a cache
+sized from the run (twice the attempts with a session, at least :data:`TEMPLATES_KEPT` per renderer, least
+recently used out). An answer that ended on one of the model's stop tokens (the template's end of turn, or
+another: the engine's ``stop_reason``, or an EOS id of the model's tokenizer and generation config) is not
+given a second end of turn. A template whose anchor renders otherwise
 before this tail is read by rendering the tail after both answers and keeping their common suffix.
 
 **True to the template.** Appending is checked once per rendering context and conversation shape
@@ -61,7 +66,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -77,7 +82,7 @@ from .config import ProxyConfig
 from .meters import Meters
 from .pool import Backend, Pool, read_bounded
 from .relay import Refused, Relay
-from .session import MISSES, Match, Plan, Sessions, conversation_shape
+from .session import MISSES, Match, Plan, Sessions, Turn, conversation_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -101,7 +106,8 @@ OUTCOMES: tuple[str, ...] = (
 ANCHOR_USER: Mapping[str, str] = {"role": "user", "content": "a"}
 ANCHOR_ANSWERS = ("b", "c")
 ANCHOR_NEXT: Mapping[str, str] = {"role": "user", "content": "z"}
-#: Rendering contexts whose anchor and shapes a renderer keeps (least recently used out).
+#: Rendering contexts whose anchor and shapes a renderer keeps at least (least recently used out past this and
+#: twice the attempts with a session: sized from the run).
 TEMPLATES_KEPT = 256
 #: Conversation shapes a rendering context keeps the append-only verdict of.
 SHAPES_KEPT = 64
@@ -163,12 +169,15 @@ class _Template:
 
 
 class _Templates:
-    """A renderer's rendering contexts, least recently used out past :data:`TEMPLATES_KEPT`."""
+    """A renderer's rendering contexts, least recently used out past what the run needs: twice the attempts with
+    a session (``live()``), and at least :data:`TEMPLATES_KEPT` (a context's verdicts cost four renders and more
+    to read again, and a run with as many tool lists as conversations must not read them on every call)."""
 
-    __slots__ = ("_kept",)
+    __slots__ = ("_kept", "_live")
 
-    def __init__(self) -> None:
+    def __init__(self, live: Any = None) -> None:
         self._kept: OrderedDict[bytes, _Template] = OrderedDict()
+        self._live: Callable[[], int] = live or (lambda: 0)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -177,7 +186,7 @@ class _Templates:
         template = self._kept.get(context)
         if template is None:
             template = self._kept[context] = _Template()
-            if len(self._kept) > TEMPLATES_KEPT:
+            if len(self._kept) > TEMPLATES_KEPT and len(self._kept) > 2 * self._live():
                 self._kept.popitem(last=False)
         else:
             self._kept.move_to_end(context)
@@ -193,6 +202,8 @@ class _Renderer(Protocol):
 
     #: Whether it renders in the proxy (the model's tokenizer) rather than on the backend.
     local: bool
+    #: The model's stop ids it knows of (EOS ids of its tokenizer and generation config).
+    stop_ids: frozenset[int]
     #: What it renders with, for warnings (a tokenizer's path, a backend's route).
     source: str
     templates: _Templates
@@ -207,12 +218,15 @@ class _LocalRenderer:
 
     local = True
 
-    def __init__(self, source: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, source: str, tokenizer: PreTrainedTokenizerBase, stop_ids: frozenset[int] = frozenset(), kept: Any = None
+    ) -> None:
         self.source = source
         fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python wrapper per call
         encode = None if fast is None else (lambda text: fast.encode(text, add_special_tokens=False).ids)
         self.template = ChatTemplate(tokenizer, encode)
-        self.templates = _Templates()
+        self.templates = _Templates(kept)
+        self.stop_ids = stop_ids
 
     async def render(
         self, request: Mapping[str, Any], conversations: Sequence[tuple[Sequence[Any], bool]]
@@ -244,13 +258,15 @@ class _RemoteRenderer:
     """The backend's render route (a proxy without the model's tokenizer): one request per render."""
 
     local = False
+    #: The render route tells no stop ids: the engine's ``stop_reason`` and the template's end of turn do.
+    stop_ids: frozenset[int] = frozenset()
 
-    def __init__(self, pool: Pool, config: ProxyConfig, backend: Backend) -> None:
+    def __init__(self, pool: Pool, config: ProxyConfig, backend: Backend, kept: Any = None) -> None:
         self.pool = pool
         self.config = config
         self.backend = backend
         self.source = f"{backend.url}{backend.dialect.render_target}"
-        self.templates = _Templates()
+        self.templates = _Templates(kept)
         #: Whether the route is served (``None``: not asked yet).
         self.served: bool | None = None
         #: The refusal that said it is not (status, message), for the warning.
@@ -329,12 +345,41 @@ def _load_tokenizer(source: str) -> PreTrainedTokenizerBase | None:
         return None
 
 
+def _stop_ids(source: str, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The model's EOS ids: its tokenizer's, and its generation config's (Qwen2.5 lists ``<|im_end|>`` and
+    ``<|endoftext|>``, Llama 3.1 ``<|eom_id|>`` beside ``<|eot_id|>``), what an engine stops on. Blocking."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        generation = GenerationConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError):
+        generation = None
+    for value in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+        if type(value) is int:
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if type(v) is int)
+    return frozenset(ids)
+
+
+def _load_renderer(source: str, live: Any) -> _LocalRenderer | None:
+    """The local renderer of the model at ``source`` (``None``: no tokenizer, or one without a chat template).
+    Blocking: called in a worker thread."""
+    tokenizer = _load_tokenizer(source)
+    if tokenizer is None:
+        return None
+    renderer = _LocalRenderer(source, tokenizer, _stop_ids(source, tokenizer), live)
+    return renderer if renderer.template.source is not None else None
+
+
 class _Tokenizers:
     """The served models' tokenizers, loaded once per source (in a worker thread) and shared by backends."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: Callable[[], int]) -> None:
         self._renderers: dict[str, _LocalRenderer | None] = {}
         self._loading: dict[str, anyio.Event] = {}
+        self._live = live  # how many conversations the run holds (what a renderer's template cache is sized by)
 
     async def renderer(self, source: str | None) -> _LocalRenderer | None:
         if source is None:
@@ -346,11 +391,7 @@ class _Tokenizers:
                 continue
             loading = self._loading[source] = anyio.Event()
             try:
-                tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, source)
-                renderer = None if tokenizer is None else _LocalRenderer(source, tokenizer)
-                if renderer is not None and renderer.template.source is None:
-                    renderer = None  # a tokenizer without a chat template renders no conversation
-                self._renderers[source] = renderer
+                self._renderers[source] = await anyio.to_thread.run_sync(_load_renderer, source, self._live)
             finally:
                 del self._loading[source]
                 loading.set()
@@ -388,7 +429,7 @@ class TokenIn:
         #: The attempts' recorded turns (the recorder remembers a turn once its call is recorded).
         self.sessions = sessions
         self._backends: dict[str, _BackendState] = {}
-        self._tokenizers = _Tokenizers()
+        self._tokenizers = _Tokenizers(self._live)
         self._warned: set[tuple[str, str]] = set()
         self.m_calls = meters.registry.counter(
             "aglverl_proxy_token_in_total",
@@ -410,6 +451,10 @@ class TokenIn:
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
         self.sessions.forget(rollout_ids)
+
+    def _live(self) -> int:
+        """The attempts with a session: the run's conversations, what the template caches are sized by."""
+        return len(self.sessions)
 
     def templates_kept(self) -> int:
         """Rendering contexts the renderers keep (each bounded by :data:`TEMPLATES_KEPT`)."""
@@ -434,9 +479,9 @@ class TokenIn:
         except _Fallback as exc:
             self.m_calls.inc(1, exc.outcome)
             return None
-        text = call.body
-        call.body = backend.dialect.with_prompt_ids(text, call.request, prompt)
-        plan.prompt = prompt
+        target = call.target
+        call.prompt_ids = plan.prompt = prompt
+        call.wire = None  # spelled anew, as the dialect sends a call made from ids (Call.prepare)
         outcome = "generated"
         try:
             return await self.relay.attempts(request, call, refusals=True)
@@ -446,8 +491,9 @@ class TokenIn:
             if call.dialect.refuses_prompt_ids(exc.status, message):
                 self._no_prompt_ids(backend, state, f"it refused them: {exc.status}: {message}")
             logger.debug("backend %s refused a call made from ids: %s", call.backend, exc)
-            call.body, plan.prompt = text, None
-            call.capture = call.dialect.capture("chat", answers=True)  # the relay starts afresh
+            call.prompt_ids = plan.prompt = call.wire = None  # relayed as text from the start
+            call.target, call.reshape = target, None
+            call.capture = call.dialect.capture("chat", answers=True)
             return None
         finally:
             used = call.capture.prompt_ids if call.capture is not None else None
@@ -459,7 +505,8 @@ class TokenIn:
     def _state(self, backend: Backend) -> _BackendState:
         state = self._backends.get(backend.url)
         if state is None:
-            state = self._backends[backend.url] = _BackendState(_RemoteRenderer(self.pool, self.config, backend))
+            remote = _RemoteRenderer(self.pool, self.config, backend, self._live)
+            state = self._backends[backend.url] = _BackendState(remote)
         return state
 
     def _warn_once(self, key: tuple[str, str], message: str, *args: Any) -> None:
@@ -556,8 +603,19 @@ class TokenIn:
                 self._no_renderer(backend, state)
             raise
         turn = match.turn
-        end = [] if turn.response[-1:] == [anchor.eot] else [anchor.eot]
-        return [*turn.prompt, *turn.response, *end, *rest]
+        return [*turn.prompt, *turn.response, *self._end_of_turn(turn, renderer, anchor), *rest]
+
+    @staticmethod
+    def _end_of_turn(turn: Turn, renderer: _Renderer, anchor: _Anchor) -> list[int]:
+        """What closes the turn's answer before the glue: nothing when the answer ended on the template's end of
+        turn or on another of the model's stop tokens (the engine's ``stop_reason``, or the model's EOS ids as
+        its tokenizer and generation config name them: Qwen2.5's ``<|endoftext|>``, Llama 3.1's
+        ``<|eom_id|>``), which the engine kept as generated and which end the turn as well; else the template's
+        end of turn (an answer cut at its limit, or stopped by a stop string)."""
+        last = turn.response[-1:]
+        if last == [anchor.eot] or turn.stop or (last and last[0] in renderer.stop_ids):
+            return []
+        return [anchor.eot]
 
     async def _checked(
         self,
@@ -571,12 +629,14 @@ class TokenIn:
         """The local renderer when it agrees with the backend under this rendering context (checked once,
         against a turn the backend rendered itself), else the backend's render route; :class:`_Fallback`
         (``template_mismatch``) when the backend has none."""
-        # A witness: a turn the backend rendered whose messages the agent re-sent as they were (an earlier
-        # answer in them is compared loosely, and its echo may render otherwise than the original did).
-        messages = request["messages"][: match.history] if template.agrees is None and match.turn.rendered else []
-        if messages and all(m.get("role") != "assistant" for m in messages):
-            [ids] = await renderer.render(request, [(messages, True)])
-            template.agrees = ids == match.turn.prompt
+        # The witness: the conversation's call the backend rendered itself, its messages exactly as they were
+        # sent (a few-shot answer in them included), and the ids the backend made of them. Every turn of a
+        # conversation carries it, so the check is made whenever the verdict is not known (a first look at
+        # this rendering context, or one the cache forgot).
+        witness = match.turn.witness
+        if template.agrees is None and witness is not None:
+            [ids] = await renderer.render(request, [(witness.messages, True)])
+            template.agrees = ids == witness.prompt
             if not template.agrees:
                 self._warn_once(
                     ("template", renderer.source),

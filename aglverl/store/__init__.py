@@ -39,13 +39,15 @@ from .errors import (
 )
 from .journal import Journal
 from .ports import AttemptPinning
-from .records import TERMINAL, AttemptChange, LLMCall, RolloutRecord, RolloutState
+from .records import TERMINAL, TRANSITIONS, AttemptChange, AttemptEvent, LLMCall, RolloutRecord, RolloutState
 from .tasks import TaskStore
 
 __all__ = [
     "TERMINAL",
+    "TRANSITIONS",
     "AlreadyFinished",
     "AttemptChange",
+    "AttemptEvent",
     "AttemptLost",
     "AttemptPinning",
     "InvalidResult",

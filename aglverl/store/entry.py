@@ -18,7 +18,7 @@ import anyio
 
 from ..models import Mode, Rollout, Task, TerminationReason
 from .errors import AttemptLost, UnknownAttempt
-from .records import TERMINAL, LLMCall, RolloutRecord, RolloutState
+from .records import TERMINAL, TRANSITIONS, AttemptEvent, LLMCall, RolloutRecord, RolloutState
 
 __all__ = ["Entry", "Group"]
 
@@ -67,6 +67,16 @@ class Entry:
     @property
     def attempt_id(self) -> str | None:
         return self.attempts[-1] if self.attempts else None
+
+    def move(self, to: RolloutState, event: AttemptEvent) -> None:
+        """Change the rollout's state to ``to``, announced to its attempt as ``event``: the one place a state is
+        written. A change :data:`~aglverl.store.records.TRANSITIONS` does not list is a bug in the store: a
+        ``RuntimeError`` naming it, with nothing changed."""
+        if event not in TRANSITIONS.get((self.state, to), ()):
+            raise RuntimeError(
+                f"rollout {self.rollout_id!r}: no transition {self.state} -> {to} ({event}) in the store's table"
+            )
+        self.state = to
 
     def require_attempt(self, attempt_id: str | None) -> None:
         """Raise :class:`UnknownAttempt` unless ``attempt_id`` is one of this rollout's attempts."""
@@ -123,7 +133,7 @@ class Entry:
         self.calls = {kept: self.calls.get(kept, [])} if kept else {}
         self.error = error
         self.termination = result.declared_termination if result is not None else termination
-        self.state = state
+        self.move(state, "ended")
         self.result = result
         self.result_attempt = attempt_id
         self.lease_deadline = math.inf
@@ -265,11 +275,13 @@ class Entry:
             self.num_claims += 1
         elif kind == "result":
             self.calls = {r["attempt_id"]: [LLMCall(**c) for c in r["calls"]]}
-            self.state, self.result_attempt = "completed", r["attempt_id"]
+            self.move("completed", "ended")
+            self.result_attempt = r["attempt_id"]
             self.result = Rollout.model_validate(r["result"])
             self.termination = self.result.declared_termination
         elif kind == "failed":
-            self.state, self.error = "failed", r["error"]
+            self.move("failed", "ended")
+            self.error = r["error"]
             # Journals written before reasons were recorded only ever failed for these two causes; which one
             # is lost, and an agent error is the one a trainer masks by default too.
             self.termination = r.get("termination") or "agent_error"

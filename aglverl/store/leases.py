@@ -33,6 +33,10 @@ class Leases:
         self._rearm = anyio.Event()
         self._frozen_at: float | None = None  # monotonic: since when the clock is stopped
 
+    def __len__(self) -> int:
+        """Deadlines in the heap: the live claims' and stale ones not yet dropped (bounded, see ``push``)."""
+        return len(self._heap)
+
     def now(self) -> float:
         """What a lease counts from: now, or, while frozen, the moment the clock stopped (a lease started or
         renewed during a freeze counts from the freeze, so a thaw gives it exactly its length)."""

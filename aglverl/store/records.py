@@ -3,18 +3,44 @@ snapshot as a trainer reads it (:class:`RolloutRecord`). Plain data, no behaviou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..models import Rollout, TerminationReason
 from .errors import InvalidResult
 
-__all__ = ["TERMINAL", "AttemptChange", "LLMCall", "RolloutRecord", "RolloutState", "check_token_ids"]
+__all__ = [
+    "TERMINAL",
+    "TRANSITIONS",
+    "AttemptChange",
+    "AttemptEvent",
+    "LLMCall",
+    "RolloutRecord",
+    "RolloutState",
+    "check_token_ids",
+]
 
 #: Where a rollout is in its life (see :mod:`aglverl.store.tasks`).
 RolloutState = Literal["queued", "claimed", "completed", "failed"]
 #: The states a rollout never leaves.
 TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
+#: What happens to an attempt when its rollout changes state (:attr:`AttemptChange.kind`).
+AttemptEvent = Literal["queued", "claimed", "released", "ended"]
+#: Every change of a rollout's state the store makes, and the attempt events that may announce it: the one
+#: table :meth:`Entry.move <aglverl.store.entry.Entry.move>`, the only place a state is written, checks. A
+#: rollout is created ``queued`` (announced ``queued``); a claim starts an attempt; a claimed rollout goes back
+#: to the queue when its claim is undone before the task reached an agent (``released``: no attempt used) or its
+#: attempt failed and it is retried (``ended``); it finishes from the queue too (a step's deadline, or the result
+#: of an earlier attempt arriving after a requeue). A finished rollout never changes again.
+TRANSITIONS: Mapping[tuple[RolloutState, RolloutState], frozenset[AttemptEvent]] = {
+    ("queued", "claimed"): frozenset({"claimed"}),
+    ("claimed", "queued"): frozenset({"released", "ended"}),
+    ("claimed", "completed"): frozenset({"ended"}),
+    ("claimed", "failed"): frozenset({"ended"}),
+    ("queued", "completed"): frozenset({"ended"}),
+    ("queued", "failed"): frozenset({"ended"}),
+}
 
 
 @dataclass(slots=True)
@@ -120,7 +146,7 @@ class AttemptChange:
     resources its task names (with proxy shards, the attempt's shard's copy).
     """
 
-    kind: Literal["queued", "claimed", "released", "ended"]
+    kind: AttemptEvent
     rollout_id: str
     attempt_id: str | None
     claims: int

@@ -53,7 +53,15 @@ from .errors import (
 from .leases import LeaseItem, Leases
 from .meters import StoreMeters
 from .ports import AttemptPinning, Journal
-from .records import TERMINAL, AttemptChange, LLMCall, RolloutRecord, RolloutState, check_token_ids
+from .records import (
+    TERMINAL,
+    AttemptChange,
+    AttemptEvent,
+    LLMCall,
+    RolloutRecord,
+    RolloutState,
+    check_token_ids,
+)
 from .resources import ResourceVersions
 from .takes import Takes
 from .waiters import Waiters
@@ -201,7 +209,6 @@ class TaskStore:
         return rollout_id
 
     def _push(self, entry: Entry, *, front: bool) -> None:
-        entry.state = "queued"
         self._queued_count += 1
         if front:
             self._queue.appendleft(entry.rollout_id)
@@ -226,7 +233,7 @@ class TaskStore:
             self.meters.queue_wait.observe(now - entry.since)
         self._queued_count -= 1
         self._claimed_count += 1
-        entry.state = "claimed"
+        entry.move("claimed", "claimed")
         entry.num_claims += 1
         entry.attempts.append(_new_id("attempt"))
         entry.last_claim_time = time.time()
@@ -294,6 +301,7 @@ class TaskStore:
         entry.lease_deadline = math.inf
         self._claimed_count -= 1
         self.meters.released.inc()
+        entry.move("queued", "released")
         self._emit("released", entry, attempt_id)
         self._push(entry, front=True)
         return True
@@ -366,7 +374,7 @@ class TaskStore:
         self.meters.requeued.inc(1, reason)
         entry.requeues += 1
         logger.info("requeueing %s (%s, attempt %d)", entry.rollout_id, reason, entry.num_claims)
-        entry.state = "queued"
+        entry.move("queued", "ended")
         self._emit("ended", entry, entry.attempt_id, message)
         self._push(entry, front=True)
 
@@ -595,7 +603,7 @@ class TaskStore:
         self._attempt_listeners.append(listener)
 
     def _emit(
-        self, kind: Literal["queued", "claimed", "released", "ended"], entry: Entry, attempt_id: str | None,
+        self, kind: AttemptEvent, entry: Entry, attempt_id: str | None,
         error: str | None = None, *, resources_id: str | None = None,
     ) -> None:
         if self._attempt_listeners:
@@ -775,7 +783,6 @@ class TaskStore:
             elif (entry := self._entries.get(r.get("rollout_id", ""))) is not None:
                 entry.apply(r)
         for entry in self._entries.values():
-            if entry.state not in TERMINAL:
-                entry.state = "queued"
+            if entry.state not in TERMINAL:  # replayed attempts leave a rollout queued: it is handed out again
                 self._queued_count += 1
                 self._queue.append(entry.rollout_id)

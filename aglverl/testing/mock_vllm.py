@@ -369,6 +369,7 @@ class _Choice:
     prompt: list[int]
     ids: list[int]
     finish: str
+    stop_reason: int | None = None  # the stop token id the choice ended on (kept in its ids, as vLLM keeps it)
 
 
 #: How many tokens a choice gets for its prompt, and why it stopped ("stop" or "length").
@@ -403,6 +404,12 @@ class _Generation:
                 _Choice(p * n + j, prompt, completion_token_ids(prompt, p * n + j, count), finish)
                 for j in range(n)
             ]
+        stops = body.get("stop_token_ids")
+        if isinstance(stops, list) and stops:  # as vLLM: the first stop id ends the choice, kept in its ids
+            for c in self.choices:
+                at = next((k for k, t in enumerate(c.ids) if t in stops), None)
+                if at is not None:
+                    c.ids, c.finish, c.stop_reason = c.ids[: at + 1], "stop", c.ids[at]
         raw_lp = body.get("logprobs")
         self.logprobs = bool(raw_lp) if kind == "chat" else raw_lp is not None and raw_lp is not False
         stream_options = body.get("stream_options") or {}
@@ -477,7 +484,7 @@ class _Generation:
             "message": message,
             "logprobs": self._chat_logprobs(c.ids),
             "finish_reason": c.finish,
-            "stop_reason": None,
+            "stop_reason": c.stop_reason,
             "token_ids": c.ids if self.with_ids else None,
         }
 
@@ -487,7 +494,7 @@ class _Generation:
             "text": "".join(map(_text, c.ids)),
             "logprobs": self._completion_logprobs(c.ids, 0),
             "finish_reason": c.finish,
-            "stop_reason": None,
+            "stop_reason": c.stop_reason,
             "token_ids": c.ids if self.with_ids else None,
             "prompt_token_ids": c.prompt if self.with_ids else None,
         }
@@ -541,7 +548,7 @@ class _Generation:
             choice["text"] = _text(t)
             choice["logprobs"] = self._completion_logprobs([t], offset)
         choice["finish_reason"] = c.finish if last else None
-        choice["stop_reason"] = None
+        choice["stop_reason"] = c.stop_reason if last else None
         if self.with_ids:
             if self.kind == "completion":
                 choice["prompt_token_ids"] = c.prompt if k == 0 else None

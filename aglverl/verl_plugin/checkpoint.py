@@ -150,7 +150,7 @@ class _Inbox:
                 slot = self._slots[parcel.version] = Future()
             slot.set_result(parcel)
 
-    async def take(self, version: int, timeout: float) -> _Parcel:
+    async def take(self, version: int, timeout: float) -> _Parcel:  # noqa: ASYNC109
         """The parcel of ``version``, once delivered; raises :class:`WeightTransferTimeout` after ``timeout``
         seconds, :class:`WeightTransferError` if a newer version was delivered instead. Cancellation leaves
         the inbox as it was (a later delivery of ``version`` is kept)."""
@@ -162,7 +162,7 @@ class _Inbox:
                 slot = self._slots[version] = Future()
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(slot)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise WeightTransferTimeout(
                 f"{BACKEND}: no weights of version {version} arrived within {timeout:g} s: the trainer's rank 0 "
                 f"never sent them (it died, or the sync was not started for this version)"
@@ -366,7 +366,7 @@ def _failures(doing: str) -> Iterator[None]:
     owner died) as :class:`WeightTransferError`, saying what was being done."""
     try:
         yield
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise WeightTransferTimeout(f"{BACKEND}: {doing} did not finish in time") from None
     except ray.exceptions.RayError as exc:
         raise WeightTransferError(f"{BACKEND}: {doing} failed: {exc}") from exc
@@ -420,7 +420,7 @@ async def _publish(weights: WeightStream, version: int, bucket_size: int) -> _Pa
     return _Parcel(version, tuple(specs), tuple(refs), nbytes)
 
 
-async def _fetch(parcel: _Parcel, timeout: float) -> list[tuple[str, torch.Tensor]]:
+async def _fetch(parcel: _Parcel, timeout: float) -> list[tuple[str, torch.Tensor]]:  # noqa: ASYNC109
     """The parcel's tensors, mapped from the object store; raises :class:`WeightTransferError` (or its timeout
     subclass) naming the version."""
     doing = f"fetching the weights of version {parcel.version} ({parcel.nbytes} bytes) from the object store"

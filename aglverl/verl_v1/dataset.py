@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.utils.data import Dataset
 
 from .active_run import INPUT_KEY, current_run
-
-if TYPE_CHECKING:
-
-    pass
-
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,11 +17,6 @@ from ..metrics import overlap_shares
 from ..proxy.control import GAUGES
 from ..trajectory.groups import aggregate_stats
 from .active_run import Run, current_run
-
-if TYPE_CHECKING:
-
-    pass
-
 
 logger = logging.getLogger(__name__)
 

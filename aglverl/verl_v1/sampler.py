@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .active_run import current_run
-
-if TYPE_CHECKING:
-
-    pass
-
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from .translator import (
     Block,
     Exchange,
     Fields,
+    Route,
     bad_field,
     copy_sampling,
     function_tool,
@@ -64,6 +65,8 @@ class MessagesApi:
     """Anthropic's Messages API, one call's part (see the module docstring)."""
 
     name: ClassVar[str] = "messages"
+    routes: ClassVar[tuple[Route, ...]] = (Route("messages"),)
+    credential_header: ClassVar[str | None] = "x-api-key"
 
     def __init__(self, exchange: Exchange) -> None:
         self.ex = exchange

@@ -32,6 +32,7 @@ from .translator import (
     Block,
     Exchange,
     Fields,
+    Route,
     bad_field,
     copy_sampling,
     function_tool,
@@ -61,6 +62,8 @@ class ResponsesApi:
     """OpenAI's Responses API, one call's part (see the module docstring)."""
 
     name: ClassVar[str] = "responses"
+    routes: ClassVar[tuple[Route, ...]] = (Route("responses"),)
+    credential_header: ClassVar[str | None] = None
 
     def __init__(self, exchange: Exchange) -> None:
         self.ex = exchange

@@ -41,6 +41,7 @@ __all__ = [
     "Block",
     "Exchange",
     "Fields",
+    "Route",
     "TranslationError",
     "Translator",
     "backend_error",
@@ -73,6 +74,21 @@ PASSTHROUGH: frozenset[str] = frozenset(
 )
 #: Largest error body (bytes) kept to translate when a backend streams one.
 ERROR_BODY_LIMIT = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where an API is served and where its call's model and stream flag come from.
+
+    ``pattern``: the path after ``/v1/`` (POST), its ``{name}`` parts path parameters (one path segment each,
+    ``models/{model}:generateContent``); the call's parameters reach its :class:`AgentApi` as
+    :attr:`Exchange.params`. ``model``: the path parameter that names the model (``None``: the body's ``model``
+    field). ``stream``: whether the route streams its answer (``None``: the body's ``stream`` field says).
+    """
+
+    pattern: str
+    model: str | None = None
+    stream: bool | None = None
 
 
 class TranslationError(Exception):
@@ -253,6 +269,7 @@ class Exchange:
     in while it reads the request) and what the backend answered so far (the translator fills that in)."""
 
     # the request
+    params: dict[str, str] = field(default_factory=dict)  # the route's path parameters
     model: str | None = None
     stream: bool = False
     logprobs: bool = False  # the agent asked for them (the proxy may ask the backend for its own reasons)
@@ -276,10 +293,16 @@ class Exchange:
 class AgentApi(Protocol):
     """An API an agent speaks, over chat completions: one instance per call, made on that call's
     :class:`Exchange`. It reads the request and renders the answer; the :class:`Translator` holding it does
-    the rest. Registered by the path it is served on in :data:`aglverl.proxy.api.APIS`."""
+    the rest. Everything the proxy needs of it is declared here, in its module: registered in
+    :data:`aglverl.proxy.api.APIS` by its :attr:`routes`."""
 
     #: The API's name, in messages.
     name: ClassVar[str]
+    #: Where it is served (path parameters included), with where each route's model and stream flag come from.
+    routes: ClassVar[tuple[Route, ...]]
+    #: The header its SDKs send their key in, when not ``Authorization`` (Anthropic's ``x-api-key``): accepted
+    #: as the proxy's token, and never forwarded to a backend.
+    credential_header: ClassVar[str | None]
 
     def __init__(self, exchange: Exchange) -> None: ...
 
@@ -337,6 +360,7 @@ class Translator:
         "_cut",
         "_ended",
         "_open",
+        "_route",
         "_sse",
         "_started",
         "_status",
@@ -345,8 +369,13 @@ class Translator:
         "exchange",
     )
 
-    def __init__(self, api: type[AgentApi]) -> None:
-        self.exchange = Exchange()
+    def __init__(
+        self, api: type[AgentApi], route: Route | None = None, params: dict[str, str] | None = None
+    ) -> None:
+        self.exchange = Exchange(params=params or {})
+        if route is not None and route.model is not None:
+            self.exchange.model = self.exchange.params.get(route.model)
+        self._route = route
         self.api: AgentApi = api(self.exchange)
         self._status = 200
         self._sse = False
@@ -365,6 +394,8 @@ class Translator:
         except orjson.JSONDecodeError as exc:
             raise TranslationError(400, f"request body is not valid JSON: {exc}") from None
         chat = self.api.to_chat(Fields(obj, ""))
+        if self._route is not None and self._route.stream is not None:
+            self.exchange.stream = self._route.stream  # the route says, whatever the body does
         if self.exchange.stream:
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}  # usage for the final event

@@ -1,0 +1,233 @@
+"""Shedding at the socket: while the proxy is overloaded, a new call is turned away before aiohttp reads it.
+
+A 429 decided in a handler costs the proxy most of what relaying a call costs in HTTP machinery alone: aiohttp
+parses the request, makes its request object, routes it, runs a task for its handler, writes a response and
+drains the body (a quarter of a whole call, ``benchmarks/RESULTS.md``). Past its capacity the proxy would then
+spend its CPU refusing. :class:`Shedder` sits between the connection and aiohttp's protocol (it holds aiohttp's
+:class:`~aiohttp.web_protocol.RequestHandler` and hands it every byte it does not take itself): while the proxy
+sheds (:attr:`Overload.shedding <aglverl.proxy.overload.Overload.shedding>`), it reads the head of each request
+that starts on an idle connection (the request line, ``Content-Length``), and a call of a rollout attempt that
+is not under way, drawn in the share to turn away (:meth:`Overload.refuses
+<aglverl.proxy.overload.Overload.refuses>`: the same decision the handler's path makes), gets a 429 written
+straight to the socket, its body read past as it arrives, never parsed; everything else goes to aiohttp as it
+came. The decision needs no byte of the body: as soon as a request's head is in, before its body is read.
+
+What it answers is what :class:`~aglverl.proxy.overload.Overload` answers: ``Retry-After`` and a spread
+``retry-after-ms``, the error in the agent's API (chat completions, Responses, Messages, any registered API);
+the call is counted as rejected and shed. Only requests it can frame for certain are judged here: an attributed
+route (``/rollout/{id}/attempt/{id}/v1/...``, ids without percent-escapes), HTTP/1.1, a ``Content-Length`` (or
+no body), no ``Expect``, on a connection where aiohttp has no request in hand (its responses keep their order).
+A connection whose framing it cannot follow (``Transfer-Encoding``, a head over 64 KiB) is handed to aiohttp
+whole from then on; what it does not judge, the handler's admission judges the same way (unattributed
+``/v1/...`` calls, calls that arrive while the proxy does not shed).
+
+Its per-byte work when the proxy does not shed is one search for the end of each request's head and its
+length: the framing it must know to find the next request. Pure protocol plumbing: nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from typing import Any
+
+from .api import APIS, Translator
+from .call import ProxyError
+from .gate import Gate
+from .meters import Meters
+from .overload import Overload
+
+__all__ = ["Shedder"]
+
+logger = logging.getLogger(__name__)
+
+#: A head longer than this is not followed (aiohttp refuses heads past 8 KiB of a line anyway).
+HEAD_LIMIT = 64 << 10
+_ROLLOUT = b"/rollout/"
+_ATTEMPT = b"/attempt/"
+_V1 = b"/v1/"
+#: What aiohttp's protocol must have for the shedder to know it holds no request (else nothing is shed here).
+_IDLE_FIELDS = ("_request_in_progress", "_messages")
+
+
+class _Refusals:
+    """The 429 bodies by the route after ``/v1/``, in its agent's API (the message fixed: its numbers would be
+    the only per-call work)."""
+
+    def __init__(self) -> None:
+        self._bodies: dict[bytes, bytes] = {}
+
+    def body(self, route: bytes) -> bytes:
+        body = self._bodies.get(route)
+        if body is None:
+            found = APIS.match(route.decode("latin-1"))
+            message = "the LLM proxy is overloaded: the call was not forwarded; retry after the Retry-After delay"
+            body = ProxyError(429, message).body(Translator(*found) if found is not None else None)
+            if len(self._bodies) < 64:  # routes are few; one with a path parameter is made anew past that
+                self._bodies[route] = body
+        return body
+
+
+_REFUSALS = _Refusals()
+
+
+class Shedder(asyncio.Protocol):
+    """One connection's protocol: aiohttp's, behind the shedding of new calls (see the module docstring)."""
+
+    __slots__ = ("_dropping", "_gate", "_head", "_held", "_inner", "_lost", "_meters", "_overload", "_remaining", "_transport")
+
+    def __init__(self, inner: Any, overload: Overload, gate: Gate, meters: Meters) -> None:
+        self._inner = inner
+        self._overload = overload
+        self._gate = gate
+        self._meters = meters
+        self._transport: Any = None  # asyncio's transport, or uvloop's (not a subclass of asyncio's)
+        self._head = b""  # the start of a head not complete yet
+        self._held = False  # whether ``_head`` was kept from aiohttp (a call that may be refused)
+        self._remaining = 0  # bytes of the current request still to come
+        self._dropping = False  # they belong to a refused call: read past, not handed on
+        self._lost = not all(hasattr(inner, name) for name in _IDLE_FIELDS)
+
+    # ------------------------------------------------------------------ asyncio.Protocol, handed on
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def eof_received(self) -> bool | None:
+        if self._held and self._head:
+            self._inner.data_received(self._head)  # what was kept back goes on: aiohttp answers the half request
+            self._head, self._held = b"", False
+        return self._inner.eof_received()
+
+    # ------------------------------------------------------------------ the bytes
+    def data_received(self, data: bytes) -> None:
+        if self._lost:
+            self._inner.data_received(data)
+            return
+        while data:
+            if self._remaining:  # the body of the current request
+                n = self._remaining
+                part, data = (data, b"") if len(data) <= n else (data[:n], data[n:])
+                self._remaining -= len(part)
+                if not self._dropping:
+                    self._inner.data_received(part)
+                elif not self._remaining:
+                    self._dropping = False
+                continue
+            data = self._request(data)
+
+    def _request(self, data: bytes) -> bytes:
+        """Take a request starting at ``data`` (after a kept start of its head): judge it when its head is in;
+        returns what follows it in ``data`` (a pipelined request), handing on or dropping the rest."""
+        before, held = self._head, self._held
+        buf = before + data if before else data
+        fresh = held or not before  # aiohttp has had none of this request: it may still be refused
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:  # the head is not complete yet
+            if len(buf) > HEAD_LIMIT:
+                return self._give_up(buf if held else data)
+            keep = fresh and self._overload.shedding
+            if not keep:  # handed on; a copy is kept only to find the request's length
+                self._inner.data_received(buf if held else data)
+            self._head, self._held = buf, keep
+            return b""
+        self._head, self._held = b"", False
+        head = buf[: end + 4]
+        length = _length(head)
+        if length is None:
+            return self._give_up(buf if held else data)
+        total = end + 4 + length
+        if fresh and self._overload.shedding and self._refuse(head):
+            consumed = min(total, len(buf))
+            self._remaining = total - consumed
+            self._dropping = self._remaining > 0
+            return buf[consumed:]
+        mine = buf if held else data  # what aiohttp has not had yet, from where it starts in ``buf``
+        upto = min(total, len(buf))
+        self._inner.data_received(mine[: upto - (len(buf) - len(mine))])
+        self._remaining = total - upto
+        return buf[upto:]
+
+    def _give_up(self, rest: bytes) -> bytes:
+        """Framing this connection's requests is past what is followed here: aiohttp gets everything."""
+        self._lost = True
+        self._head, self._held = b"", False
+        self._inner.data_received(rest)
+        return b""
+
+    def _refuse(self, head: bytes) -> bool:
+        """Whether the request of ``head`` is a new call to turn away now (see the module docstring); answers it
+        when it is."""
+        inner = self._inner
+        if inner._request_in_progress or inner._messages:
+            return False  # aiohttp holds a request here: an answer now would overtake its answer
+        line = head[: head.find(b"\r\n")]
+        parts = line.split(b" ")
+        if len(parts) != 3 or parts[2] != b"HTTP/1.1" or not parts[1].startswith(_ROLLOUT):
+            return False
+        path = parts[1]
+        at = path.find(_ATTEMPT, len(_ROLLOUT))
+        v1 = path.find(_V1, at + len(_ATTEMPT)) if at > 0 else -1
+        if v1 < 0 or b"%" in path[:v1]:
+            return False
+        lower = head.lower()
+        if b"\r\nexpect:" in lower:
+            return False
+        rollout_id = path[len(_ROLLOUT) : at].decode("latin-1")
+        attempt_id = path[at + len(_ATTEMPT) : v1].decode("latin-1")
+        if not self._overload.refuses(self._gate.in_flight, rollout_id, attempt_id):
+            return False
+        self._answer(path[v1 + len(_V1) :].split(b"?", 1)[0], b"\r\nconnection: close\r\n" in lower)
+        return True
+
+    def _answer(self, route: bytes, close: bool) -> None:
+        """Write the 429 for a refused call to ``route`` (after ``/v1/``) and count it."""
+        body = _REFUSALS.body(route)
+        policy = self._overload.policy
+        delay = policy.retry_after * random.uniform(0.5, 1.5)
+        answer = b"".join(
+            (
+                b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nContent-Length: ",
+                str(len(body)).encode(),
+                b"\r\nRetry-After: ",
+                str(math.ceil(policy.retry_after)).encode(),
+                b"\r\nretry-after-ms: ",
+                str(round(delay * 1e3)).encode(),
+                b"\r\nConnection: close\r\n\r\n" if close else b"\r\n\r\n",
+                body,
+            )
+        )
+        self._meters.calls.inc(1, "rejected")
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(answer)
+            if close:
+                transport.close()
+
+
+def _length(head: bytes) -> int | None:
+    """The body length a request head announces (0 without one); ``None``: framing not followed here
+    (``Transfer-Encoding``, or a length that is not a number). The usual spellings are looked for as they are;
+    only a head that has neither is lowered (per call, this is the shedder's work when it does not shed)."""
+    if b"ransfer-" in head or b"RANSFER-" in head:  # Transfer-Encoding, as any client spells it
+        return None
+    at = head.find(b"\r\nContent-Length:")
+    if at < 0:
+        at = head.find(b"\r\ncontent-length:")
+        if at < 0:
+            at = head.lower().find(b"\r\ncontent-length:")
+            if at < 0:
+                return 0
+    value = head[at + 17 : head.find(b"\r\n", at + 17)].strip()
+    return int(value) if value.isdigit() else None
