@@ -63,8 +63,30 @@ def test_trajectory_widths_become_the_rows_widths_and_conflicts_name_both_keys()
     with pytest.raises(ConfigError, match=r"agentlightning\.trace_aggregator\.trajectory_max_response_length \(16\) "
                        r"and data\.max_response_length \(4\) disagree"):
         map_section({**BASE, "agentlightning": section})
-    with pytest.raises(ConfigError, match=r"agentlightning\.agl_key \('a'\) and aglverl\.token \('b'\) disagree"):
-        map_section({"aglverl": {"token": "b"}, "agentlightning": {"agl_key": "a"}})
+
+
+def test_messages_name_only_keys_the_user_set_and_never_a_secret() -> None:
+    """Issue 39, finding 8. A key the section leaves out takes Agent Lightning's default only where the user set
+    no value of their own: ``aglverl.processes.timeout_seconds: 600`` alone is no conflict with a
+    ``rollout_timeout_seconds`` the user never wrote (nor ``reward_fillna_value``, nor the trace level). A conflict
+    between the two keys, or a key of the wrong type, never prints the key itself."""
+    user = {
+        "aglverl": {"processes": {"timeout_seconds": 600, "reward_fillna_value": None}, "signal": {"trajectory": "per_call"}},
+        "agentlightning": {"local": {"agent_class": "m:A"}},
+    }
+    mapped, _ = map_section(user)
+    assert mapped["aglverl"]["processes"] == {"timeout_seconds": 600, "reward_fillna_value": None, "agent_class": "m:A"}
+    assert mapped["aglverl"]["signal"] == {"trajectory": "per_call"}
+    with pytest.raises(ConfigError) as conflict:
+        map_section({"aglverl": {"token": "s3cret-b"}, "agentlightning": {"agl_key": "s3cret-a"}})
+    message = str(conflict.value)
+    assert "agentlightning.agl_key and aglverl.token disagree" in message
+    assert "s3cret" not in message
+    with pytest.raises(ConfigError) as wrong_type:
+        map_section({"agentlightning": {"agl_key": 12345678}})
+    assert "agl_key must be a string, got a value of type int" in str(wrong_type.value) and "12345678" not in str(wrong_type.value)
+    with pytest.raises(ConfigError, match=r"rollout_timeout_seconds \(90\.0\) and aglverl\.processes\.timeout_seconds \(600\)"):
+        map_section({**user, "agentlightning": {"rollout_timeout_seconds": 90}})  # given both: both named
 
 
 @pytest.mark.parametrize(

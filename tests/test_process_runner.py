@@ -138,7 +138,7 @@ async def test_a_timeout_kills_the_agents_whole_process_group(tmp_path: Path) ->
     options = {"command": [*PROGRAM, "hang", str(pidfile)], "timeout_seconds": 5.0}
     async with running(tmp_path, options) as (daemon, _, _mock):
         record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
-    assert record.state == "failed" and "timed out after 5 s; its process group was killed" in record.error
+    assert record.state == "failed" and "timed out after 5 s; it and every process it started were sent SIGTERM" in record.error
     await _exited(int(pidfile.read_text()))
 
 

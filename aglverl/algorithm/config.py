@@ -595,6 +595,7 @@ def daemon_config(config: Any, options: DaemonOptions) -> DaemonConfig:
         max_failed_groups=int(data.train_batch_size) if bound is None else bound,
         journal_path=journal_path(config, options.journal),
         proxy_shards=options.proxy_shards,
+        allow_unauthenticated=options.allow_unauthenticated,
         proxy=ProxyConfig(
             host=options.host,
             port=options.proxy_port,
