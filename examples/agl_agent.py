@@ -31,7 +31,6 @@ import re
 import httpx
 import openai
 
-
 #: One HTTP client for every rollout of this process. Under aglverl's fork server it is made once, in the template
 #: that imports this module, and every rollout's process (a fork) starts with it: a new client would cost each
 #: rollout ~30 ms of CPU (its TLS setup) twice, for the SDK's client and for the reward's post.
@@ -62,13 +61,15 @@ def reward(answer: str, word: str) -> float:
     return sum(w == word for w in words) / len(words) if words else 0.0
 
 
-def make_config(steps: int, agents: int, out: str) -> dict:
+def make_config(steps: int, agents: int | None, out: str) -> dict:
+    """``one_word.py``'s training (GRPO, 16 prompts x 8 answers a step, answers of at most 8 tokens), its agents
+    this class run by aglverl's runner (``agents`` processes at once; ``None``: the runner's default)."""
     return {
         "actor_rollout_ref": {
-            "rollout": {"n": 4},
-            "actor": {"ppo_mini_batch_size": 8, "optim": {"lr": 5e-3}},
+            "rollout": {"n": 8},
+            "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}},
         },
-        "data": {"train_batch_size": 8, "max_prompt_length": 64, "max_response_length": 8},
+        "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"total_training_steps": steps, "val_before_train": False},
         "aglverl": {"agents": agents, "processes": {"log_dir": os.path.join(out, "agent_logs")}},
@@ -85,8 +86,11 @@ def make_config(steps: int, agents: int, out: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--agents", type=int, default=8, help="agent processes at once (0: none, use a controller)")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument(
+        "--agents", type=int, default=None,
+        help="agent processes at once (default: the runner's, bounded by cores and memory; 0: none, use a controller)",
+    )
     parser.add_argument("--out", default="agl_agent-out", help="directory for metrics, logs and the agents' output")
     args = parser.parse_args()
 
@@ -101,7 +105,7 @@ def main() -> None:
     console = Console(args.out, title="agl_agent.py: an Agent Lightning agent class answers 'yes'")
     algo = AsyncVERL(make_config(args.steps, args.agents, args.out))
     algo.on_serving.append(lambda daemon: console.say(f"Agent Lightning API and proxy path at {daemon.server_url}"))
-    tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(32)]
+    tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(64)]
     summary = anyio.run(console.run, algo, tasks)
     print(console.describe(summary))
     print(f"final training reward: {summary['final_reward']:.3f}")

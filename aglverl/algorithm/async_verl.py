@@ -249,8 +249,10 @@ def agent_count(config: Any, options: Any) -> int:
     rollouts = rollouts_per_step(config)
     if options.processes.enabled:
         from ..runners import default_concurrency
+        from ..runners.forkserver import python_agent
 
-        return default_concurrency(rollouts)
+        forked = options.processes.fork_server and python_agent(options.processes) is not None
+        return default_concurrency(rollouts, forked=forked)
     return rollouts
 
 

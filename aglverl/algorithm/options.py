@@ -36,9 +36,9 @@ class DaemonOptions:
       clients, which post their own triplets).
     - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run (default: every rollout of a step at
       once, ``train_batch_size * rollout.n``); with ``processes``, how many agent processes at once (default: a
-      step's rollouts, at most 4 per core and one per 256 MiB of available memory:
-      :func:`aglverl.runners.default_concurrency`); ``0``: none (agents connect from elsewhere, e.g. Agent
-      Lightning's controller).
+      step's rollouts, at most 4 per core and one per 256 MiB of available memory, or 16 per core and one per
+      64 MiB for Python agents the fork server forks: :func:`aglverl.runners.default_concurrency`); ``0``: none
+      (agents connect from elsewhere, e.g. Agent Lightning's controller).
     - ``processes``: agents run as one process per rollout attempt by aglverl
       (:class:`~aglverl.runners.ProcessOptions`: an Agent Lightning v1.0 ``agent_class`` or any ``command``,
       ``env_map``, ``timeout_seconds``, ``reward_fillna_value``, ``log_dir``, ``python``, ``fork_server``,

@@ -19,7 +19,6 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from urllib.parse import quote
 
 __all__ = [
     "ENV_FIELDS_BUDGET",
@@ -41,7 +40,10 @@ _SAFE = re.compile(r"[A-Za-z0-9_-]")
 def file_stem(identifier: str) -> str:
     """A file name made from an id, never a path: every character but letters, digits, ``_`` and ``-`` is
     %-escaped (``/``, ``.``, anything outside ASCII), and a long result is cut and suffixed with a hash."""
-    stem = "".join(c if _SAFE.fullmatch(c) else quote(c, safe="") for c in identifier) or "%00"
+    stem = "".join(
+        c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+        for c in identifier
+    ) or "%00"
     if len(stem) > 160:
         stem = f"{stem[:120]}~{hashlib.sha256(identifier.encode(errors='surrogatepass')).hexdigest()[:16]}"
     return stem

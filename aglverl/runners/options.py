@@ -16,7 +16,9 @@ import orjson
 __all__ = [
     "AGENT_CLASS_SHIM",
     "DEFAULT_ENV_ALLOW",
+    "FORKED_PER_CORE",
     "MEMORY_PER_AGENT",
+    "MEMORY_PER_FORKED_AGENT",
     "PROCESSES_PER_CORE",
     "ProcessOptions",
     "default_concurrency",
@@ -53,23 +55,29 @@ DEFAULT_ENV_ALLOW: tuple[str, ...] = (
     "NO_PROXY", "no_proxy",
 )  # fmt: skip
 
-#: The default concurrency's bounds: agent processes per core, and the memory one agent is counted for.
+#: The default concurrency's bounds: agent processes per core, and the memory one agent is counted for, when
+#: each starts a new program or interpreter, and when it is a fork of a template that imported it (it costs a
+#: few ms of CPU to start and shares the template's memory).
 PROCESSES_PER_CORE = 4
 MEMORY_PER_AGENT = 256 << 20
+FORKED_PER_CORE = 16
+MEMORY_PER_FORKED_AGENT = 64 << 20
 
 _LIMIT_NAMES = frozenset({"as", "core", "cpu", "data", "fsize", "memlock", "nofile", "nproc", "stack"})
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def default_concurrency(rollouts: int) -> int:
+def default_concurrency(rollouts: int, *, forked: bool = False) -> int:
     """How many agent processes run at once when ``aglverl.agents`` is not set: a step's ``rollouts``, but at most
     :data:`PROCESSES_PER_CORE` per core this process may use and one per :data:`MEMORY_PER_AGENT` of the memory
-    available now (at least 1). On a 2-core machine with 19 GiB free: 8."""
+    available now, or, for agents the fork server forks (``forked``), :data:`FORKED_PER_CORE` and one per
+    :data:`MEMORY_PER_FORKED_AGENT` (at least 1). On a 2-core machine with 19 GiB free: 8, or 32 forked."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return max(1, min(rollouts, PROCESSES_PER_CORE * cores, _available_memory() // MEMORY_PER_AGENT))
+    per_core, memory = (FORKED_PER_CORE, MEMORY_PER_FORKED_AGENT) if forked else (PROCESSES_PER_CORE, MEMORY_PER_AGENT)
+    return max(1, min(rollouts, per_core * cores, _available_memory() // memory))
 
 
 def _available_memory() -> int:

@@ -226,14 +226,18 @@ class Template:
     async def _relay_output(self, process: anyio.abc.Process) -> None:
         assert process.stdout is not None
         reader = BufferedByteReceiveStream(process.stdout)
-        while True:
-            try:
-                line = await reader.receive_until(b"\n", _LINE)
-            except anyio.DelimiterNotFound:
-                line = await reader.receive()
-            except (anyio.IncompleteRead, anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
-            logger.info("template of %s: %s", self.name, line.decode(errors="replace").rstrip())
+        try:
+            while True:
+                try:
+                    line = await reader.receive_until(b"\n", _LINE)
+                except anyio.DelimiterNotFound:
+                    line = await reader.receive()
+                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+                logger.info("template of %s: %s", self.name, line.decode(errors="replace").rstrip())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await process.stdout.aclose()
 
     async def _watch(self, process: anyio.abc.Process) -> None:
         try:
