@@ -277,7 +277,8 @@ async def test_a_missing_program_is_named_before_the_runner_starts_and_later_fai
     async with AgentDaemon(model="mock") as daemon:
         options = ProcessOptions.from_mapping({"command": ["no-such-agent-39", "--x"]})
         with pytest.raises(ConfigError, match=r"'no-such-agent-39' is not installed: not found on the agents' PATH"):
-            await ProcessRunner(daemon, options, concurrency=1, log_dir=tmp_path / "logs").serve()
+            with anyio.fail_after(30):  # serving without complaint is the defect
+                await ProcessRunner(daemon, options, concurrency=1, log_dir=tmp_path / "logs").serve()
     script = tmp_path / "agent.sh"
     script.write_text('#!/bin/sh\necho 1 > "$AGL_REWARD_FILE"\n')
     script.chmod(0o755)
