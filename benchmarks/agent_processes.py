@@ -27,7 +27,8 @@ importing ``httpx``, and importing ``openai`` + ``httpx`` (what an OpenAI-SDK ag
 each started ``--starts`` times in a row. CPU seconds per rollout of each system are its processes' (children's
 ``getrusage`` once the runner has stopped: the agents, their supervisors and the fork server's templates, import
 included; the controller's and its agents' for Agent Lightning's) plus this process's own (the daemon, the proxy
-path), over the rollouts. The load average is recorded before and after each system. Prints one JSON object.
+path), over the rollouts. The load average is recorded before and after each system. ``--repeat N`` runs every
+system N times, interleaved, and reports the medians (and each run). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -205,10 +207,29 @@ async def main(args: argparse.Namespace) -> None:
         "concurrency": args.concurrency,
         "start_cost": await start_costs(args.starts),
     }
-    for agent, system in runs:
-        result.setdefault(agent, {})[system] = await one_system(agent, system, args)
+    measured: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for _ in range(args.repeat):  # interleaved: every system once, then again
+        for agent, system in runs:
+            measured.setdefault((agent, system), []).append(await one_system(agent, system, args))
+    for (agent, system), figures in measured.items():
+        result.setdefault(agent, {})[system] = figures[0] if len(figures) == 1 else _medians(figures)
     result["machine_after"] = machine_info()["loadavg_1_5_15"]
     emit(result)
+
+
+def _medians(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeats of one system: the median of each figure, and every repeat."""
+    def median(get: Any) -> float:
+        return round(statistics.median(get(f) for f in figures), 4)
+
+    return {
+        "repeats": len(figures),
+        "queued_to_first_call_s": {q: median(lambda f, q=q: f["queued_to_first_call_s"][q]) for q in ("p50", "p90", "max")},
+        "rollouts_per_s": median(lambda f: f["rollouts_per_s"]),
+        "cpu_s_per_rollout": {k: median(lambda f, k=k: f["cpu_s_per_rollout"][k]) for k in ("processes", "daemon")},
+        "succeeded": min(f["succeeded"] for f in figures),
+        "each": figures,
+    }
 
 
 def cli() -> None:
@@ -219,6 +240,7 @@ def cli() -> None:
     parser.add_argument("--agl-python", default=str(ROOT / ".venv-agl" / "bin" / "python"))
     parser.add_argument("--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's")
     parser.add_argument("--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)")
+    parser.add_argument("--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # the --against child: one agent, printed as JSON
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds a system gets for its rollouts")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/aglverl-bench-agent-logs"))

@@ -67,13 +67,17 @@ _LIMITS = {
 }
 
 
+_LIBC: list = []  # the C library, loaded once (by the template; its forks find it loaded)
+
+
 def _subreaper() -> bool:
     """Make this process a child subreaper (Linux 3.4+); False where the platform has no such thing."""
     try:
-        import ctypes
+        if not _LIBC:
+            import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        return int(_LIBC[0].prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -220,7 +221,7 @@ class ProcessRunner:
         log = AgentLog(self.log_dir / f"{stem}.log", options.log_max_bytes)
         where = f"its output: {log.path}"
         assert self._scratch is not None
-        scratch = await anyio.to_thread.run_sync(lambda: tempfile.mkdtemp(prefix=f"{stem[:60]}.", dir=self._scratch))
+        scratch = os.path.join(self._scratch, f"{stem[:60]}.{secrets.token_hex(6)}")  # made with the files
         try:
             try:
                 fields = resolve_env_map(task.input, options.env_map)
@@ -229,9 +230,8 @@ class ProcessRunner:
                 return _Outcome(False, f"agent process for {slot.agl_id} not started: {exc} ({where})")
             input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
             variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
-            data = orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY)
-            await log.open(variables.notice)
-            stdin = await anyio.to_thread.run_sync(_write_files, {input_path: data, **variables.files}, input_path)
+            files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
+            stdin = await anyio.to_thread.run_sync(_prepare_files, scratch, files, input_path, log, variables.notice)
             launch = Launch(
                 argv=tuple(options.argv()), env=self.launcher.environment(variables.env), cwd=options.cwd or os.getcwd(),
                 stdin=stdin, output=-1, name=slot.agl_id, limits=options.limits, grace=grace,
@@ -242,8 +242,7 @@ class ProcessRunner:
             return await self._outcome(slot, exit, timed_out, log, reward_path)
         finally:
             with anyio.CancelScope(shield=True):
-                await log.close()
-                await anyio.to_thread.run_sync(lambda: shutil.rmtree(scratch, ignore_errors=True))
+                await anyio.to_thread.run_sync(_clean_up, log, scratch)
 
     async def _launch_and_wait(
         self, attempt: _Attempt, launch: Launch, log: AgentLog
@@ -343,8 +342,11 @@ class ProcessRunner:
         }
 
 
-def _write_files(files: dict[str, bytes], stdin_path: str) -> int:
-    """Write the attempt's private files (0600); return a descriptor of its input for its standard input."""
+def _prepare_files(scratch: str, files: dict[str, bytes], stdin_path: str, log: AgentLog, notice: str) -> int:
+    """In one worker thread: the attempt's private directory (0700) and files (0600), its log (``notice`` first);
+    returns a descriptor of its input for its standard input."""
+    os.mkdir(scratch, 0o700)
+    log.open_blocking(notice)
     for path, data in files.items():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -354,6 +356,13 @@ def _write_files(files: dict[str, bytes], stdin_path: str) -> int:
         finally:
             os.close(fd)
     return os.open(stdin_path, os.O_RDONLY)
+
+
+def _clean_up(log: AgentLog, scratch: str) -> None:
+    try:
+        log.close_blocking()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _reward_file(path: str) -> float | None:

@@ -36,7 +36,11 @@ class AgentLog:
 
     async def open(self, notice: str = "") -> None:
         """Create (or empty) the file; write ``notice`` (aglverl's own lines) first."""
-        self._file = await anyio.to_thread.run_sync(_create, self.path, notice.encode())
+        await anyio.to_thread.run_sync(self.open_blocking, notice)
+
+    def open_blocking(self, notice: str = "") -> None:
+        """:meth:`open`, blocking (for a worker thread that prepares more than the log)."""
+        self._file = _create(self.path, notice.encode())
 
     async def pump(self, fd: int) -> None:
         """Copy the pipe ``fd`` into the log until its end (then close ``fd``). Cancellation stops the copy (what
@@ -68,6 +72,10 @@ class AgentLog:
 
     async def close(self) -> None:
         """Say how much was dropped (if anything), close the file."""
+        await anyio.to_thread.run_sync(self.close_blocking)
+
+    def close_blocking(self) -> None:
+        """:meth:`close`, blocking (for a worker thread)."""
         file, self._file = self._file, None
         if file is None:
             return
@@ -77,7 +85,7 @@ class AgentLog:
                 f"\naglverl: {self.dropped:,} more bytes of output were dropped: the log keeps the first "
                 f"{self.max_bytes:,} (aglverl.processes.log_max_bytes)\n"
             ).encode()
-        await anyio.to_thread.run_sync(_finish, file, note)
+        _finish(file, note)
 
 
 def _create(path: Path, notice: bytes) -> IO[bytes]:
