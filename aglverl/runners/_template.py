@@ -502,13 +502,53 @@ class _Supervisor:
     def read_report(self) -> None:
         try:
             chunk = os.read(self.report, 1 << 16)
-        except OSError:
+        except OSError:  # BlockingIOError too: a process it could not kill still holds the pipe
             chunk = b""
         if chunk and len(self.imported) < (1 << 20):
             self.imported += chunk
             return
         os.close(self.report)
         self.report = -1
+
+
+def _spawn_agent(supervisor: _Supervisor, request: dict, fds: list[int]) -> None:
+    """Exec the program with ``posix_spawn`` (a vfork: nothing of this process copied; ~1 ms less than a fork
+    and an exec from Python): in its own process group, the default signal dispositions, its streams; the
+    working directory is this supervisor's (set first). Says ``started`` or ``failed`` on the channel."""
+    env, argv = request["env"], request["argv"]
+    program = argv[0]
+    if os.sep not in program:
+        for folder in env.get("PATH", os.defpath).split(os.pathsep):
+            candidate = os.path.join(folder or ".", program)
+            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+                program = candidate
+                break
+    actions = [
+        (os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2),
+        *[(os.POSIX_SPAWN_CLOSE, fd) for fd in sorted(set(fds)) if fd > 2],
+    ]
+    defaults = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD, signal.SIGPIPE,
+                signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2)
+    why = None
+    try:
+        os.chdir(request["cwd"])
+    except OSError as exc:
+        why = f"cannot enter its working directory {request['cwd']!r}: {exc.strerror}"
+    try:
+        if why is None and os.sep not in program:
+            why = f"cannot run {program!r}: No such file or directory"
+        if why is None:
+            pid = os.posix_spawn(program, argv, env, file_actions=actions, setpgroup=0, setsigmask=(), setsigdef=defaults)
+    except OSError as exc:
+        why = f"cannot run {argv[0]!r}: {os.strerror(exc.errno or 0)}"
+    finally:
+        for fd in fds[:2]:
+            os.close(fd)
+    if why is not None:
+        _send(supervisor.channel, {"failed": why})
+        return
+    supervisor.agent = pid
+    _send(supervisor.channel, {"started": pid})
 
 
 def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None:
@@ -524,13 +564,22 @@ def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None
         channel = socket.socket(fileno=fds[2])
         channel.setblocking(True)
         supervisor = _Supervisor(channel, float(request.get("grace", 5.0)))
+        if run is None and not request.get("limits"):
+            _spawn_agent(supervisor, request, fds)  # the cheap way, when nothing needs a fork to set up
+            supervisor.run(wake)
+            os._exit(0)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         report_r, report_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             _become_agent(request, fds, [wake, wake_w, err_r, report_r, fds[2]], run, err_w, report_w)
+        try:
+            os.setpgid(pid, pid)  # as the agent does: whichever runs first, its group exists before a kill
+        except OSError:
+            pass
         os.close(err_w)
         os.close(report_w)
+        os.set_blocking(report_r, False)
         supervisor.report = report_r
         for fd in fds[:2]:
             os.close(fd)
