@@ -76,6 +76,7 @@ class _Attempt:
         self.slot = slot
         self.ended: str | None = None  # why the attempt ended elsewhere
         self.scope: anyio.CancelScope | None = None
+        self.files: tuple[AgentLog, str] | None = None  # its log and private directory, closed after its end
 
     def end(self, reason: str) -> None:
         if self.ended is None:
@@ -185,6 +186,16 @@ class ProcessRunner:
             logger.warning("attempt %s of %s has no Agent Lightning rollout: %s", attempt_id, task.rollout_id, exc)
             return
         attempt = _Attempt(task, slot)
+        try:
+            await self._end(attempt, task, slot)
+        finally:
+            if attempt.files is not None:  # after the attempt's end is reported: it does not wait for this
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(_clean_up, *attempt.files)
+
+    async def _end(self, attempt: _Attempt, task: Task, slot: Slot) -> None:
+        rollouts = self.daemon.agent_lightning.rollouts
+        attempt_id = task.attempt_id or ""
         key = (task.rollout_id, attempt_id)
         self._attempts[key] = attempt
         try:
@@ -222,27 +233,24 @@ class ProcessRunner:
         where = f"its output: {log.path}"
         assert self._scratch is not None
         scratch = os.path.join(self._scratch, f"{stem[:60]}.{secrets.token_hex(6)}")  # made with the files
+        attempt.files = (log, scratch)
         try:
-            try:
-                fields = resolve_env_map(task.input, options.env_map)
-            except ValueError as exc:
-                await log.open(f"aglverl: not started: {exc}\n")
-                return _Outcome(False, f"agent process for {slot.agl_id} not started: {exc} ({where})")
-            input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
-            variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
-            files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
-            stdin = await anyio.to_thread.run_sync(_prepare_files, scratch, files, input_path, log, variables.notice)
-            launch = Launch(
-                argv=tuple(options.argv()), env=self.launcher.environment(variables.env), cwd=options.cwd or os.getcwd(),
-                stdin=stdin, output=-1, name=slot.agl_id, limits=options.limits, grace=grace,
-            )
-            exit, timed_out, failure = await self._launch_and_wait(attempt, launch, log)
-            if exit is None:
-                return _Outcome(False, f"agent process for {slot.agl_id} could not start: {failure} ({where})")
-            return await self._outcome(slot, exit, timed_out, log, reward_path)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_clean_up, log, scratch)
+            fields = resolve_env_map(task.input, options.env_map)
+        except ValueError as exc:
+            await log.open(f"aglverl: not started: {exc}\n")
+            return _Outcome(False, f"agent process for {slot.agl_id} not started: {exc} ({where})")
+        input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
+        variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
+        files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
+        stdin = await anyio.to_thread.run_sync(_prepare_files, scratch, files, input_path, log, variables.notice)
+        launch = Launch(
+            argv=tuple(options.argv()), env=self.launcher.environment(variables.env), cwd=options.cwd or os.getcwd(),
+            stdin=stdin, output=-1, name=slot.agl_id, limits=options.limits, grace=grace,
+        )
+        exit, timed_out, failure = await self._launch_and_wait(attempt, launch, log)
+        if exit is None:
+            return _Outcome(False, f"agent process for {slot.agl_id} could not start: {failure} ({where})")
+        return await self._outcome(slot, exit, timed_out, log, reward_path)
 
     async def _launch_and_wait(
         self, attempt: _Attempt, launch: Launch, log: AgentLog

@@ -254,7 +254,7 @@ class ForkServer:
             process.on_done = self._learn
             await process.started()
             return process
-        raise LaunchFailed(f"the template of {self.options.what} keeps dying or changing (its output is in aglverl's log)")
+        raise LaunchFailed(f"the template of {self.options.what} keeps dying or changing (its output is on standard error)")
 
     async def stop(self, process: AgentProcess, grace: float) -> None:
         assert isinstance(process, SupervisedProcess)

@@ -61,7 +61,8 @@ class AgentLog:
                 self.dropped += len(data) - len(keep)
                 if keep and self._file is not None:
                     self.written += len(keep)
-                    await anyio.to_thread.run_sync(self._file.write, keep)
+                    # an append of at most 64 KiB to a local file (the page cache): on the loop, as the journal's
+                    self._file.write(keep)
         finally:
             os.close(fd)
 

@@ -73,7 +73,7 @@ class Spawner:
                 return await template.fork(fork_request(launch, exec_=exec_), launch.stdin, launch.output, launch.name)
             except TemplateGone:
                 self._holder.forget(template)
-        raise LaunchFailed("the spawner's template process keeps dying (its output is in aglverl's log)")
+        raise LaunchFailed("the spawner's template process keeps dying (its output is on standard error)")
 
     async def stop(self, process: AgentProcess, grace: float) -> None:
         assert isinstance(process, SupervisedProcess)

@@ -156,8 +156,8 @@ def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = No
 
 class Template:
     """One template process: ``command`` (the Python and its flags), ``kind`` and ``spec`` (what it prepares),
-    started in ``cwd`` with ``env``; what it prints (an import's warnings) is logged, a line at a time.
-    :meth:`start` it in a task group (which watches it), :meth:`fork` attempts, :meth:`aclose` it."""
+    started in ``cwd`` with ``env``; what it prints (an import's warnings) goes to this process's standard
+    error. :meth:`start` it in a task group (which watches it), :meth:`fork` attempts, :meth:`aclose` it."""
 
     def __init__(
         self,
@@ -197,7 +197,7 @@ class Template:
             argv = [*self.command, "-c", SOURCE, str(theirs.fileno()), self.kind, *self.spec]
             try:
                 process = await anyio.open_process(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+                    argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=self.env,
                     cwd=self.cwd, pass_fds=[theirs.fileno()], start_new_session=True,
                 )
             except OSError as exc:
@@ -209,7 +209,6 @@ class Template:
         self._control = await anyio.abc.UNIXSocketStream.from_socket(ours)
         self._reader = BufferedByteReceiveStream(self._control)
         tg.start_soon(self._watch, process, name=f"template {self.name}")
-        tg.start_soon(self._relay_output, process, name=f"template {self.name}'s output")
         with anyio.move_on_after(START_SECONDS):
             ready = await _line(self._reader)
             if ready is not None and "ready" in ready:
@@ -218,26 +217,10 @@ class Template:
             await self.aclose()
             if ready is None:
                 raise LaunchFailed(f"{self.name}: its template process ended before it was ready (its output is "
-                                   "in aglverl's log)")
+                                   "on this process's standard error)")
             raise LaunchFailed(f"{self.name} cannot be loaded: {ready.get('error')}\n{ready.get('traceback', '')}".rstrip())
         await self.aclose()
         raise LaunchFailed(f"{self.name}: its template did not load it within {START_SECONDS:g} s")
-
-    async def _relay_output(self, process: anyio.abc.Process) -> None:
-        assert process.stdout is not None
-        reader = BufferedByteReceiveStream(process.stdout)
-        try:
-            while True:
-                try:
-                    line = await reader.receive_until(b"\n", _LINE)
-                except anyio.DelimiterNotFound:
-                    line = await reader.receive()
-                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    return
-                logger.info("template of %s: %s", self.name, line.decode(errors="replace").rstrip())
-        finally:
-            with anyio.CancelScope(shield=True):
-                await process.stdout.aclose()
 
     async def _watch(self, process: anyio.abc.Process) -> None:
         try:
