@@ -20,7 +20,7 @@ when the agent imports next to nothing). Each is run by:
 - ``agl_poll_1s`` / ``agl_poll_10s``: ``python -m agentlightning.controller runner_type=local`` from the Agent
   Lightning venv, pointed at the task server, polling every second / every 10 s (its default), started and
   polling before the rollouts are queued;
-and, as one more agent, ``shell``: the built-in runner with ``examples/word_agent.sh`` (sh + curl + jq).
+and, as one more agent, ``shell``: the built-in runner with ``examples/word_agent.sh`` (sh, curl, jq, sed, tr).
 
 Also the process start cost per rollout: wall and CPU seconds of ``sh -c true``, ``python -c pass``, Python
 importing ``httpx``, and importing ``openai`` + ``httpx`` (what an OpenAI-SDK agent pays before its first call),
@@ -125,7 +125,9 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
         rollout_config=RolloutConfig(timeout_seconds=600, local=RolloutLocalConfig(agent_class=agent_class, env_map=ENV_MAP))
     )
     section: dict[str, Any] = (
-        {"agent_class": agent_class, "env_map": ENV_MAP} if agent_class else {"command": ["sh", str(EXAMPLES / "word_agent.sh")]}
+        {"agent_class": agent_class, "env_map": ENV_MAP}
+        if agent_class
+        else {"command": ["sh", str(EXAMPLES / "word_agent.sh")], "env_map": ENV_MAP}
     )
     if system == "aglverl_spawn":
         section["fork_server"] = False

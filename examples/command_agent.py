@@ -6,15 +6,16 @@
 ``aglverl.processes.command`` names the program (a list of arguments, or a string for ``/bin/sh -c``): a CLI
 coding agent, a script, a binary. aglverl's built-in runner starts it for each rollout attempt, up to
 ``aglverl.agents`` at once, with the rollout's LLM endpoint in ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and
-``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY``, Agent Lightning's ``AGL_*``), the task input on its standard
-input; it reports the reward as a reward event (``AGL_EVENT_URL``) or in the file ``AGL_REWARD_FILE``. Every
+``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY``, Agent Lightning's ``AGL_*``), the task's fields in the variables
+``env_map`` names, the task input on its standard input; it reports the reward in the file ``AGL_REWARD_FILE`` or
+as a reward event (``AGL_EVENT_URL``). Every
 LLM call it makes is recorded with its token ids, like any agent's. A process that exits non-zero, runs past
 ``timeout_seconds`` (it and every process it started get SIGTERM, then SIGKILL) or reports no reward fails its
 attempt, which is retried (``aglverl.max_attempts``); the error names the log file with its output.
 
 The task and the training are ``one_word.py``'s (answer "yes", 16 prompts x 8 answers a step): the tiny model
 passes reward 0.9 within the 25 default steps, as ``aglverl demo`` does. What a rollout costs here is the
-script's own processes (two ``jq`` and two ``curl``: ~60 ms of CPU); 32 run at once. Metrics go to
+script's own processes (a ``curl``, a ``jq``, a ``sed`` and a ``tr``: ~35 ms of CPU); 32 run at once. Metrics go to
 ``command_agent-out/``, each process's output to ``command_agent-out/agent_logs/<rollout id>.log``.
 """
 
@@ -43,7 +44,12 @@ def make_config(steps: int, agents: int, out: str) -> dict:
         "aglverl": {
             "agents": agents,
             "max_attempts": 2,
-            "processes": {"command": ["sh", AGENT], "timeout_seconds": 60, "log_dir": os.path.join(out, "agent_logs")},
+            "processes": {
+                "command": ["sh", AGENT],
+                "env_map": {"TASK_PROMPT": "input.prompt", "TASK_WORD": "input.word"},
+                "timeout_seconds": 60,
+                "log_dir": os.path.join(out, "agent_logs"),
+            },
         },
     }
 
