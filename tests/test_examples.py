@@ -141,9 +141,9 @@ def test_command_example_trains_a_shell_script_agent(tmp_path: Path) -> None:
     done = _run("command_agent.py", "--steps", "1", cwd=tmp_path)
     out = tmp_path / "command_agent-out"
     (step,) = _steps(out)
-    assert step["step/n_failed"] == 0 and step["step/n_completed"] == 128
+    assert step["step/n_failed"] == 0 and step["step/n_completed"] == 64
     logs = sorted((out / "agent_logs").glob("*.log"))
-    assert len(logs) == 128 and logs[0].read_text().startswith("reward ")
+    assert len(logs) == 64 and logs[0].read_text().startswith("reward ")
     assert "final training reward:" in done.stdout
 
 
