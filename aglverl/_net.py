@@ -9,6 +9,7 @@ start the site; on the way out stop accepting, give in-flight handlers a grace p
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import Callable, Collection
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-__all__ = ["HttpListener", "bind_listener", "url_of"]
+__all__ = ["HttpListener", "bind_listener", "is_loopback", "refuse_open_address", "url_of"]
 
 #: Pending connections the kernel keeps per listener; several hundred agents may connect at once.
 BACKLOG = 4096
@@ -41,6 +42,29 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``); a name that is not an address is not."""
+    if host.strip("[]").lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_open_address(host: str, token: str | None, *, allow_unauthenticated: bool, keys: str) -> None:
+    """``ValueError`` for serving on ``host`` without a token when it is not a loopback address, unless
+    ``allow_unauthenticated`` (``keys`` names the settings, for the message): anyone who reaches the address could
+    otherwise queue work, post results and read every rollout."""
+    if token or allow_unauthenticated or is_loopback(host):
+        return
+    raise ValueError(
+        f"refusing to serve on {host!r} without a token: anyone who reaches that address could queue work, post "
+        f"rewards and read every rollout; set a token, bind a loopback address, or, if the network is yours alone, "
+        f"ask for it explicitly ({keys})"
+    )
 
 
 def url_of(sock: socket.socket) -> str:

@@ -33,6 +33,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from ._net import refuse_open_address
 from .agent_lightning import AgentLightningAPI, AgentLightningSettings
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
@@ -73,7 +74,9 @@ class DaemonConfig:
     - ``proxy_shards``: 1 (the proxy in this process) or N / ``"per_node"`` (proxy shards on Ray).
     - ``agent_lightning``: what Agent Lightning v1.0's API on the task server should know of the run
       (:class:`~aglverl.agent_lightning.AgentLightningSettings`; ``None``: its defaults, the trainer owning the
-      models and the gate when the daemon has a producer).
+      models and the gate, and refusing rollouts from outside, when the daemon has a producer).
+    - ``allow_unauthenticated``: serve on a ``host`` that is not a loopback address without a ``token`` (else a
+      ``ValueError``: anyone who reaches it could queue work, post rewards and read every rollout).
     - ``proxy`` (:class:`~aglverl.proxy.config.ProxyConfig`), ``store``
       (:class:`~aglverl.store.config.StoreConfig`), ``batch`` (:class:`~aglverl.trajectory.batch.BatchConfig`),
       ``signal`` (:class:`~aglverl.trajectory.signals.SignalConfig`; its ``request_logprobs`` turns on
@@ -98,6 +101,7 @@ class DaemonConfig:
     freeze_gc: bool = True
     proxy_shards: ShardCount = 1
     agent_lightning: AgentLightningSettings | None = None
+    allow_unauthenticated: bool = False
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -109,6 +113,11 @@ class DaemonConfig:
             raise ValueError(f"llm_resource must be 'proxy' or 'plain', got {self.llm_resource!r}")
         if self.max_failed_groups < 0:
             raise ValueError(f"max_failed_groups must be >= 0, got {self.max_failed_groups!r}")
+        refuse_open_address(
+            self.host, self.token, allow_unauthenticated=self.allow_unauthenticated,
+            keys="AgentDaemon(allow_unauthenticated=True), aglverl.allow_unauthenticated: true, or "
+            "aglverl serve --allow-unauthenticated",
+        )
         assign = object.__setattr__  # frozen: the normalised values, once, at construction
         assign(self, "backends", tuple(self.backends))
         assign(self, "backend_nodes", MappingProxyType(dict(self.backend_nodes)))
@@ -182,6 +191,7 @@ class DaemonKeywords(ProxyPolicySettings, total=False):
     proxy_shards: ShardCount
     backend_nodes: Mapping[str, str] | None
     agent_lightning: AgentLightningSettings | None
+    allow_unauthenticated: bool
 
 
 #: The keywords that are settings of the proxy (:class:`ProxyConfig`'s fields, same names, and their old names).
@@ -238,7 +248,9 @@ class AgentDaemon:
       rollout failed (default 0: never).
     - ``agent_lightning``: what Agent Lightning v1.0's API on the task server (:attr:`agent_lightning`) should
       know of the run (:class:`~aglverl.agent_lightning.AgentLightningSettings`: the rollouts' controller config,
-      the reward of an attempt without a reward event, whether a trainer owns the models and the gate).
+      the reward of an attempt without a reward event, whether a trainer owns the models and the gate, whether
+      ``POST /api/rollouts`` queues work, the bounds on what the API keeps).
+    - ``allow_unauthenticated``: serve on a ``host`` that is not loopback without a ``token`` (refused otherwise).
     - ``proxy_shards``: ``1`` (default): one :class:`~aglverl.proxy.LLMProxy` in this process, on
       ``proxy_port``; ``N`` or ``"per_node"``: that many proxies as Ray actors (Ray initialised in this process
       first), each its own process beside the inference servers, serving on its node's address, every rollout
@@ -329,7 +341,10 @@ class AgentDaemon:
         self.agent_lightning = AgentLightningAPI(
             self,
             token=config.token,
-            settings=config.agent_lightning or AgentLightningSettings(trainer_owns_gate=trajectory_sink is not None),
+            settings=config.agent_lightning
+            or AgentLightningSettings(
+                trainer_owns_gate=trajectory_sink is not None, accept_rollouts=trajectory_sink is None
+            ),
             max_body_bytes=self.server.max_body_bytes,
         )
         self.server.add_routes(self.agent_lightning.routes())

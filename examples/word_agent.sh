@@ -3,24 +3,21 @@
 #
 # aglverl runs it once per rollout attempt with the rollout's endpoints in the variables SDKs read
 # (OPENAI_BASE_URL, OPENAI_API_KEY; also ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY and Agent Lightning's AGL_*),
-# the task input as JSON on stdin (and in the file $AGL_INPUT_FILE). It asks the model, scores the answer
-# and reports the score as Agent Lightning's reward event (writing it to $AGL_REWARD_FILE would do too).
-# A non-zero exit, or no reward, fails the attempt; its output is in the rollout's log file.
+# the task's fields in the variables aglverl.processes.env_map names (TASK_PROMPT, TASK_WORD here; the whole
+# input is on stdin and in $AGL_INPUT_FILE too). It asks the model, scores the answer (the share of its words
+# that are the task's word) and writes the score to $AGL_REWARD_FILE (POSTing Agent Lightning's reward event to
+# $AGL_EVENT_URL would do too). A non-zero exit, or no reward, fails the attempt; its output is in the rollout's
+# log file. Every process a rollout starts is CPU its training step waits for: one curl, one jq (~25 ms of CPU
+# at its start), a sed and a tr.
 set -eu
 
-task=$(cat)                                   # the task input, from stdin
-prompt=$(printf '%s' "$task" | jq -r .prompt)
-word=$(printf '%s' "$task" | jq -r .word)
-
-request=$(jq -n --arg p "$prompt" '{model: "any", messages: [{role: "user", content: $p}]}')
+prompt=$(printf '%s' "$TASK_PROMPT" | sed 's/[\\"]/\\&/g' | tr '\n\t' '  ')     # as a JSON string's content
 answer=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
-    -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" -d "$request" \
-    | jq -r '.choices[0].message.content // ""')
+    -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
+    -d "{\"model\": \"any\", \"messages\": [{\"role\": \"user\", \"content\": \"$prompt\"}]}")
+reward=$(printf '%s' "$answer" | jq -r --arg word "$TASK_WORD" '
+    (.choices[0].message.content // "" | ascii_downcase | [scan("[a-z0-9'"'"']+")]) as $words
+    | if ($words | length) == 0 then 0 else ([$words[] | select(. == $word)] | length) / ($words | length) end')
 
-# the share of the answer's words that are the word
-reward=$(printf '%s\n' "$answer" | tr 'A-Z' 'a-z' | tr -cs "a-z0-9'" '\n' \
-    | awk -v w="$word" 'NF { n++; if ($0 == w) k++ } END { printf "%.4f", (n ? k / n : 0) }')
-
-curl -sS --fail-with-body "$AGL_EVENT_URL" -H "Authorization: Bearer $AGL_KEY" \
-    -H "Content-Type: application/json" -d "{\"event_type\": \"reward\", \"data\": {\"value\": $reward}}" >/dev/null
-echo "answer: $answer -> reward $reward"
+printf '%s\n' "$reward" > "$AGL_REWARD_FILE"
+echo "reward $reward"

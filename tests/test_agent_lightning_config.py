@@ -3,6 +3,8 @@ aglverl cannot honour refused at construction with the reason, conflicts named (
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +65,30 @@ def test_trajectory_widths_become_the_rows_widths_and_conflicts_name_both_keys()
     with pytest.raises(ConfigError, match=r"agentlightning\.trace_aggregator\.trajectory_max_response_length \(16\) "
                        r"and data\.max_response_length \(4\) disagree"):
         map_section({**BASE, "agentlightning": section})
-    with pytest.raises(ConfigError, match=r"agentlightning\.agl_key \('a'\) and aglverl\.token \('b'\) disagree"):
-        map_section({"aglverl": {"token": "b"}, "agentlightning": {"agl_key": "a"}})
+
+
+def test_messages_name_only_keys_the_user_set_and_never_a_secret() -> None:
+    """Issue 39, finding 8. A key the section leaves out takes Agent Lightning's default only where the user set
+    no value of their own: ``aglverl.processes.timeout_seconds: 600`` alone is no conflict with a
+    ``rollout_timeout_seconds`` the user never wrote (nor ``reward_fillna_value``, nor the trace level). A conflict
+    between the two keys, or a key of the wrong type, never prints the key itself."""
+    user = {
+        "aglverl": {"processes": {"timeout_seconds": 600, "reward_fillna_value": None}, "signal": {"trajectory": "per_call"}},
+        "agentlightning": {"local": {"agent_class": "m:A"}},
+    }
+    mapped, _ = map_section(user)
+    assert mapped["aglverl"]["processes"] == {"timeout_seconds": 600, "reward_fillna_value": None, "agent_class": "m:A"}
+    assert mapped["aglverl"]["signal"] == {"trajectory": "per_call"}
+    with pytest.raises(ConfigError) as conflict:
+        map_section({"aglverl": {"token": "s3cret-b"}, "agentlightning": {"agl_key": "s3cret-a"}})
+    message = str(conflict.value)
+    assert "agentlightning.agl_key and aglverl.token disagree" in message
+    assert "s3cret" not in message
+    with pytest.raises(ConfigError) as wrong_type:
+        map_section({"agentlightning": {"agl_key": 12345678}})
+    assert "agl_key must be a string, got a value of type int" in str(wrong_type.value) and "12345678" not in str(wrong_type.value)
+    with pytest.raises(ConfigError, match=r"rollout_timeout_seconds \(90\.0\) and aglverl\.processes\.timeout_seconds \(600\)"):
+        map_section({**user, "agentlightning": {"rollout_timeout_seconds": 90}})  # given both: both named
 
 
 @pytest.mark.parametrize(
@@ -120,3 +144,37 @@ def test_async_verl_refuses_an_agent_function_beside_agent_processes(tiny_model:
 
     with pytest.raises(ConfigError, match="both agent= and agents to run as processes"):
         AsyncVERL({**BASE, "agentlightning": {"local": {"agent_class": "m:A"}}}, agent=agent)
+
+
+def test_agent_processes_by_default_are_bounded_by_the_machine(tiny_model: Path) -> None:
+    """Issue 39, finding 10: without ``aglverl.agents``, a step of 64 x 8 rollouts runs at most 4 spawned agent
+    processes per core (16 per core for Python agents the fork server forks), not one per rollout; ``aglverl.agents``
+    stands when given."""
+    from aglverl.algorithm.async_verl import agent_count
+
+    cores = len(os.sched_getaffinity(0))
+    big = {**BASE, "data": {"train_batch_size": 64, "max_response_length": 4}, "actor_rollout_ref": {"rollout": {"n": 8}}}
+    for processes, per_core in (({"command": ["sh", "agent.sh"]}, 4), ({"agent_class": "m:A"}, 16)):
+        algo = AsyncVERL({**big, "aglverl": {"journal": None, "processes": processes}})
+        assert 1 <= agent_count(algo.config, algo.options) <= min(512, per_core * cores)
+    algo.options = dataclasses.replace(algo.options, agents=100)
+    assert agent_count(algo.config, algo.options) == 100
+
+
+@pytest.mark.parametrize(
+    ("processes", "message"),
+    [
+        ({"command": ["no-such-agent-39"]}, r"'no-such-agent-39' is not installed"),
+        ({"agent_class": "no_such_module_39:Agent"}, r"cannot be loaded by .*No module named 'no_such_module_39'"),
+    ],
+)
+def test_async_verl_names_a_missing_agent_before_ray(tiny_model: Path, processes: dict[str, Any], message: str) -> None:
+    """Issue 39, finding 1: an agent program that is not installed, or an agent class its Python cannot load, is
+    a ``ConfigError`` naming it when the run starts, before Ray and verl (not at the first rollout)."""
+    import anyio
+    import ray
+
+    algo = AsyncVERL({**BASE, "aglverl": {"journal": None, "processes": processes}})
+    with pytest.raises(ConfigError, match=message):
+        anyio.run(algo.run, [{"prompt": "p"}] * 4)
+    assert not ray.is_initialized()

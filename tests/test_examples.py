@@ -131,19 +131,19 @@ def test_agent_lightning_agent_class_example_trains_with_its_config_section(tmp_
     assert "final training reward:" in done.stdout
     out = tmp_path / "agl_agent-out"
     (step,) = _steps(out)
-    assert step["step/n_completed"] == 32 and step["step/n_failed"] == 0
-    assert len(list((out / "agent_logs").glob("*.log"))) == 32
+    assert step["step/n_completed"] == 128 and step["step/n_failed"] == 0
+    assert len(list((out / "agent_logs").glob("*.log"))) == 128
     assert "Agent Lightning API and proxy path at http://127.0.0.1:" in done.stderr
 
 
 @pytest.mark.skipif(not (shutil.which("curl") and shutil.which("jq")), reason="word_agent.sh needs curl and jq")
 def test_command_example_trains_a_shell_script_agent(tmp_path: Path) -> None:
-    done = _run("command_agent.py", "--steps", "2", cwd=tmp_path)
+    done = _run("command_agent.py", "--steps", "1", cwd=tmp_path)
     out = tmp_path / "command_agent-out"
-    steps = _steps(out)
-    assert len(steps) == 2 and all(s["step/n_failed"] == 0 and s["step/n_completed"] == 32 for s in steps)
+    (step,) = _steps(out)
+    assert step["step/n_failed"] == 0 and step["step/n_completed"] == 64
     logs = sorted((out / "agent_logs").glob("*.log"))
-    assert len(logs) == 64 and "-> reward" in logs[0].read_text()
+    assert len(logs) == 64 and logs[0].read_text().startswith("reward ")
     assert "final training reward:" in done.stdout
 
 

@@ -16,6 +16,7 @@ import pytest
 from anyio.abc import SocketStream
 
 from aglverl import AgentDaemon, BatchConfig
+from aglverl.config_errors import ConfigError
 from aglverl.process_runner import ProcessOptions, ProcessRunner, resolve_env_map
 from aglverl.testing.mock_vllm import MockVLLM
 
@@ -138,7 +139,7 @@ async def test_a_timeout_kills_the_agents_whole_process_group(tmp_path: Path) ->
     options = {"command": [*PROGRAM, "hang", str(pidfile)], "timeout_seconds": 5.0}
     async with running(tmp_path, options) as (daemon, _, _mock):
         record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
-    assert record.state == "failed" and "timed out after 5 s; its process group was killed" in record.error
+    assert record.state == "failed" and "timed out after 5 s; it and every process it started were sent SIGTERM" in record.error
     await _exited(int(pidfile.read_text()))
 
 
@@ -149,7 +150,7 @@ async def _exited(pid: int) -> None:
     except ProcessLookupError:
         return
     try:
-        with anyio.fail_after(10):
+        with anyio.fail_after(20):
             await anyio.wait_readable(fd)
     finally:
         os.close(fd)
@@ -234,3 +235,172 @@ def test_env_map_reads_the_input_as_agent_lightning_does() -> None:
 def test_bad_process_options_are_refused_naming_the_key(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ProcessOptions.from_mapping(options)
+
+
+# ---------------------------------------------------------------------------------------------- issue 39
+async def test_no_task_input_or_rollout_id_can_stop_the_runner(tmp_path: Path) -> None:
+    """Issue 39, finding 1 (and 2: ids are never paths). A 1 MB field mapped into the environment (over the
+    kernel's 128 KiB for one variable) and a field with a NUL byte go by file (``TASK_FILE``), saying so in the
+    log; a rollout id with '/' or '..' (one journaled before ids were checked) names a log inside the log
+    directory, %-escaped; and after all of them the runner still runs the next rollout."""
+    options = {"command": [*PROGRAM, "fields"], "env_map": {"TASK": "input.text"}}
+    async with running(tmp_path, options) as (daemon, _runner, _mock):
+        big = await daemon.queue_task({"text": "y" * (1 << 20)})
+        nul = await daemon.queue_task({"text": "a\0b"})
+        hostile = [daemon.store.enqueue({"text": "ok"}, rollout_id=i) for i in ("a/b", "../../escaped", "/abs")]
+        records = [await finished(daemon, r) for r in [big, nul, *hostile]]
+        after = await finished(daemon, await daemon.queue_task({"text": "small"}))
+    assert [r.state for r in records] == ["completed"] * 5 and after.state == "completed"
+    logs = tmp_path / "logs"
+    seen = json.loads((logs / f"{big}.log").read_text().splitlines()[-1])
+    assert seen == {"TASK": None, "TASK_FILE": 1 << 20, "same": True}
+    notice = (logs / f"{big}.log").read_text().splitlines()[0]
+    assert "TASK is 1,048,576 bytes, over the 131,066 one environment variable may hold" in notice
+    assert "TASK_FILE" in notice
+    assert json.loads((logs / f"{nul}.log").read_text().splitlines()[-1])["TASK_FILE"] == 3
+    names = {p.name for p in logs.iterdir()}
+    assert {"a%2Fb.log", "%2E%2E%2F%2E%2E%2Fescaped.log", "%2Fabs.log"} <= names
+    assert not _anywhere_but(logs, tmp_path, "escaped.log") and not _anywhere_but(logs, Path("/"), "abs.log")
+    assert json.loads((logs / f"{after.rollout_id}.log").read_text().splitlines()[-1])["TASK"] == 5
+
+
+def _anywhere_but(logs: Path, root: Path, name: str) -> bool:
+    return any(p.parent != logs for p in [root / name, logs.parent / name, logs.parent.parent / name] if p.exists())
+
+
+async def test_a_missing_program_is_named_before_the_runner_starts_and_later_fails_its_attempt_alone(
+    tmp_path: Path,
+) -> None:
+    """Issue 39, finding 1: a command that is not installed is a ``ConfigError`` naming it when the runner
+    starts (``AsyncVERL`` checks the same before Ray: ``test_async_verl_names_a_missing_agent_before_ray``); one
+    that disappears later fails the attempt that finds it gone, with its error, and the next one runs."""
+    async with AgentDaemon(model="mock") as daemon:
+        options = ProcessOptions.from_mapping({"command": ["no-such-agent-39", "--x"]})
+        with pytest.raises(ConfigError, match=r"'no-such-agent-39' is not installed: not found on the agents' PATH"):
+            with anyio.fail_after(30):  # serving without complaint is the defect
+                await ProcessRunner(daemon, options, concurrency=1, log_dir=tmp_path / "logs").serve()
+    script = tmp_path / "agent.sh"
+    script.write_text('#!/bin/sh\necho 1 > "$AGL_REWARD_FILE"\n')
+    script.chmod(0o755)
+    async with running(tmp_path, {"command": [str(script)]}) as (daemon, _runner, _mock):
+        assert (await finished(daemon, await daemon.queue_task({}))).state == "completed"
+        script.unlink()
+        gone = await finished(daemon, await daemon.queue_task({}))
+        script.write_text('#!/bin/sh\necho 1 > "$AGL_REWARD_FILE"\n')
+        script.chmod(0o755)
+        again = await finished(daemon, await daemon.queue_task({}))
+    assert gone.state == "failed" and f"cannot run '{script}': No such file or directory" in gone.error
+    assert again.state == "completed"
+
+
+async def test_an_attempt_that_ends_elsewhere_ends_its_processes_sigterm_first(tmp_path: Path) -> None:
+    """Issue 39, finding 5: the agent of an attempt that ends elsewhere (its step's deadline, ``DELETE`` through
+    the Agent Lightning API, its proxy shard lost: the attempt void and retried, its rollout forgotten) gets
+    SIGTERM at once; the daemon it started outside its process group and session, which ignores SIGTERM, gets
+    SIGKILL after the grace period. A lost attempt's retry is a new process, and the old one is gone."""
+    agents: dict[str, tuple[SocketStream, list[int]]] = {}
+    arrived = anyio.Event()
+
+    async def hold(stream: SocketStream) -> None:
+        nonlocal arrived
+        rollout_id, *pids = (await stream.receive()).decode().split()
+        agents[rollout_id] = (stream, [int(p) for p in pids])
+        arrived.set()
+        await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    options = {"command": [*PROGRAM, "hold", "127.0.0.1", str(port)], "kill_grace_seconds": 1.0}
+    ways = ("deadline", "delete", "lost", "forget")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hold)
+        async with running(tmp_path, options, concurrency=4, max_attempts=2) as (daemon, _runner, _mock):
+            store, view = daemon.store, daemon.agent_lightning.rollouts
+            for way in ways:
+                store.enqueue({}, rollout_id=way)
+            with anyio.fail_after(60):
+                while len(agents) < len(ways):
+                    arrived = anyio.Event()
+                    await arrived.wait()
+            (attempt,) = store.attempts("lost")
+            store.fail(["deadline"], "the step's deadline passed")
+            view.delete("delete")
+            store.attempts_lost([("lost", attempt)], "proxy shard 0 died")
+            store.fail(["forget"], "done with it")
+            store.forget(["forget"])
+            for way in ways:
+                stream, pids = agents[way]
+                with anyio.fail_after(20):
+                    assert await stream.receive() == b"TERM\n"  # SIGTERM reached the agent first
+                for pid in pids:
+                    await _exited(pid)  # the agent, and the daemon that ignored SIGTERM: SIGKILL
+            with anyio.fail_after(60):
+                while "lost-retry-1" not in agents:  # the retry is a new process
+                    arrived = anyio.Event()
+                    await arrived.wait()
+            assert store.attempts("lost")[-1] != attempt and view.slot("lost-retry-1").state == "running"
+            store.fail(["lost"], "the test is over")
+        tg.cancel_scope.cancel()
+
+
+async def test_an_agent_gets_no_secret_of_the_runner_and_a_key_that_opens_only_its_own_rollout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 7, on a daemon without a token (the default): the runner's secrets stay out of the agent's
+    environment; the agent's key opens its own rollout's paths only (403 on another's, and on the list of
+    rollouts), and a rollout the runner runs takes writes only with its agent's key (401 without), so the
+    agent cannot set another rollout's reward; its own reward is its own."""
+    monkeypatch.setenv("WANDB_API_KEY", "a-secret-of-the-runner")
+    waiting: list[SocketStream] = []
+    arrived = anyio.Event()
+
+    async def gate(stream: SocketStream) -> None:
+        await stream.receive()
+        waiting.append(stream)
+        arrived.set()
+        await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, max_attempts=1) as daemon,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(listener.serve, gate)
+        holder = ProcessRunner(daemon, ProcessOptions.from_mapping({"command": [*PROGRAM, "gate", "127.0.0.1", str(port)]}),
+                               concurrency=1, log_dir=tmp_path / "logs")
+        prober = ProcessRunner(daemon, ProcessOptions.from_mapping({"command": [*PROGRAM, "probe"]}),
+                               concurrency=1, log_dir=tmp_path / "logs")
+        await tg.start(holder.serve)
+        victim = await daemon.queue_task({})  # the holder's agent runs it, and waits at the gate
+        with anyio.fail_after(60):
+            await arrived.wait()
+        await tg.start(prober.serve)
+        probe = await finished(daemon, await daemon.queue_task({"peer": victim}))
+        await waiting[0].send(b"x")
+        assert (await finished(daemon, victim)).result.final_reward == 1.0  # the gate's own reward
+        tg.cancel_scope.cancel()
+    seen = json.loads((tmp_path / "logs" / f"{probe.rollout_id}.log").read_text().splitlines()[-1])
+    assert seen["peer_with_own_key"] == 403 and seen["peer_without_key"] == 401
+    assert seen["list_with_own_key"] == 403 and seen["own_without_key"] == 401 and seen["own"] == 200
+    assert "WANDB_API_KEY" not in seen["env"] and "PYTHONPATH" in seen["env"] and "AGL_KEY" in seen["env"]
+    assert probe.state == "completed" and probe.result.final_reward == 0.5
+    assert daemon.agent_lightning.rollouts.reward(daemon.agent_lightning.rollouts.slot(victim)) is None
+
+
+async def test_an_agents_output_is_kept_up_to_log_max_bytes_and_a_daemon_it_left_dies_with_it(tmp_path: Path) -> None:
+    """Finding 7: a log keeps the first ``log_max_bytes`` of the output (a last line counts the rest); a daemon
+    the agent started outside its process group and session is ended when the attempt is (and the attempt is
+    not failed for it)."""
+    options = {"command": [*PROGRAM, "flood", str(3 << 20)], "log_max_bytes": 65536}
+    async with running(tmp_path, options) as (daemon, _runner, _mock):
+        flood = await finished(daemon, await daemon.queue_task({}))
+    log = (tmp_path / "logs" / f"{flood.rollout_id}.log").read_bytes()
+    assert flood.state == "completed" and 65536 < len(log) < 65536 + 300
+    assert log.endswith(b"bytes of output were dropped: the log keeps the first 65,536 (aglverl.processes.log_max_bytes)\n")
+    pidfile = tmp_path / "daemon.pid"
+    async with running(tmp_path, {"command": [*PROGRAM, "leave-daemon", str(pidfile)]}) as (daemon, _runner, _mock):
+        left = await finished(daemon, await daemon.queue_task({}))
+        await _exited(int(pidfile.read_text()))
+    assert left.state == "completed"

@@ -13,7 +13,15 @@ Routes (Agent Lightning's paths, bodies and answers: :mod:`.wire`; errors are ``
 
 The rollouts are a view of aglverl's store (:mod:`.rollouts`, which says how aglverl's attempts and retries
 map onto Agent Lightning's rollouts). Authentication: with a token, every route needs it as
-``Authorization: Bearer <token>`` or ``x-api-key: <token>`` (401 otherwise), as Agent Lightning's key.
+``Authorization: Bearer <token>`` or ``x-api-key: <token>`` (401 otherwise), as Agent Lightning's key (its
+controllers' shared ``AGL_KEY``). An agent process aglverl's runner starts gets a key of its own instead
+(:meth:`~.rollouts.AgentLightningRollouts.grant_key`): it opens its rollout's event and proxy paths and reads of
+that rollout, and any other route answers it 403; and once a rollout has such an agent, its event and proxy
+paths and its ``PATCH`` need that key (or the token) even on a daemon without a token, so one agent cannot post
+to another's rollout.
+
+``POST /api/rollouts`` on a trainer's daemon answers 403 unless its settings accept outside work
+(``accept_rollouts``): the run's agents would run any input a caller sends them.
 
 When a trainer runs the daemon (``AsyncVERL``), the models and the gate are the trainer's: it starts the
 inference replicas and holds the calls around its weight updates; ``POST /api/models``, ``DELETE /api/models``,
@@ -92,6 +100,8 @@ class AgentLightningAPI:
             daemon.store,
             default_config=settings.rollout_config,
             reward_fillna_value=settings.reward_fillna_value,
+            max_finished_rollouts=settings.max_finished_rollouts,
+            max_events_per_rollout=settings.max_events_per_rollout,
         )
         self.hop = ProxyHop(
             daemon.store,
@@ -120,13 +130,15 @@ class AgentLightningAPI:
             Route("/api/rollouts", g(self.create), methods=["POST"]),
             Route("/api/rollouts", g(self.list_rollouts), methods=["GET"]),
             Route("/api/rollouts/terminal", g(self.terminal), methods=["GET"]),
-            Route("/api/rollouts/{rollout_id}", g(self.get_rollout), methods=["GET"]),
-            Route("/api/rollouts/{rollout_id}", g(self.patch_rollout), methods=["PATCH"]),
+            Route("/api/rollouts/{rollout_id}", g(self.get_rollout, scoped=True), methods=["GET"]),
+            Route("/api/rollouts/{rollout_id}", g(self.patch_rollout, scoped=True, write=True), methods=["PATCH"]),
             Route("/api/rollouts/{rollout_id}", g(self.delete_rollout), methods=["DELETE"]),
             Route(
-                "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events", g(self.post_event), methods=["POST"]
+                "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events",
+                g(self.post_event, scoped=True, write=True),
+                methods=["POST"],
             ),
-            Route("/api/rollouts/{rollout_id}/events", g(self.get_events), methods=["GET"]),
+            Route("/api/rollouts/{rollout_id}/events", g(self.get_events, scoped=True), methods=["GET"]),
             Route("/api/models", g(self.register_models), methods=["POST"]),
             Route("/api/models", g(self.delete_models), methods=["DELETE"]),
             Route("/proxy/pause", g(self.pause), methods=["POST"]),
@@ -134,18 +146,22 @@ class AgentLightningAPI:
             Route("/proxy/state", g(self.state), methods=["GET"]),
             Route(
                 "/proxy/rollout/{rollout_id}/attempt/{attempt_id}/mode/{mode}/openai/v1/{path:path}",
-                g(self.hop.handle),
+                g(self.hop.handle, scoped=True, write=True),
                 methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
             ),
         ]
 
     # ------------------------------------------------------------------ plumbing
     def _guard(
-        self, handler: Callable[[Request], Awaitable[Response]]
+        self, handler: Callable[[Request], Awaitable[Response]], *, scoped: bool = False, write: bool = False
     ) -> Callable[[Request], Awaitable[Response]]:
+        """Authentication (``scoped``: a route of one rollout, which its agent's key opens; ``write``: one that
+        changes it) and the mapping of refusals to ``{"detail": ...}`` answers."""
+
         async def endpoint(request: Request) -> Response:
-            if not self._authorized(request):
-                return json_response({"detail": "Invalid or missing API key"}, 401)
+            refused = self._refusal(request, scoped=scoped, write=write)
+            if refused is not None:
+                return json_response({"detail": refused[1]}, refused[0])
             try:
                 return await handler(request)
             except Refused as exc:
@@ -155,14 +171,28 @@ class AgentLightningAPI:
 
         return endpoint
 
-    def _authorized(self, request: Request) -> bool:
-        if self._key is None:
-            return True
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._key):
-            return True
-        return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self._key)
+    def _refusal(self, request: Request, *, scoped: bool, write: bool) -> tuple[int, str] | None:
+        """``None`` when the request's key opens the route, else the status and message to answer."""
+        keys = _presented_keys(request)
+        if self._key is not None and any(hmac.compare_digest(k.encode(), self._key) for k in keys):
+            return None
+        target = request.path_params.get("rollout_id")
+        owner = next((o for k in keys if (o := self.rollouts.key_owner(k)) is not None), None)
+        if owner is not None:
+            if scoped and target == owner:
+                return None
+            return 403, (
+                f"this key is the agent key of rollout {owner}: it opens only that rollout's event and proxy "
+                "paths and reads of it"
+            )
+        if self._key is not None:
+            return 401, "Invalid or missing API key"
+        if scoped and write and target is not None and self.rollouts.needs_key(target):
+            return 401, (
+                f"rollout {target} is run by aglverl's runner: its event and proxy paths need its agent's key "
+                "(AGL_KEY)"
+            )
+        return None
 
     async def _body(self, request: Request) -> Any:
         body = await read_body(request, self.max_body_bytes)
@@ -202,6 +232,12 @@ class AgentLightningAPI:
 
     # ------------------------------------------------------------------ rollouts
     async def create(self, request: Request) -> Response:
+        if not self.settings.accept_rollouts:
+            raise Refused(
+                403,
+                "this daemon's rollouts are its trainer's: it does not take rollouts over HTTP (the run's agents "
+                "would run whatever input a caller sends; set aglverl.accept_outside_rollouts: true to allow it)",
+            )
         requests = self._parse(_CREATES, await self._body(request), "rollouts")
         created = self.rollouts.create(requests)
         await self.daemon.store.commit()  # durable (by the journal's policy) before the caller hears of them
@@ -313,3 +349,14 @@ class AgentLightningAPI:
             reason=reason,
             inflight=int(getattr(proxy, "in_flight", 0)),
         )
+
+
+def _presented_keys(request: Request) -> list[str]:
+    """The keys a request carries: ``Authorization: Bearer <key>`` and ``x-api-key``."""
+    keys = []
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and given.strip():
+        keys.append(given.strip())
+    if request.headers.get("x-api-key"):
+        keys.append(request.headers["x-api-key"])
+    return keys

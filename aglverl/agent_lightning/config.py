@@ -74,12 +74,21 @@ class AgentLightningSettings:
     - ``reward_fillna_value``: the reward of an attempt a controller reports succeeded without a reward event
       (``None``: the attempt fails);
     - ``trainer_owns_gate``: a trainer starts the model servers and holds the calls around its weight updates,
-      so the API's models and pause / resume routes refuse to change them.
+      so the API's models and pause / resume routes refuse to change them;
+    - ``accept_rollouts``: whether ``POST /api/rollouts`` queues work (a daemon without a trainer: ``aglverl
+      serve``); a trainer's daemon refuses it with a 403 unless its config allows it (``aglverl.
+      accept_outside_rollouts``): the run's agents would run whatever input a caller sends;
+    - ``max_finished_rollouts``: how many ended rollouts created through the API are kept (the oldest go first;
+      those a cursor reader has passed go at once); ``max_events_per_rollout``: how many events one rollout
+      keeps (a post past it is refused with a 413).
     """
 
     rollout_config: RolloutConfig = field(default_factory=RolloutConfig)
     reward_fillna_value: float | None = None
     trainer_owns_gate: bool = False
+    accept_rollouts: bool = True
+    max_finished_rollouts: int = 10_000
+    max_events_per_rollout: int = 10_000
 
 
 def rollout_config_for(processes: Any, job_template: str | None = None) -> RolloutConfig:
@@ -108,11 +117,24 @@ def _get(tree: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
-def _put(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
-    """Set ``dotted`` unless the user set it to something else (then an error naming both keys)."""
+def _put(tree: dict[str, Any], dotted: str, value: Any, source: str, *, secret: bool = False) -> None:
+    """Set ``dotted`` unless the user set it to something else (then an error naming both keys, and their values
+    unless ``secret``). Only for a key of the section the user set: a default goes by :func:`_default`."""
     present, current = _get(tree, dotted)
     if present and current != value:
+        if secret:
+            raise _error(f"{source} and {dotted} disagree (their values are not shown): set only one of them")
         raise _error(f"{source} ({value!r}) and {dotted} ({current!r}) disagree: set only one of them")
+    _set(tree, dotted, value)
+
+
+def _default(tree: dict[str, Any], dotted: str, value: Any, source: str = "") -> None:
+    """Set ``dotted`` to an Agent Lightning default unless the user set it (the user's value stands)."""
+    if not _get(tree, dotted)[0]:
+        _set(tree, dotted, value)
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for part in parents:
@@ -180,17 +202,19 @@ def map_section(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], str | Non
     key = agl["agl_key"]
     if key not in (None, ""):
         if not isinstance(key, str):
-            raise _error(f"agentlightning.agl_key must be a string, got {key!r}")
-        _put(user, "aglverl.token", key, "agentlightning.agl_key")
+            raise _error(f"agentlightning.agl_key must be a string, got a value of type {type(key).__name__}")
+        _put(user, "aglverl.token", key, "agentlightning.agl_key", secret=True)
     timeout = _number(agl["rollout_timeout_seconds"], "rollout_timeout_seconds", low=1)
-    _put(user, "aglverl.processes.timeout_seconds", timeout, "agentlightning.rollout_timeout_seconds")
+    place = _put if "rollout_timeout_seconds" in given else _default
+    place(user, "aglverl.processes.timeout_seconds", timeout, "agentlightning.rollout_timeout_seconds")
     local = agl["local"] or {}
     if local.get("agent_class") is not None:
         _put(user, "aglverl.processes.agent_class", local["agent_class"], "agentlightning.local.agent_class")
     if local.get("env_map"):
         _put(user, "aglverl.processes.env_map", dict(local["env_map"]), "agentlightning.local.env_map")
     fillna = _number(agl["reward_fillna_value"], "reward_fillna_value", low=-math.inf, nullable=True)
-    _put(user, "aglverl.processes.reward_fillna_value", fillna, "agentlightning.reward_fillna_value")
+    place = _put if "reward_fillna_value" in given else _default
+    place(user, "aglverl.processes.reward_fillna_value", fillna, "agentlightning.reward_fillna_value")
     _map_trace_aggregator(user, agl["trace_aggregator"] or {}, given.get("trace_aggregator") or {})
     return user, _job_template((agl["k8s"] or {}).get("job_template_path"))
 
@@ -239,7 +263,8 @@ def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], g
     level = aggregator.get("level")
     if level not in ("trajectory", "transition"):
         raise _error(f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}")
-    _put(user, "aglverl.signal.trajectory", "merge" if level == "trajectory" else "per_call", "agentlightning.trace_aggregator.level")
+    place = _put if "level" in given else _default
+    place(user, "aglverl.signal.trajectory", "merge" if level == "trajectory" else "per_call", "agentlightning.trace_aggregator.level")
     if level != "trajectory":
         return
     for key, target in (

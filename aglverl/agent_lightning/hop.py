@@ -21,6 +21,9 @@ the proxy's own decision (``LLMProxy.refusal``), so that a turned-away call cost
 
 Cancellation: an agent that disconnects while its call is upstream (or held) cancels the relayed request, and
 aglverl's proxy cancels the backend's; a stream the agent leaves is closed upstream the same way.
+
+A path with a ``.`` or ``..`` segment is refused (400): the HTTP client would resolve it, and a call made on one
+rollout's path would reach (and be recorded under) another's. The path is sent upstream %-escaped as it came.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
+from urllib.parse import quote
 
 import aiohttp
 import anyio
@@ -49,6 +53,8 @@ __all__ = ["ProxyHop"]
 logger = logging.getLogger(__name__)
 
 _RESPONSE_DROP = HOP_BY_HOP
+#: What a path segment keeps unescaped (RFC 3986's ``pchar``), and ``/`` between segments.
+_PATH_SAFE = "/-._~!$&'()*+,;=:@"
 #: How long the hop waits to connect to aglverl's proxy (in this process, on loopback or a shard's node).
 _CONNECT_SECONDS = 10.0
 
@@ -111,6 +117,9 @@ class ProxyHop:
         mode = params["mode"]
         if mode not in ("train", "val"):
             raise Refused(404, f"Unsupported proxy mode: {mode} (train or val)")
+        path = params["path"]
+        if any(segment in (".", "..") for segment in path.split("/")):
+            raise Refused(400, f"the proxy path {path!r} has a '.' or '..' segment; send the API's path as it is")
         if self._session is None:
             raise Refused(503, "the Agent Lightning proxy path is not serving")
         slot = await self.rollouts.start(params["rollout_id"])
@@ -125,7 +134,7 @@ class ProxyHop:
         llm = update.resources.get("main_llm") if update is not None else None
         if not isinstance(llm, LLM):
             raise Refused(503, f"rollout {slot.agl_id} has no main_llm resource to relay its calls to")
-        url = f"{llm.get_base_url(slot.rollout_id, slot.attempt_id)}/{params['path']}"
+        url = f"{llm.get_base_url(slot.rollout_id, slot.attempt_id)}/{quote(path, safe=_PATH_SAFE)}"
         if request.url.query:
             url += f"?{request.url.query}"
         body = self._prepare(body, llm, request.headers.get("content-type", ""))

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 from ..models import Rollout
 from ..store import TERMINAL, AttemptChange, LLMCall, StoreError, TaskStore
@@ -54,7 +58,19 @@ from .wire import (
     TerminalPage,
 )
 
-__all__ = ["CONTROLLER_GRACE_SECONDS", "AgentLightningRollouts", "Conflict", "NotFound", "retry_id"]
+__all__ = [
+    "CONTROLLER_GRACE_SECONDS",
+    "MAX_EVENTS_PER_ROLLOUT",
+    "MAX_FINISHED_ROLLOUTS",
+    "ROLLOUT_ID_MAX",
+    "AgentLightningRollouts",
+    "Conflict",
+    "InvalidId",
+    "NotFound",
+    "TooMany",
+    "check_rollout_id",
+    "retry_id",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +80,31 @@ logger = logging.getLogger(__name__)
 CONTROLLER_GRACE_SECONDS = 60.0
 
 
+#: The longest rollout id a caller may choose.
+ROLLOUT_ID_MAX = 128
+#: Rollouts created through ``POST /api/rollouts`` that have ended and are kept (oldest dropped first past it).
+MAX_FINISHED_ROLLOUTS = 10_000
+#: Events one rollout keeps (posted ones, all attempt labels together); a post past it is refused.
+MAX_EVENTS_PER_ROLLOUT = 10_000
+
+_ROLLOUT_ID = re.compile(rf"[A-Za-z0-9_~][A-Za-z0-9._~-]{{0,{ROLLOUT_ID_MAX - 1}}}")
+_RETRY_FORM = re.compile(r"-retry-[0-9]+$")
+
+
 class NotFound(StoreError):
     status = 404
+
+
+class InvalidId(StoreError):
+    """A rollout id a caller chose that aglverl refuses (see :func:`check_rollout_id`)."""
+
+    status = 422
+
+
+class TooMany(StoreError):
+    """A rollout that already holds as many events as it may."""
+
+    status = 413
 
 
 class Conflict(StoreError):
@@ -77,6 +116,23 @@ class Conflict(StoreError):
 def retry_id(rollout_id: str, index: int) -> str:
     """The Agent Lightning rollout id of attempt ``index + 1`` of aglverl rollout ``rollout_id``."""
     return rollout_id if index == 0 else f"{rollout_id}-retry-{index}"
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    """A rollout id a caller chose, as it may be: 1 to :data:`ROLLOUT_ID_MAX` characters, URL-safe (letters,
+    digits, ``.``, ``_``, ``~``, ``-``: no ``/``, no space, nothing to escape), not starting with ``.`` or ``-``,
+    and not of the form ``<id>-retry-<k>`` that aglverl's retries take. :class:`InvalidId` (422) otherwise."""
+    if not _ROLLOUT_ID.fullmatch(rollout_id):
+        raise InvalidId(
+            f"rollout_id {rollout_id[:200]!r} is not allowed: it must be 1-{ROLLOUT_ID_MAX} characters of letters, "
+            "digits, '.', '_', '~' and '-', not starting with '.' or '-' (it names URLs and files)"
+        )
+    if _RETRY_FORM.search(rollout_id):
+        raise InvalidId(
+            f"rollout_id {rollout_id!r} is not allowed: ids ending in '-retry-<k>' are aglverl's retries' "
+            "(attempt k+1 of rollout R is R-retry-k)"
+        )
+    return rollout_id
 
 
 @dataclass(slots=True, eq=False)
@@ -97,11 +153,19 @@ class Slot:
     error_message: str | None = None
     position: int | None = None  # in the terminal cursor, once terminal
     events: dict[str, list[Event]] = field(default_factory=dict)  # posted ones, by attempt label
+    event_count: int = 0
+    #: The key of the agent process aglverl's runner started for it (its event and proxy paths need it).
+    key: str | None = None
 
     @property
     def label(self) -> str:
         """The attempt label whose events count: the last one a controller named, else ``"0"``."""
         return self.last_attempt_id or DEFAULT_ATTEMPT_ID
+
+    @property
+    def url_id(self) -> str:
+        """The id as a URL path segment (escaped: ids journaled before ids were checked may need it)."""
+        return quote(self.agl_id, safe="")
 
 
 def reward_value(data: Mapping[str, Any]) -> float | None:
@@ -128,11 +192,17 @@ class AgentLightningRollouts:
         *,
         default_config: RolloutConfig | None = None,
         reward_fillna_value: float | None = None,
+        max_finished_rollouts: int = MAX_FINISHED_ROLLOUTS,
+        max_events_per_rollout: int = MAX_EVENTS_PER_ROLLOUT,
     ) -> None:
         self.store = store
         self.default_config = default_config or RolloutConfig()
         self.reward_fillna_value = reward_fillna_value
+        self.max_finished_rollouts = max_finished_rollouts
+        self.max_events_per_rollout = max_events_per_rollout
         self._slots: dict[str, Slot] = {}
+        self._keys: dict[str, str] = {}  # attempt key -> the Agent Lightning id it opens
+        self._finished_api: OrderedDict[str, None] = OrderedDict()  # API rollouts ended, oldest first
         self._of: dict[str, list[Slot]] = {}  # aglverl rollout id -> its slots, oldest first
         self._configs: dict[str, RolloutConfig] = {}  # rollouts created through the API
         self._terminal: list[str | None] = []  # the cursor: Agent Lightning ids, None once forgotten
@@ -206,20 +276,33 @@ class AgentLightningRollouts:
                     self._move(slot, "succeeded")
                 else:
                     self._move(slot, "failed", f"superseded: attempt {change.attempt_id}'s result was accepted")
+        if change.state in TERMINAL and change.rollout_id in self._configs:
+            self._finished_api[change.rollout_id] = None  # evicted later, outside the store's method
 
     def _forgotten(self, rollout_ids: Sequence[str]) -> None:
         for rollout_id in rollout_ids:
             for slot in self._of.pop(rollout_id, ()):
                 self._slots.pop(slot.agl_id, None)
+                if slot.key is not None:
+                    self._keys.pop(slot.key, None)
                 if slot.position is not None:
                     self._terminal[slot.position] = None
             self._configs.pop(rollout_id, None)
+            self._finished_api.pop(rollout_id, None)
 
     def sync(self) -> None:
-        """Take in every rollout the store holds that the view has not seen (a journal's, at start)."""
+        """Take in every rollout the store holds that the view has not seen (a journal's, at start); drop the
+        journaled cursor positions of rollouts the store no longer holds."""
         for rollout_id in self.store.rollout_ids():
             if rollout_id not in self._of:
                 self._sync_one(rollout_id)
+        for position, _ in self._recovered.values():
+            self._terminal[position] = None
+        self._recovered.clear()
+        ended = [r for r in self._configs if self.store.knows(r) and self.store.state(r) in TERMINAL]
+        last = {r: max((s.position or 0 for s in self._of.get(r, ())), default=0) for r in ended}
+        for rollout_id in sorted(ended, key=last.__getitem__):  # in the order they ended, as evict() reads them
+            self._finished_api.setdefault(rollout_id, None)
 
     def _sync_one(self, rollout_id: str) -> None:
         """A rollout's slots as its state says: its earlier attempts ended (failed, or as journaled), its last
@@ -266,11 +349,15 @@ class AgentLightningRollouts:
             self._terminal[position] = agl_id
 
     def live_records(self) -> Iterator[dict[str, Any]]:
-        """What rebuilds the cursor and the configs (the journal's compaction keeps these)."""
+        """What rebuilds the cursor and the configs (the journal's compaction keeps these): the positions of the
+        rollouts in the view, and those read back from the journal that no rollout has claimed yet (the journal
+        is compacted when it opens, before :meth:`sync`: without them a second restart would lose them)."""
         yield {"kind": "agl_cursor", "total": len(self._terminal)}
         for slot in self._slots.values():
             if slot.position is not None:
                 yield {"kind": "agl_terminal", "position": slot.position, "agl_id": slot.agl_id, "state": slot.state}
+        for agl_id, (position, state) in self._recovered.items():
+            yield {"kind": "agl_terminal", "position": position, "agl_id": agl_id, "state": state}
         for rollout_id, config in self._configs.items():
             yield {"kind": "agl_config", "rollout_id": rollout_id, "config": config.model_dump(mode="json")}
 
@@ -343,8 +430,11 @@ class AgentLightningRollouts:
         return sorted(firsts, key=firsts.__getitem__)
 
     def terminal_page(self, after: int, limit: int) -> TerminalPage:
-        """``GET /api/rollouts/terminal``: the cursor from ``after``, rollouts forgotten or deleted skipped."""
+        """``GET /api/rollouts/terminal``: the cursor from ``after``, rollouts forgotten or deleted skipped. A
+        reader asking for the page after a position has read what is before it: the rollouts created through
+        the API that ended before it are dropped (:meth:`evict`)."""
         after, limit = max(after, 0), max(limit, 1)
+        self.evict(read_before=after)
         ids = self._terminal[after : after + limit]
         items = []
         for agl_id in ids:
@@ -367,9 +457,61 @@ class AgentLightningRollouts:
         """Append an event under an attempt label (any state: Agent Lightning's algorithms post trace events
         on finished rollouts too)."""
         slot = self.slot(agl_id)
+        if slot.event_count >= self.max_events_per_rollout:
+            raise TooMany(
+                f"rollout {agl_id} already has {slot.event_count:,} events, the most one rollout keeps "
+                f"({self.max_events_per_rollout:,}); this one was not stored"
+            )
         event = Event(event_type=event_type, rollout_id=agl_id, attempt_id=label, timestamp=time.time(), data=data)
         slot.events.setdefault(label, []).append(event)
+        slot.event_count += 1
         return event
+
+    # ------------------------------------------------------------------ the keys of aglverl's agents
+    def grant_key(self, slot: Slot) -> str:
+        """A new key for the agent process aglverl's runner starts for ``slot``: it opens that rollout's event and
+        proxy paths and reads of it, nothing else; once a rollout has one, those paths need it (or the daemon's
+        token)."""
+        if slot.key is not None:
+            self._keys.pop(slot.key, None)
+        slot.key = secrets.token_urlsafe(24)
+        self._keys[slot.key] = slot.agl_id
+        return slot.key
+
+    def revoke_key(self, slot: Slot) -> None:
+        """The attempt's process is gone: its key opens nothing any more (its paths still need a key)."""
+        if slot.key is not None:
+            self._keys.pop(slot.key, None)
+
+    def key_owner(self, key: str) -> str | None:
+        """The Agent Lightning id whose agent holds ``key`` (a granted, unrevoked key), else ``None``."""
+        return self._keys.get(key)
+
+    def needs_key(self, agl_id: str) -> bool:
+        """Whether the rollout's paths need its agent's key (aglverl's runner started an agent for it)."""
+        slot = self._slots.get(agl_id)
+        return slot is not None and slot.key is not None
+
+    # ------------------------------------------------------------------ bounds
+    def evict(self, *, read_before: int | None = None) -> int:
+        """Drop ended rollouts created through the API from the store and the view: those a reader of the cursor
+        has passed (every one of their positions before ``read_before``), and the oldest past
+        :attr:`max_finished_rollouts`. Returns how many. (Rollouts the trainer queued go when it hands their
+        step over.)"""
+        gone: list[str] = []
+        for rollout_id in self._finished_api:
+            over = len(self._finished_api) - len(gone) > self.max_finished_rollouts
+            positions = [s.position for s in self._of.get(rollout_id, ())]
+            read = read_before is not None and all(p is not None and p < read_before for p in positions)
+            if not (over or read):
+                break  # ended in order: the ones after it are neither older nor read
+            gone.append(rollout_id)
+        gone = [r for r in gone if self.store.knows(r) and self.store.state(r) in TERMINAL]
+        if gone:
+            self.store.forget(gone)
+        for rollout_id in gone:
+            self._finished_api.pop(rollout_id, None)
+        return len(gone)
 
     def _calls(self, slot: Slot) -> list[LLMCall]:
         if slot.attempt_id is None or not self.store.knows(slot.rollout_id):
@@ -408,6 +550,9 @@ class AgentLightningRollouts:
     def create(self, requests: Sequence[RolloutCreate]) -> list[AglRollout]:
         """``POST /api/rollouts``: queue each request in the store (an owner-less rollout with the latest
         resources); a request whose ``rollout_id`` exists gets that rollout back unchanged."""
+        for request in requests:  # all or none: a refused id queues nothing
+            if request.rollout_id is not None and request.rollout_id not in self._slots:
+                check_rollout_id(request.rollout_id)
         out = []
         for request in requests:
             if request.rollout_id is not None and (
@@ -432,6 +577,7 @@ class AgentLightningRollouts:
                 rollout_id=rollout_id,
             )
             out.append(self.wire(self.slot(rollout_id)))
+        self.evict()
         return out
 
     async def start(self, agl_id: str) -> Slot:

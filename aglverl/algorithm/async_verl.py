@@ -74,6 +74,7 @@ class AsyncVERL:
             rollout_config=rollout_config_for(self.options.processes, job_template),
             reward_fillna_value=self.options.processes.reward_fillna_value,
             trainer_owns_gate=True,
+            accept_rollouts=self.options.accept_outside_rollouts,
         )
         #: The built-in runner of agent processes, while it runs (``aglverl.processes``).
         self.process_runner: Any = None
@@ -148,6 +149,10 @@ class AsyncVERL:
             )
         width_given = user_set(self._overrides, "data.max_prompt_length")
         await anyio.to_thread.run_sync(check_prompt_widths, config, width_given, train)
+        if self.options.processes.enabled and self.options.agents != 0:
+            from ..runners import check_agent
+
+            await check_agent(self.options.processes)  # before Ray: a missing program or class is named now
         stack = ExitStack()
         try:
             runtime = await anyio.to_thread.run_sync(stack.enter_context, verl_runtime(config))
@@ -200,7 +205,7 @@ class AsyncVERL:
         for callback in self.on_serving:
             callback(daemon)
         async with anyio.create_task_group() as tg:
-            agents = rollouts_per_step(self.config) if self.options.agents is None else self.options.agents
+            agents = agent_count(self.config, self.options)
             if self.agent is not None and agents:
                 tg.start_soon(self._run_agents, agents)
             if self.options.processes.enabled and agents:
@@ -218,7 +223,7 @@ class AsyncVERL:
     async def _run_processes(
         self, daemon: Any, config: Any, concurrency: int, *, task_status: anyio.abc.TaskStatus[None]
     ) -> None:
-        from ..process_runner import ProcessRunner
+        from ..runners import ProcessRunner
 
         processes = self.options.processes
         log_dir = processes.log_dir or os.path.join(str(config.trainer.default_local_dir), "agent_logs")
@@ -233,6 +238,23 @@ class AsyncVERL:
 
 #: How long :attr:`AsyncVERL.on_stopping` callbacks may take, all together, before the daemon stops anyway.
 STOPPING_SECONDS = 60.0
+
+
+def agent_count(config: Any, options: Any) -> int:
+    """How many agents a run starts: ``aglverl.agents`` when set; else, for agent functions, every rollout of a
+    step at once; for agent processes, that bounded by the machine's cores and memory
+    (:func:`aglverl.runners.default_concurrency`: a process per rollout of a large step would be hundreds of
+    interpreters at each step's start)."""
+    if options.agents is not None:
+        return int(options.agents)
+    rollouts = rollouts_per_step(config)
+    if options.processes.enabled:
+        from ..runners import default_concurrency
+        from ..runners.forkserver import python_agent
+
+        forked = options.processes.fork_server and python_agent(options.processes) is not None
+        return default_concurrency(rollouts, forked=forked)
+    return rollouts
 
 
 def _the_error(group: BaseExceptionGroup) -> BaseException | None:

@@ -592,6 +592,7 @@ def daemon_config(config: Any, options: DaemonOptions) -> DaemonConfig:
         max_failed_groups=int(data.train_batch_size) if bound is None else bound,
         journal_path=journal_path(config, options.journal),
         proxy_shards=options.proxy_shards,
+        allow_unauthenticated=options.allow_unauthenticated,
         proxy=options.proxy,
         store=StoreConfig(lease_seconds=options.lease_seconds, max_attempts=options.max_attempts),
         batch=BatchConfig(

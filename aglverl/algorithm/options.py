@@ -9,10 +9,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from ..process_runner import ProcessOptions
+from .._net import refuse_open_address
 from ..proxy.config import PROXY_FIELDS, ProxyConfig, RetryPolicy, with_aliases
 from ..proxy.overload import OverloadPolicy
 from ..proxy.shards import check_shard_count
+from ..runners.options import ProcessOptions
 from ..trajectory.signals import SignalConfig
 from .validation import ConfigError, check_fields, unknown_key_message
 
@@ -49,13 +50,20 @@ class DaemonOptions:
       aglverl.journal`` when checkpoints are saved, so a resumed run recovers the step in flight) or ``None``.
     - ``llm_resource``: ``"proxy"`` (per-rollout URLs, token ids recorded) or ``"plain"`` (Agent Lightning 0.1
       clients, which post their own triplets).
-    - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run; with ``processes``, how many agent
-      processes at once (default: every rollout of a step at once, ``train_batch_size * rollout.n``); ``0``:
-      none (agents connect from elsewhere, e.g. Agent Lightning's controller).
+    - ``agents``: with ``AsyncVERL(agent=...)``, how many agent loops to run (default: every rollout of a step at
+      once, ``train_batch_size * rollout.n``); with ``processes``, how many agent processes at once (default: a
+      step's rollouts, at most 4 per core and one per 256 MiB of available memory, or 16 per core and one per
+      64 MiB for Python agents the fork server forks: :func:`aglverl.runners.default_concurrency`); ``0``: none
+      (agents connect from elsewhere, e.g. Agent Lightning's controller).
     - ``processes``: agents run as one process per rollout attempt by aglverl
-      (:class:`~aglverl.process_runner.ProcessOptions`: an Agent Lightning v1.0 ``agent_class`` or any
-      ``command``, ``env_map``, ``timeout_seconds``, ``reward_fillna_value``, ``log_dir``, ``python``), as a
-      mapping of its fields; Agent Lightning's ``agentlightning:`` section maps onto it.
+      (:class:`~aglverl.runners.ProcessOptions`: an Agent Lightning v1.0 ``agent_class`` or any ``command``,
+      ``env_map``, ``timeout_seconds``, ``reward_fillna_value``, ``log_dir``, ``python``, ``fork_server``,
+      ``cwd``, ``env_allow``, ``limits``, ``kill_grace_seconds``, ``log_max_bytes``), as a mapping of its fields;
+      Agent Lightning's ``agentlightning:`` section maps onto it.
+    - ``accept_outside_rollouts``: whether ``POST /api/rollouts`` on the run's task server queues rollouts for
+      the run's agents (default ``false``: a 403, as ``POST /tasks``).
+    - ``allow_unauthenticated``: serve on a ``host`` that is not a loopback address without a ``token``
+      (default ``false``: refused at construction).
     - ``platform``: ``"auto"`` (CPU when no GPU is visible), ``"cpu"`` or ``"gpu"``.
     - ``signal``: the training-signal controls (:class:`~aglverl.trajectory.signals.SignalConfig`: rejection sampling,
       compact filtering, step-wise advantage, behaviour log-probs), as a mapping of its fields.
@@ -90,6 +98,8 @@ class DaemonOptions:
     proxy_shards: int | Literal["per_node"] = 1
     tool_call_parser: str | None = "auto"
     processes: ProcessOptions = dataclasses.field(default_factory=ProcessOptions)
+    accept_outside_rollouts: bool = False
+    allow_unauthenticated: bool = False
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DaemonOptions:
@@ -119,6 +129,13 @@ class DaemonOptions:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _check_tool_call_parser(options.tool_call_parser)
+        try:
+            refuse_open_address(
+                options.host, options.token, allow_unauthenticated=options.allow_unauthenticated,
+                keys="aglverl.allow_unauthenticated: true",
+            )
+        except ValueError as exc:
+            raise ConfigError(f"aglverl.host: {exc}") from None
         return options
 
     # The flat keys the ``proxy`` section replaced, read as they were (``options.token_in``...).

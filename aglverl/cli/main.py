@@ -69,6 +69,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="publish main_llm as a per-rollout ProxyLLM, or as a plain LLM for Agent Lightning 0.1 clients",
     )
     p.add_argument("--token", default=None, help="bearer token required by the task server and the proxy")
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a --host that is not loopback without a --token (refused otherwise)",
+    )
     p.add_argument("--lease-seconds", type=float, default=600.0, help="claim lease without heartbeat")
     p.add_argument("--max-attempts", type=int, default=3, help="claims per rollout before it fails")
     p.add_argument(
@@ -135,9 +140,16 @@ def _local_server(model: str, *, host: str, port: int, **options: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    from .._net import refuse_open_address
     from ..algorithm import ConfigError, load_samples
     from ..daemon import AgentDaemon  # imports verl (~4 s); keep `aglverl --help` instant
 
+    try:
+        refuse_open_address(
+            args.host, args.token, allow_unauthenticated=args.allow_unauthenticated, keys="--allow-unauthenticated"
+        )
+    except ValueError as exc:
+        raise SystemExit(f"aglverl serve: --host {exc}") from None
     files: list[tuple[str, list[dict[str, Any]]]] = []
     for path in args.tasks:
         try:
@@ -167,6 +179,7 @@ async def _serve(args: argparse.Namespace) -> None:
             token=args.token,
             lease_seconds=args.lease_seconds,
             max_attempts=args.max_attempts,
+            allow_unauthenticated=args.allow_unauthenticated,
         )
         await serving.stack.enter_async_context(daemon)
         results = _Results(daemon, serving)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -78,9 +79,20 @@ def main(argv: list[str]) -> int:
     - ``signal``: kills itself with SIGSEGV;
     - ``hang PIDFILE``: starts a child that sleeps, writes the child's pid to PIDFILE, then sleeps itself;
     - ``no-reward``: calls the LLM and exits 0 without a reward;
-    - ``gate HOST PORT``: connects to a TCP server, reads one byte (the server releases it), writes reward 1.
+    - ``gate HOST PORT``: connects to a TCP server, reads one byte (the server releases it), writes reward 1;
+    - ``fields``: prints which of ``TASK`` / ``TASK_FILE`` it got and their sizes, writes reward 1;
+    - ``flood N``: writes N bytes of output, then reward 1;
+    - ``leave-daemon PIDFILE``: starts a daemon that left its session (double fork, ``setsid``), writes its pid,
+      writes reward 1 and exits;
+    - ``hold HOST PORT``: starts a daemon (as ``leave-daemon``) that ignores SIGTERM, connects to a TCP server
+      and sends ``<rollout id> <its pid> <the daemon's pid>``, then waits; on SIGTERM it sends ``TERM`` and exits;
+    - ``probe``: with the task's ``peer`` (another rollout), tries to post a reward to the peer's rollout with its
+      own key and with none, reads the list of rollouts, prints the statuses and its environment's names, then
+      posts its own reward.
     """
     program = argv[0]
+    if program in ("fields", "flood", "leave-daemon", "hold", "probe"):
+        return _more(program, argv[1:])
     if program == "signal":
         os.kill(os.getpid(), 11)
     if program == "hang":
@@ -110,6 +122,92 @@ def main(argv: list[str]) -> int:
         return 0
     with open(os.environ["AGL_REWARD_FILE"], "w") as f:
         f.write(str(task["reward"]))
+    return 0
+
+
+def _daemon(ignore_term: bool) -> int:
+    """A process that left the agent's session and process group (double fork + setsid); returns its pid."""
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            if ignore_term:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            os.write(write, str(os.getpid()).encode())
+            time.sleep(300)
+            os._exit(0)
+        os._exit(0)
+    os.close(write)
+    pid = int(os.read(read, 32))
+    os.wait()
+    return pid
+
+
+def _http(method: str, url: str, key: str | None, body: dict | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
+                                     headers=headers, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=30) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _reward_file(value: float = 1.0) -> None:
+    with open(os.environ["AGL_REWARD_FILE"], "w") as f:
+        f.write(str(value))
+
+
+def _more(program: str, args: list[str]) -> int:
+    if program == "fields":
+        path = os.environ.get("TASK_FILE")
+        print(json.dumps({
+            "TASK": len(os.environ["TASK"]) if "TASK" in os.environ else None,
+            "TASK_FILE": os.path.getsize(path) if path else None,
+            "same": open(path, "rb").read() == json.dumps(json.load(sys.stdin)["text"]).encode()[1:-1] if path else None,
+        }), flush=True)
+    elif program == "flood":
+        chunk = b"x" * 1023 + b"\n"
+        for _ in range(int(args[0]) // 1024):
+            os.write(1, chunk)
+        print("the last line of the flood", flush=True)
+    elif program == "leave-daemon":
+        with open(args[0], "w") as f:
+            f.write(str(_daemon(ignore_term=False)))
+    elif program == "hold":
+        stray = _daemon(ignore_term=True)
+        conn = socket.create_connection((args[0], int(args[1])))
+
+        def on_term(signum: int, frame: Any) -> None:
+            conn.sendall(b"TERM\n")
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, on_term)
+        conn.sendall(f"{os.environ['AGL_ROLLOUT_ID']} {os.getpid()} {stray}\n".encode())
+        while True:
+            conn.recv(1)
+    elif program == "probe":
+        task = json.load(sys.stdin)
+        key = os.environ["AGL_KEY"]
+        peer_events = os.environ["AGL_EVENT_URL"].replace(os.environ["AGL_ROLLOUT_ID"], task["peer"])
+        server = os.environ["AGL_EVENT_URL"].split("/api/")[0]
+        reward = {"event_type": "reward", "data": {"value": 1.0}}
+        seen = {
+            "peer_with_own_key": _http("POST", peer_events, key, reward),
+            "peer_without_key": _http("POST", peer_events, None, reward),
+            "list_with_own_key": _http("GET", f"{server}/api/rollouts?state_in=running", key),
+            "own_without_key": _http("POST", os.environ["AGL_EVENT_URL"], None, reward),
+            "own": _http("POST", os.environ["AGL_EVENT_URL"], key, {"event_type": "reward", "data": {"value": 0.5}}),
+            "env": sorted(os.environ),
+        }
+        print(json.dumps(seen), flush=True)
+        return 0
+    _reward_file()
     return 0
 
 

@@ -1,0 +1,58 @@
+"""Agents as processes: aglverl's built-in runner, a process per rollout attempt, as Agent Lightning's
+``runner_type=local`` runs them, and the launchers that start those processes.
+
+- :mod:`.attempts` — :class:`ProcessRunner`: claims attempts from the daemon's store as they are queued (no
+  polling), ``concurrency`` at once, and turns each process's end into the attempt's result; nothing an attempt
+  does can stop it.
+- :mod:`.seam` — the :class:`Launcher` protocol (``serve``, ``environment``, ``start``, ``stop``): what starts and
+  ends an attempt's process. Its two implementations: :mod:`.forkserver` (:class:`ForkServer`: a Python agent
+  imported once by a template process, each attempt a fork of it, in milliseconds) and :mod:`.spawn`
+  (:class:`Spawner`: a new program, or a new Python, per attempt). A container launcher would be one more class.
+- :mod:`.template` and :mod:`._template` — the template process and the per-attempt supervisor (a child subreaper:
+  every process an agent starts is ended with its attempt, ``SIGTERM`` first, ``SIGKILL`` after the grace
+  period, even one that left its process group), the runner's side and the template's (stdlib only).
+- :mod:`.options` — :class:`ProcessOptions` (the ``aglverl.processes`` section), :func:`resolve_env_map`,
+  :func:`default_concurrency`; :mod:`.environment` — the attempt's variables (fields too large for the
+  environment go by file), the allow-list of the runner's variables, file names from ids; :mod:`.logs` — the
+  capped log of an attempt; :mod:`.checks` — :func:`check_agent`, before a run starts.
+
+What an attempt's process gets: Agent Lightning's environment on the task server's one base URL
+(``AGL_OPENAI_BASE_URL`` = ``{server}/proxy/rollout/{id}/attempt/0/mode/{train|val}/openai/v1``, ``AGL_EVENT_URL``
+= ``{server}/api/rollouts/{id}/attempt/0/events``, ``AGL_KEY``: a key of its own that opens only its rollout's
+paths), the same endpoints and key in the variables the SDKs read (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
+``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``), ``AGL_ROLLOUT_ID``, ``AGL_ATTEMPT_ID``, ``AGL_MODE``, ``AGL_MODEL``
+(the served model's name), the task input as JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
+input's fields named by ``env_map`` (Agent Lightning's ``local.env_map``), and of the runner's own environment
+only the variables ``env_allow`` names (no secrets by default). The ``{id}`` is the attempt's Agent Lightning
+rollout id (:mod:`aglverl.agent_lightning.rollouts`: attempt ``k > 1`` of rollout ``R`` is ``R-retry-<k-1>``).
+
+The reward: the value of the attempt's last ``reward`` event, or a number written to ``AGL_REWARD_FILE``, or
+``reward_fillna_value`` when set. The processes' standard output and error go to ``<log_dir>/<id>.log`` (the id
+%-escaped: never a path), at most ``log_max_bytes`` of it.
+"""
+
+from __future__ import annotations
+
+from .attempts import ProcessRunner
+from .checks import check_agent
+from .forkserver import ForkServer
+from .options import AGENT_CLASS_SHIM, DEFAULT_ENV_ALLOW, ProcessOptions, default_concurrency, resolve_env_map
+from .seam import AgentExit, AgentProcess, Launch, Launcher, LaunchFailed
+from .spawn import Spawner
+
+__all__ = [
+    "AGENT_CLASS_SHIM",
+    "DEFAULT_ENV_ALLOW",
+    "AgentExit",
+    "AgentProcess",
+    "ForkServer",
+    "Launch",
+    "LaunchFailed",
+    "Launcher",
+    "ProcessOptions",
+    "ProcessRunner",
+    "Spawner",
+    "check_agent",
+    "default_concurrency",
+    "resolve_env_map",
+]

@@ -1,0 +1,99 @@
+"""The seam between the attempts (:class:`~aglverl.runners.attempts.ProcessRunner`) and what starts an agent's
+process for one of them: a :class:`Launcher`.
+
+A launcher does four things: it holds whatever it needs while the runner serves (:meth:`Launcher.serve`: a fork
+server's templates), says what environment an agent gets (:meth:`Launcher.environment`: the agent's own variables
+plus what it passes on from the runner's environment), starts an attempt's process (:meth:`Launcher.start`) and
+stops it (:meth:`Launcher.stop`). The two here are :class:`~aglverl.runners.spawn.Spawner` (the plain spawn: a
+new program, or a new Python for an agent class, per attempt) and :class:`~aglverl.runners.forkserver.ForkServer`
+(one template process per Python agent imports it once and forks per attempt). A container launcher would be
+one more class: ``start`` runs the container with the attempt's environment, streams and limits, ``stop`` stops
+it with the grace period, ``environment`` maps the endpoints and files into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from anyio.abc import TaskStatus
+
+__all__ = ["AgentExit", "AgentProcess", "Launch", "LaunchFailed", "Launcher"]
+
+
+class LaunchFailed(Exception):
+    """The attempt's process could not be started (a program not found, an environment too large, a template
+    that cannot import the agent...): the message says why, and the attempt fails with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What to start for one attempt.
+
+    ``argv``: the command line (for an agent class, the Python that runs it); ``env``: the whole environment
+    (:meth:`Launcher.environment`'s); ``cwd``: its working directory; ``stdin`` / ``output``: descriptors for
+    its standard input and for its standard output and error together (the launcher passes them on and never
+    closes them: they are the caller's); ``limits``: resource limits (``{"as": bytes, "nofile": n, ...}``,
+    ``RLIMIT_<NAME>`` lower-cased); ``grace``: seconds between ``SIGTERM`` and ``SIGKILL`` when the process
+    tree is ended; ``name``: for messages and logs.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    stdin: int
+    output: int
+    name: str
+    limits: Mapping[str, int] = field(default_factory=dict)
+    grace: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentExit:
+    """How an agent's process ended: ``code`` (0 = success), or ``signal`` when a signal killed it, or neither
+    when its supervisor vanished before it could say (``lost``)."""
+
+    code: int | None = None
+    signal: int | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self.code is None and self.signal is None
+
+
+class AgentProcess(Protocol):
+    """One attempt's running process, as a launcher gives it back."""
+
+    #: The agent's process id (what a process group, a log or ``ps`` names).
+    pid: int
+
+    async def wait(self) -> AgentExit:
+        """Return once the agent's process has exited. Cancellation only stops the wait."""
+        ...
+
+    async def finished(self) -> float | None:
+        """Return once no process of the attempt is left (what the agent started included, each sent
+        ``SIGTERM``, then ``SIGKILL`` after the grace period); the CPU seconds they used, if known."""
+        ...
+
+
+class Launcher(Protocol):
+    """Starts and stops the processes of attempts (see the module docstring)."""
+
+    async def serve(self, *, task_status: TaskStatus[None]) -> None:
+        """Hold what the launcher needs until cancelled (then release it); ``started()`` once it can start."""
+        ...
+
+    def environment(self, agent: Mapping[str, str]) -> dict[str, str]:
+        """The whole environment of an attempt's process whose own variables are ``agent``."""
+        ...
+
+    async def start(self, launch: Launch) -> AgentProcess:
+        """Start an attempt's process; :class:`LaunchFailed` saying why when it cannot be started."""
+        ...
+
+    async def stop(self, process: AgentProcess, grace: float) -> None:
+        """End the attempt's process and every process it started: ``SIGTERM``, then ``SIGKILL`` after
+        ``grace`` seconds. Returns at once; :meth:`AgentProcess.finished` says when they are gone."""
+        ...

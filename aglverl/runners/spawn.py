@@ -1,0 +1,85 @@
+"""The plain spawn (:class:`Spawner`): every attempt's program is started anew, a command as it is, an agent class
+in a new Python (Agent Lightning's local controller's way).
+
+The program is exec'd by the attempt's process, forked from a supervisor that a small stdlib-only template
+forks (:mod:`aglverl.runners._template`: ``python -I -S``, nothing imported). So even a spawned program runs under
+a supervisor that is a child subreaper: what it starts stays in the attempt's tree and is ended with it, even
+after ``setsid`` or a double fork.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+
+import anyio
+import anyio.abc
+from anyio.abc import TaskStatus
+
+from .environment import inherited
+from .seam import AgentProcess, Launch, LaunchFailed
+from .template import SupervisedProcess, Template, TemplateGone, TemplateHolder, fork_request
+
+__all__ = ["Spawner"]
+
+
+class Spawner:
+    """The plain spawn launcher (see the module docstring).
+
+    ``env_allow``: the runner's variables each agent gets (:func:`~aglverl.runners.environment.inherited`). Serve
+    it with ``await tg.start(spawner.serve)``.
+    """
+
+    def __init__(self, *, env_allow: Sequence[str]) -> None:
+        self.env_allow = tuple(env_allow)
+        self._holder = TemplateHolder(self._template)
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def _template(self) -> Template:
+        return Template(
+            [sys.executable, "-I", "-S"], "bare", [], env=self.environment({}), cwd="/", name="the spawner",
+        )
+
+    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start the template, then hold it until cancelled (it is closed then; attempts keep running under their
+        supervisors until the runner stops them)."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                await self._holder.get(tg)
+                task_status.started()
+                await anyio.sleep_forever()
+            finally:
+                self._tg = None
+                await self._holder.aclose()
+                tg.cancel_scope.cancel()
+
+    def environment(self, agent: Mapping[str, str]) -> dict[str, str]:
+        """The allowed variables of the runner's environment, then the agent's own."""
+        return {**inherited(self.env_allow), **agent}
+
+    async def start(self, launch: Launch) -> AgentProcess:
+        """Fork a supervisor that execs ``launch.argv``; :class:`LaunchFailed` when the program cannot run."""
+        process = await self.fork(launch, exec_=True)
+        await process.started()
+        return process
+
+    async def fork(self, launch: Launch, *, exec_: bool) -> SupervisedProcess:
+        if self._tg is None:
+            raise LaunchFailed("the spawner is not serving")
+        for _ in range(3):  # a template that died is started again
+            template = await self._holder.get(self._tg)
+            try:
+                return await template.fork(fork_request(launch, exec_=exec_), launch.stdin, launch.output, launch.name)
+            except TemplateGone:
+                self._holder.forget(template)
+        raise LaunchFailed("the spawner's template process keeps dying (its output is on standard error)")
+
+    async def stop(self, process: AgentProcess, grace: float) -> None:
+        assert isinstance(process, SupervisedProcess)
+        await process.stop(grace)
+
+    def cpu_seconds(self) -> float:
+        """The template's own CPU seconds so far."""
+        template = self._holder.current
+        return template.cpu_seconds() if template is not None else 0.0

@@ -1,0 +1,351 @@
+"""The runner's side of a template process (:mod:`aglverl.runners._template`, run by the agent's Python):
+:class:`Template` starts one, asks it to fork attempts, and knows when it died; :class:`SupervisedProcess` is
+one attempt's process as its supervisor reports it.
+
+Protocol, over Unix sockets, newline-delimited JSON. The control socket (the template's fd, given on its command
+line): the template says ``{"ready": ...}`` (or ``{"error": ...}`` and exits); a fork request is a JSON object
+(``env``, ``cwd``, ``argv``, ``exec``, ``limits``, ``grace``) whose first byte carries three descriptors (the
+attempt's stdin, its output, the supervisor's end of the attempt's channel); the answer is ``{"forked": pid}``,
+``{"stale": path}`` (the agent's file changed: the template has exited), ``{"threads": n}`` (it runs threads: it
+must not fork) or ``{"error": ...}``. The attempt's channel: the supervisor says ``{"started": pid}`` or
+``{"failed": why}``, ``{"exited": {"code"|"signal": n}}``, ``{"done": {"cpu_s": x, ...}}``; the runner may
+send ``stop <grace>``. Closing the control socket ends the template; closing a channel ends its attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import orjson
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from .seam import AgentExit, Launch, LaunchFailed
+
+__all__ = [
+    "SOURCE",
+    "SupervisedProcess",
+    "Template",
+    "TemplateGone",
+    "TemplateHolder",
+    "TemplateStale",
+    "TemplateThreaded",
+    "fork_request",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The template's program: this package's ``_template.py``, given to the agent's Python with ``-c``.
+SOURCE = Path(__file__).with_name("_template.py").read_text(encoding="utf-8")
+#: How long a template may take to import its agent before it is given up (a model library can take a while).
+START_SECONDS = 300.0
+_LINE = 1 << 20
+
+
+class TemplateGone(Exception):
+    """The template died (or was never there); a new one may be started."""
+
+
+class TemplateStale(Exception):
+    """The agent's file changed since the template imported it; the template has exited."""
+
+
+class TemplateThreaded(Exception):
+    """The template runs threads (its imports started them): it must not fork."""
+
+
+async def _line(reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
+    """The next JSON line, or ``None`` once the other end is gone."""
+    try:
+        message = orjson.loads(await reader.receive_until(b"\n", _LINE))
+    except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        return None
+    except (anyio.DelimiterNotFound, orjson.JSONDecodeError):
+        logger.warning("a template or supervisor sent a line that is not JSON; treating it as gone")
+        return None
+    return message if isinstance(message, dict) else None
+
+
+class SupervisedProcess:
+    """One attempt's process, as its supervisor reports it on the attempt's channel (see the module docstring).
+    :meth:`wait` and :meth:`finished` read the channel; :meth:`stop` writes to it."""
+
+    def __init__(self, supervisor: int, channel: anyio.abc.UNIXSocketStream, name: str) -> None:
+        self.supervisor = supervisor
+        self.pid = 0
+        self.name = name
+        self.exit: AgentExit | None = None
+        self.cpu_seconds: float | None = None
+        self.strays = 0
+        #: The modules the agent imported that its template had not (a forked agent's, once it is done).
+        self.imported: list[str] = []
+        #: Called once no process of the attempt is left (a fork server learns what to import from it).
+        self.on_done: Callable[[SupervisedProcess], None] | None = None
+        self._channel = channel
+        self._reader = BufferedByteReceiveStream(channel)
+        self._done = False
+
+    async def started(self) -> None:
+        """The supervisor's first word: the agent runs (:attr:`pid` set), or :class:`LaunchFailed` saying why."""
+        message = await _line(self._reader)
+        if message is not None and "started" in message:
+            self.pid = int(message["started"])
+            return
+        await self.finished()
+        if message is None:
+            raise LaunchFailed(f"the supervisor of {self.name}'s process ended before it started")
+        raise LaunchFailed(str(message.get("failed") or message))
+
+    def _take(self, message: dict[str, Any] | None) -> None:
+        if message is None:
+            self._done = True
+        elif "exited" in message:
+            how = message["exited"]
+            self.exit = AgentExit(code=how.get("code"), signal=how.get("signal"))
+        elif "done" in message:
+            self._done = True
+            done = message["done"]
+            self.cpu_seconds = float(done.get("cpu_s") or 0.0)
+            self.strays = int(done.get("strays") or 0)
+            self.imported = [str(n) for n in done.get("imported") or ()]
+            left = int(done.get("left") or 0)
+            if left:
+                logger.warning("%d process(es) of %s could not be killed (uninterruptible)", left, self.name)
+            if self.on_done is not None:
+                self.on_done(self)
+
+    async def wait(self) -> AgentExit:
+        """Return once the agent's process exited (an empty :class:`AgentExit` if its supervisor vanished)."""
+        while self.exit is None and not self._done:
+            self._take(await _line(self._reader))
+        return self.exit or AgentExit()
+
+    async def finished(self) -> float | None:
+        """Return once no process of the attempt is left; the CPU seconds they used (their supervisor's too)."""
+        while not self._done:
+            self._take(await _line(self._reader))
+        await self._channel.aclose()
+        return self.cpu_seconds
+
+    async def stop(self, grace: float) -> None:
+        """Ask the supervisor to end the attempt's processes (``SIGTERM``, ``SIGKILL`` after ``grace``)."""
+        try:
+            await self._channel.send(f"stop {grace:.3f}\n".encode())
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # already gone
+
+
+def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """A fork request for ``launch``: exec its ``argv`` (``exec_``) or run the template's agent with ``argv``."""
+    return {
+        "env": dict(launch.env),
+        "cwd": launch.cwd,
+        "argv": list(argv if argv is not None else launch.argv),
+        "exec": exec_,
+        "limits": dict(launch.limits),
+        "grace": launch.grace,
+    }
+
+
+class Template:
+    """One template process: ``command`` (the Python and its flags), ``kind`` and ``spec`` (what it prepares),
+    started in ``cwd`` with ``env``; what it prints (an import's warnings) goes to this process's standard
+    error. :meth:`start` it in a task group (which watches it), :meth:`fork` attempts, :meth:`aclose` it."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        kind: str,
+        spec: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
+        name: str,
+    ) -> None:
+        self.command = list(command)
+        self.kind = kind
+        self.spec = list(spec)
+        self.env = dict(env)
+        self.cwd = cwd
+        self.name = name
+        self.pid: int | None = None
+        self.info: dict[str, Any] = {}
+        #: Modules imported by :meth:`preload` (beyond what the template's agent imports itself).
+        self.preloaded: set[str] = set()
+        self._process: anyio.abc.Process | None = None
+        self._control: anyio.abc.UNIXSocketStream | None = None
+        self._reader: BufferedByteReceiveStream | None = None
+        self._lock = anyio.Lock()
+        self._gone = anyio.Event()
+
+    @property
+    def alive(self) -> bool:
+        return self._control is not None and not self._gone.is_set()
+
+    async def start(self, tg: anyio.abc.TaskGroup) -> dict[str, Any]:
+        """Start the template and return its ``ready`` report; :class:`LaunchFailed` naming the agent and the
+        error (an import error's last lines) when it cannot prepare it. ``tg`` watches the process."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            argv = [*self.command, "-c", SOURCE, str(theirs.fileno()), self.kind, *self.spec]
+            try:
+                process = await anyio.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=self.env,
+                    cwd=self.cwd, pass_fds=[theirs.fileno()], start_new_session=True,
+                )
+            except OSError as exc:
+                ours.close()
+                raise LaunchFailed(f"cannot start {self.command[0]!r} for {self.name}: {exc.strerror or exc}") from None
+        finally:
+            theirs.close()
+        self._process, self.pid = process, process.pid
+        self._control = await anyio.abc.UNIXSocketStream.from_socket(ours)
+        self._reader = BufferedByteReceiveStream(self._control)
+        tg.start_soon(self._watch, process, name=f"template {self.name}")
+        with anyio.move_on_after(START_SECONDS):
+            ready = await _line(self._reader)
+            if ready is not None and "ready" in ready:
+                self.info = ready["ready"]
+                return self.info
+            await self.aclose()
+            if ready is None:
+                raise LaunchFailed(f"{self.name}: its template process ended before it was ready (its output is "
+                                   "on this process's standard error)")
+            raise LaunchFailed(f"{self.name} cannot be loaded: {ready.get('error')}\n{ready.get('traceback', '')}".rstrip())
+        await self.aclose()
+        raise LaunchFailed(f"{self.name}: its template did not load it within {START_SECONDS:g} s")
+
+    async def _watch(self, process: anyio.abc.Process) -> None:
+        try:
+            await process.wait()
+        finally:
+            self._gone.set()
+            if self._control is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._control.aclose()
+
+    async def fork(self, request: Mapping[str, Any], stdin: int, output: int, name: str) -> SupervisedProcess:
+        """Fork an attempt (its supervisor and process); returns it once its supervisor runs (not yet its agent:
+        :meth:`SupervisedProcess.started`). Raises :class:`TemplateGone`, :class:`TemplateStale`,
+        :class:`TemplateThreaded`, or :class:`LaunchFailed`."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            async with self._lock:
+                if not self.alive or self._control is None or self._reader is None:
+                    raise TemplateGone(self.name)
+                data = orjson.dumps(request) + b"\n"
+                try:
+                    await self._control.send_fds(data[:1], [stdin, output, theirs.fileno()])
+                    await self._control.send(data[1:])
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    raise TemplateGone(self.name) from None
+                answer = await _line(self._reader)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        if answer is None:
+            ours.close()
+            raise TemplateGone(self.name)
+        if "forked" in answer:
+            return SupervisedProcess(int(answer["forked"]), await anyio.abc.UNIXSocketStream.from_socket(ours), name)
+        ours.close()
+        if "stale" in answer:
+            raise TemplateStale(str(answer["stale"]))
+        if "threads" in answer:
+            raise TemplateThreaded(int(answer["threads"]))
+        raise LaunchFailed(f"{self.name}'s template refused a fork: {answer.get('error', answer)}")
+
+    async def preload(self, names: Sequence[str]) -> str | None:
+        """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once);
+        returns the module whose import left a thread running (the template has exited then), else ``None``.
+        Raises :class:`TemplateGone`."""
+        async with self._lock:
+            if not self.alive or self._control is None or self._reader is None:
+                raise TemplateGone(self.name)
+            try:
+                await self._control.send(orjson.dumps({"preload": list(names)}) + b"\n")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                raise TemplateGone(self.name) from None
+            answer = await _line(self._reader)
+        if answer is None:
+            raise TemplateGone(self.name)
+        if "module" in answer:
+            return str(answer["module"])
+        self.preloaded.update(names)
+        return None
+
+    def cpu_seconds(self) -> float:
+        """The template's own CPU seconds so far (0 once it has exited: the runner's children's time has it)."""
+        if self.pid is None or self._gone.is_set():
+            return 0.0
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
+    async def aclose(self) -> None:
+        """End the template: its control socket closed (it exits), then its process waited for (killed if it
+        has not exited within a few seconds). Attempts it forked run on under their supervisors."""
+        with anyio.CancelScope(shield=True):
+            if self._control is not None:
+                await self._control.aclose()
+            process = self._process
+            if process is None:
+                return
+            with anyio.move_on_after(5):
+                await process.wait()
+                return
+            try:
+                process.kill()
+            except ProcessLookupError:
+                pass
+            await process.wait()
+
+
+
+class TemplateHolder:
+    """One template kept running for a launcher: started on first use (or by :meth:`get` early), started again
+    when it died or went stale; at most one start at a time."""
+
+    def __init__(self, make: Callable[[], Template]) -> None:
+        self._make = make
+        self._template: Template | None = None
+        self._lock = anyio.Lock()
+        self.starts = 0
+
+    async def get(self, tg: anyio.abc.TaskGroup) -> Template:
+        """The running template (started now if there is none alive); :class:`LaunchFailed` if it cannot start."""
+        async with self._lock:
+            template = self._template
+            if template is None or not template.alive:
+                self._template = None
+                template = self._make()
+                self.starts += 1
+                await template.start(tg)
+                self._template = template
+            return template
+
+    def forget(self, template: Template) -> None:
+        """``template`` is gone (or stale): the next :meth:`get` starts another."""
+        if self._template is template:
+            self._template = None
+
+    @property
+    def current(self) -> Template | None:
+        return self._template
+
+    async def aclose(self) -> None:
+        template, self._template = self._template, None
+        if template is not None:
+            await template.aclose()

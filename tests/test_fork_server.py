@@ -1,0 +1,151 @@
+"""The fork server (issue 39): a Python agent imported once by a template process, each attempt a fork of it with
+its own process, group, environment, working directory, streams and limits; a template that dies is started
+again, a changed agent file is imported anew, an agent whose import starts a thread is spawned instead, and the
+option that turns it off spawns every attempt. Real processes against a real daemon on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from aglverl import AgentDaemon
+from aglverl.process_runner import ProcessOptions, ProcessRunner
+from aglverl.testing.mock_vllm import MockVLLM
+
+pytestmark = pytest.mark.anyio
+
+HELPERS = Path(__file__).parent / "helpers"
+
+
+@pytest.fixture
+def agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory on the agents' PYTHONPATH holding a copy of the probe agent (a test may change it), and the
+    helpers; imports are counted in ``tmp_path / "imports"``; the runner's environment has a secret."""
+    home = tmp_path / "agents"
+    home.mkdir()
+    (home / "probe_agent.py").write_text((HELPERS / "forked_agents.py").read_text())
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(home), str(HELPERS)]))
+    monkeypatch.setenv("IMPORT_LOG", str(tmp_path / "imports"))
+    monkeypatch.setenv("WANDB_API_KEY", "a-secret-of-the-runner")
+    return home
+
+
+@asynccontextmanager
+async def runner(tmp_path: Path, options: Mapping[str, Any]) -> AsyncIterator[tuple[AgentDaemon, ProcessRunner]]:
+    section = {"env_allow": ["PATH", "PYTHONPATH", "IMPORT_LOG"], **options}
+    async with MockVLLM(completion_tokens=4) as mock, AgentDaemon(backends=[mock.url], model="mock") as daemon:
+        run = ProcessRunner(daemon, ProcessOptions.from_mapping(section), concurrency=2, log_dir=tmp_path / "logs")
+        async with anyio.create_task_group() as tg:
+            await tg.start(run.serve)
+            yield daemon, run
+            tg.cancel_scope.cancel()
+
+
+async def attempt(daemon: AgentDaemon, tmp_path: Path, task: Any = None) -> tuple[Any, dict[str, Any]]:
+    """Run one rollout to its end; its record and what its agent printed."""
+    rollout_id = await daemon.queue_task(task if task is not None else {"n": 1})
+    with anyio.fail_after(60):
+        await daemon.store.wait_terminal([rollout_id])
+    record = daemon.store.record(rollout_id)
+    lines = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
+    return record, json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+
+def imports(tmp_path: Path) -> list[int]:
+    path = tmp_path / "imports"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+async def test_an_agent_class_is_imported_once_and_each_attempt_is_a_fork_of_its_own(
+    tmp_path: Path, agents: Path
+) -> None:
+    """One template imports the class's module (one import in all); each attempt is a process of its own (not
+    the template), leading its own process group in a session of its own, in the configured working
+    directory, with its input on stdin, the configured limits, and none of the runner's secrets. What an
+    attempt imported as it ran is imported by the template before later forks. A killed template is started
+    again; a changed agent file is imported anew, and its new code runs."""
+    work = tmp_path / "work"
+    work.mkdir()
+    options = {"agent_class": "probe_agent:Probe", "cwd": str(work), "limits": {"nofile": 256}}
+    async with runner(tmp_path, options) as (daemon, run):
+        fork_server: Any = run.launcher
+        template = fork_server._holder.current
+        seen = []
+        for n in range(3):
+            record, printed = await attempt(daemon, tmp_path, {"n": n})
+            assert record.state == "completed" and record.result.final_reward == 0.25
+            seen.append(printed)
+        assert imports(tmp_path) == [template.pid]  # imported once, by the template
+        for n, printed in enumerate(seen):
+            assert printed["pid"] != template.pid and printed["pgid"] == printed["pid"]
+            assert printed["sid"] not in (printed["pid"], os.getsid(0), template.pid)  # its supervisor's session
+            assert printed["cwd"] == str(work) and json.loads(printed["stdin"]) == {"n": n}
+            assert printed["nofile"] == [256, 256] and printed["secret"] is None
+            assert printed["argv"] == ["-c", "probe_agent:Probe"]
+        assert len({p["pid"] for p in seen}) == 3
+        assert [p["lazy_was_imported"] for p in seen] == [False, True, True]  # learned from the first attempt
+        assert "json.tool" in fork_server.learned
+
+        os.kill(template.pid, signal.SIGKILL)
+        with anyio.fail_after(20):
+            await template._gone.wait()
+        record, printed = await attempt(daemon, tmp_path)
+        assert record.state == "completed" and fork_server.starts == 2
+        assert len(imports(tmp_path)) == 2 and printed["lazy_was_imported"]  # the new one preloaded it too
+
+        source = agents / "probe_agent.py"
+        source.write_text(source.read_text().replace("REWARD = 0.25", "REWARD = 0.75"))
+        stamp = source.stat()
+        os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))  # a new mtime, whatever the clock
+        record, _ = await attempt(daemon, tmp_path)
+        assert record.result.final_reward == 0.75 and fork_server.starts == 3 and len(imports(tmp_path)) == 3
+
+
+async def test_a_python_script_command_is_forked_too(tmp_path: Path, agents: Path) -> None:
+    """``python script.py args``: the template imports what the script imports at its top level; each attempt
+    runs the script as ``__main__`` with its arguments in a fork."""
+    script = agents / "script_agent.py"
+    script.write_text(
+        "import json, os, sys\nimport probe_agent\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv, 'pid': os.getpid()}), flush=True)\n"
+        "    open(os.environ['AGL_REWARD_FILE'], 'w').write(str(probe_agent.REWARD))\n"
+    )
+    import sys
+
+    async with runner(tmp_path, {"command": [sys.executable, "-u", str(script), "--flag"]}) as (daemon, run):
+        results = [await attempt(daemon, tmp_path) for _ in range(2)]
+        fork_server: Any = run.launcher
+        assert fork_server.off is None and fork_server.starts == 1
+        template_pid = fork_server._holder.current.pid
+    assert [r.result.final_reward for r, _ in results] == [0.25, 0.25]
+    assert all(p["argv"] == [str(script), "--flag"] for _, p in results)
+    assert imports(tmp_path) == [template_pid]  # probe_agent imported by the template alone
+
+
+async def test_an_agent_whose_import_starts_a_thread_is_spawned_and_the_option_turns_forking_off(
+    tmp_path: Path, agents: Path
+) -> None:
+    """Nothing runs threads in a template that forks: an agent module that starts one at import is run by a new
+    Python per attempt (the template says why, and is gone). ``fork_server: false`` spawns every attempt."""
+    async with runner(tmp_path, {"agent_class": "threaded_agent:ThreadedAtImport"}) as (daemon, run):
+        records = [(await attempt(daemon, tmp_path))[0] for _ in range(2)]
+        fork_server: Any = run.launcher
+        assert fork_server.off is not None and "started 1 thread(s)" in fork_server.off
+    assert all(r.state == "completed" and r.result.final_reward == 2.0 for r in records)
+    assert len(imports(tmp_path)) == 3  # the template's import, then one per attempt
+
+    (tmp_path / "imports").unlink()
+    async with runner(tmp_path, {"agent_class": "probe_agent:Probe", "fork_server": False}) as (daemon, run):
+        printed = [(await attempt(daemon, tmp_path))[1] for _ in range(2)]
+        assert type(run.launcher).__name__ == "Spawner"
+    assert imports(tmp_path) == [p["pid"] for p in printed]  # each attempt imported it itself
+    assert all(not p["lazy_was_imported"] for p in printed)
