@@ -251,8 +251,7 @@ def cli() -> None:
     if needs_agl and not Path(args.agl_python).exists():
         parser.exit(2, f"no Agent Lightning venv at {args.agl_python}: run `make venv-agl` (or pass --agl-python)\n")
     if args.against is not None and not (args.against / "aglverl" / "__init__.py").is_file():
-        parser.exit(2, f"--against {args.against}: no aglverl package in it
-")
+        parser.exit(2, f"--against {args.against}: no aglverl package in it\n")
     run_loop(main, args)
 
 

@@ -125,7 +125,7 @@ class DequeueBell:
                 return rollout
             try:
                 await asyncio.wait_for(future, remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 with self._lock:
