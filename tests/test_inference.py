@@ -745,9 +745,14 @@ async def test_a_client_that_goes_away_frees_its_batch_row(
 # ---------------------------------------------------------------------------------------------- abort and resume
 @pytest.fixture
 async def paired(tiny_model: Path) -> AsyncIterator[InferenceServer]:
-    """A server whose engine waits (up to a minute) for a second sequence before it starts a batch: two
-    requests of one sequence each, or one request with ``n=2``, are admitted together. A streamed partner
-    then tells when its companion is running: when the stream's first chunk arrives."""
+    """A server whose idle engine waits (up to a minute) for a second sequence before it starts a batch: two
+    requests of one sequence each, or one request with ``n=2``, that reach it idle are admitted together. A
+    streamed partner then tells when its companion is running: when the stream's first chunk arrives.
+
+    Idle means between runs, which the answers of earlier requests do not tell: an answer goes out with its
+    last token, before its run ends, and a request arriving meanwhile joins that run at its next step
+    without waiting for company. A pair comes first, or after a call that returns with the engine between
+    runs (:meth:`InferenceServer.load_weights`)."""
     async with InferenceServer(tiny_model, served_model_name="tiny", max_batch_size=2, batch_wait=60) as s:
         yield s
 
@@ -758,40 +763,46 @@ def _stream_ids(events: list[Any]) -> tuple[list[int], Any]:
     return [t for c in chunks for t in c["token_ids"]], chunks[-1]
 
 
+def _seeded(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """Sampling with a seed: reproducible, and unlike the tiny model's greedy answer (one token over and over)
+    its ids vary, so a prefix check sees an id lost or shifted."""
+    return _greedy(max_tokens=max_tokens, temperature=1.0, seed=7, **extra)
+
+
 async def test_abort_ends_running_generations_with_the_ids_generated_so_far(
     paired: InferenceServer, http: aiohttp.ClientSession
 ) -> None:
     url = paired.url + "/v1/completions"
-    _, reference = await _post(http, url, _greedy(max_tokens=300, n=2))
-    full = reference["choices"][0]["token_ids"]
     plain: list[Any] = []
 
     async def ask() -> None:
-        plain.append(await _post(http, url, _greedy(max_tokens=1000, request_id="plain")))
+        plain.append(await _post(http, url, _seeded(1000, request_id="plain")))
 
-    with anyio.fail_after(60):
+    with anyio.fail_after(60):  # the pair is the server's first work: the idle engine admits the two together
         async with anyio.create_task_group() as tg:
             tg.start_soon(ask)
-            async with http.post(url, json=_greedy(max_tokens=1000, stream=True, request_id="streamed")) as resp:
-                await resp.content.readuntil(b"\n\n")  # both run: they were admitted together
+            async with http.post(url, json=_seeded(1000, stream=True, request_id="streamed")) as resp:
+                first = await resp.content.readuntil(b"\n\n")  # both run: each has its first token
                 ended = await anyio.to_thread.run_sync(paired.abort)
-                events = _events(await resp.read())
+                events = _events(first + await resp.read())
     assert sorted(ended) == ["cmpl-plain", "cmpl-streamed"]
+    assert paired.paused and paired.stats().aborted_sequences == 2
     status, body = plain[0]
     choice = body["choices"][0]
     assert status == 200 and body["id"] == "cmpl-plain"
-    assert choice["finish_reason"] == "abort" and choice["stop_reason"] is None
-    assert 1 <= len(choice["token_ids"]) < 300  # cut mid-way: the ids so far, which resume the greedy answer
-    assert choice["token_ids"] == full[: len(choice["token_ids"])]
-    assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
-    assert choice["text"] == paired.tokenizer.decode(choice["token_ids"])
+    assert choice["finish_reason"] == "abort" and choice["stop_reason"] is None  # cut before its 1000 tokens
     ids, last = _stream_ids(events)
     assert events[-1] == "[DONE]" and last["finish_reason"] == "abort"
-    assert 1 <= len(ids) < 300 and ids == full[: len(ids)]
-    assert paired.paused and paired.stats().aborted_sequences == 2
     paired.resume()
-    _, after = await _post(http, url, _greedy(max_tokens=3, n=2))
-    assert [c["finish_reason"] for c in after["choices"]] == ["length", "length"]
+    # The ids so far resume the whole answer: the same request generated again after resume starts with them
+    # (its choice 0 draws from the seed's stream; n=2 is the company the fixture's engine waits for).
+    _, again = await _post(http, url, _seeded(max(len(ids), len(choice["token_ids"])), n=2))
+    whole, so_far = again["choices"][0], choice["token_ids"]
+    assert [c["finish_reason"] for c in again["choices"]] == ["length", "length"]
+    assert 1 <= len(so_far) and so_far == whole["token_ids"][: len(so_far)]
+    assert len(choice["logprobs"]["token_logprobs"]) == len(so_far)
+    assert choice["text"] == paired.tokenizer.decode(so_far, skip_special_tokens=True)
+    assert 1 <= len(ids) and ids == whole["token_ids"][: len(ids)]
 
 
 async def test_abort_with_reject_answers_new_requests_at_once_until_resume(
@@ -867,11 +878,11 @@ async def test_answers_carry_the_weight_version_their_tokens_came_from(
 ) -> None:
     url = paired.url + "/v1/completions"
     weights = _scaled(paired, 1.0)
-    paired.load_weights(weights, 3)
     for stream in (False, True):
         async with http.post(url, json=_greedy(max_tokens=3, n=2, stream=stream)) as resp:
-            assert resp.headers["X-Weight-Version"] == "3"
+            assert resp.headers["X-Weight-Version"] == "0"
             await resp.read()
+    paired.load_weights(weights, 3)  # returns between runs: the pair below reaches an idle engine
     plain: list[Any] = []
 
     async def ask() -> None:
