@@ -19,6 +19,7 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples
+	$(BIN)/ruff format --check aglverl tests benchmarks examples
 	$(BIN)/pytest -q -m "not agl and not agl03"
 
 # The vLLM tier: a second venv with the third-party CPU build of vLLM (verl's `rollout.name: vllm` path run
@@ -132,6 +133,7 @@ bench-quick: venv
 
 lint: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples
+	$(BIN)/ruff format --check aglverl tests benchmarks examples
 	$(BIN)/mypy aglverl
 
 clean:

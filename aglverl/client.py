@@ -287,7 +287,9 @@ class _Reachability:
     def answered(self) -> None:
         if self.down_since is not None:
             logger.warning(
-                "task server %s reachable again after %.1f s", self.url, anyio.current_time() - self.down_since
+                "task server %s reachable again after %.1f s",
+                self.url,
+                anyio.current_time() - self.down_since,
             )
             self.down_since = None
 

@@ -114,7 +114,9 @@ class DaemonConfig:
         if self.max_failed_groups < 0:
             raise ValueError(f"max_failed_groups must be >= 0, got {self.max_failed_groups!r}")
         refuse_open_address(
-            self.host, self.token, allow_unauthenticated=self.allow_unauthenticated,
+            self.host,
+            self.token,
+            allow_unauthenticated=self.allow_unauthenticated,
             keys="AgentDaemon(allow_unauthenticated=True), aglverl.allow_unauthenticated: true, or "
             "aglverl serve --allow-unauthenticated",
         )
@@ -124,7 +126,9 @@ class DaemonConfig:
         assign(self, "sampling_parameters", MappingProxyType(dict(self.sampling_parameters)))
         proxy = self.proxy
         if self.token is not None and proxy.token not in (None, self.token):
-            raise ValueError("DaemonConfig.token and DaemonConfig.proxy.token differ: the daemon has one token")
+            raise ValueError(
+                "DaemonConfig.token and DaemonConfig.proxy.token differ: the daemon has one token"
+            )
         if self.token is not None and proxy.token is None:
             proxy = dataclasses.replace(proxy, token=self.token)
         if self.signal.request_logprobs and not proxy.request_logprobs:
@@ -484,7 +488,11 @@ class AgentDaemon:
             }
             if changed:
                 self.store.replace_resources(update.resources_id, {**update.resources, **changed})
-                logger.info("resources %s recovered from the journal now use the proxy at %s", update.resources_id, live)
+                logger.info(
+                    "resources %s recovered from the journal now use the proxy at %s",
+                    update.resources_id,
+                    live,
+                )
 
     def _proxy_url_for_journal(self) -> str | None:
         """The proxy URL resources recorded in the journal name: this one's once serving, else the last run's."""
@@ -681,4 +689,3 @@ class AgentDaemon:
     async def retrieve_completed_rollouts(self) -> list[Rollout]:
         """Every finished rollout queued with :meth:`queue_task`, removed from the daemon."""
         return self.store.pop_all_finished()
-

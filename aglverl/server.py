@@ -412,7 +412,8 @@ class TaskServer:
     async def post_tasks(self, request: Request) -> Response:
         if not self.accept_tasks:
             raise _HttpError(
-                403, "this task server does not take tasks over HTTP: its trainer queues them (`aglverl serve` does)"
+                403,
+                "this task server does not take tasks over HTTP: its trainer queues them (`aglverl serve` does)",
             )
         data = await self._read_json(request)
         try:

@@ -63,6 +63,8 @@ def run_loop(func: Callable[..., Awaitable[T]], *args: Any, loop: str | None = N
     """``anyio.run(func, *args)`` on the loop :func:`loop_name` picks."""
     options = {"use_uvloop": True} if loop_name(loop) == "uvloop" else {}
     return anyio.run(func, *args, backend_options=options)
+
+
 #: Longest JSON line a child may write.
 MAX_LINE = 64 << 20
 #: How long a child gets to exit after its stdin closed, before it is terminated (then killed).

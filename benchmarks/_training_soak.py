@@ -105,7 +105,14 @@ async def run_trainer(cfg: dict[str, Any]) -> None:
             dispatch(prompts, **kwargs)
             for prompt in prompts:
                 if prompt.partition == "train":
-                    log("groups", {"run": run, "uid": prompt.uid, "rollout_ids": producer._groups[prompt.uid].rollout_ids})
+                    log(
+                        "groups",
+                        {
+                            "run": run,
+                            "uid": prompt.uid,
+                            "rollout_ids": producer._groups[prompt.uid].rollout_ids,
+                        },
+                    )
 
         producer.dispatch = logged_dispatch
         take_stats = producer.take_stats
@@ -203,7 +210,11 @@ async def training_soak(args: argparse.Namespace) -> dict[str, Any]:
                             steps.append(line)
                             info["steps"] += 1
                             progress = f"run {run} step {line['step']}: rss {line['rss_kib'] // 1024} MB"
-                            print(f"[soak] {progress}, journal {line['journal_bytes']} B", file=sys.stderr, flush=True)
+                            print(
+                                f"[soak] {progress}, journal {line['journal_bytes']} B",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                             took = line["t"] - last if last is not None else 2.0
                             last = line["t"]
                             # every kill_every steps this run trained (the step numbers repeat after a resume)
@@ -281,7 +292,9 @@ def summarize(
     # a trained group no run dispatched (e.g. verl's padding taken for a group): the figures above would not see it
     undispatched = sorted({uid for row in lineage.values() for uid in row["uids"] if uid not in groups})
     lost = max(0, unanswered - failed)  # a trained group's rollout neither answered nor failed
-    duplicated = sum(c - 1 for c in in_groups.values() if c > 1) + sum(c - 1 for c in samples.values() if c > 1)
+    duplicated = sum(c - 1 for c in in_groups.values() if c > 1) + sum(
+        c - 1 for c in samples.values() if c > 1
+    )
     per_run = []
     for info in runs:
         mine = [s for s in steps if s["run"] == info["run"]]
@@ -289,9 +302,13 @@ def summarize(
             {
                 **info,
                 "rss_mb_max": round(max((s["rss_kib"] for s in mine), default=0) / 1024, 1),
-                "rss_mb_slope_per_step_2nd_half": round(_slope_per_step([s["rss_kib"] / 1024 for s in mine]), 3),
+                "rss_mb_slope_per_step_2nd_half": round(
+                    _slope_per_step([s["rss_kib"] / 1024 for s in mine]), 3
+                ),
                 "journal_bytes_max": max((s["journal_bytes"] for s in mine), default=0),
-                "journal_bytes_slope_per_step_2nd_half": round(_slope_per_step([float(s["journal_bytes"]) for s in mine]), 1),
+                "journal_bytes_slope_per_step_2nd_half": round(
+                    _slope_per_step([float(s["journal_bytes"]) for s in mine]), 1
+                ),
             }
         )
     missing = [s for s in range(1, args.steps + 1) if s not in lineage]
@@ -313,17 +330,25 @@ def summarize(
         "runs": per_run,
         "journal_bytes_per_step": [s["journal_bytes"] for s in steps],
         "rss_mb_per_step": [round(s["rss_kib"] / 1024, 1) for s in steps],
-        "ok": finished and lost == 0 and duplicated == 0 and not undispatched and len(missing) <= len(runs) - 1,
+        "ok": finished
+        and lost == 0
+        and duplicated == 0
+        and not undispatched
+        and len(missing) <= len(runs) - 1,
     }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="training steps (the final lineage's)")
-    p.add_argument("--kill-every", type=int, default=50, help="SIGKILL the trainer in the step after its k-th")
+    p.add_argument(
+        "--kill-every", type=int, default=50, help="SIGKILL the trainer in the step after its k-th"
+    )
     p.add_argument("--save-freq", type=int, default=10, help="verl's trainer.save_freq")
     p.add_argument("--mode", default="colocate_async", choices=["sync", "colocate_async", "separate_async"])
     p.add_argument("--fail-rate", type=float, default=0.10, help="fraction of agent attempts that raise")
-    p.add_argument("--hang-rate", type=float, default=0.02, help="fraction of attempts that hang past their lease")
+    p.add_argument(
+        "--hang-rate", type=float, default=0.02, help="fraction of attempts that hang past their lease"
+    )
     p.add_argument("--training-lease-seconds", dest="lease_seconds", type=float, default=5.0)
     p.add_argument("--dir", default="/tmp/aglverl-training-soak", help="checkpoints, journal and logs")
 

@@ -35,9 +35,21 @@ BIN = Path(sys.executable).parent
 def _runs(steps: int, out: Path) -> dict[str, list[str]]:
     return {
         "demo": [str(BIN / "aglverl"), "demo", "--steps", str(steps), "--out", str(out / "demo")],
-        "agl_agent": [sys.executable, str(ROOT / "examples" / "agl_agent.py"), "--steps", str(steps), "--out", str(out / "agl_agent")],
+        "agl_agent": [
+            sys.executable,
+            str(ROOT / "examples" / "agl_agent.py"),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out / "agl_agent"),
+        ],
         "command_agent": [
-            sys.executable, str(ROOT / "examples" / "command_agent.py"), "--steps", str(steps), "--out", str(out / "command_agent"),
+            sys.executable,
+            str(ROOT / "examples" / "command_agent.py"),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out / "command_agent"),
         ],
     }
 
@@ -65,11 +77,18 @@ def one_run(name: str, command: list[str], out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
-    result: dict[str, Any] = {"machine": machine_info(), "command": " ".join(sys.argv), "steps": args.steps, "rounds": []}
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "command": " ".join(sys.argv),
+        "steps": args.steps,
+        "rounds": [],
+    }
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="aglverl-examples-") as tmp:
             out = Path(tmp)

@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm's price list from the package, no network
+os.environ.setdefault(
+    "LITELLM_LOCAL_MODEL_COST_MAP", "True"
+)  # litellm's price list from the package, no network
 
 import agentlightning as agl
 import anyio
@@ -68,7 +70,9 @@ def reward(answer: str, word: str) -> float:
 @agl.rollout
 def agl_agent(task: dict, llm: agl.LLM) -> float:
     client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key or "unused", max_retries=0)
-    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["prompt"]}])
+    reply = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["prompt"]}]
+    )
     return reward(reply.choices[0].message.content or "", task["word"])
 
 
@@ -100,9 +104,13 @@ async def _steps(daemon: AgentDaemon, args: argparse.Namespace) -> list[dict[str
         wall = time.perf_counter() - started
         records = [daemon.store.record(r) for r in ids]
         firsts = [
-            min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time for r in records if r.calls
+            min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time
+            for r in records
+            if r.calls
         ]
-        steps.append({"wall_s": wall, "firsts": firsts, "completed": sum(r.state == "completed" for r in records)})
+        steps.append(
+            {"wall_s": wall, "firsts": firsts, "completed": sum(r.state == "completed" for r in records)}
+        )
     return steps
 
 
@@ -123,9 +131,11 @@ class BenchAlgorithm(agl.Algorithm):
         if bell is not None:
             bell.install(store)
         try:
-            async with MockVLLM(completion_tokens=4, latency=self.args.latency) as mock, AgentDaemon(
-                backends=[mock.url], model="mock", max_attempts=1
-            ) as daemon, anyio.create_task_group() as tg:
+            async with (
+                MockVLLM(completion_tokens=4, latency=self.args.latency) as mock,
+                AgentDaemon(backends=[mock.url], model="mock", max_attempts=1) as daemon,
+                anyio.create_task_group() as tg,
+            ):
                 bridge = LightningStoreBridge(daemon, store, concurrency=self.args.rollouts, bell=bell)
                 await tg.start(bridge.serve)
                 self.steps = await _steps(daemon, self.args)
@@ -141,7 +151,9 @@ def run_agl_trainer(args: argparse.Namespace, long_poll: bool) -> dict[str, Any]
     own, children, started = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
     agl.Trainer(algorithm=algorithm, n_runners=args.runners).fit(agl_agent, train_dataset=[TASK])
     total = time.perf_counter() - started
-    out = _figures(algorithm.steps, args, _cpu(resource.RUSAGE_SELF) - own, _cpu(resource.RUSAGE_CHILDREN) - children)
+    out = _figures(
+        algorithm.steps, args, _cpu(resource.RUSAGE_SELF) - own, _cpu(resource.RUSAGE_CHILDREN) - children
+    )
     out["fit_total_s"] = round(total, 2)
     out["dequeues_woken_by_the_bell"] = algorithm.woken if long_poll else None
     return out
@@ -149,10 +161,14 @@ def run_agl_trainer(args: argparse.Namespace, long_poll: bool) -> dict[str, Any]
 
 async def run_asyncverl_agent(args: argparse.Namespace) -> dict[str, Any]:
     own = _cpu(resource.RUSAGE_SELF)
-    async with MockVLLM(completion_tokens=4, latency=args.latency) as mock, AgentDaemon(
-        backends=[mock.url], model="mock", max_attempts=1
-    ) as daemon, anyio.create_task_group() as tg:
-        tg.start_soon(functools.partial(run_agents, daemon.server_url, aglverl_agent, concurrency=args.runners))
+    async with (
+        MockVLLM(completion_tokens=4, latency=args.latency) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", max_attempts=1) as daemon,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(
+            functools.partial(run_agents, daemon.server_url, aglverl_agent, concurrency=args.runners)
+        )
         steps = await _steps(daemon, args)
         tg.cancel_scope.cancel()
     return _figures(steps, args, _cpu(resource.RUSAGE_SELF) - own, 0.0)
@@ -161,13 +177,17 @@ async def run_asyncverl_agent(args: argparse.Namespace) -> dict[str, Any]:
 async def run_agl10_class(args: argparse.Namespace) -> dict[str, Any]:
     agent_class = "agl_agent:OneWordAgent"
     settings = AgentLightningSettings(
-        rollout_config=RolloutConfig(timeout_seconds=600, local=RolloutLocalConfig(agent_class=agent_class, env_map=ENV_MAP))
+        rollout_config=RolloutConfig(
+            timeout_seconds=600, local=RolloutLocalConfig(agent_class=agent_class, env_map=ENV_MAP)
+        )
     )
     options = ProcessOptions.from_mapping({"agent_class": agent_class, "env_map": ENV_MAP})
     own, children = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
-    async with MockVLLM(completion_tokens=4, latency=args.latency) as mock, AgentDaemon(
-        backends=[mock.url], model="mock", agent_lightning=settings, max_attempts=1
-    ) as daemon, anyio.create_task_group() as tg:
+    async with (
+        MockVLLM(completion_tokens=4, latency=args.latency) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", agent_lightning=settings, max_attempts=1) as daemon,
+        anyio.create_task_group() as tg,
+    ):
         runner = ProcessRunner(daemon, options, concurrency=args.runners, log_dir=args.logs)
         await tg.start(runner.serve)
         steps = await _steps(daemon, args)
@@ -175,7 +195,9 @@ async def run_agl10_class(args: argparse.Namespace) -> dict[str, Any]:
     return _figures(steps, args, _cpu(resource.RUSAGE_SELF) - own, _cpu(resource.RUSAGE_CHILDREN) - children)
 
 
-def _figures(steps: list[dict[str, Any]], args: argparse.Namespace, own: float, children: float) -> dict[str, Any]:
+def _figures(
+    steps: list[dict[str, Any]], args: argparse.Namespace, own: float, children: float
+) -> dict[str, Any]:
     n = sum(len(s["firsts"]) for s in steps)
     first, later = steps[0], steps[1:]
 
@@ -188,32 +210,48 @@ def _figures(steps: list[dict[str, Any]], args: argparse.Namespace, own: float, 
 
     return {
         "step_wall_s": [round(s["wall_s"], 3) for s in steps],
-        "later_step_wall_s_median": round(statistics.median(s["wall_s"] for s in later), 3) if later else None,
-        "rollouts_per_s_later_steps": round(args.rollouts / statistics.median(s["wall_s"] for s in later), 2) if later else None,
+        "later_step_wall_s_median": round(statistics.median(s["wall_s"] for s in later), 3)
+        if later
+        else None,
+        "rollouts_per_s_later_steps": round(args.rollouts / statistics.median(s["wall_s"] for s in later), 2)
+        if later
+        else None,
         "queued_to_first_call_s": {
             "first_step": spread(first["firsts"]),
             "later_steps": spread([f for s in later for f in s["firsts"]]),
         },
         "completed": sum(s["completed"] for s in steps),
         "rollouts": args.steps * args.rollouts,
-        "cpu_s_per_rollout": {"this_process": round(own / max(n, 1), 4), "children": round(children / max(n, 1), 4)},
+        "cpu_s_per_rollout": {
+            "this_process": round(own / max(n, 1), 4),
+            "children": round(children / max(n, 1), 4),
+        },
     }
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rollouts", type=int, default=32, help="rollouts queued at once per step")
     parser.add_argument("--runners", type=int, default=8, help="runners / agent loops / agent processes")
     parser.add_argument("--update", type=float, default=2.0, help="seconds between steps with nothing queued")
     parser.add_argument("--latency", type=float, default=0.05, help="the mock backend's seconds per call")
     parser.add_argument("--deadline", type=float, default=600.0)
-    parser.add_argument("--systems", default="agl_trainer_verl,agl_trainer_verl_polling,asyncverl_agent,agl10_class")
+    parser.add_argument(
+        "--systems", default="agl_trainer_verl,agl_trainer_verl_polling,asyncverl_agent,agl10_class"
+    )
     parser.add_argument("--logs", type=Path, default=Path("/tmp/aglverl-bench-agl03-logs"))
     args = parser.parse_args()
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), str(HERE), os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(EXAMPLES), str(HERE), os.environ.get("PYTHONPATH")) if p
+    )
     sys.path.insert(0, str(EXAMPLES))
-    result: dict[str, Any] = {"machine": machine_info(), **{k: v for k, v in vars(args).items() if k != "logs"}}
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        **{k: v for k, v in vars(args).items() if k != "logs"},
+    }
     for system in args.systems.split(","):
         if system == "agl_trainer_verl":
             result[system] = run_agl_trainer(args, long_poll=True)
@@ -227,8 +265,15 @@ def cli() -> None:
             parser.exit(2, f"unknown system {system!r}\n")
         print(json.dumps({system: result[system]}), file=sys.stderr, flush=True)  # each system as it ends
     polled, long_polled = result.get("agl_trainer_verl_polling"), result.get("agl_trainer_verl")
-    if polled and long_polled and polled["later_step_wall_s_median"] and long_polled["later_step_wall_s_median"]:
-        result["idle_sleep_cost_s"] = round(polled["later_step_wall_s_median"] - long_polled["later_step_wall_s_median"], 3)
+    if (
+        polled
+        and long_polled
+        and polled["later_step_wall_s_median"]
+        and long_polled["later_step_wall_s_median"]
+    ):
+        result["idle_sleep_cost_s"] = round(
+            polled["later_step_wall_s_median"] - long_polled["later_step_wall_s_median"], 3
+        )
     result["machine_after"] = machine_info()["loadavg_1_5_15"]
     emit(result)
 

@@ -207,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--against", metavar="DIR", help="also time the build_batch of the aglverl in DIR")
     parser.add_argument(
-        "--quick", action="store_true", help="64 triplets, short rows, one repeat; the target not judged (a smoke run)"
+        "--quick",
+        action="store_true",
+        help="64 triplets, short rows, one repeat; the target not judged (a smoke run)",
     )
     args = parser.parse_args(argv)
     if args.quick:

@@ -67,7 +67,12 @@ def tiny_weights() -> list[tuple[str, torch.Tensor]]:
 def synthetic_weights(total_bytes: int, hidden: int = 1024) -> list[tuple[str, torch.Tensor]]:
     """About ``total_bytes`` of fp32 tensors in a transformer's shapes (layers until the budget is spent)."""
     wide = hidden * 8 // 3
-    layer = [("q", (hidden, hidden)), ("k", (hidden, hidden)), ("v", (hidden, hidden)), ("o", (hidden, hidden))]
+    layer = [
+        ("q", (hidden, hidden)),
+        ("k", (hidden, hidden)),
+        ("v", (hidden, hidden)),
+        ("o", (hidden, hidden)),
+    ]
     layer += [("gate", (wide, hidden)), ("up", (wide, hidden)), ("down", (hidden, wide))]
     layer += [("input_norm", (hidden,)), ("post_norm", (hidden,))]
     per_layer = sum(torch.Size(shape).numel() * 4 for _, shape in layer)
@@ -98,7 +103,10 @@ class Trainer:
 
     def load(self, size: str) -> dict[str, int]:
         self.weights = weight_set(size)
-        return {"bytes": sum(t.numel() * t.element_size() for _, t in self.weights), "tensors": len(self.weights)}
+        return {
+            "bytes": sum(t.numel() * t.element_size() for _, t in self.weights),
+            "tensors": len(self.weights),
+        }
 
     def layout(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return [(name, t.dtype, tuple(t.shape)) for name, t in self.weights]
@@ -247,15 +255,25 @@ def measure(transport: str, trainer: Any, rollout: Any, repeats: int) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", nargs="+", choices=SIZES, default=list(SIZES))
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
-    parser.add_argument("--repeats", type=int, default=5, help="timed syncs per transport and size (default 5)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed syncs per transport and size (default 5)"
+    )
     args = parser.parse_args()
 
     loopback_only_ray()
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
     results: dict[str, Any] = {"sizes": {}, "seconds_per_sync": {t: {} for t in args.transports}}
     try:
         for size in args.sizes:

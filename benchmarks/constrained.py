@@ -26,7 +26,10 @@ TOOLS = [
             "name": "get_weather",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
                 "required": ["city", "days"],
             },
         },
@@ -34,7 +37,9 @@ TOOLS = [
 ]
 
 
-async def _run(server: InferenceServer, prompt: list[int], requests: int, constrained: bool) -> dict[str, float]:
+async def _run(
+    server: InferenceServer, prompt: list[int], requests: int, constrained: bool
+) -> dict[str, float]:
     structured = {"structural_tag": hermes_structural_tag(TOOLS, "required")} if constrained else None
     before = server.engine.stats.generated_tokens, server.engine.stats.busy_seconds
     compile_seconds = 0.0
@@ -58,7 +63,9 @@ async def _run(server: InferenceServer, prompt: list[int], requests: int, constr
 
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=None)
     seqs = [
-        GenSequence(prompt, params, loop=loop, notify=notify, constraint=constraints[i] if constraints else None)
+        GenSequence(
+            prompt, params, loop=loop, notify=notify, constraint=constraints[i] if constraints else None
+        )
         for i in range(requests)
     ]
     started = time.perf_counter()
@@ -82,8 +89,19 @@ async def main(requests: int) -> None:
         plain = await _run(server, prompt, requests, False)
         constrained = await _run(server, prompt, requests, True)
     ratio = constrained["busy_seconds_per_token"] / plain["busy_seconds_per_token"]
-    print(json.dumps({"requests": requests, "batch": requests, "library": "llguidance", "unconstrained": plain,
-                      "constrained": constrained, "cost_ratio_per_token": ratio}, indent=1))
+    print(
+        json.dumps(
+            {
+                "requests": requests,
+                "batch": requests,
+                "library": "llguidance",
+                "unconstrained": plain,
+                "constrained": constrained,
+                "cost_ratio_per_token": ratio,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1216,7 +1216,11 @@ def main() -> None:
     add("--deadline", type=float, default=120.0, help="cap on one step, seconds")
     add("--point-cap", type=float, default=90.0, help="sweep: cap on one step, seconds")
     add("--write-results", action="store_true", help="sweep: put the table into RESULTS.md")
-    add("--quick", action="store_true", help="N=32, M=8, 10 ms, one measured step, no waiting for quiet (a smoke run)")
+    add(
+        "--quick",
+        action="store_true",
+        help="N=32, M=8, 10 ms, one measured step, no waiting for quiet (a smoke run)",
+    )
     add("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:

@@ -43,7 +43,17 @@ def run_demo(version: str, against: str, steps: int, out: Path) -> dict[str, Any
     if version == "against":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (against, env.get("PYTHONPATH", "")) if p)
         cwd = out.parent  # not this tree, whose aglverl would be found first from the working directory
-    command = [sys.executable, "-m", "aglverl.cli", "demo", "--out", str(out), "--steps", str(steps), "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "aglverl.cli",
+        "demo",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--json",
+    ]
     start = time.monotonic()
     done = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     result: dict[str, Any] = {"version": version, "wall_s": round(time.monotonic() - start, 1)}
@@ -61,8 +71,12 @@ def run_demo(version: str, against: str, steps: int, out: Path) -> dict[str, Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", required=True, metavar="DIR", help="a directory holding another aglverl/")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--against", required=True, metavar="DIR", help="a directory holding another aglverl/"
+    )
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args(argv)

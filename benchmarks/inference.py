@@ -155,7 +155,9 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--batch-wait-ms", type=float, default=2.0)
     parser.add_argument("--torch-threads", type=int, default=None)
-    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 2, one request, 8 tokens (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="concurrency 1 and 2, one request, 8 tokens (a smoke run)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.requests, args.max_tokens, args.repeats = [1, 2], 1, 8, 1

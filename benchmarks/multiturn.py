@@ -492,34 +492,45 @@ def main() -> None:
     parser.add_argument("--proxy-turns", type=int, nargs="+", default=[2, 8, 32])
     parser.add_argument("--conversations", type=int, default=16, help="conversations per T in the proxy part")
     parser.add_argument(
-        "--repeats", type=int, default=20, help="rounds: timed sends of each conversation's last call per mode"
+        "--repeats",
+        type=int,
+        default=20,
+        help="rounds: timed sends of each conversation's last call per mode",
     )
     parser.add_argument(
-        "--against", default=None, help="a directory holding an older aglverl (git archive REV aglverl): its token-in too"
+        "--against",
+        default=None,
+        help="a directory holding an older aglverl (git archive REV aglverl): its token-in too",
     )
     parser.add_argument(
         "--result-repeat", type=int, default=4, help="tool result length per turn (x 14 words)"
     )
     parser.add_argument(
-        "--proxy-backend", default=None, help="a vLLM URL instead of the mock (--enable-scale-out for --against)"
+        "--proxy-backend",
+        default=None,
+        help="a vLLM URL instead of the mock (--enable-scale-out for --against)",
     )
     parser.add_argument("--model-name", default="tiny", help="the served model's name at --proxy-backend")
     parser.add_argument(
-        "--proxy-answer-tokens", type=int, default=CHAT_ANSWER_TOKENS, help="max_tokens of the proxy part's calls"
+        "--proxy-answer-tokens",
+        type=int,
+        default=CHAT_ANSWER_TOKENS,
+        help="max_tokens of the proxy part's calls",
     )
     parser.add_argument("--learn-steps", type=int, default=20, help="steps of the multiturn demo (0: skip)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per trajectory in the learning runs")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--logs", default="/tmp/aglverl-bench-multiturn")
     parser.add_argument(
-        "--quick", action="store_true", help="the proxy part alone, 2 turns, 2 conversations, 2 rounds (a smoke run)"
+        "--quick",
+        action="store_true",
+        help="the proxy part alone, 2 turns, 2 conversations, 2 rounds (a smoke run)",
     )
     args = parser.parse_args()
     if args.quick:
         args.parts, args.proxy_turns, args.conversations, args.repeats = ["proxy"], [2], 2, 2
     if args.child is not None:
         if args.child[:1] == ["proxy-child"]:
-
             run_loop(_proxy_child, orjson.loads(args.child[1]))
             return
         extra = orjson.loads(args.extra)
@@ -563,7 +574,6 @@ def main() -> None:
         chat[template] = runs
     proxy: dict[str, Any] = {}
     if "proxy" in args.parts:
-
         proxy = run_loop(
             proxy_cost,
             args.proxy_turns,

@@ -410,7 +410,9 @@ async def versus(
                             name,
                             rate,
                             seconds,
-                            lambda i, urls=urls, call=call, body=body: call(session, urls[i % len(urls)], body),
+                            lambda i, urls=urls, call=call, body=body: call(
+                                session, urls[i % len(urls)], body
+                            ),
                         )
                 for name, child in versions.items():
                     latencies, _, failed = runs[name]
@@ -426,7 +428,11 @@ async def versus(
             out[group][kind] = {
                 "offered_per_s": rate * per_call,
                 f"proxy_cpu_{unit}": {
-                    name: {"median": round(statistics.median(v), 1), "min": round(min(v), 1), "max": round(max(v), 1)}
+                    name: {
+                        "median": round(statistics.median(v), 1),
+                        "min": round(min(v), 1),
+                        "max": round(max(v), 1),
+                    }
                     for name, v in per_block[group].items()
                 },
                 "latency_p50_ms_median": {
@@ -471,7 +477,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         children.append(child)
                         group[name] = child
                     floor_cfg = {"backend": mock.info["url"], "loop": loop}
-                    group["floor_bare_aiohttp_hop"] = await JsonChild.start(child_args(__file__, "floor", floor_cfg))
+                    group["floor_bare_aiohttp_hop"] = await JsonChild.start(
+                        child_args(__file__, "floor", floor_cfg)
+                    )
                     children.append(group["floor_bare_aiohttp_hop"])
                 for child in children:  # warm-up
                     for base in child.info["bases"][:8]:
@@ -482,7 +490,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "event loop (the loops' groups in turn within each block); per block of seconds, then "
                     "median/min/max over blocks",
                     "versions": {
-                        loop: {name: c.info["module"] for name, c in group.items()} for loop, group in groups.items()
+                        loop: {name: c.info["module"] for name, c in group.items()}
+                        for loop, group in groups.items()
                     },
                     "block_seconds": seconds,
                     "blocks": COMPARE_BLOCKS,

@@ -141,7 +141,9 @@ async def _run_proxy(cfg: dict[str, Any]) -> None:
                 emit({**_block_figures(proxy, marks), "records_dropped_so_far": records.recorded})
             elif "probe_cost" in cmd:
                 emit(await _probe_cost(proxy, cmd["probe_cost"]))
-            elif "refuse_all" in cmd:  # every new call turned away (the refusal's own cost), or back to the policy
+            elif (
+                "refuse_all" in cmd
+            ):  # every new call turned away (the refusal's own cost), or back to the policy
                 refusing = dataclasses.replace(policy, max_lag=1e-6, min_in_flight=0, refuse=True)
                 proxy.overload.policy = refusing if cmd["refuse_all"] else policy
                 emit({"refusing_all": cmd["refuse_all"]})
@@ -380,7 +382,10 @@ def _turn_body(turn: int) -> bytes:
     """A conversation's call ``turn`` (0-based): its history re-sent as text, growing by a turn each call."""
     messages = list(BODY["messages"])
     for k in range(turn):
-        messages += [{"role": "assistant", "content": "An answer " * 20}, {"role": "user", "content": f"more {k}"}]
+        messages += [
+            {"role": "assistant", "content": "An answer " * 20},
+            {"role": "user", "content": f"more {k}"},
+        ]
     return orjson.dumps({**BODY, "messages": messages})
 
 
@@ -555,7 +560,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             await open_loop(clients[name], 50, 1.0)
         idle = {name: round(status_kib(c.pid, "VmRSS:") / 1024, 1) for name, c in children.items()}
         probe_cost = await children["protected"].request({"probe_cost": args.probe_seconds})
-        calibration = await calibrate(children["unprotected"], clients["unprotected"], args.calibration_seconds)
+        calibration = await calibrate(
+            children["unprotected"], clients["unprotected"], args.calibration_seconds
+        )
         capacity = calibration["capacity_per_s"]
         refusal = await refusal_cost(children["protected"], clients["protected"], args.calibration_seconds)
         runs: dict[str, Any] = {}
@@ -627,10 +634,16 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks per proxy, in turn")
     parser.add_argument("--probe-seconds", type=float, default=PROBE_COST_SECONDS, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--against", metavar="DIR", help="also drive a proxy of the aglverl in DIR (git archive REV | tar -x), protected"
+        "--against",
+        metavar="DIR",
+        help="also drive a proxy of the aglverl in DIR (git archive REV | tar -x), protected",
     )
-    parser.add_argument("--calibration-seconds", type=float, default=CALIBRATION_SECONDS, help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="factor 2, one 2 s block per load and proxy (a smoke run)")
+    parser.add_argument(
+        "--calibration-seconds", type=float, default=CALIBRATION_SECONDS, help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="factor 2, one 2 s block per load and proxy (a smoke run)"
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -88,8 +88,19 @@ async def _run_daemon(cfg: dict[str, Any]) -> None:
             for i in range(cfg["rollouts"]):
                 await daemon.queue_task({"i": i})
             proxy = daemon.proxy
-            pids = [await s.actor.pid.remote() for s in proxy.shards] if isinstance(proxy, ProxyShards) else [os.getpid()]
-            emit({"server_url": daemon.server_url, "proxy_pids": pids, "pid": os.getpid(), "start_seconds": start_seconds})
+            pids = (
+                [await s.actor.pid.remote() for s in proxy.shards]
+                if isinstance(proxy, ProxyShards)
+                else [os.getpid()]
+            )
+            emit(
+                {
+                    "server_url": daemon.server_url,
+                    "proxy_pids": pids,
+                    "pid": os.getpid(),
+                    "start_seconds": start_seconds,
+                }
+            )
             async for cmd in stdin_commands():
                 if cmd.get("queue"):
                     for i in range(cmd["queue"]):
@@ -156,7 +167,9 @@ def _histogram_means(text: str) -> dict[str, Any]:
     }
 
 
-async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, deadline: float) -> dict[str, Any]:
+async def measure_one(
+    shards: int, mock_url: str, quick: bool, seconds: float, deadline: float
+) -> dict[str, Any]:
     from aglverl.client import AgentClient
     from aglverl.models import Rollout
 
@@ -196,7 +209,9 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
             posts = []
             for task in tasks:
                 t0 = time.perf_counter()
-                await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+                await agent.post_rollout(
+                    Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+                )
                 posts.append(time.perf_counter() - t0)
             gate = await daemon.request({"gate": GATE_ROUNDS})
             async with session.get(f"{daemon.info['server_url']}/metrics") as response:
@@ -208,7 +223,9 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
             "pause_resume_ms_nothing_in_flight": gate["pause_resume_ms"],
             "driver_round_trips": _histogram_means(metrics),
         }
-        results["peak_rss_mib_per_proxy_process"] = [round(peak_rss_bytes(p.pid) / 2**20, 1) for p in processes]
+        results["peak_rss_mib_per_proxy_process"] = [
+            round(peak_rss_bytes(p.pid) / 2**20, 1) for p in processes
+        ]
     finally:
         await daemon.stop()
     return results
@@ -217,7 +234,9 @@ async def measure_one(shards: int, mock_url: str, quick: bool, seconds: float, d
 async def measure(counts: list[int], quick: bool, max_seconds: float) -> dict[str, Any]:
     seconds = 2.0 if quick else 4.0
     # the backend: proxy_capacity.py's own mock child (the same answers as its sweeps get)
-    mock = await JsonChild.start(child_args(proxy_capacity.__file__, "mock", {"chunk_latency": CHUNK_LATENCY}))
+    mock = await JsonChild.start(
+        child_args(proxy_capacity.__file__, "mock", {"chunk_latency": CHUNK_LATENCY})
+    )
     try:
         runs = {}
         started = time.monotonic()

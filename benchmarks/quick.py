@@ -48,7 +48,10 @@ HEAVY: list[tuple[str, list[str]]] = [
     ("checkpoint_engine", ["checkpoint_engine.py", "--sizes", "tiny", "--repeats", "1"]),
     ("proxy_shards", ["proxy_shards.py", "--quick", "--max-seconds", "20"]),
     ("agent_processes", ["agent_processes.py", "--rollouts", "4", "--concurrency", "2", "--starts", "1"]),
-    ("soak_training", ["soak.py", "--training", "--steps", "4", "--kill-every", "2", "--save-freq", "2", "--mode", "sync"]),
+    (
+        "soak_training",
+        ["soak.py", "--training", "--steps", "4", "--kill-every", "2", "--save-freq", "2", "--mode", "sync"],
+    ),
 ]
 
 
@@ -70,14 +73,22 @@ def run(name: str, argv: list[str]) -> dict[str, object]:
     command = [sys.executable, str(HERE / argv[0]), *argv[1:]]
     started = time.monotonic()
     try:
-        done = subprocess.run(command, capture_output=True, timeout=QUICK_TIMEOUT, cwd=HERE.parent, check=False)
+        done = subprocess.run(
+            command, capture_output=True, timeout=QUICK_TIMEOUT, cwd=HERE.parent, check=False
+        )
         ok = done.returncode == 0 and one_json(done.stdout)
         tail = "" if ok else (done.stdout[-1500:] + b"\n" + done.stderr[-3000:]).decode("utf-8", "replace")
         code: int | None = done.returncode
     except subprocess.TimeoutExpired as exc:
         ok, code = False, None
-        tail = f"timed out after {QUICK_TIMEOUT:g}s\n" + ((exc.stderr or b"")[-3000:]).decode("utf-8", "replace")
-    out: dict[str, object] = {"command": " ".join(argv), "seconds": round(time.monotonic() - started, 1), "ok": ok}
+        tail = f"timed out after {QUICK_TIMEOUT:g}s\n" + ((exc.stderr or b"")[-3000:]).decode(
+            "utf-8", "replace"
+        )
+    out: dict[str, object] = {
+        "command": " ".join(argv),
+        "seconds": round(time.monotonic() - started, 1),
+        "ok": ok,
+    }
     if not ok:
         out |= {"exit": code, "tail": tail}
     print(f"{name}: {'ok' if ok else 'FAILED'} in {out['seconds']} s", file=sys.stderr, flush=True)

@@ -62,8 +62,15 @@ def plot(runs: list[dict[str, Any]], path: Path, target: float) -> None:
     for run in runs:
         xs, ys = zip(*run["curve"], strict=True)
         with_rs = run["rejection_sampling"]
-        ax.plot(xs, ys, color="tab:orange" if with_rs else "tab:blue", alpha=0.8, marker="o", markersize=2.5,
-                label="rejection sampling" if with_rs else "plain GRPO")
+        ax.plot(
+            xs,
+            ys,
+            color="tab:orange" if with_rs else "tab:blue",
+            alpha=0.8,
+            marker="o",
+            markersize=2.5,
+            label="rejection sampling" if with_rs else "plain GRPO",
+        )
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))
     ax.legend(unique.values(), unique.keys())
@@ -94,12 +101,20 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     met = None not in summary["rejection_sampling"]["wall_s_reaching_target"] and (
         summary["rejection_sampling"]["mean"] <= summary["plain"]["mean"]
     )
-    return {"benchmark": "rejection_sampling", "target_reward": args.target, "summary": summary, "met": met,
-            "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs], "curves": [r["curve"] for r in runs]}
+    return {
+        "benchmark": "rejection_sampling",
+        "target_reward": args.target,
+        "summary": summary,
+        "met": met,
+        "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs],
+        "curves": [r["curve"] for r in runs],
+    }
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--target", type=float, default=0.9)

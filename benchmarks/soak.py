@@ -796,7 +796,9 @@ def main() -> None:
     p.add_argument("--stream-fraction", type=float, default=0.5)
     p.add_argument("--max-seconds", type=float, default=600.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="128 rollouts in steps of 32, 16 agents (a smoke run)")
+    p.add_argument(
+        "--quick", action="store_true", help="128 rollouts in steps of 32, 16 agents (a smoke run)"
+    )
     args = p.parse_args()
     if args.quick:
         args.rollouts, args.rollouts_per_step, args.agents, args.agent_procs = 128, 32, 16, 1

@@ -150,7 +150,9 @@ def _start_ray(config: Any, impl: str) -> None:
     env = runtime_env.setdefault("env_vars", {})
     env.update(algorithm.PLATFORM_ENV)
     runtime = getattr(algorithm, "runtime", algorithm)  # the package's room, or the old single module
-    threads = getattr(runtime, "transfer_queue_threads_env", None) or getattr(algorithm, "_transfer_queue_threads", None)
+    threads = getattr(runtime, "transfer_queue_threads_env", None) or getattr(
+        algorithm, "_transfer_queue_threads", None
+    )
     if threads is not None:
         env.update(threads())
     if impl == "legacy":
@@ -365,7 +367,12 @@ def main() -> None:
 
     variants = [{"v1": "sync"}.get(v.strip(), v.strip()) for v in args.variants.split(",") if v.strip()]
     rollouts = [r.strip() for r in args.rollout.split(",") if r.strip()]
-    variants = [v if r == "aglverl" else f"{v}/{r}" for v in variants for r in rollouts if r == "aglverl" or v != "legacy"]
+    variants = [
+        v if r == "aglverl" else f"{v}/{r}"
+        for v in variants
+        for r in rollouts
+        if r == "aglverl" or v != "legacy"
+    ]
     cores = os.cpu_count() or 1
     scratch = Path(tempfile.mkdtemp(prefix="aglverl-bench-"))
     logs = Path(args.logs) if args.logs else scratch
@@ -416,7 +423,9 @@ def main() -> None:
             f"fastest async mode >= {TARGET_ASYNC_SPEEDUP}x sooner to 0.9 than legacy and V1 sync; "
             "no async mode slower than either"
         )
-        result["met_async"] = min(speedup(best, "legacy"), speedup(best, "sync")) >= TARGET_ASYNC_SPEEDUP and all(
+        result["met_async"] = min(
+            speedup(best, "legacy"), speedup(best, "sync")
+        ) >= TARGET_ASYNC_SPEEDUP and all(
             speedup(v, base) >= 1.0 for v in asyncs for base in ("legacy", "sync")
         )
         result["fastest_async"] = best

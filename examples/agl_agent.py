@@ -43,8 +43,13 @@ def _warm_up() -> None:
     """One chat call answered in memory (no network): the SDK's first call builds its request and response
     parsers (~20 ms of CPU), here once, in the template, rather than in every rollout's process."""
     canned = {
-        "id": "warm-up", "object": "chat.completion", "created": 0, "model": "warm-up",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "yes"}, "finish_reason": "stop"}],
+        "id": "warm-up",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "warm-up",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "yes"}, "finish_reason": "stop"}
+        ],
     }
     transport = httpx.MockTransport(lambda request: httpx.Response(200, json=canned))
     with httpx.Client(transport=transport) as offline:
@@ -103,13 +108,19 @@ def make_config(steps: int, agents: int | None, out: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument(
-        "--agents", type=int, default=None,
+        "--agents",
+        type=int,
+        default=None,
         help="agent processes at once (default: the runner's, bounded by cores and memory; 0: none, use a controller)",
     )
-    parser.add_argument("--out", default="agl_agent-out", help="directory for metrics, logs and the agents' output")
+    parser.add_argument(
+        "--out", default="agl_agent-out", help="directory for metrics, logs and the agents' output"
+    )
     args = parser.parse_args()
 
     import anyio
@@ -122,7 +133,9 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     console = Console(args.out, title="agl_agent.py: an Agent Lightning agent class answers 'yes'")
     algo = AsyncVERL(make_config(args.steps, args.agents, args.out))
-    algo.on_serving.append(lambda daemon: console.say(f"Agent Lightning API and proxy path at {daemon.server_url}"))
+    algo.on_serving.append(
+        lambda daemon: console.say(f"Agent Lightning API and proxy path at {daemon.server_url}")
+    )
     tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(64)]
     summary = anyio.run(console.run, algo, tasks)
     print(console.describe(summary))

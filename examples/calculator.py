@@ -119,7 +119,10 @@ async def agent(task: dict, llm: LLM) -> float:
     """Tool first, then the answer (see the module docstring). The reward: half for a tool call that computed
     the right value, half for :func:`score` of the answer."""
     client = CLIENT.with_options(base_url=llm.endpoint)
-    messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+    messages: list[Any] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": task["question"]},
+    ]
     expected = float(task["answer"])
     text, computed = "", False
     for turn in range(MAX_TURNS):
@@ -166,11 +169,15 @@ def questions(count: int, kind: str = "twelve", seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a Hugging Face model path")
     parser.add_argument("--questions", choices=["twelve", "varied"], default="twelve")
-    parser.add_argument("--out", default="calculator-out", help="directory for metrics.jsonl, train.log, reward.png")
+    parser.add_argument(
+        "--out", default="calculator-out", help="directory for metrics.jsonl, train.log, reward.png"
+    )
     args = parser.parse_args()
     config = {
         "actor_rollout_ref": {

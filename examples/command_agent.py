@@ -38,7 +38,10 @@ def make_config(steps: int, agents: int, out: str) -> dict:
     """``one_word.py``'s training with half its prompts a step (GRPO, 8 prompts x 8 answers, answers of at most 8
     tokens), its agents the script, ``agents`` processes at once."""
     return {
-        "actor_rollout_ref": {"rollout": {"n": 8}, "actor": {"ppo_mini_batch_size": 8, "optim": {"lr": 5e-3}}},
+        "actor_rollout_ref": {
+            "rollout": {"n": 8},
+            "actor": {"ppo_mini_batch_size": 8, "optim": {"lr": 5e-3}},
+        },
         "data": {"train_batch_size": 8, "max_prompt_length": 64, "max_response_length": 8},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"total_training_steps": steps, "val_before_train": False},
@@ -56,10 +59,14 @@ def make_config(steps: int, agents: int, out: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--agents", type=int, default=32, help="agent processes at once")
-    parser.add_argument("--out", default="command_agent-out", help="directory for metrics, logs and the agents' output")
+    parser.add_argument(
+        "--out", default="command_agent-out", help="directory for metrics, logs and the agents' output"
+    )
     args = parser.parse_args()
     missing = [tool for tool in ("curl", "jq") if shutil.which(tool) is None]
     if missing:

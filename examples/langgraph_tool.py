@@ -125,12 +125,16 @@ def make_agent(use_responses_api: bool) -> Callable[[dict, LLM], Awaitable[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--api", choices=["chat", "responses"], default="chat")
     parser.add_argument("--questions", choices=["six-seven", "varied"], default="six-seven")
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a Hugging Face model path")
-    parser.add_argument("--out", default="langgraph_tool-out", help="directory for metrics.jsonl, train.log, reward.png")
+    parser.add_argument(
+        "--out", default="langgraph_tool-out", help="directory for metrics.jsonl, train.log, reward.png"
+    )
     args = parser.parse_args()
     rng = random.Random(0)
     if args.questions == "varied":

@@ -67,11 +67,15 @@ def make_config(steps: int, model: str = "tiny") -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--word", default="yes")
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a Hugging Face model path")
-    parser.add_argument("--out", default="one_word-out", help="directory for metrics.jsonl, train.log, reward.png")
+    parser.add_argument(
+        "--out", default="one_word-out", help="directory for metrics.jsonl, train.log, reward.png"
+    )
     args = parser.parse_args()
 
     console = Console(args.out, title=f"one_word.py: answer {args.word!r}")

@@ -74,19 +74,29 @@ async def agent(task: dict, llm: LLM) -> float:
         model=llm.model,
         model_provider=OpenAIProvider(openai_client=CLIENT.with_options(base_url=llm.endpoint)),
         model_settings=ModelSettings(
-            temperature=params.get("temperature"), top_p=params.get("top_p"), max_tokens=params.get("max_tokens")
+            temperature=params.get("temperature"),
+            top_p=params.get("top_p"),
+            max_tokens=params.get("max_tokens"),
         ),
     )
-    result = await Runner.run(AGENT, f"What is the capital of {task['country']}?", run_config=config, max_turns=2)
+    result = await Runner.run(
+        AGENT, f"What is the capital of {task['country']}?", run_config=config, max_turns=2
+    )
     return 1.0 if str(result.final_output) == CAPITALS[task["country"]] else 0.0
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--countries", choices=["France", "all"], default="France", help="what the questions ask")
+    parser.add_argument(
+        "--countries", choices=["France", "all"], default="France", help="what the questions ask"
+    )
     parser.add_argument("--model", default="tiny", help="'tiny' (built locally) or a Hugging Face model path")
-    parser.add_argument("--out", default="openai_agents_tool-out", help="directory for metrics.jsonl, train.log, reward.png")
+    parser.add_argument(
+        "--out", default="openai_agents_tool-out", help="directory for metrics.jsonl, train.log, reward.png"
+    )
     args = parser.parse_args()
     countries = list(CAPITALS) if args.countries == "all" else [args.countries]
     tasks = [{"country": country} for country in countries] * (64 // len(countries))

@@ -56,7 +56,9 @@ def serve_agents(server: str, concurrency: int, give_up_after: float, token: str
         async with anyio.create_task_group() as tg:
 
             async def agents() -> None:
-                await run_agents(server, agent, concurrency=concurrency, give_up_after=give_up_after, token=token)
+                await run_agents(
+                    server, agent, concurrency=concurrency, give_up_after=give_up_after, token=token
+                )
                 tg.cancel_scope.cancel()
 
             tg.start_soon(agents)
@@ -75,7 +77,10 @@ def train(steps: int, concurrency: int, out: str) -> None:
     from aglverl.cli.console import Console
 
     config = {
-        "actor_rollout_ref": {"rollout": {"n": 8}, "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}}},
+        "actor_rollout_ref": {
+            "rollout": {"n": 8},
+            "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}},
+        },
         "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"total_training_steps": steps, "val_before_train": False},
@@ -111,10 +116,16 @@ def train(steps: int, concurrency: int, out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--server", help="task server URL: run only the agents, against it")
-    parser.add_argument("--concurrency", type=int, default=128, help="agent loops (default: a step's rollouts)")
-    parser.add_argument("--give-up-after", type=float, default=60.0, help="seconds without a task server (agents)")
+    parser.add_argument(
+        "--concurrency", type=int, default=128, help="agent loops (default: a step's rollouts)"
+    )
+    parser.add_argument(
+        "--give-up-after", type=float, default=60.0, help="seconds without a task server (agents)"
+    )
     parser.add_argument("--token", default=None, help="the task server's bearer token (agents)")
     parser.add_argument("--steps", type=int, default=25, help="training steps (trainer mode)")
     parser.add_argument("--out", default="remote_agents-out", help="metrics and logs (trainer mode)")

@@ -50,7 +50,12 @@ def make_config(steps: int) -> dict:
         "data": {"train_batch_size": 16, "max_prompt_length": 64, "max_response_length": 8},
         "actor_rollout_ref": {
             "rollout": {"n": 8, "multi_turn": {"format": "hermes"}},
-            "actor": {"ppo_mini_batch_size": 16, "optim": {"lr": 5e-3}, "use_kl_loss": False, "entropy_coeff": 0},
+            "actor": {
+                "ppo_mini_batch_size": 16,
+                "optim": {"lr": 5e-3},
+                "use_kl_loss": False,
+                "entropy_coeff": 0,
+            },
             "model": {"path": "tiny"},
         },
         "trainer": {
@@ -66,9 +71,13 @@ def make_config(steps: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--runners", type=int, default=8, help="Agent Lightning's runner processes (n_runners)")
+    parser.add_argument(
+        "--runners", type=int, default=8, help="Agent Lightning's runner processes (n_runners)"
+    )
     parser.add_argument("--word", default="yes")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -79,8 +88,10 @@ def main() -> None:
     trainer = agl.Trainer(algorithm=algorithm, n_runners=args.runners)
     trainer.fit(one_word_agent, train_dataset=train, val_dataset=val)
     metrics = getattr(algorithm, "metrics", {})  # aglverl's VERL keeps the last step's metrics
-    print(f"final training reward: {metrics.get('training/reward', float('nan')):.3f}, "
-          f"validation reward: {metrics.get('val/reward', float('nan')):.3f}")
+    print(
+        f"final training reward: {metrics.get('training/reward', float('nan')):.3f}, "
+        f"validation reward: {metrics.get('val/reward', float('nan')):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -149,11 +149,15 @@ def make_data(
     rows = []
     for i, row in enumerate(read_rows(source)):
         if question_field not in row or answer_field not in row:
-            raise ValueError(f"{source}: row {i} has no {question_field!r} or {answer_field!r} field: {row!r:.200}")
+            raise ValueError(
+                f"{source}: row {i} has no {question_field!r} or {answer_field!r} field: {row!r:.200}"
+            )
         try:
             answer = answer_number(row[answer_field])
         except ValueError:
-            raise ValueError(f"{source}: row {i}: the answer {row[answer_field]!r:.80} is not a number") from None
+            raise ValueError(
+                f"{source}: row {i}: the answer {row[answer_field]!r:.80} is not a number"
+            ) from None
         rows.append({"question": str(row[question_field]), "answer": answer})
     random.Random(seed).shuffle(rows)
     n_val = round(len(rows) * val_fraction) if val_path else 0
@@ -174,14 +178,20 @@ def _parse(value: str) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="a Hugging Face model id or local directory")
     parser.add_argument("--train", required=True, help="training tasks (.parquet or .jsonl)")
     parser.add_argument("--val", help="validation tasks (.parquet or .jsonl)")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs per node")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
     data = parser.add_argument_group("making the data (--make-data writes --train and --val, then exits)")
-    data.add_argument("--make-data", metavar="SOURCE", help="a .jsonl/.json/.parquet file or hf:NAME[:CONFIG]")
+    data.add_argument(
+        "--make-data", metavar="SOURCE", help="a .jsonl/.json/.parquet file or hf:NAME[:CONFIG]"
+    )
     data.add_argument("--question-field", default="question")
     data.add_argument("--answer-field", default="answer")
     data.add_argument("--val-fraction", type=float, default=0.1)
@@ -195,7 +205,11 @@ def main() -> None:
             answer_field=args.answer_field,
             val_fraction=args.val_fraction,
         )
-        print(json.dumps({"train": args.train, "train_rows": written[0], "val": args.val, "val_rows": written[1]}))
+        print(
+            json.dumps(
+                {"train": args.train, "train_rows": written[0], "val": args.val, "val_rows": written[1]}
+            )
+        )
         return
     if not args.model:
         parser.error("--model is required to train")

@@ -30,9 +30,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if importlib.util.find_spec("vllm") is None:
         marks.append(("vllm", "vLLM is not installed here: the vLLM tier runs with `make test-vllm`"))
     if agl_python() is None:
-        marks.append(("agl", "Agent Lightning's venv is not built: the Agent Lightning tier runs with `make test-agl`"))
+        marks.append(
+            ("agl", "Agent Lightning's venv is not built: the Agent Lightning tier runs with `make test-agl`")
+        )
     if importlib.util.find_spec("agentlightning") is None:
-        marks.append(("agl03", "agentlightning 0.3 is not installed here: the tier runs with `make test-agl03`"))
+        marks.append(
+            ("agl03", "agentlightning 0.3 is not installed here: the tier runs with `make test-agl03`")
+        )
     for name, reason in marks:
         skip = pytest.mark.skip(reason=reason)
         for item in items:

@@ -41,7 +41,13 @@ class Api:
         self.answers: list[dict[str, Any]] = []
 
     async def call(
-        self, method: str, path: str, model: str | None = None, *, status: int = 200, triplet: bool = False,
+        self,
+        method: str,
+        path: str,
+        model: str | None = None,
+        *,
+        status: int = 200,
+        triplet: bool = False,
         **kwargs: Any,
     ) -> Any:
         response = await self.client.request(method, path, **kwargs)
@@ -54,7 +60,9 @@ class Api:
         return body
 
     async def patch(self, rollout_id: str, status: int = 200, **fields: Any) -> Any:
-        return await self.call("PATCH", f"/api/rollouts/{rollout_id}", "Rollout", status=status, json={"status": fields})
+        return await self.call(
+            "PATCH", f"/api/rollouts/{rollout_id}", "Rollout", status=status, json={"status": fields}
+        )
 
     async def reward(self, rollout_id: str, value: float, attempt: str = "0") -> None:
         body = {"event_type": "reward", "data": {"value": value}}
@@ -68,7 +76,9 @@ async def validated(api: Api) -> dict[str, Any]:
     request = json.dumps({"answers": api.answers}).encode()
 
     def run() -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run([python, str(HELPERS / "agl_validate.py")], input=request, capture_output=True, timeout=120)
+        return subprocess.run(
+            [python, str(HELPERS / "agl_validate.py")], input=request, capture_output=True, timeout=120
+        )
 
     done = await anyio.to_thread.run_sync(run)
     assert done.returncode == 0, done.stderr.decode()
@@ -84,10 +94,17 @@ async def serving(
     async with (
         MockVLLM(completion_tokens=4) as mock,
         AgentDaemon(
-            backends=[mock.url], model="mock", batch=BATCH, token=KEY, max_attempts=max_attempts,
-            agent_lightning=settings, **kwargs,
+            backends=[mock.url],
+            model="mock",
+            batch=BATCH,
+            token=KEY,
+            max_attempts=max_attempts,
+            agent_lightning=settings,
+            **kwargs,
         ) as daemon,
-        httpx.AsyncClient(base_url=daemon.server_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client,
+        httpx.AsyncClient(
+            base_url=daemon.server_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        ) as client,
     ):
         yield daemon, Api(client), mock
 
@@ -100,16 +117,25 @@ async def test_a_rollouts_whole_life_answers_as_agent_lightnings_server_does() -
     """Create (idempotent), list, start, an agent's call and reward, succeed, read events (raw, triplet,
     filtered), detail, the cursor, delete, models, pause / state / resume: every answer validates."""
     async with serving() as (daemon, api, mock):
-        items = [{"input": {"q": i, "data_id": f"d{i}"}, "rollout_id": f"r{i}", "metadata": {"batch_idx": 0}} for i in (1, 2)]
+        items = [
+            {"input": {"q": i, "data_id": f"d{i}"}, "rollout_id": f"r{i}", "metadata": {"batch_idx": 0}}
+            for i in (1, 2)
+        ]
         created = await api.call("POST", "/api/rollouts", "list[Rollout]", status=201, json=items)
         again = await api.call("POST", "/api/rollouts", "list[Rollout]", status=201, json=items[:1])
         assert again == created[:1] and [r["status"]["state"] for r in created] == ["queuing", "queuing"]
-        fresh = await api.call("POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": "no id"}])
+        fresh = await api.call(
+            "POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": "no id"}]
+        )
         assert len(fresh[0]["rollout_id"]) == 32 and fresh[0]["is_train"] is True
-        listed = await api.call("GET", "/api/rollouts", "list[Rollout]", params={"state_in": ["queuing"], "limit": 2})
+        listed = await api.call(
+            "GET", "/api/rollouts", "list[Rollout]", params={"state_in": ["queuing"], "limit": 2}
+        )
         assert [r["rollout_id"] for r in listed] == ["r1", "r2"]
         await api.patch("r1", state="running", last_attempt_id="0")
-        async with openai.AsyncOpenAI(base_url=openai_url(daemon, "r1"), api_key=KEY, max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=openai_url(daemon, "r1"), api_key=KEY, max_retries=0
+        ) as client:
             reply = await client.chat.completions.create(
                 model="whatever", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
@@ -122,9 +148,15 @@ async def test_a_rollouts_whole_life_answers_as_agent_lightnings_server_does() -
         assert [e["event_type"] for e in events] == ["model_request", "reward"]
         (call,) = daemon.store.record("r1").calls
         assert events[0]["data"]["response"]["prompt_token_ids"] == call.prompt_token_ids
-        trip = await api.call("GET", "/api/rollouts/r1/events", "list[Event]", triplet=True, params={"format": "triplet"})
-        assert trip[0]["data"]["response_token_ids"] == call.response_token_ids and trip[1]["data"] == {"value": 0.5}
-        only = await api.call("GET", "/api/rollouts/r1/events", "list[Event]", params={"event_type": "reward"})
+        trip = await api.call(
+            "GET", "/api/rollouts/r1/events", "list[Event]", triplet=True, params={"format": "triplet"}
+        )
+        assert trip[0]["data"]["response_token_ids"] == call.response_token_ids and trip[1]["data"] == {
+            "value": 0.5
+        }
+        only = await api.call(
+            "GET", "/api/rollouts/r1/events", "list[Event]", params={"event_type": "reward"}
+        )
         assert [e["event_type"] for e in only] == ["reward"]
         detail = await api.call("GET", "/api/rollouts/r1", "RolloutDetail")
         assert detail["attempts"] == ["0"]
@@ -148,7 +180,9 @@ async def test_a_rollouts_whole_life_answers_as_agent_lightnings_server_does() -
         assert daemon.proxy.backends == [mock.url] and daemon.proxy.weight_version == 3
         await api.call("DELETE", "/api/models", "status")
         assert daemon.proxy.backends == []
-        paused = await api.call("POST", "/proxy/pause", "PauseStateResponse", json={"retry_after_seconds": 9, "reason": "sync"})
+        paused = await api.call(
+            "POST", "/proxy/pause", "PauseStateResponse", json={"retry_after_seconds": 9, "reason": "sync"}
+        )
         assert paused == {"paused": True, "retry_after_seconds": 9, "reason": "sync", "inflight": 0}
         assert daemon.proxy.held
         await api.call("GET", "/proxy/state", "PauseStateResponse")
@@ -165,7 +199,13 @@ async def test_the_state_machine_is_agent_lightnings_and_refuses_every_other_tra
         table = (await validated(api))["valid_transitions"]
 
         async def rollout_in(state: str, rollout_id: str) -> None:
-            await api.call("POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": {}, "rollout_id": rollout_id}])
+            await api.call(
+                "POST",
+                "/api/rollouts",
+                "list[Rollout]",
+                status=201,
+                json=[{"input": {}, "rollout_id": rollout_id}],
+            )
             if state in ("running", "succeeded"):
                 await api.patch(rollout_id, state="running")
             if state == "succeeded":
@@ -204,7 +244,9 @@ async def test_a_failed_attempt_is_retried_as_a_new_rollout_that_controllers_pic
         assert failed["status"]["state"] == "failed"
         assert "subprocess exited with code 1" in failed["status"]["error_message"]
         assert "retried as job-retry-1" in failed["status"]["error_message"]
-        (retry,) = await api.call("GET", "/api/rollouts", "list[Rollout]", params={"state_in": ["queuing", "running"]})
+        (retry,) = await api.call(
+            "GET", "/api/rollouts", "list[Rollout]", params={"state_in": ["queuing", "running"]}
+        )
         assert retry["rollout_id"] == "job-retry-1" and retry["input"] == {"x": 1}
         assert retry["config"]["timeout_seconds"] == 120
         await api.patch("job-retry-1", state="running", last_attempt_id="0")
@@ -213,47 +255,73 @@ async def test_a_failed_attempt_is_retried_as_a_new_rollout_that_controllers_pic
         record = daemon.store.record("job")
         assert record.state == "completed" and record.result.final_reward == 0.75 and record.num_claims == 2
         page = await api.call("GET", "/api/rollouts/terminal", "TerminalRolloutsPage")
-        assert [(i["rollout_id"], i["state"]) for i in page["items"]] == [("job", "failed"), ("job-retry-1", "succeeded")]
+        assert [(i["rollout_id"], i["state"]) for i in page["items"]] == [
+            ("job", "failed"),
+            ("job-retry-1", "succeeded"),
+        ]
         # an attempt reported succeeded without a reward event fails (no reward_fillna_value here)
-        await api.call("POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": {}, "rollout_id": "quiet"}])
+        await api.call(
+            "POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": {}, "rollout_id": "quiet"}]
+        )
         await api.patch("quiet", state="running")
         quiet = await api.patch("quiet", state="succeeded")
-        assert quiet["status"]["state"] == "failed" and "without a reward event" in quiet["status"]["error_message"]
+        assert (
+            quiet["status"]["state"] == "failed"
+            and "without a reward event" in quiet["status"]["error_message"]
+        )
     await validated(api)
 
 
-async def test_the_proxy_path_serves_streams_responses_and_anthropic_messages_with_the_modes_temperature() -> None:
+async def test_the_proxy_path_serves_streams_responses_and_anthropic_messages_with_the_modes_temperature() -> (
+    None
+):
     """An agent's first call starts its rollout; every API aglverl's proxy serves works on Agent Lightning's
     path (a stream, the Responses API, Anthropic Messages), each call recorded with its token ids, the served
     model's name and the rollout's temperature forced (aglverl's proxy would refuse the agent's own 1.3)."""
     async with serving(sampling_parameters={"temperature": 0.7}) as (daemon, api, mock):
-        await api.call("POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": {}, "rollout_id": "a"}])
+        await api.call(
+            "POST", "/api/rollouts", "list[Rollout]", status=201, json=[{"input": {}, "rollout_id": "a"}]
+        )
         base = openai_url(daemon, "a")
         async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0) as client:
             text = []
             stream = await client.chat.completions.create(
-                model="gpt-x", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.3, stream=True
+                model="gpt-x",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                temperature=1.3,
+                stream=True,
             )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     text.append(chunk.choices[0].delta.content)
             assert "".join(text)
-            (running,) = await api.call("GET", "/api/rollouts", "list[Rollout]", params={"state_in": ["running"]})
+            (running,) = await api.call(
+                "GET", "/api/rollouts", "list[Rollout]", params={"state_in": ["running"]}
+            )
             assert running["rollout_id"] == "a"  # the first call started it
             response = await client.responses.create(model="gpt-x", input="hello", max_output_tokens=4)
             assert response.output_text
-        async with anthropic.AsyncAnthropic(base_url=base.removesuffix("/v1"), api_key=KEY, max_retries=0) as claude:
+        async with anthropic.AsyncAnthropic(
+            base_url=base.removesuffix("/v1"), api_key=KEY, max_retries=0
+        ) as claude:
             message = await claude.messages.create(
                 model="claude-x", max_tokens=4, messages=[{"role": "user", "content": "hey"}]
             )
             assert message.content[0].text
         sent = [r.json for r in mock.generation_requests()]
         assert [(s["model"], s["temperature"]) for s in sent] == [("mock", 0.7)] * 3
-        events = await api.call("GET", "/api/rollouts/a/events", "list[Event]", params={"event_type": "model_request"})
+        events = await api.call(
+            "GET", "/api/rollouts/a/events", "list[Event]", params={"event_type": "model_request"}
+        )
         assert len(events) == 3 and all(e["data"]["response"]["choices"][0]["token_ids"] for e in events)
-        await api.call("POST", "/proxy/rollout/a/attempt/0/mode/test/openai/v1/chat/completions", status=404, json={})
+        await api.call(
+            "POST", "/proxy/rollout/a/attempt/0/mode/test/openai/v1/chat/completions", status=404, json={}
+        )
         await api.patch("a", state="failed", error_message="stop")
-        late = await api.client.post(f"{base}/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        late = await api.client.post(
+            f"{base}/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
         assert late.status_code == 409
     await validated(api)
 
@@ -262,10 +330,19 @@ async def test_every_route_needs_the_key_as_a_bearer_token_or_x_api_key() -> Non
     async with serving() as (daemon, api, _mock):
         async with httpx.AsyncClient(base_url=daemon.server_url) as anonymous:
             for method, path in [
-                ("GET", "/api/rollouts?state_in=queuing"), ("POST", "/api/rollouts"), ("GET", "/api/rollouts/terminal"),
-                ("GET", "/api/rollouts/x"), ("PATCH", "/api/rollouts/x"), ("DELETE", "/api/rollouts/x"),
-                ("POST", "/api/rollouts/x/attempt/0/events"), ("GET", "/api/rollouts/x/events"), ("POST", "/api/models"),
-                ("DELETE", "/api/models"), ("POST", "/proxy/pause"), ("POST", "/proxy/resume"), ("GET", "/proxy/state"),
+                ("GET", "/api/rollouts?state_in=queuing"),
+                ("POST", "/api/rollouts"),
+                ("GET", "/api/rollouts/terminal"),
+                ("GET", "/api/rollouts/x"),
+                ("PATCH", "/api/rollouts/x"),
+                ("DELETE", "/api/rollouts/x"),
+                ("POST", "/api/rollouts/x/attempt/0/events"),
+                ("GET", "/api/rollouts/x/events"),
+                ("POST", "/api/models"),
+                ("DELETE", "/api/models"),
+                ("POST", "/proxy/pause"),
+                ("POST", "/proxy/resume"),
+                ("GET", "/proxy/state"),
                 ("POST", "/proxy/rollout/x/attempt/0/mode/train/openai/v1/chat/completions"),
             ]:
                 response = await anonymous.request(method, path)
@@ -288,16 +365,23 @@ async def test_the_terminal_cursor_continues_across_a_daemon_restarted_on_its_jo
         await api.patch("r0", state="running")
         await api.reward("r0", 1.0)
         await api.patch("r0", state="succeeded")
-        await api.patch("r1", state="failed", error_message="its Job spec was invalid")  # never started: no retry
+        await api.patch(
+            "r1", state="failed", error_message="its Job spec was invalid"
+        )  # never started: no retry
         await api.patch("r3", state="running")  # in flight when the daemon stops
         before = await api.call("GET", "/api/rollouts/terminal", "TerminalRolloutsPage")
-        assert [(i["rollout_id"], i["state"]) for i in before["items"]] == [("r0", "succeeded"), ("r1", "failed")]
+        assert [(i["rollout_id"], i["state"]) for i in before["items"]] == [
+            ("r0", "succeeded"),
+            ("r1", "failed"),
+        ]
     cursor = before["next_after"]
     async with serving(max_attempts=2, journal_path=journal) as (_, api2, _mock):
         api2.answers = api.answers
         again = await api2.call("GET", "/api/rollouts/terminal", "TerminalRolloutsPage")
         assert again["items"][:2] == before["items"]
-        new = await api2.call("GET", "/api/rollouts/terminal", "TerminalRolloutsPage", params={"after": cursor})
+        new = await api2.call(
+            "GET", "/api/rollouts/terminal", "TerminalRolloutsPage", params={"after": cursor}
+        )
         assert [(i["rollout_id"], i["state"]) for i in new["items"]] == [("r3", "failed")]
         r3 = await api2.call("GET", "/api/rollouts/r3", "RolloutDetail")
         assert "previous run" in r3["rollout"]["status"]["error_message"]
@@ -306,7 +390,9 @@ async def test_the_terminal_cursor_continues_across_a_daemon_restarted_on_its_jo
         await api2.patch("r2", state="running")
         await api2.reward("r2", 0.5)
         await api2.patch("r2", state="succeeded")
-        last = await api2.call("GET", "/api/rollouts/terminal", "TerminalRolloutsPage", params={"after": new["next_after"]})
+        last = await api2.call(
+            "GET", "/api/rollouts/terminal", "TerminalRolloutsPage", params={"after": new["next_after"]}
+        )
         assert [(i["rollout_id"], i["state"]) for i in last["items"]] == [("r2", "succeeded")]
         assert last["total_terminal"] == 4 and last["next_after"] == 4
     await validated(api2)
@@ -330,7 +416,9 @@ spec:
 """
 
 
-async def test_agent_lightnings_kubernetes_controller_drives_rollouts_through_its_routes(tmp_path: Path) -> None:
+async def test_agent_lightnings_kubernetes_controller_drives_rollouts_through_its_routes(
+    tmp_path: Path,
+) -> None:
     """``runner_type=k8s`` cannot run here (no cluster): its own reconciler runs against this server with the
     Kubernetes API replaced by a local stand-in that runs each created Job's container as a process (its
     command, with the env Agent Lightning rendered into the Job). What it uses of the server is real: the
@@ -357,7 +445,10 @@ async def test_agent_lightnings_kubernetes_controller_drives_rollouts_through_it
     for job in jobs:
         assert job["name"] == f"agl-rollout-{job['rollout_id']}" and job["activeDeadlineSeconds"] == 300
         assert job["env"]["AGL_OPENAI_BASE_URL"] == openai_url(daemon, job["rollout_id"])
-        assert job["env"]["AGL_EVENT_URL"] == f"{daemon.server_url}/api/rollouts/{job['rollout_id']}/attempt/0/events"
+        assert (
+            job["env"]["AGL_EVENT_URL"]
+            == f"{daemon.server_url}/api/rollouts/{job['rollout_id']}/attempt/0/events"
+        )
         assert job["env"]["AGL_KEY"] == KEY
     assert report["patched"] == ["running", "running", "succeeded", "succeeded"]
     assert report["k8s_job_names"] == sorted(f"agl-rollout-{j['rollout_id']}" for j in jobs)

@@ -38,14 +38,30 @@ async def test_ids_that_would_be_paths_or_retries_are_refused_at_creation() -> N
     """Findings 2 and 6: ``rollout_id`` must be URL-safe, at most 128 characters, without '/' or a leading '.',
     and not of the ``<id>-retry-<k>`` form aglverl's retries take; a refused one queues nothing (not even the
     good ids of the same request). Then ``job``'s retry is ``job-retry-1``, and nobody else's."""
-    hostile = ["../../etc/cron.d/x", "/tmp/abs", ".hidden", "a/b", "a b", "x" * 129, "job-retry-1", "-rf", "é", ""]
+    hostile = [
+        "../../etc/cron.d/x",
+        "/tmp/abs",
+        ".hidden",
+        "a/b",
+        "a b",
+        "x" * 129,
+        "job-retry-1",
+        "-rf",
+        "é",
+        "",
+    ]
     async with serving(max_attempts=2) as (daemon, client):
         for rollout_id in hostile:
-            answer = await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "ok"}, {"input": {}, "rollout_id": rollout_id}])
+            answer = await client.post(
+                "/api/rollouts",
+                json=[{"input": {}, "rollout_id": "ok"}, {"input": {}, "rollout_id": rollout_id}],
+            )
             assert answer.status_code == 422, (rollout_id, answer.text)
             assert f"rollout_id {rollout_id[:200]!r} is not allowed" in answer.json()["detail"]
         assert daemon.store.rollout_ids() == []
-        good = await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "job"}, {"input": {}, "rollout_id": "A.b_c~1"}])
+        good = await client.post(
+            "/api/rollouts", json=[{"input": {}, "rollout_id": "job"}, {"input": {}, "rollout_id": "A.b_c~1"}]
+        )
         assert good.status_code == 201 and [r["rollout_id"] for r in good.json()] == ["job", "A.b_c~1"]
         await client.patch("/api/rollouts/job", json={"status": {"state": "running"}})
         await client.patch("/api/rollouts/job", json={"status": {"state": "failed", "error_message": "x"}})
@@ -57,16 +73,24 @@ async def test_dot_segments_on_the_proxy_path_are_refused_and_record_nothing() -
     """Finding 9: a call on rollout ``a``'s proxy path with ``..`` segments that the HTTP client would resolve to
     rollout ``b``'s aglverl path is refused with a 400; nothing is recorded under ``b`` (nor ``a``)."""
     async with serving() as (daemon, client):
-        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "a"}, {"input": {}, "rollout_id": "b"}])
+        await client.post(
+            "/api/rollouts", json=[{"input": {}, "rollout_id": "a"}, {"input": {}, "rollout_id": "b"}]
+        )
         for rollout_id in ("a", "b"):
-            assert (await client.patch(f"/api/rollouts/{rollout_id}", json={"status": {"state": "running"}})).status_code == 200
+            assert (
+                await client.patch(f"/api/rollouts/{rollout_id}", json={"status": {"state": "running"}})
+            ).status_code == 200
         (attempt_b,) = daemon.store.attempts("b")
-        path = (f"/proxy/rollout/a/attempt/0/mode/train/openai/v1/../../../../../rollout/b/attempt/{attempt_b}"
-                "/v1/chat/completions")
+        path = (
+            f"/proxy/rollout/a/attempt/0/mode/train/openai/v1/../../../../../rollout/b/attempt/{attempt_b}"
+            "/v1/chat/completions"
+        )
         host, port = daemon.server_url.removeprefix("http://").split(":")
         body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
-        request = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode() + body
         async with await anyio.connect_tcp(host, int(port)) as stream:  # as sent: no client resolves the dots
             await stream.send(request)
             answer = b""
@@ -87,7 +111,9 @@ def test_a_trainers_daemon_refuses_outside_rollouts_and_no_daemon_listens_off_lo
     token is refused at construction unless ``allow_unauthenticated`` asks for it."""
     base = {"data": {"train_batch_size": 2, "max_response_length": 4}, "aglverl": {"journal": None}}
     trainers = AsyncVERL(base).agent_lightning
-    allowing = AsyncVERL({**base, "aglverl": {"journal": None, "accept_outside_rollouts": True}}).agent_lightning
+    allowing = AsyncVERL(
+        {**base, "aglverl": {"journal": None, "accept_outside_rollouts": True}}
+    ).agent_lightning
 
     async def post(settings: AgentLightningSettings) -> httpx.Response:
         async with serving(agent_lightning=settings) as (daemon, client):
@@ -101,14 +127,18 @@ def test_a_trainers_daemon_refuses_outside_rollouts_and_no_daemon_listens_off_lo
 
     with pytest.raises(ValueError, match=r"refusing to serve on '0\.0\.0\.0' without a token"):
         AgentDaemon(host="0.0.0.0")
-    with pytest.raises(ConfigError, match=r"aglverl\.host: refusing to serve on '10\.1\.2\.3' without a token"):
+    with pytest.raises(
+        ConfigError, match=r"aglverl\.host: refusing to serve on '10\.1\.2\.3' without a token"
+    ):
         AsyncVERL({**base, "aglverl": {"journal": None, "host": "10.1.2.3"}})
     AgentDaemon(host="0.0.0.0", token="t")  # constructed, never served
     AgentDaemon(host="0.0.0.0", allow_unauthenticated=True)
     AgentDaemon(host="localhost")
 
 
-async def test_the_terminal_cursor_is_exact_across_three_restarts_with_readers_between(tmp_path: Path) -> None:
+async def test_the_terminal_cursor_is_exact_across_three_restarts_with_readers_between(
+    tmp_path: Path,
+) -> None:
     """Finding 4: a reader that follows the cursor (``next_after``) through three restarts of the daemon on its
     journal reads every rollout that ended exactly once, in the order they ended, and no position is lost
     (``total_terminal`` counts them all)."""
@@ -150,10 +180,14 @@ async def test_ended_api_rollouts_and_their_events_are_bounded() -> None:
         assert "the most one rollout keeps (4)" in answer.json()["detail"]
         for i in range(5):
             await client.patch(f"/api/rollouts/r{i}", json={"status": {"state": "failed"}})
-        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r6"}])  # new work: the bound applies
+        await client.post(
+            "/api/rollouts", json=[{"input": {}, "rollout_id": "r6"}]
+        )  # new work: the bound applies
         assert [r for r in daemon.store.rollout_ids()] == ["r2", "r3", "r4", "r5", "r6"]
         assert (await client.get("/api/rollouts/r0")).status_code == 404
         page = (await client.get("/api/rollouts/terminal", params={"after": 0})).json()
         assert [i["rollout_id"] for i in page["items"]] == ["r2", "r3", "r4"]
-        await client.get("/api/rollouts/terminal", params={"after": page["next_after"]})  # the reader moved past
+        await client.get(
+            "/api/rollouts/terminal", params={"after": page["next_after"]}
+        )  # the reader moved past
         assert daemon.store.rollout_ids() == ["r5", "r6"]

@@ -85,9 +85,14 @@ async def test_agent_lightnings_local_controller_drives_an_async_verl_run_whose_
 
     def start_controller(daemon: Any) -> None:
         command = [
-            python, "-m", "agentlightning.controller", "runner_type=local",
-            f"agl_server.url={daemon.server_url}", f"agl_server.key={KEY}",
-            "local_runner.poll_interval=1", "local_runner.maximum_size=4",
+            python,
+            "-m",
+            "agentlightning.controller",
+            "runner_type=local",
+            f"agl_server.url={daemon.server_url}",
+            f"agl_server.key={KEY}",
+            "local_runner.poll_interval=1",
+            "local_runner.maximum_size=4",
         ]
         with open(log, "wb") as out:
             controllers.append(subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT))

@@ -35,12 +35,22 @@ import seed_agents  # noqa: E402
 
 def _config(steps: int = 2, *, width: int = 4, **aglverl: Any) -> dict[str, Any]:
     return {
-        "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": width, "shuffle": False},
+        "data": {
+            "train_batch_size": 2,
+            "max_prompt_length": 64,
+            "max_response_length": width,
+            "shuffle": False,
+        },
         "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
         "algorithm": {"adv_estimator": "grpo"},
         "aglverl": {"journal": None, "max_attempts": 2, **aglverl},
-        "trainer": {"total_training_steps": steps, "save_freq": -1, "test_freq": -1, "val_before_train": False,
-                    "logger": []},
+        "trainer": {
+            "total_training_steps": steps,
+            "save_freq": -1,
+            "test_freq": -1,
+            "val_before_train": False,
+            "logger": [],
+        },
         "ray_kwargs": {"ray_init": {"log_to_driver": False}},
     }
 
@@ -48,7 +58,13 @@ def _config(steps: int = 2, *, width: int = 4, **aglverl: Any) -> dict[str, Any]
 def _rows(log: Path, n: int, split: str = "train", **extra: Any) -> list[dict[str, Any]]:
     """Alternating rewards 0.25 / 0.75: with two prompts a step (in order), each step's rollouts average 0.5."""
     return [
-        {"prompt": "Say yes.", "reward": 0.25 if i % 2 == 0 else 0.75, "split": split, "log": str(log), **extra}
+        {
+            "prompt": "Say yes.",
+            "reward": 0.25 if i % 2 == 0 else 0.75,
+            "split": split,
+            "log": str(log),
+            **extra,
+        }
         for i in range(n)
     ]
 
@@ -57,7 +73,9 @@ def _seen(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def _fit(algo: Any, agent: Any, train: list[dict[str, Any]], val: list[dict[str, Any]] | None = None) -> list[dict[str, float]]:
+def _fit(
+    algo: Any, agent: Any, train: list[dict[str, Any]], val: list[dict[str, Any]] | None = None
+) -> list[dict[str, float]]:
     """``Trainer(n_runners=2).fit``, as a program runs it; returns every step's metrics."""
     steps: list[dict[str, float]] = []
     algo.algorithm.on_step.append(lambda step, metrics: steps.append(dict(metrics)))
@@ -147,7 +165,9 @@ def test_bad_config_is_an_error_at_construction_naming_the_key() -> None:
     when ``VERL`` is constructed, each naming what is wrong; the docs' example config constructs as it is."""
     with pytest.raises(ConfigError, match=r"'agentlightning.trace_aggregator.levl'.*did you mean 'level'"):
         VERL(_config() | {"agentlightning": {"trace_aggregator": {"levl": "trajectory"}}})
-    with pytest.raises(ConfigError, match=r"agentlightning.rollout_timeout_seconds is a key of Agent Lightning 1.0"):
+    with pytest.raises(
+        ConfigError, match=r"agentlightning.rollout_timeout_seconds is a key of Agent Lightning 1.0"
+    ):
         VERL(_config() | {"agentlightning": {"rollout_timeout_seconds": 60}})
     with pytest.raises(ConfigError, match=r"trace_aggregator.debug: True cannot be honoured"):
         VERL(_config() | {"agentlightning": {"trace_aggregator": {"debug": True}}})
@@ -186,15 +206,25 @@ def test_aglverl_fit_runs_the_unchanged_program_whose_async_multiturn_agent_trai
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]),
-        "VERL_FILE_LOGGER_PATH": str(metrics),  # verl's "file" logger, which the program's trainer.logger names
+        "VERL_FILE_LOGGER_PATH": str(
+            metrics
+        ),  # verl's "file" logger, which the program's trainer.logger names
     }
     done = subprocess.run(
         [str(aglverl), "fit", str(program), "--log", str(log), "--steps", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"fit_returned": True, "algorithm": "aglverl.agent_lightning.verl.VERL", "same_class": True}
+    assert result == {
+        "fit_returned": True,
+        "algorithm": "aglverl.agent_lightning.verl.VERL",
+        "same_class": True,
+    }
     steps = [json.loads(line)["data"] for line in metrics.read_text().splitlines()]
     assert len(steps) == 2
     for step in steps:  # through verl's trainer.logger, as agl.VERL logs

@@ -25,8 +25,12 @@ def test_port_is_the_task_servers_port() -> None:
 
 
 def test_trace_aggregator_level_picks_the_row_layout() -> None:
-    assert _mapped({"trace_aggregator": {"level": "transition"}}) == {"aglverl": {"signal": {"trajectory": "per_call"}}}
-    assert _mapped({"trace_aggregator": {"level": "trajectory"}}) == {"aglverl": {"signal": {"trajectory": "merge"}}}
+    assert _mapped({"trace_aggregator": {"level": "transition"}}) == {
+        "aglverl": {"signal": {"trajectory": "per_call"}}
+    }
+    assert _mapped({"trace_aggregator": {"level": "trajectory"}}) == {
+        "aglverl": {"signal": {"trajectory": "merge"}}
+    }
     assert _mapped({"trace_aggregator": {}}) == {}  # left out: aglverl's default (merge)
 
 
@@ -43,9 +47,13 @@ def test_the_docs_trajectory_widths_replace_the_rows_widths_and_keep_each_calls_
     """``agl.VERL``'s documented trajectory aggregation: ``data.max_response_length`` (2048) bounds each call,
     the trajectory widths are the merged rows' (as ``agl.VERL`` builds its batch); left out (aglverl merges by
     default) they apply the same way, and under ``aglverl.signal.trajectory: per_call`` they do nothing."""
-    section = {"trace_aggregator": {"trajectory_max_prompt_length": 4096, "trajectory_max_response_length": 34384}}
+    section = {
+        "trace_aggregator": {"trajectory_max_prompt_length": 4096, "trajectory_max_response_length": 34384}
+    }
     data = {"max_prompt_length": 4096, "max_response_length": 2048}
-    assert _mapped({"trace_aggregator": {"level": "trajectory", **section["trace_aggregator"]}}, data=data) == {
+    assert _mapped(
+        {"trace_aggregator": {"level": "trajectory", **section["trace_aggregator"]}}, data=data
+    ) == {
         "aglverl": {"signal": {"trajectory": "merge"}},
         "data": {"max_prompt_length": 4096, "max_response_length": 34384},
         "actor_rollout_ref": {"rollout": {"response_length": 2048, "max_model_len": 4096 + 34384}},
@@ -56,7 +64,10 @@ def test_the_docs_trajectory_widths_replace_the_rows_widths_and_keep_each_calls_
     }
     per_call = _mapped(section, data=data, aglverl={"signal": {"trajectory": "per_call"}})
     assert per_call["data"] == data and "actor_rollout_ref" not in per_call
-    with pytest.raises(ConfigError, match=r"data.max_response_length \(2048\) and actor_rollout_ref.rollout.response_length \(1024\) disagree"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.max_response_length \(2048\) and actor_rollout_ref.rollout.response_length \(1024\) disagree",
+    ):
         _mapped(section, data=data, actor_rollout_ref={"rollout": {"response_length": 1024}})
 
 
@@ -64,12 +75,18 @@ def test_the_docs_trajectory_widths_replace_the_rows_widths_and_keep_each_calls_
     ("section", "message"),
     [
         ({"prot": 1}, r"unknown config key 'agentlightning.prot'; did you mean 'port'"),
-        ({"trace_aggregator": {"levle": "x"}}, r"'agentlightning.trace_aggregator.levle'; did you mean 'level'"),
+        (
+            {"trace_aggregator": {"levle": "x"}},
+            r"'agentlightning.trace_aggregator.levle'; did you mean 'level'",
+        ),
         ({"port": "9999"}, r"agentlightning.port must be a port number"),
         ({"trace_aggregator": {"level": "turn"}}, r"level must be 'trajectory' or 'transition', got 'turn'"),
         ({"trace_aggregator": {"debug": True}}, r"debug: True cannot be honoured.*batch/n_calls_drifted"),
         ({"trace_aggregator": {"trajectory_max_prompt_length": 0}}, r"must be an integer >= 1, got 0"),
-        ({"agl_base_url": "http://h:1"}, r"agentlightning.agl_base_url is a key of Agent Lightning 1.0's section"),
+        (
+            {"agl_base_url": "http://h:1"},
+            r"agentlightning.agl_base_url is a key of Agent Lightning 1.0's section",
+        ),
         ("port=1", r"agentlightning must be a mapping"),
     ],
 )

@@ -72,10 +72,15 @@ async def test_every_way_an_attempt_ends_in_the_store_shows_once(store: TaskStor
     store.heartbeat(a, first.attempt_id, seconds=0.05)
     with anyio.fail_after(10):
         await ended.wait()  # the lease ran out: retried
-    assert states(view, a, f"{a}-retry-1") == ["failed", "queuing"] and "lease expired" in view.slot(a).error_message
+    assert (
+        states(view, a, f"{a}-retry-1") == ["failed", "queuing"]
+        and "lease expired" in view.slot(a).error_message
+    )
     second = await store.claim()
     assert second is not None and states(view, f"{a}-retry-1") == ["running"]
-    store.submit_result(Rollout(rollout_id=a, attempt_id=first.attempt_id, final_reward=1.0))  # the late one wins
+    store.submit_result(
+        Rollout(rollout_id=a, attempt_id=first.attempt_id, final_reward=1.0)
+    )  # the late one wins
     assert states(view, a, f"{a}-retry-1") == ["failed", "failed"]
     assert "superseded" in view.slot(f"{a}-retry-1").error_message
     b = store.enqueue({"n": 2}, rollout_id="b")
@@ -117,7 +122,10 @@ async def test_the_cursor_survives_a_restart_through_its_journal_records(store: 
     again.restore(written)
     again.sync()
     page = again.terminal_page(0, 10)
-    assert [(i.rollout_id, i.state, i.data_id) for i in page.items] == [("r0", "failed", "d0"), ("r1", "failed", "d1")]
+    assert [(i.rollout_id, i.state, i.data_id) for i in page.items] == [
+        ("r0", "failed", "d0"),
+        ("r1", "failed", "d1"),
+    ]
     assert page.total_terminal == 2 and again.slot("r2").state == "queuing"
     assert again.config_of("r2") == view.config_of("r2")
     assert next(iter(again.live_records())) == {"kind": "agl_cursor", "total": 2}
@@ -130,16 +138,31 @@ async def test_recorded_calls_are_model_request_events_and_trim_to_triplets(stor
     assert slot.attempt_id is not None
     earlier = time.time() - 10  # the calls were made before the reward was posted
     for seq, (prompt, response) in enumerate([([1, 2], [3]), ([1, 2], [4, 5]), ([1, 2, 4, 5, 6], [7])]):
-        call = LLMCall("m", slot.attempt_id, seq, "/v1/chat/completions", "http://b", earlier + seq, 0.01,
-                       model="tiny", prompt_token_ids=prompt, response_token_ids=response, logprobs=[-0.5] * len(response),
-                       finish_reason="stop")
+        call = LLMCall(
+            "m",
+            slot.attempt_id,
+            seq,
+            "/v1/chat/completions",
+            "http://b",
+            earlier + seq,
+            0.01,
+            model="tiny",
+            prompt_token_ids=prompt,
+            response_token_ids=response,
+            logprobs=[-0.5] * len(response),
+            finish_reason="stop",
+        )
         store.record_calls("m", slot.attempt_id, [call])
     view.add_event("m", "0", "reward", {"value": 1, "source": "agent", "extra": "dropped in triplets"})
     events = view.events("m")
     assert [e.event_type for e in events] == ["model_request"] * 3 + ["reward"]
     assert events[0].data["response"]["choices"][0]["token_ids"] == [3]
     trimmed = triplet_events(events)
-    assert [e.data.get("response_token_ids") for e in trimmed] == [[4, 5], [7], None]  # same prompt: the last kept
+    assert [e.data.get("response_token_ids") for e in trimmed] == [
+        [4, 5],
+        [7],
+        None,
+    ]  # same prompt: the last kept
     assert trimmed[0].data["response_log_probs"] == [-0.5, -0.5]
     assert trimmed[-1].data == {"value": 1, "source": "agent"}
     assert view.detail("m").attempts == ["0"]

@@ -70,7 +70,11 @@ def test_rollout_name_vllm_alone_selects_verls_vllm_rollout_with_its_cpu_default
     from aglverl.algorithm import VLLM_CPU_ROLLOUT
 
     config, _ = compose_config(
-        {"actor_rollout_ref.rollout.name": "vllm", "data.max_prompt_length": 64, "data.max_response_length": 32}
+        {
+            "actor_rollout_ref.rollout.name": "vllm",
+            "data.max_prompt_length": 64,
+            "data.max_response_length": 32,
+        }
     )
     rollout = config.actor_rollout_ref.rollout
     assert rollout.name == "vllm" and rollout.mode == "async" and rollout.dtype == "float32"
@@ -82,7 +86,10 @@ def test_rollout_name_vllm_alone_selects_verls_vllm_rollout_with_its_cpu_default
     config, _ = compose_config(
         {"actor_rollout_ref.rollout": {"name": "vllm", "max_num_seqs": 3, "max_model_len": 512}}
     )
-    assert (config.actor_rollout_ref.rollout.max_num_seqs, config.actor_rollout_ref.rollout.max_model_len) == (3, 512)
+    assert (
+        config.actor_rollout_ref.rollout.max_num_seqs,
+        config.actor_rollout_ref.rollout.max_model_len,
+    ) == (3, 512)
     # the embedded engine's config is untouched by them
     embedded, _ = compose_config({})
     assert embedded.actor_rollout_ref.rollout.max_num_seqs == 256
@@ -93,9 +100,17 @@ def test_verls_vllm_rollout_serves_the_token_in_endpoints_unless_the_user_says_o
     assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is True  # --enable_scale_out
     assert options.token_in is True
     config, options = compose_config(
-        {"actor_rollout_ref.rollout": {"name": "vllm", "engine_kwargs": {"vllm": {"enable_scale_out": False}}}, "aglverl.token_in": False}
+        {
+            "actor_rollout_ref.rollout": {
+                "name": "vllm",
+                "engine_kwargs": {"vllm": {"enable_scale_out": False}},
+            },
+            "aglverl.token_in": False,
+        }
     )
-    assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is False and not options.token_in
+    assert (
+        config.actor_rollout_ref.rollout.engine_kwargs.vllm.enable_scale_out is False and not options.token_in
+    )
     embedded, _ = compose_config({})
     assert "enable_scale_out" not in embedded.actor_rollout_ref.rollout.engine_kwargs.vllm
 
@@ -107,13 +122,20 @@ def test_verls_vllm_rollout_gets_the_tool_call_parser_of_the_models_family() -> 
     assert options.tool_call_parser == "auto"
     assert (vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (True, "hermes")
     # a name forces one, null leaves vLLM without tool calling, the user's engine arguments win
-    config, _ = compose_config({"actor_rollout_ref.rollout.name": "vllm", "aglverl.tool_call_parser": "qwen3_json"})
+    config, _ = compose_config(
+        {"actor_rollout_ref.rollout.name": "vllm", "aglverl.tool_call_parser": "qwen3_json"}
+    )
     assert config.actor_rollout_ref.rollout.engine_kwargs.vllm.tool_call_parser == "qwen3_json"
     config, _ = compose_config({"actor_rollout_ref.rollout.name": "vllm", "aglverl.tool_call_parser": None})
     assert "tool_call_parser" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
     assert "enable_auto_tool_choice" not in config.actor_rollout_ref.rollout.engine_kwargs.vllm
     config, _ = compose_config(
-        {"actor_rollout_ref.rollout": {"name": "vllm", "engine_kwargs": {"vllm": {"tool_call_parser": "my_plugin"}}}}
+        {
+            "actor_rollout_ref.rollout": {
+                "name": "vllm",
+                "engine_kwargs": {"vllm": {"tool_call_parser": "my_plugin"}},
+            }
+        }
     )
     vllm = config.actor_rollout_ref.rollout.engine_kwargs.vllm
     assert (vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (True, "my_plugin")
@@ -128,21 +150,37 @@ def test_verls_vllm_rollout_gets_the_tool_call_parser_of_the_models_family() -> 
         ({"config.json": {"model_type": "llama", "vocab_size": 128256}}, "llama3_json"),
         ({"config.json": {"model_type": "llama", "vocab_size": 32000}}, None),
         # Hermes 3 on Llama 3.1: the template's <tool_call> blocks, not Llama's JSON
-        ({"config.json": {"model_type": "llama", "vocab_size": 128256}, "chat_template.jinja": "<tool_call>"}, "hermes"),
+        (
+            {
+                "config.json": {"model_type": "llama", "vocab_size": 128256},
+                "chat_template.jinja": "<tool_call>",
+            },
+            "hermes",
+        ),
         ({"config.json": {"model_type": "mistral"}}, "mistral"),
-        ({"config.json": {"model_type": "qwen3_moe"}, "chat_template.jinja": "<tool_call>\n<function="}, "qwen3_coder"),
-        ({"config.json": {"model_type": "phi"}, "tokenizer_config.json": {"chat_template": "<tool_call>"}}, "hermes"),
+        (
+            {"config.json": {"model_type": "qwen3_moe"}, "chat_template.jinja": "<tool_call>\n<function="},
+            "qwen3_coder",
+        ),
+        (
+            {"config.json": {"model_type": "phi"}, "tokenizer_config.json": {"chat_template": "<tool_call>"}},
+            "hermes",
+        ),
         ({"config.json": {"model_type": "phi"}}, None),
         ({}, None),
     ],
 )
-def test_the_tool_call_parser_is_picked_from_the_models_files(tmp_path: Path, files: dict, parser: str | None) -> None:
+def test_the_tool_call_parser_is_picked_from_the_models_files(
+    tmp_path: Path, files: dict, parser: str | None
+) -> None:
     from aglverl.algorithm.vllm_tools import KNOWN_TOOL_PARSERS, known_tool_parsers, pick_tool_call_parser
 
     for name, content in files.items():
         (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
     assert pick_tool_call_parser(str(tmp_path))[0] == parser
-    assert {"hermes", "llama3_json", "mistral", "qwen3_coder"} <= set(known_tool_parsers()) & set(KNOWN_TOOL_PARSERS)
+    assert {"hermes", "llama3_json", "mistral", "qwen3_coder"} <= set(known_tool_parsers()) & set(
+        KNOWN_TOOL_PARSERS
+    )
 
 
 @pytest.mark.parametrize(
@@ -162,7 +200,9 @@ def test_a_hub_name_not_in_the_local_cache_is_read_by_its_name(
 
     from aglverl.algorithm.vllm_tools import pick_tool_call_parser
 
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty hub cache: no file of the model here
+    monkeypatch.setattr(
+        constants, "HF_HUB_CACHE", str(tmp_path)
+    )  # an empty hub cache: no file of the model here
     monkeypatch.chdir(tmp_path)
     assert pick_tool_call_parser(name)[0] == parser
 
@@ -171,7 +211,13 @@ def test_aglverl_section_configures_the_daemon() -> None:
     _, options = compose_config(
         {
             **SMALL,
-            "aglverl": {"max_attempts": 5, "llm_resource": "plain", "agents": 3, "journal": None, "proxy_shards": "per_node"},
+            "aglverl": {
+                "max_attempts": 5,
+                "llm_resource": "plain",
+                "agents": 3,
+                "journal": None,
+                "proxy_shards": "per_node",
+            },
         }
     )
     assert options.max_attempts == 5
@@ -195,9 +241,20 @@ def test_the_aglverl_section_becomes_the_daemons_settings_each_in_the_part_that_
     config, options = compose_config({**SMALL, "aglverl": section})
     settings = daemon_config(config, options)
     proxy = settings.proxy
-    assert (proxy.hold_timeout, proxy.pause_timeout, proxy.sampling_mismatch, proxy.token_in) == (60.0, 600.0, "mask", False)
-    assert proxy.token == settings.token == "t" and proxy.request_logprobs and settings.signal is options.signal
-    assert (settings.store.lease_seconds, settings.store.max_attempts, settings.store.vocab_size) == (30.0, 2, None)
+    assert (proxy.hold_timeout, proxy.pause_timeout, proxy.sampling_mismatch, proxy.token_in) == (
+        60.0,
+        600.0,
+        "mask",
+        False,
+    )
+    assert (
+        proxy.token == settings.token == "t" and proxy.request_logprobs and settings.signal is options.signal
+    )
+    assert (settings.store.lease_seconds, settings.store.max_attempts, settings.store.vocab_size) == (
+        30.0,
+        2,
+        None,
+    )
     assert (settings.batch.max_prompt_length, settings.batch.max_response_length) == (64, 16)
     assert settings.max_failed_groups == 4  # default: a batch's worth (data.train_batch_size)
     assert settings.journal_path is None and settings.backends == ()  # the trainer's part is filled in later
@@ -225,44 +282,86 @@ def test_unknown_keys_and_bad_values_are_errors_naming_the_key(overrides: dict, 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"data": {"train_batch_size": "sixteen"}}, "data.train_batch_size must be an integer, got 'sixteen' (str)"),
+        (
+            {"data": {"train_batch_size": "sixteen"}},
+            "data.train_batch_size must be an integer, got 'sixteen' (str)",
+        ),
         ({"aglverl": {"agents": "many"}}, "aglverl.agents must be an integer or null, got 'many' (str)"),
         (
             {"algorithm": {"adv_estimator": "grpoo"}},
             "algorithm.adv_estimator: 'grpoo' is not one of verl's advantage estimators (gae, gdpo, gpg, grpo,",
         ),
-        ({"algorithm": {"adv_estimator": "grpoo"}}, "rloo_vectorized, tir_optimal_token_baseline); did you mean 'grpo'?"),
-        ({"actor_rollout_ref.rollout.n": 0}, "actor_rollout_ref.rollout.n must be an integer >= 1, got 0 (int)"),
-        ({"actor_rollout_ref.rollout.top_p": 1.5}, "actor_rollout_ref.rollout.top_p must be a number > 0 and <= 1, got 1.5"),
-        ({"actor_rollout_ref.actor.ppo_epochs": 1.5}, "actor_rollout_ref.actor.ppo_epochs must be an integer, got 1.5"),
-        ({"actor_rollout_ref.actor.optim.lr": "1e-3"}, "actor_rollout_ref.actor.optim.lr must be a number, got '1e-3'"),
-        ({"actor_rollout_ref.actor.use_kl_loss": "yes"}, "actor_rollout_ref.actor.use_kl_loss must be true or false"),
+        (
+            {"algorithm": {"adv_estimator": "grpoo"}},
+            "rloo_vectorized, tir_optimal_token_baseline); did you mean 'grpo'?",
+        ),
+        (
+            {"actor_rollout_ref.rollout.n": 0},
+            "actor_rollout_ref.rollout.n must be an integer >= 1, got 0 (int)",
+        ),
+        (
+            {"actor_rollout_ref.rollout.top_p": 1.5},
+            "actor_rollout_ref.rollout.top_p must be a number > 0 and <= 1, got 1.5",
+        ),
+        (
+            {"actor_rollout_ref.actor.ppo_epochs": 1.5},
+            "actor_rollout_ref.actor.ppo_epochs must be an integer, got 1.5",
+        ),
+        (
+            {"actor_rollout_ref.actor.optim.lr": "1e-3"},
+            "actor_rollout_ref.actor.optim.lr must be a number, got '1e-3'",
+        ),
+        (
+            {"actor_rollout_ref.actor.use_kl_loss": "yes"},
+            "actor_rollout_ref.actor.use_kl_loss must be true or false",
+        ),
         (
             {"trainer.v1.trainer_mode": "fast"},
             "trainer.v1.trainer_mode: 'fast' is not one of verl's V1 trainer modes (colocate_async, separate_async, sync)",
         ),
-        ({"trainer.logger": ["console", "tensorbord"]}, "'tensorbord' is not one of verl's logger backends ("),
+        (
+            {"trainer.logger": ["console", "tensorbord"]},
+            "'tensorbord' is not one of verl's logger backends (",
+        ),
         ({"trainer.logger": ["console", "tensorbord"]}, "did you mean 'tensorboard'?"),
         (
             {"actor_rollout_ref.actor.policy_loss.loss_mode": "vanila"},
             "actor_rollout_ref.actor.policy_loss.loss_mode: 'vanila' is not one of verl's policy losses (",
         ),
-        ({"actor_rollout_ref.rollout.name": "vllmm"}, "'vllmm' is not one of the rollout engines (aglverl, sglang,"),
-        ({"trainer.resume_mode": "yes"}, "trainer.resume_mode: 'yes' is not one of verl's resume modes (auto, disable"),
-        ({"trainer.total_training_steps": 0}, "trainer.total_training_steps must be an integer >= 1 (or null), got 0"),
+        (
+            {"actor_rollout_ref.rollout.name": "vllmm"},
+            "'vllmm' is not one of the rollout engines (aglverl, sglang,",
+        ),
+        (
+            {"trainer.resume_mode": "yes"},
+            "trainer.resume_mode: 'yes' is not one of verl's resume modes (auto, disable",
+        ),
+        (
+            {"trainer.total_training_steps": 0},
+            "trainer.total_training_steps must be an integer >= 1 (or null), got 0",
+        ),
         ({"data": 5}, "data must be a mapping, got 5 (int)"),
         ({"aglverl": "many"}, "the aglverl section must be a mapping of its options, got 'many'"),
         ({"aglverl": {"lease_seconds": -1}}, "aglverl.lease_seconds must be > 0, got -1"),
         ({"aglverl": {"port": 70000}}, "aglverl.port must be >= 0 and <= 65535, got 70000"),
-        ({"aglverl": {"platform": "tpu"}}, "aglverl.platform must be one of 'auto', 'cpu', 'gpu', got 'tpu' (str)"),
+        (
+            {"aglverl": {"platform": "tpu"}},
+            "aglverl.platform must be one of 'auto', 'cpu', 'gpu', got 'tpu' (str)",
+        ),
         ({"aglverl": {"token": 123}}, "aglverl.token must be a string or null, got 123 (int)"),
         ({"aglverl": {"signal": "strict"}}, "aglverl.signal must be a mapping of SignalConfig's fields"),
-        ({"aglverl": {"proxy_shards": 0}}, "aglverl.proxy_shards must be an integer >= 1 or 'per_node', got 0"),
+        (
+            {"aglverl": {"proxy_shards": 0}},
+            "aglverl.proxy_shards must be an integer >= 1 or 'per_node', got 0",
+        ),
         (
             {"aglverl": {"proxy_shards": "per-node"}},
             "aglverl.proxy_shards must be an integer or one of 'per_node', got 'per-node' (str)",
         ),
-        ({"aglverl": {"tool_call_parser": 1}}, "aglverl.tool_call_parser must be a string or null, got 1 (int)"),
+        (
+            {"aglverl": {"tool_call_parser": 1}},
+            "aglverl.tool_call_parser must be a string or null, got 1 (int)",
+        ),
         (
             {"aglverl": {"tool_call_parser": "hermess"}},
             "aglverl.tool_call_parser: 'hermess' is not 'auto', null or one of vLLM's tool parsers (",
@@ -305,7 +404,10 @@ def test_verls_mini_batch_default_larger_than_the_batch_becomes_the_batch_and_sa
     caplog.clear()
     config, _ = compose_config({**overrides, "actor_rollout_ref.actor.ppo_mini_batch_size": 6})
     assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 6  # the user's, never changed
-    assert any("not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (6)" in r.getMessage() for r in caplog.records)
+    assert any(
+        "not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size (6)" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_a_run_is_named_after_its_script_so_its_checkpoints_are_its_own() -> None:
@@ -325,13 +427,17 @@ def test_the_agent_is_checked_at_construction() -> None:
 
     with pytest.raises(TypeError, match=r"agent 'plain' is a plain function.*make it `async def plain"):
         AsyncVERL(SMALL, agent=plain)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"agent 'no_llm' must take two positional arguments \(task_input, llm\)"):
+    with pytest.raises(
+        TypeError, match=r"agent 'no_llm' must take two positional arguments \(task_input, llm\)"
+    ):
         AsyncVERL(SMALL, agent=no_llm)  # type: ignore[arg-type]
 
 
 @pytest.mark.anyio
 async def test_data_that_cannot_fill_a_batch_is_refused_before_anything_starts() -> None:
-    with pytest.raises(ConfigError, match=r"the training dataset has 3 tasks, fewer than data.train_batch_size \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"the training dataset has 3 tasks, fewer than data.train_batch_size \(4\)"
+    ):
         await AsyncVERL(SMALL).run([{"prompt": "Say yes."}] * 3)
 
 
@@ -356,7 +462,10 @@ def test_prompts_the_tasks_carry_are_measured_against_the_width() -> None:
     logger = logging.getLogger("aglverl.algorithm")
     with _records(logger) as records:
         check_prompt_widths(config, True, long_prompt)
-    assert len(records) == 1 and "1 of 2 prompts measured are longer than data.max_prompt_length (64" in records[0]
+    assert (
+        len(records) == 1
+        and "1 of 2 prompts measured are longer than data.max_prompt_length (64" in records[0]
+    )
     wide, _ = compose_config({**SMALL, "data": {"train_batch_size": 4, "max_response_length": 16}})
     with _records(logger) as records:
         check_prompt_widths(wide, False, [{"prompt": "Say yes."}])  # verl's 512 for a ~20-token prompt
@@ -394,9 +503,13 @@ def test_free_form_mappings_accept_any_key() -> None:
 
 def test_dataclass_fields_the_yaml_leaves_out_are_accepted() -> None:
     # FSDPEngineConfig.mixed_precision is not in ppo_trainer.yaml (verl's CLI adds it with "+")
-    config, _ = compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "bf16"})
+    config, _ = compose_config(
+        {**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype": "bf16"}
+    )
     assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "bf16"
-    assert config.actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype == "fp32"  # CPU default kept
+    assert (
+        config.actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype == "fp32"
+    )  # CPU default kept
     with pytest.raises(ConfigError, match=r"fsdp_config\.mixed_precison.*did you mean .mixed_precision."):
         compose_config({**SMALL, "actor_rollout_ref.actor.fsdp_config.mixed_precison": {}})
 
@@ -409,13 +522,21 @@ def test_dataset_files_are_one_path_or_a_list_of_paths_as_verl_takes_them(tmp_pa
     first.write_text('{"q": 1}\n{"q": 2}\n')
     second.write_text('{"q": 3}\n')
     config, _ = compose_config(
-        {**SMALL, "data.train_files": [str(first), second], "data.val_files": [second], "trainer.logger": ("console",)}
+        {
+            **SMALL,
+            "data.train_files": [str(first), second],
+            "data.val_files": [second],
+            "trainer.logger": ("console",),
+        }
     )
     assert list(config.data.train_files) == [str(first), str(second)]
     assert [row["q"] for row in load_samples(None, config.data.train_files)] == [1, 2, 3]
     assert [row["q"] for row in load_samples(None, config.data.val_files)] == [3]
     refused = [
-        ({"data.train_files": 5}, "data.train_files must be a string or a list of strings or null, got 5 (int)"),
+        (
+            {"data.train_files": 5},
+            "data.train_files must be a string or a list of strings or null, got 5 (int)",
+        ),
         ({"data.val_files": [str(first), 7]}, "data.val_files must be a string or a list of strings or null"),
         ({"data.custom_cls": {"path": ["x.py"]}}, "data.custom_cls.path must be a string or null"),
         ({"data.custom_cls": "x.py"}, "data.custom_cls must be a mapping"),
@@ -452,7 +573,11 @@ def test_behaviour_log_probs_are_one_setting_for_verl_and_the_proxy() -> None:
     assert config.actor_rollout_ref.rollout.calculate_log_probs is False
     assert options.signal.request_logprobs is False
     config, options = compose_config(
-        {**SMALL, "actor_rollout_ref.rollout.calculate_log_probs": False, "aglverl.signal.request_logprobs": True}
+        {
+            **SMALL,
+            "actor_rollout_ref.rollout.calculate_log_probs": False,
+            "aglverl.signal.request_logprobs": True,
+        }
     )
     assert config.actor_rollout_ref.rollout.calculate_log_probs is True
     assert options.signal.request_logprobs is True
@@ -508,7 +633,9 @@ def test_samples_load_from_lists_jsonl_and_parquet(tmp_path: Path) -> None:
         load_samples([{"q": 1}, "text"])  # type: ignore[list-item]
 
 
-def test_the_aglverl_proxy_section_is_read_whole_into_the_proxys_config_the_old_flat_keys_as_aliases() -> None:
+def test_the_aglverl_proxy_section_is_read_whole_into_the_proxys_config_the_old_flat_keys_as_aliases() -> (
+    None
+):
     section = {
         "pause_timeout": 30.0,
         "max_body_bytes": 1 << 20,
@@ -526,11 +653,17 @@ def test_the_aglverl_proxy_section_is_read_whole_into_the_proxys_config_the_old_
     _, dotted = compose_config({**SMALL, "aglverl.proxy.max_request_bytes": 10, "aglverl.proxy_port": 8123})
     assert (dotted.proxy.max_body_bytes, dotted.proxy.port, dotted.proxy_port) == (10, 8123, 8123)
     for overrides, message in [
-        ({"aglverl": {"hold_timeout": 5, "proxy": {"hold_timeout": 6}}}, "aglverl.hold_timeout is the old name"),
+        (
+            {"aglverl": {"hold_timeout": 5, "proxy": {"hold_timeout": 6}}},
+            "aglverl.hold_timeout is the old name",
+        ),
         ({"aglverl.proxy.pause_timout": 1}, "'aglverl.proxy.pause_timout'; did you mean 'pause_timeout'"),
         ({"aglverl.proxy.max_body_bytes": "big"}, "aglverl.proxy.max_body_bytes must be an integer"),
         ({"aglverl.proxy.pause_timeout": 0}, "aglverl.proxy.pause_timeout must be > 0, got 0"),
-        ({"aglverl.proxy.retry.atempts": 2}, "unknown proxy setting 'retry.atempts'; did you mean 'attempts'"),
+        (
+            {"aglverl.proxy.retry.atempts": 2},
+            "unknown proxy setting 'retry.atempts'; did you mean 'attempts'",
+        ),
         ({"aglverl.proxy_port": 70000}, "aglverl.proxy_port must be >= 0 and <= 65535, got 70000"),
         ({"aglverl.proxy": 3}, "aglverl.proxy must be a mapping of the proxy's settings"),
     ]:

@@ -71,7 +71,9 @@ async def test_a_trajectory_older_than_the_staleness_bound_is_evicted_counted_an
 
     run, trainer = live
     store, producer = run.daemon.store, run.daemon.producer
-    assert trainer.config.actor_rollout_ref.rollout.calculate_log_probs  # async modes: correction on by default
+    assert (
+        trainer.config.actor_rollout_ref.rollout.calculate_log_probs
+    )  # async modes: correction on by default
     assert trainer.config.algorithm.rollout_correction.rollout_is == "token"
     # two prompts dispatched at step 1 and answered: then the trainer is at step 9, far past the bound of 2
     trainer.global_steps = 1
@@ -79,7 +81,11 @@ async def test_a_trajectory_older_than_the_staleness_bound_is_evicted_counted_an
     assert _answer_all(store) == 4
     with anyio.fail_after(30):
         await producer.wait_changed(0, 2)
-    stale = {uid for uid, tag in (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {}).items() if tag.get("is_prompt")}
+    stale = {
+        uid
+        for uid, tag in (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {}).items()
+        if tag.get("is_prompt")
+    }
     assert len(stale) == 2
     trainer.global_steps = 9
 
@@ -116,7 +122,9 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
     run, trainer = live
     daemon, producer = run.daemon, run.daemon.producer
     before = producer.version
-    producer.dispatch([Prompt("span", {"prompt": "Say yes."}, 1, global_steps=2)], resources_id=run.resources["train"])
+    producer.dispatch(
+        [Prompt("span", {"prompt": "Say yes."}, 1, global_steps=2)], resources_id=run.resources["train"]
+    )
     streaming, updated = anyio.Event(), anyio.Event()
     answers: list[str] = []
 
@@ -125,12 +133,16 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
             task = await client.next_task(wait=10)
             assert task is not None
             llm = (await client.resources(task.resources_id)).resources["main_llm"]
-            sdk = openai.AsyncOpenAI(base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0)
+            sdk = openai.AsyncOpenAI(
+                base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0
+            )
             messages = [{"role": "user", "content": "Say yes."}]
             first = await sdk.chat.completions.create(model=llm.model, messages=messages)
             answers.append(first.choices[0].finish_reason)
             parts = []
-            async for chunk in await sdk.chat.completions.create(model=llm.model, messages=messages, stream=True):
+            async for chunk in await sdk.chat.completions.create(
+                model=llm.model, messages=messages, stream=True
+            ):
                 streaming.set()
                 if chunk.choices and chunk.choices[0].finish_reason:
                     answers.append(chunk.choices[0].finish_reason)
@@ -139,7 +151,9 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
             third = await sdk.chat.completions.create(model=llm.model, messages=messages)
             answers.append(third.choices[0].finish_reason)
             await sdk.close()
-            await client.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+            await client.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+            )
 
     async def update() -> None:
         await streaming.wait()
@@ -156,7 +170,11 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
         await producer.wait_changed(before, 1)
         await producer.flush()
     assert len(answers) == 3 and set(answers) <= {"length", "stop"}  # the agent never saw an abort
-    keys = [key for key, tag in (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {}).items() if key.startswith("span_")]
+    keys = [
+        key
+        for key, tag in (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {}).items()
+        if key.startswith("span_")
+    ]
     assert sorted(keys) == ["span_0_0", "span_0_1", "span_0_2"]
     data = await anyio.to_thread.run_sync(lambda: tq.kv_batch_get(keys=sorted(keys), partition_id="train"))
     versions = data["weight_version"].tolist()
@@ -170,7 +188,9 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
     producer.take_stats(["span"])
 
 
-async def test_a_multi_turn_agents_chains_are_one_row_each_under_colocate_async(live: tuple[Any, Any]) -> None:
+async def test_a_multi_turn_agents_chains_are_one_row_each_under_colocate_async(
+    live: tuple[Any, Any],
+) -> None:
     """Two agents chat two turns each through the proxy: each chain of calls is one TransferQueue row in verl's
     agent-loop layout, the ids between calls masked."""
     import transfer_queue as tq
@@ -180,7 +200,9 @@ async def test_a_multi_turn_agents_chains_are_one_row_each_under_colocate_async(
     run, _ = live
     producer = run.daemon.producer
     before = producer.version
-    producer.dispatch([Prompt("chat", {"prompt": "Say yes."}, 2, global_steps=2)], resources_id=run.resources["train"])
+    producer.dispatch(
+        [Prompt("chat", {"prompt": "Say yes."}, 2, global_steps=2)], resources_id=run.resources["train"]
+    )
     with anyio.fail_after(120):
         seen = await multi_turn_agents(run, 2, 2)
         await producer.wait_changed(before, 1)
@@ -213,7 +235,9 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
     store.reconfigure(lease_seconds=1.0)
     before = producer.version
     expired = store.meters.requeued.value("lease_expired") + store.meters.failed.value()
-    producer.dispatch([Prompt("held", {"prompt": "Say yes."}, 1, global_steps=3)], resources_id=run.resources["train"])
+    producer.dispatch(
+        [Prompt("held", {"prompt": "Say yes."}, 1, global_steps=3)], resources_id=run.resources["train"]
+    )
     claimed, holding = anyio.Event(), anyio.Event()
     answers: list[str] = []
     try:
@@ -225,11 +249,17 @@ async def test_a_call_held_across_an_update_longer_than_the_old_limits_gets_its_
                 claimed.set()
                 await holding.wait()
                 llm = (await client.resources(task.resources_id)).resources["main_llm"]
-                sdk = openai.AsyncOpenAI(base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0)
-                answer = await sdk.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "Say yes."}])
+                sdk = openai.AsyncOpenAI(
+                    base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0
+                )
+                answer = await sdk.chat.completions.create(
+                    model=llm.model, messages=[{"role": "user", "content": "Say yes."}]
+                )
                 answers.append(answer.choices[0].finish_reason)
                 await sdk.close()
-                await client.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+                await client.post_rollout(
+                    Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+                )
 
         async def update() -> None:
             await claimed.wait()

@@ -400,10 +400,14 @@ def prefix_tree(
     for k, turn in enumerate(called):
         prompt = list(turns[turn][0])
         leaves = [a for a in called[:k] if a not in children]
-        whole = [a for a in leaves if prompt[: len(turns[a][0]) + len(turns[a][1])] == [*turns[a][0], *turns[a][1]]]
+        whole = [
+            a for a in leaves if prompt[: len(turns[a][0]) + len(turns[a][1])] == [*turns[a][0], *turns[a][1]]
+        ]
         if whole:
             parent[turn], children[max(whole)] = max(whole), turn
-        elif any(len(prompt) > len(turns[a][0]) and prompt[: len(turns[a][0])] == list(turns[a][0]) for a in leaves):
+        elif any(
+            len(prompt) > len(turns[a][0]) and prompt[: len(turns[a][0])] == list(turns[a][0]) for a in leaves
+        ):
             drifted.add(turn)
     roots = [t for t in called if t not in parent]
     chains = []
@@ -441,7 +445,9 @@ def cut_by_search(
                 break
             if start == 0 and len(prompt) > P:
                 continue  # the conversation's first prompt is cut: a row, marked is_drop_mask
-            trained += min(width, R) if end - start == 1 else sum(len(turns[chain[i]][1]) for i in range(start, end))
+            trained += (
+                min(width, R) if end - start == 1 else sum(len(turns[chain[i]][1]) for i in range(start, end))
+            )
         key = (trained, -len(starts), starts)
         if valid and (best is None or key > best):
             best = key
@@ -664,7 +670,8 @@ def test_rows_padded_to_the_widths_are_the_jagged_rows_and_pad_to_the_same_batch
     holds the same rows as the producer's (end to end), and both pad to the same batch."""
     rollouts, config = case
     rollouts = [
-        dataclasses.replace(r, reward=0.5, logprobs=[[-0.5] * len(resp) for _, resp in r.turns]) for r in rollouts
+        dataclasses.replace(r, reward=0.5, logprobs=[[-0.5] * len(resp) for _, resp in r.turns])
+        for r in rollouts
     ]
     signal = SignalConfig(trajectory=trajectory)  # type: ignore[arg-type]
     jagged = build_rows(rollouts, config, signal)
@@ -722,7 +729,10 @@ def test_every_generated_id_is_trained_exactly_once_in_call_order_or_counted(
     assert (built.untrained_needs == (0, 0)) == (untrained == 0)
     if untrained:
         P, R = built.untrained_needs
-        for wider in (dataclasses.replace(config, max_prompt_length=P), dataclasses.replace(config, max_response_length=R)):
+        for wider in (
+            dataclasses.replace(config, max_prompt_length=P),
+            dataclasses.replace(config, max_response_length=R),
+        ):
             assert build_rows(rollouts, wider, SignalConfig()).metrics["batch/n_calls_untrained_width"] == 0
 
 

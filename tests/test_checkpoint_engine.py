@@ -116,7 +116,9 @@ def _compare_served(_worker: Any, expected: dict[str, torch.Tensor]) -> dict[str
 
     server = local_rollout().server
     served = dict(server.model.named_parameters())
-    unequal = [name for name, p in served.items() if name not in expected or not torch.equal(p, expected[name])]
+    unequal = [
+        name for name, p in served.items() if name not in expected or not torch.equal(p, expected[name])
+    ]
     return {
         "compared": sorted(name for name in served if name in expected),
         "unequal": sorted(unequal),
@@ -193,7 +195,9 @@ async def test_the_cpu_engine_delivers_weights_equal_to_the_actors_and_their_ver
     trainer, replica, manager = live
     rollout_worker = replica.workers[0]
     first = await _new_actor_weights(trainer, seed=1)
-    assert (await _call(rollout_worker, _compare_served, first))["unequal"]  # the replica serves other weights
+    assert (await _call(rollout_worker, _compare_served, first))[
+        "unequal"
+    ]  # the replica serves other weights
 
     metrics = await _update(manager, 7)
     served = await _call(rollout_worker, _compare_served, first)
@@ -248,7 +252,9 @@ async def test_a_newer_version_fails_a_waiting_rollout_at_once_and_the_next_sync
         start = time.monotonic()
         waiting = rollout.update_weights(global_steps=11)
         await anyio.to_thread.run_sync(ray.get, actor_wg.update_weights(global_steps=12, mode=BACKEND))
-        with pytest.raises(WeightTransferError, match=r"waits for weights of version 11 but the trainer sent 12"):
+        with pytest.raises(
+            WeightTransferError, match=r"waits for weights of version 11 but the trainer sent 12"
+        ):
             await anyio.to_thread.run_sync(ray.get, waiting)
         assert time.monotonic() - start < TIMEOUT  # failed when version 12 arrived, not at the deadline
         await anyio.to_thread.run_sync(_finalize, trainer, rollout)
@@ -257,7 +263,9 @@ async def test_a_newer_version_fails_a_waiting_rollout_at_once_and_the_next_sync
         expected = await _new_actor_weights(trainer, seed=3)
         await anyio.to_thread.run_sync(manager.build_process_group, rollout)
         receiving = rollout.update_weights(global_steps=13)
-        await anyio.to_thread.run_sync(ray.get, actor_wg.update_weights(global_steps=13, mode=BACKEND) + receiving)
+        await anyio.to_thread.run_sync(
+            ray.get, actor_wg.update_weights(global_steps=13, mode=BACKEND) + receiving
+        )
         await anyio.to_thread.run_sync(_finalize, trainer, rollout)
     served = await _call(replica.workers[0], _compare_served, expected)
     assert served["unequal"] == [] and served["version"] == 13

@@ -200,7 +200,18 @@ async def test_serve_refuses_a_tasks_file_it_cannot_read_naming_it(tmp_path: Pat
     bad = tmp_path / "tasks.jsonl"
     bad.write_text('{"x": 1}\nnot json\n')
     for path, named in ((tmp_path / "missing.jsonl", "does not exist"), (bad, "line 2: not JSON")):
-        cmd = [sys.executable, "-m", "aglverl.cli", "serve", "--port", "0", "--proxy-port", "0", "--tasks", str(path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "aglverl.cli",
+            "serve",
+            "--port",
+            "0",
+            "--proxy-port",
+            "0",
+            "--tasks",
+            str(path),
+        ]
         done = await anyio.run_process(cmd, check=False)
         assert done.returncode == 1
         assert f"--tasks {path}" in done.stderr.decode() and named in done.stderr.decode()
@@ -232,7 +243,9 @@ def test_fit_names_a_script_that_does_not_exist(tmp_path: Path, capsys: pytest.C
     assert "aglverl fit: no such script" in capsys.readouterr().err
 
 
-def test_fit_without_agentlightning_says_what_to_install(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_fit_without_agentlightning_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """In a venv without Agent Lightning (``.venv``), ``aglverl fit`` names the venv that has it; the script
     never runs."""
     import importlib.util

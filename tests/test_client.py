@@ -36,7 +36,9 @@ async def test_an_agent_that_returns_nothing_fails_its_rollout_with_the_reason(
         assert result is not None and result.status == "failed" and result.final_reward is None
         assert "the agent returned None: return a float reward or a Rollout" in result.metadata["error"]
     assert results[3] is not None
-    assert "the agent returned 'yes' (str): return a float reward or a Rollout" in results[3].metadata["error"]
+    assert (
+        "the agent returned 'yes' (str): return a float reward or a Rollout" in results[3].metadata["error"]
+    )
     # each distinct error is logged once, however many rollouts it failed
     logged = [r.getMessage() for r in caplog.records if "agent failed on" in r.getMessage()]
     assert len(logged) == 2, logged
@@ -52,9 +54,13 @@ async def test_agents_that_cannot_be_awaited_with_task_and_llm_are_refused_befor
     async def generator(task_input: Any, llm: LLM) -> Any:
         yield 1.0
 
-    with pytest.raises(TypeError, match=r"'plain' is a plain function.*make it `async def plain\(task_input, llm\)`"):
+    with pytest.raises(
+        TypeError, match=r"'plain' is a plain function.*make it `async def plain\(task_input, llm\)`"
+    ):
         await run_agents("http://127.0.0.1:9", plain)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"must take two positional arguments \(task_input, llm\).*one_argument\("):
+    with pytest.raises(
+        TypeError, match=r"must take two positional arguments \(task_input, llm\).*one_argument\("
+    ):
         check_agent(one_argument)
     with pytest.raises(TypeError, match="async generator"):
         check_agent(generator)
@@ -71,7 +77,9 @@ async def test_an_agent_that_returns_a_bool_or_a_numpy_scalar_gets_that_reward()
     and float are (the old check refused Python's bool and took numpy's)."""
 
     async def judge(task_input: Any, llm: LLM) -> Any:
-        return {"bool": True, "false": False, "numpy_bool": np.bool_(True), "numpy": np.float32(0.25)}[task_input]
+        return {"bool": True, "false": False, "numpy_bool": np.bool_(True), "numpy": np.float32(0.25)}[
+            task_input
+        ]
 
     async with AgentDaemon(max_attempts=1) as daemon, anyio.create_task_group() as tg:
         kinds = ["bool", "false", "numpy_bool", "numpy"]
@@ -80,7 +88,9 @@ async def test_an_agent_that_returns_a_bool_or_a_numpy_scalar_gets_that_reward()
         with anyio.fail_after(20):
             results = [await daemon.wait_for_rollout(rollout_id) for rollout_id in ids]
         tg.cancel_scope.cancel()
-    rewards = {kind: (r.status, r.final_reward) for kind, r in zip(kinds, results, strict=True) if r is not None}
+    rewards = {
+        kind: (r.status, r.final_reward) for kind, r in zip(kinds, results, strict=True) if r is not None
+    }
     assert rewards == {
         "bool": ("succeeded", 1.0),
         "false": ("succeeded", 0.0),
@@ -99,7 +109,9 @@ def _logged(agent: Any) -> Any:
     return wrapper
 
 
-async def test_an_async_agent_behind_a_plain_decorator_is_awaited_and_a_wrapper_that_hides_it_is_named() -> None:
+async def test_an_async_agent_behind_a_plain_decorator_is_awaited_and_a_wrapper_that_hides_it_is_named() -> (
+    None
+):
     @_logged
     async def decorated(task_input: Any, llm: LLM) -> float:
         return 0.5
@@ -109,7 +121,9 @@ async def test_an_async_agent_behind_a_plain_decorator_is_awaited_and_a_wrapper_
     def hiding(task_input: Any, llm: LLM) -> Any:  # no functools.wraps: nothing says an agent is behind it
         return decorated(task_input, llm)
 
-    with pytest.raises(TypeError, match=r"'hiding' is a plain function, and no `async def` is behind it.*functools\.wraps"):
+    with pytest.raises(
+        TypeError, match=r"'hiding' is a plain function, and no `async def` is behind it.*functools\.wraps"
+    ):
         check_agent(hiding)
 
     async def eager_agent(task_input: Any, llm: LLM) -> float:
@@ -131,7 +145,9 @@ async def test_an_async_agent_behind_a_plain_decorator_is_awaited_and_a_wrapper_
             result = await daemon.wait_for_rollout(refused)
         tg.cancel_scope.cancel()
     assert result is not None and result.status == "failed"
-    assert "calling the agent 'eager_agent' returned 1.0 (float), not an awaitable" in result.metadata["error"]
+    assert (
+        "calling the agent 'eager_agent' returned 1.0 (float), not an awaitable" in result.metadata["error"]
+    )
 
 
 async def test_an_unreachable_task_server_is_one_line_and_the_agents_give_up(
@@ -149,6 +165,8 @@ async def test_an_unreachable_task_server_is_one_line_and_the_agents_give_up(
         done = await run_agents(f"http://127.0.0.1:{port}", agent, concurrency=8, give_up_after=1.0)
     assert done == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "aglverl.client"]
-    assert len(lines) == 2, lines  # eight loops retrying for a second: one line when it went, one when they stop
+    assert len(lines) == 2, (
+        lines
+    )  # eight loops retrying for a second: one line when it went, one when they stop
     assert "unreachable" in lines[0] and "retry with backoff for up to 1 s" in lines[0]
     assert "unreachable for more than 1 s: agents stop (0 tasks done)" in lines[1]

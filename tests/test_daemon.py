@@ -242,7 +242,9 @@ async def _one_call(daemon: AgentDaemon, **params: object) -> tuple[str, object]
             reply = exc
         finally:
             await client.close()
-        await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+        await agent.post_rollout(
+            Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+        )
     return rollout_id, reply
 
 
@@ -337,14 +339,19 @@ def test_the_keywords_and_a_daemon_config_build_the_same_daemon_whose_parts_hold
     assert daemon.collector.signal is config.signal and daemon.collector.batch_config is config.batch
     with pytest.raises(TypeError, match="not both: lease_seconds"):
         AgentDaemon(config=config, lease_seconds=1.0)  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match="unexpected keyword argument 'lease_second'; did you mean 'lease_seconds'"):
+    with pytest.raises(
+        TypeError, match="unexpected keyword argument 'lease_second'; did you mean 'lease_seconds'"
+    ):
         AgentDaemon(lease_second=1.0)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="token"):
         DaemonConfig(token="a", proxy=ProxyConfig(token="b"))
 
 
 async def test_a_running_proxy_takes_new_settings_in_every_part_and_refuses_an_assigned_one() -> None:
-    async with MockVLLM(completion_tokens=4) as mock, AgentDaemon(backends=[mock.url], model="mock") as daemon:
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock") as daemon,
+    ):
         proxy = daemon.proxy
         assert isinstance(proxy, LLMProxy)
         with pytest.raises(AttributeError, match=r"proxy\.reconfigure\(pause_timeout=\.\.\.\)"):
@@ -354,7 +361,9 @@ async def test_a_running_proxy_takes_new_settings_in_every_part_and_refuses_an_a
         client = openai.AsyncOpenAI(base_url=f"{daemon.proxy_url}/v1", api_key="-", max_retries=0)
         try:
             with anyio.fail_after(20), pytest.raises(openai.InternalServerError) as refused:
-                await client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}])
+                await client.chat.completions.create(
+                    model="mock", messages=[{"role": "user", "content": "hi"}]
+                )
         finally:
             await client.close()
         assert refused.value.status_code == 503  # the gate read the new bound
@@ -434,11 +443,17 @@ def test_every_proxy_setting_is_a_daemon_keyword_or_a_field_of_its_proxy_section
     assert DaemonConfig.from_keywords(proxy=mapping).proxy == expected
     assert DaemonConfig.from_keywords(proxy=expected).proxy == expected
     changed = DaemonConfig.from_keywords(proxy=expected, pause_timeout=1.0, max_request_bytes=5)
-    assert (changed.proxy.pause_timeout, changed.proxy.max_body_bytes, changed.proxy.hold_timeout) == (1.0, 5, 11.0)
+    assert (changed.proxy.pause_timeout, changed.proxy.max_body_bytes, changed.proxy.hold_timeout) == (
+        1.0,
+        5,
+        11.0,
+    )
     daemon = AgentDaemon(max_request_bytes=4096)
     assert isinstance(daemon.proxy, LLMProxy)
     assert daemon.proxy.max_body_bytes == daemon.proxy.max_request_bytes == 4096
-    with pytest.raises(ValueError, match="unknown proxy setting 'pause_timout'; did you mean 'pause_timeout'"):
+    with pytest.raises(
+        ValueError, match="unknown proxy setting 'pause_timout'; did you mean 'pause_timeout'"
+    ):
         DaemonConfig.from_keywords(proxy={"pause_timout": 1.0})
     with pytest.raises(ValueError, match="max_request_bytes is the old name of max_body_bytes"):
         DaemonConfig.from_keywords(max_request_bytes=1, max_body_bytes=2)

@@ -69,7 +69,11 @@ def toy() -> Iterator[ToyDialect]:
 
 
 # ---------------------------------------------------------------------------------------------- the backend
-_RENAMES = {b'"token_ids"': b'"output_ids"', b'"prompt_token_ids"': b'"input_ids"', b'"abort"': b'"cancelled"'}
+_RENAMES = {
+    b'"token_ids"': b'"output_ids"',
+    b'"prompt_token_ids"': b'"input_ids"',
+    b'"abort"': b'"cancelled"',
+}
 
 
 def _toy(raw: bytes) -> bytes:
@@ -95,7 +99,9 @@ class ToyBackend:
             obj = orjson.loads(body)
             self.seen.append((request.path, dict(obj)))
             if "kv_transfer_params" in obj:
-                return web.json_response({"error": {"message": "kv_transfer_params: unknown field"}}, status=400)
+                return web.json_response(
+                    {"error": {"message": "kv_transfer_params: unknown field"}}, status=400
+                )
             if obj.pop("return_output_ids", None):
                 obj["return_token_ids"] = True
             body = orjson.dumps(obj)

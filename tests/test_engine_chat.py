@@ -41,7 +41,9 @@ class TestTheEngineAnswersAsVllm(ChatFacts):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-async def test_refused_prompt_ids_never_reach_the_batch(server: InferenceServer, chat: Chat, stream: bool) -> None:
+async def test_refused_prompt_ids_never_reach_the_batch(
+    server: InferenceServer, chat: Chat, stream: bool
+) -> None:
     await bad_ids_are_refused(chat, "out_of_vocabulary", stream)
     assert server.stats().sequences == 0 and server.stats().rejected_requests == 1
 

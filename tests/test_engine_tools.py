@@ -32,7 +32,10 @@ TOOLS = [
             "description": "Weather in a city.",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                "properties": {
+                    "city": {"enum": ["Paris", "Rome"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
                 "required": ["city", "days"],
             },
         },
@@ -87,11 +90,18 @@ async def test_history_with_tool_calls_and_results_renders_as_qwen(
 ) -> None:
     history = [
         *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
     ]
-    _, answer = await _post(http, server.url + "/v1/chat/completions/render", {"messages": history, "tools": TOOLS})
+    _, answer = await _post(
+        http, server.url + "/v1/chat/completions/render", {"messages": history, "tools": TOOLS}
+    )
     text = server.tokenizer.decode(answer["token_ids"])
     expected = (
         '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>\n'
@@ -100,7 +110,9 @@ async def test_history_with_tool_calls_and_results_renders_as_qwen(
     assert text.endswith(expected)
 
 
-async def test_a_template_without_a_tool_section_refuses_tools(tmp_path: Path, tiny_model: Path, http: aiohttp.ClientSession) -> None:
+async def test_a_template_without_a_tool_section_refuses_tools(
+    tmp_path: Path, tiny_model: Path, http: aiohttp.ClientSession
+) -> None:
     import shutil
 
     model = tmp_path / "plain"
@@ -112,7 +124,9 @@ async def test_a_template_without_a_tool_section_refuses_tools(tmp_path: Path, t
     async with InferenceServer(model, served_model_name="tiny") as s:
         assert s.chat_parser.tool_parser is None
         for path in ("/v1/chat/completions", "/v1/chat/completions/render"):
-            status, body = await _post(http, s.url + path, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2})
+            status, body = await _post(
+                http, s.url + path, {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+            )
             assert status == 400 and body["error"]["param"] == "tools"
             assert "no tool section" in body["error"]["message"]
         status, _ = await _post(http, s.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
@@ -144,8 +158,16 @@ async def test_required_and_named_always_give_calls_that_follow_the_schema(
     named = {"type": "function", "function": {"name": "get_weather"}}
     for seed in range(4):
         for choice in ("required", named):
-            body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 200, "seed": seed}
-            status, answer = await _post(http, server.url + "/v1/chat/completions", {**body, "stream": stream})
+            body = {
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": choice,
+                "max_tokens": 200,
+                "seed": seed,
+            }
+            status, answer = await _post(
+                http, server.url + "/v1/chat/completions", {**body, "stream": stream}
+            )
             assert status == 200
             calls, finish = _calls_of(answer, stream)
             assert calls, answer
@@ -201,22 +223,34 @@ def _tool(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
 
-async def test_a_free_form_object_parameter_takes_any_members_as_json_schema_says(server: InferenceServer) -> None:
+async def test_a_free_form_object_parameter_takes_any_members_as_json_schema_says(
+    server: InferenceServer,
+) -> None:
     """``{"type": "object"}`` (a bare ``dict``) is open; an object that lists its properties stays closed, as
     vLLM's grammar backends read it (tests/test_vllm_tools.py)."""
     put = _tool("put", {"type": "object", "properties": {"data": {"type": "object"}}, "required": ["data"]})
     call = '<tool_call>{"name": "put", "arguments": {"data": %s}}</tool_call>'
     assert _forced_grammar_takes(server, [put], call % '{"a": 1, "b": [true, "x"]}')
     assert _forced_grammar_takes(server, [put], call % "{}")
-    assert not _forced_grammar_takes(server, [put], '<tool_call>{"name": "put", "arguments": {"data": {}, "x": 1}}</tool_call>')
+    assert not _forced_grammar_takes(
+        server, [put], '<tool_call>{"name": "put", "arguments": {"data": {}, "x": 1}}</tool_call>'
+    )
     whole = _tool("store", {"type": "object", "additionalProperties": True})  # what pydantic writes for dict
-    assert _forced_grammar_takes(server, [whole], '<tool_call>{"name": "store", "arguments": {"k": "v"}}</tool_call>')
+    assert _forced_grammar_takes(
+        server, [whole], '<tool_call>{"name": "store", "arguments": {"k": "v"}}</tool_call>'
+    )
     closed = _tool("get_weather", TOOLS[0]["function"]["parameters"])
     assert not _forced_grammar_takes(
-        server, [closed], '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "x": 1}}</tool_call>'
+        server,
+        [closed],
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "x": 1}}</tool_call>',
     )
     named_properties = _tool("f", {"type": "object", "properties": {"properties": {"type": "object"}}})
-    assert _forced_grammar_takes(server, [named_properties], '<tool_call>{"name": "f", "arguments": {"properties": {"a": 1}}}</tool_call>')
+    assert _forced_grammar_takes(
+        server,
+        [named_properties],
+        '<tool_call>{"name": "f", "arguments": {"properties": {"a": 1}}}</tool_call>',
+    )
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -236,15 +270,23 @@ async def test_parsing_matches_a_real_vllm_on_recorded_outputs(
         if case["chat_request"] == "auto_no_thinking":
             continue
         extra = {
-            "no_tools": {}, "auto": {"tools": TOOLS}, "none": {"tools": TOOLS, "tool_choice": "none"},
+            "no_tools": {},
+            "auto": {"tools": TOOLS},
+            "none": {"tools": TOOLS, "tool_choice": "none"},
             "required": {"tools": TOOLS, "tool_choice": "required"},
-            "named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "named": {
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
         }[case["chat_request"]]
         chat = {"model": "tiny", "messages": MESSAGES, **extra}
-        gen = {"request_id": "x", "choices": [
-            {"index": 0, "token_ids": case["token_ids"], "finish_reason": case["finish_reason"]}]}
+        gen = {
+            "request_id": "x",
+            "choices": [{"index": 0, "token_ids": case["token_ids"], "finish_reason": case["finish_reason"]}],
+        }
         status, ours = await _post(
-            http, server.url + "/v1/chat/completions/derender",
+            http,
+            server.url + "/v1/chat/completions/derender",
             {"generate_response": gen, "prompt_token_ids": [1], "chat_request": chat},
         )
         assert status == 200
@@ -254,9 +296,13 @@ async def test_parsing_matches_a_real_vllm_on_recorded_outputs(
         if isinstance(theirs["content"], str):
             theirs["content"] = theirs["content"].removesuffix("<|im_end|>")
         mine = ours["choices"][0]["message"]
-        assert (mine["content"], mine["reasoning"]) == (theirs["content"], theirs["reasoning"]), case["output"]
+        assert (mine["content"], mine["reasoning"]) == (theirs["content"], theirs["reasoning"]), case[
+            "output"
+        ]
         strip = [(c["function"]["name"], c["function"]["arguments"]) for c in theirs.get("tool_calls") or []]
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in mine.get("tool_calls") or []] == strip
+        assert [
+            (c["function"]["name"], c["function"]["arguments"]) for c in mine.get("tool_calls") or []
+        ] == strip
         streamed_vllm = _reassemble([c["delta"] for c in case["stream"]])
         streamed_vllm["content"] = streamed_vllm["content"].removesuffix("<|im_end|>")
         streamed_ours = await _derender_stream(server, http, case["token_ids"], case["finish_reason"], chat)
@@ -278,18 +324,31 @@ def _reassemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _derender_stream(
-    server: InferenceServer, http: aiohttp.ClientSession, ids: list[int], finish: str, chat: dict[str, Any],
+    server: InferenceServer,
+    http: aiohttp.ClientSession,
+    ids: list[int],
+    finish: str,
+    chat: dict[str, Any],
     prompt: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     state = None
     out = []
     for k, token in enumerate(ids):
         last = k == len(ids) - 1
-        chunk = {"request_id": "x", "choices": [{"index": 0, "token_ids": [token], "finish_reason": finish if last else None}]}
+        chunk = {
+            "request_id": "x",
+            "choices": [{"index": 0, "token_ids": [token], "finish_reason": finish if last else None}],
+        }
         status, answer = await _post(
-            http, server.url + "/v1/chat/completions/derender",
-            {"stream": True, "generate_chunk": chunk, "stream_state": state, "prompt_token_ids": prompt or [1],
-             "chat_request": chat},
+            http,
+            server.url + "/v1/chat/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": chunk,
+                "stream_state": state,
+                "prompt_token_ids": prompt or [1],
+                "chat_request": chat,
+            },
         )
         assert status == 200, answer
         state = answer["stream_state"]
@@ -298,14 +357,23 @@ async def _derender_stream(
 
 
 async def test_reasoning_is_split_as_vllms_parsers_do(server: InferenceServer) -> None:
-    parser = ChatParser(tool_parser="hermes", reasoning_parser="deepseek_r1", vocab=server.tokenizer.get_vocab())
+    parser = ChatParser(
+        tool_parser="hermes", reasoning_parser="deepseek_r1", vocab=server.tokenizer.get_vocab()
+    )
     request = ToolRequest.from_request({"tools": TOOLS})
     whole = parser.session(request).parse("<think>hmm</think>" + CALL)
-    assert whole.reasoning == "hmm" and whole.content is None and [c.name for c in whole.tool_calls] == ["get_weather"]
+    assert (
+        whole.reasoning == "hmm"
+        and whole.content is None
+        and [c.name for c in whole.tool_calls] == ["get_weather"]
+    )
     assert parser.session(request).parse("no end yet").reasoning == "no end yet"
     ids = server.tokenizer.encode("<think>hmm</think>The answer" + CALL, add_special_tokens=False)
     session = parser.session(request, [1])
-    deltas = [session.delta(server.tokenizer.decode([t]), [t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    deltas = [
+        session.delta(server.tokenizer.decode([t]), [t], finished=i == len(ids) - 1)
+        for i, t in enumerate(ids)
+    ]
     joined = _reassemble([d.to_json() for d in deltas if d is not None])
     assert joined["reasoning"] == "hmm" and joined["content"] == "The answer"
     assert joined["calls"] == [{"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}]
@@ -316,8 +384,15 @@ async def test_reasoning_is_split_as_vllms_parsers_do(server: InferenceServer) -
 async def test_render_generate_derender_equal_the_chat_endpoint(
     server: InferenceServer, http: aiohttp.ClientSession, tool_choice: str
 ) -> None:
-    chat = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 160,
-            "seed": 7, "logprobs": True}
+    chat = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": 160,
+        "seed": 7,
+        "logprobs": True,
+    }
     _, direct = await _post(http, server.url + "/v1/chat/completions", {**chat, "return_token_ids": True})
     _, rendered = await _post(http, server.url + "/v1/chat/completions/render", chat)
     assert rendered["token_ids"] == direct["prompt_token_ids"]
@@ -331,8 +406,12 @@ async def test_render_generate_derender_equal_the_chat_endpoint(
     )
     assert choice["weight_versions"] == [{"version": "0", "start": 0, "end": len(choice["token_ids"])}]
     tail = rendered["token_ids"][-8:]  # a tail is enough
-    body = {"generate_response": generated, "prompt_token_ids": tail, "prompt_tokens": len(rendered["token_ids"]),
-            "chat_request": chat}
+    body = {
+        "generate_response": generated,
+        "prompt_token_ids": tail,
+        "prompt_tokens": len(rendered["token_ids"]),
+        "chat_request": chat,
+    }
     _, derendered = await _post(http, server.url + "/v1/chat/completions/derender", body)
     ours, theirs = derendered["choices"][0], direct["choices"][0]
     assert ours["finish_reason"] == theirs["finish_reason"]
@@ -353,7 +432,11 @@ async def test_render_generate_derender_equal_the_chat_endpoint(
 async def test_generate_streams_ids_and_answers_the_same_as_json(
     server: InferenceServer, http: aiohttp.ClientSession
 ) -> None:
-    request = {"model": "tiny", "token_ids": [1, 333, 201], "sampling_params": {"max_tokens": 9, "seed": 3, "logprobs": 2}}
+    request = {
+        "model": "tiny",
+        "token_ids": [1, 333, 201],
+        "sampling_params": {"max_tokens": 9, "seed": 3, "logprobs": 2},
+    }
     _, whole = await _post(http, server.url + "/inference/v1/generate", request)
     _, events = await _post(http, server.url + "/inference/v1/generate", {**request, "stream": True})
     assert events[-1] == "[DONE]"
@@ -362,14 +445,22 @@ async def test_generate_streams_ids_and_answers_the_same_as_json(
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     top = whole["choices"][0]["logprobs"]["content"][0]
     assert top["top_logprobs"][0]["token_id"] == top["token_id"] and len(top["top_logprobs"]) == 2
-    status, bad = await _post(http, server.url + "/inference/v1/generate", {**request, "sampling_params": {"top_k": 5}})
+    status, bad = await _post(
+        http, server.url + "/inference/v1/generate", {**request, "sampling_params": {"top_k": 5}}
+    )
     assert status == 400 and "top_k" in bad["error"]["message"]
 
 
-async def test_generate_abort_answers_the_ids_so_far(server: InferenceServer, http: aiohttp.ClientSession) -> None:
+async def test_generate_abort_answers_the_ids_so_far(
+    server: InferenceServer, http: aiohttp.ClientSession
+) -> None:
     import anyio
 
-    request = {"token_ids": [1, 333, 201], "sampling_params": {"max_tokens": 900, "ignore_eos": True}, "stream": True}
+    request = {
+        "token_ids": [1, 333, 201],
+        "sampling_params": {"max_tokens": 900, "ignore_eos": True},
+        "stream": True,
+    }
     async with http.post(server.url + "/inference/v1/generate", json=request) as resp:
         first = await resp.content.readuntil(b"\n\n")
         assert json.loads(first.removeprefix(b"data: "))["choices"][0]["token_ids"]
@@ -389,24 +480,38 @@ def _shape(value: Any) -> Any:
     return "null" if value is None else type(value).__name__
 
 
-async def test_token_in_answers_have_vllms_shape(server: InferenceServer, http: aiohttp.ClientSession) -> None:
+async def test_token_in_answers_have_vllms_shape(
+    server: InferenceServer, http: aiohttp.ClientSession
+) -> None:
     record = json.loads((FIXTURES / "hermes.json").read_text())
     theirs = record["render"]["plain"]["answer"]["body"]
-    _, ours = await _post(http, server.url + "/v1/chat/completions/render", record["render"]["plain"]["request"])
+    _, ours = await _post(
+        http, server.url + "/v1/chat/completions/render", record["render"]["plain"]["request"]
+    )
     assert set(ours) == set(theirs)
     # (the recording added seed and logprobs to this answer's sampling_params before sending it to generate)
     assert set(ours["sampling_params"]) == set(theirs["sampling_params"]) - {"seed", "logprobs"}
     recorded = record["generate"][0]
     _, generated = await _post(http, server.url + "/inference/v1/generate", recorded["request"])
     assert _shape(generated) == _shape(recorded["answer"]["body"])
-    _, events = await _post(http, server.url + "/inference/v1/generate", {**recorded["request"], "stream": True})
+    _, events = await _post(
+        http, server.url + "/inference/v1/generate", {**recorded["request"], "stream": True}
+    )
     assert _shape(events[0]) == _shape(recorded["stream"][0])
     assert _shape(events[-2]) == _shape(recorded["stream"][-2])
-    one_call = next(c for c in record["derender"] if c["output"] == "one_call" and c["chat_request"] == "auto")
+    one_call = next(
+        c for c in record["derender"] if c["output"] == "one_call" and c["chat_request"] == "auto"
+    )
     chat = {"messages": MESSAGES, "tools": TOOLS}
-    gen = {"request_id": "x", "choices": [{"index": 0, "token_ids": one_call["token_ids"], "finish_reason": "stop"}]}
-    _, derendered = await _post(http, server.url + "/v1/chat/completions/derender",
-                                {"generate_response": gen, "prompt_token_ids": [1], "chat_request": chat})
+    gen = {
+        "request_id": "x",
+        "choices": [{"index": 0, "token_ids": one_call["token_ids"], "finish_reason": "stop"}],
+    }
+    _, derendered = await _post(
+        http,
+        server.url + "/v1/chat/completions/derender",
+        {"generate_response": gen, "prompt_token_ids": [1], "chat_request": chat},
+    )
     assert sorted(derendered) == one_call["derender"]["keys"]
     assert sorted(derendered["choices"][0]) == one_call["derender"]["choice_keys"]
     assert list(derendered["choices"][0]["message"]) == list(one_call["derender"]["message"])

@@ -59,7 +59,12 @@ def _snippet(tmp_path: Path, steps: int) -> Path:
 
 def _run_snippet(script: Path) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        [sys.executable, script.name], capture_output=True, text=True, timeout=900, check=False, cwd=script.parent
+        [sys.executable, script.name],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=script.parent,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -72,13 +77,18 @@ def test_the_readme_snippet_runs_as_written_and_a_second_run_in_its_directory_re
     script = _snippet(tmp_path, 2)
     first = _run_snippet(script)
     printed = first.stdout.splitlines()[-1]  # after what verl prints (its console logger: the CPU default)
-    assert re.fullmatch(r"training reward \d\.\d\d, validation reward \d\.\d\d", printed), first.stdout[-2000:]
+    assert re.fullmatch(r"training reward \d\.\d\d, validation reward \d\.\d\d", printed), first.stdout[
+        -2000:
+    ]
     assert "set actor_rollout_ref.actor.ppo_mini_batch_size = 16: verl's default (256)" in first.stderr
     checkpoints = tmp_path / "checkpoints" / "aglverl" / "snippet"
     assert (checkpoints / "global_step_2" / "aglverl_metrics.json").is_file()
 
     again = _run_snippet(script)
-    assert f"nothing left to train: the checkpoint {checkpoints / 'global_step_2'} is step 2 of 2" in again.stderr
+    assert (
+        f"nothing left to train: the checkpoint {checkpoints / 'global_step_2'} is step 2 of 2"
+        in again.stderr
+    )
     assert "Started a local Ray instance" not in again.stderr  # decided before anything started
     assert again.stdout.splitlines() == [printed]  # the same metrics, saved beside the checkpoint
 
@@ -112,7 +122,9 @@ def test_langgraph_example_calls_its_tool_and_merges_each_run_on_the_responses_a
     assert final["rows per rollout"] < final["calls per rollout"]
 
 
-def test_remote_agents_example_runs_its_agents_in_another_process_and_stops_them_first(tmp_path: Path) -> None:
+def test_remote_agents_example_runs_its_agents_in_another_process_and_stops_them_first(
+    tmp_path: Path,
+) -> None:
     done = _run("remote_agents.py", "--steps", "2", "--concurrency", "16", cwd=tmp_path)
     assert re.search(r"agents: pid (\d+) -> (http://127\.0\.0\.1:\d+)", done.stderr), done.stderr[-2000:]
     assert "final training reward:" in done.stdout
@@ -136,7 +148,9 @@ def test_agent_lightning_agent_class_example_trains_with_its_config_section(tmp_
     assert "Agent Lightning API and proxy path at http://127.0.0.1:" in done.stderr
 
 
-@pytest.mark.skipif(not (shutil.which("curl") and shutil.which("jq")), reason="word_agent.sh needs curl and jq")
+@pytest.mark.skipif(
+    not (shutil.which("curl") and shutil.which("jq")), reason="word_agent.sh needs curl and jq"
+)
 def test_command_example_trains_a_shell_script_agent(tmp_path: Path) -> None:
     done = _run("command_agent.py", "--steps", "1", cwd=tmp_path)
     out = tmp_path / "command_agent-out"

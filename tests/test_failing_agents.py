@@ -94,7 +94,9 @@ async def test_a_step_whose_every_rollout_raises_is_replaced_by_fresh_prompts_sy
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
-async def test_agents_that_keep_failing_stop_the_run_with_their_error_named(shared_ray: None, mode: str) -> None:
+async def test_agents_that_keep_failing_stop_the_run_with_their_error_named(
+    shared_ray: None, mode: str
+) -> None:
     calls = 0
 
     async def agent(task: Mapping[str, Any], llm: LLM) -> float:

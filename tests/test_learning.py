@@ -40,7 +40,9 @@ def _rows(path: Path) -> list[dict]:
 async def test_the_multiturn_task_learns_with_merged_conversations(tmp_path: Path, tiny_model: Path) -> None:
     """``aglverl demo --task multiturn``: three calls per rollout, a tool message between them, the reward from
     every answer; each conversation trains as one merged row (fewer trainer tokens than one row per call)."""
-    summary = await run_demo(steps=MULTITURN_STEPS, out=tmp_path, json_lines=True, task="multiturn", prompts=8)
+    summary = await run_demo(
+        steps=MULTITURN_STEPS, out=tmp_path, json_lines=True, task="multiturn", prompts=8
+    )
     rows = _rows(tmp_path / "metrics.jsonl")
     rewards = [row["reward"] for row in rows]
     assert len(rewards) == MULTITURN_STEPS

@@ -206,7 +206,9 @@ async def post(http: aiohttp.ClientSession, url: str, **kwargs: Any) -> tuple[in
 
 
 @pytest.mark.parametrize("where", ["socket", "handler"])
-async def test_a_later_call_of_a_rollout_under_way_is_never_refused_a_new_rollouts_first_call_is(where: str) -> None:
+async def test_a_later_call_of_a_rollout_under_way_is_never_refused_a_new_rollouts_first_call_is(
+    where: str,
+) -> None:
     """The review's defect: turn 2 of a conversation got 429s while the loop was late, and its earlier turns were
     wasted. A call of an attempt that already had a call let in is never turned away, on either path a call
     can be refused on: at the socket (before aiohttp reads it), or in the handler (a request the socket does not
@@ -274,7 +276,9 @@ def raw_request(base: str, body: bytes) -> bytes:
 
 
 #: The two event loops the proxy runs on (the CLI's and shards' uvloop, an embedding application's asyncio).
-LOOPS = pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"])
+LOOPS = pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
 
 
 @LOOPS
@@ -340,7 +344,9 @@ async def test_agent_lightnings_hop_applies_the_proxys_decision_before_it_reads_
         aiohttp.ClientSession() as http,
     ):
         for rollout_id in ("a", "b"):
-            async with http.post(f"{daemon.server_url}/api/rollouts", json=[{"input": {}, "rollout_id": rollout_id}]) as r:
+            async with http.post(
+                f"{daemon.server_url}/api/rollouts", json=[{"input": {}, "rollout_id": rollout_id}]
+            ) as r:
                 assert r.status == 201
         hop = f"{daemon.server_url}/proxy/rollout/{{}}/attempt/0/mode/train/openai/v1/chat/completions"
         first = await post(http, hop.format("a"))

@@ -77,7 +77,9 @@ def _answer(store: TaskStore, rewards: dict[int, float | None], *, fail: Sequenc
             store.release(task.rollout_id, task.attempt_id or "")
             break
         if session in fail:
-            store.submit_result(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, status="failed"))
+            store.submit_result(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, status="failed")
+            )
             continue
         triplet = Triplet(prompt={"token_ids": [1, 2, 3]}, response={"token_ids": [4, 5 + session]})
         store.submit_result(
@@ -196,9 +198,16 @@ async def test_agents_failing_names_the_signal_option_that_masked_completed_roll
         await tg.start(producer.serve)
         producer.dispatch([Prompt("cut", {}, 2)], resources_id=None)
         while (task := store.try_claim()) is not None:
-            too_long = Triplet(prompt={"token_ids": [1]}, response={"token_ids": [2] * (BATCH.max_response_length + 1)})
+            too_long = Triplet(
+                prompt={"token_ids": [1]}, response={"token_ids": [2] * (BATCH.max_response_length + 1)}
+            )
             store.submit_result(
-                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0, triplets=[too_long])
+                Rollout(
+                    rollout_id=task.rollout_id,
+                    attempt_id=task.attempt_id,
+                    final_reward=1.0,
+                    triplets=[too_long],
+                )
             )
         (group,) = await sink.wait_for(1)
         tg.cancel_scope.cancel()
@@ -262,11 +271,15 @@ async def _finish_some(daemon: AgentDaemon, count: int) -> list[str]:
             assert update is not None
             llm = update.resources["main_llm"]
             client = openai.AsyncOpenAI(
-                base_url=llm.get_base_url(task.rollout_id, task.attempt_id), api_key="-", max_retries=0  # type: ignore[union-attr]
+                base_url=llm.get_base_url(task.rollout_id, task.attempt_id),
+                api_key="-",
+                max_retries=0,  # type: ignore[union-attr]
             )
             await client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "q"}])
             await client.close()
-            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+            await agent.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+            )
             done.append(task.rollout_id)
     return done
 
@@ -279,7 +292,9 @@ async def test_a_restarted_daemon_reuses_finished_rollouts_and_redoes_the_rest_o
         async with _daemon(journal, mock) as (daemon, _):
             assert daemon.producer is not None
             resources = daemon.update_resources({"main_llm": daemon.main_llm()})
-            daemon.producer.dispatch([Prompt("old", {"q": 1}, 3, global_steps=2, index=5)], resources_id=resources)
+            daemon.producer.dispatch(
+                [Prompt("old", {"q": 1}, 3, global_steps=2, index=5)], resources_id=resources
+            )
             first = await _finish_some(daemon, 2)
             old_proxy = daemon.proxy_url
             all_ids = list(daemon.producer._groups["old"].rollout_ids)
@@ -309,7 +324,9 @@ async def test_a_reissued_prompt_is_adopted_by_its_uid_and_checkpointed_groups_l
     async with MockVLLM(completion_tokens=3) as mock:
         async with _daemon(journal, mock) as (daemon, sink):
             assert daemon.producer is not None
-            daemon.producer.dispatch([Prompt("done", {"q": 0}, 1), Prompt("inflight", {"q": 1}, 2)], resources_id=None)
+            daemon.producer.dispatch(
+                [Prompt("done", {"q": 0}, 1), Prompt("inflight", {"q": 1}, 2)], resources_id=None
+            )
             await _finish_some(daemon, 1)
             # one of the three finished; if it was "done"'s, a checkpoint takes it out of the journal
             await anyio.sleep(0.05)
@@ -331,10 +348,14 @@ async def test_a_reissued_prompt_is_adopted_by_its_uid_and_checkpointed_groups_l
 async def test_recovered_collector_tasks_point_at_the_live_proxy(tmp_path: Path) -> None:
     journal = tmp_path / "j.journal"
     async with MockVLLM(completion_tokens=3) as mock:
-        async with AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, journal_path=journal) as daemon:
+        async with AgentDaemon(
+            backends=[mock.url], model="mock", batch=BATCH, journal_path=journal
+        ) as daemon:
             await daemon.submit([{"q": 1}], n=1)
             old = daemon.proxy_url
-        async with AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, journal_path=journal) as daemon:
+        async with AgentDaemon(
+            backends=[mock.url], model="mock", batch=BATCH, journal_path=journal
+        ) as daemon:
             (step,) = daemon.recovered_steps
             async with anyio.create_task_group() as tg:
                 tg.start_soon(lambda: run_agents(daemon.server_url, _Agents(), concurrency=1))
@@ -381,7 +402,10 @@ async def test_a_checkpoint_covers_exactly_the_groups_finished_before_its_save(
             assert producer.recovered == (2 if killed_during_save else 1)
             # the resumed trainer (from step 3's checkpoint) asks both samples again at step 4
             producer.dispatch(
-                [Prompt("a2", {"q": 1}, 2, global_steps=4, index=5), Prompt("b2", {"q": 2}, 2, global_steps=4, index=6)],
+                [
+                    Prompt("a2", {"q": 1}, 2, global_steps=4, index=5),
+                    Prompt("b2", {"q": 2}, 2, global_steps=4, index=6),
+                ],
                 resources_id=None,
             )
             assert producer.recovered == 0

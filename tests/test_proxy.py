@@ -922,15 +922,23 @@ async def test_a_stop_at_the_max_tokens_the_proxy_filled_in_is_truncated_not_a_f
     body = without_max_tokens(chat_body("hi"))
     window = len(prompt_token_ids(body)[0]) + 100  # far from full: the mock model would say 8 tokens
     async with MockVLLM(completion_tokens=8, max_model_len=window) as mock:
-        proxy = make_proxy(store, [mock.url], sampling_of=lambda rollout_id: {"temperature": 1.0, "max_tokens": 4})
+        proxy = make_proxy(
+            store, [mock.url], sampling_of=lambda rollout_id: {"temperature": 1.0, "max_tokens": 4}
+        )
         async with serving(proxy):
             rid, aid = claim(store)
-            async with http.post(base_url(proxy, rid, aid) + "/chat/completions", json={**body, "stream": stream}) as r:
+            async with http.post(
+                base_url(proxy, rid, aid) + "/chat/completions", json={**body, "stream": stream}
+            ) as r:
                 assert r.status == 200
                 await r.read()
             [call] = finish(store, rid, aid)
     assert mock.generation_requests()[0].json["max_tokens"] == 4
-    assert (call.status, call.finish_reason, call.limit) == ("ok", "length", "max_tokens")  # before: "context"
+    assert (call.status, call.finish_reason, call.limit) == (
+        "ok",
+        "length",
+        "max_tokens",
+    )  # before: "context"
     assert termination_of(store.record(rid)) == frozenset({"truncated"})
 
 
@@ -975,7 +983,10 @@ async def test_a_stream_goes_to_the_agent_in_one_write_per_upstream_read(
         ids = itertools.count(1)
         for _ in range(bursts):
             events = b"".join(
-                b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [next(ids)]}]})
+                b"data: "
+                + orjson.dumps(
+                    {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [next(ids)]}]}
+                )
                 + b"\n\n"
                 for _ in range(per_burst)
             )
@@ -1003,7 +1014,9 @@ async def test_a_stream_goes_to_the_agent_in_one_write_per_upstream_read(
         async with serving(proxy):
             rid, aid = claim(store)
             monkeypatch.setattr(web.StreamResponse, "write", counted)
-            async with http.post(base_url(proxy, rid, aid) + "/chat/completions", json=chat_body(stream=True)) as r:
+            async with http.post(
+                base_url(proxy, rid, aid) + "/chat/completions", json=chat_body(stream=True)
+            ) as r:
                 assert r.status == 200
                 await r.read()
             monkeypatch.undo()

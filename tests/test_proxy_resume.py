@@ -420,7 +420,11 @@ class RefusingFront:
 
     async def _forward(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         raw = await request.read()
-        refuse = self.how is not None and request.method == "POST" and self.matches(request.path, orjson.loads(raw))
+        refuse = (
+            self.how is not None
+            and request.method == "POST"
+            and self.matches(request.path, orjson.loads(raw))
+        )
         how, self.how = (self.how, None) if refuse else (None, self.how)
         if how == "503":
             self.refused += 1
@@ -430,10 +434,18 @@ class RefusingFront:
         assert self._http is not None
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         try:
-            async with self._http.request(request.method, self.server.url + request.path_qs, data=raw, headers=headers) as upstream:
-                kept = {name: upstream.headers[name] for name in ("Content-Type", "X-Weight-Version") if name in upstream.headers}
+            async with self._http.request(
+                request.method, self.server.url + request.path_qs, data=raw, headers=headers
+            ) as upstream:
+                kept = {
+                    name: upstream.headers[name]
+                    for name in ("Content-Type", "X-Weight-Version")
+                    if name in upstream.headers
+                }
                 if not kept.get("Content-Type", "").startswith("text/event-stream"):  # whole, with its length
-                    return aiohttp.web.Response(status=upstream.status, body=await upstream.read(), headers=kept)
+                    return aiohttp.web.Response(
+                        status=upstream.status, body=await upstream.read(), headers=kept
+                    )
                 response = aiohttp.web.StreamResponse(status=upstream.status, headers=kept)
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
@@ -522,10 +534,14 @@ async def test_a_call_made_again_after_a_hold_past_pause_timeout_still_has_its_w
                     calls.start_soon(ask)
                     async with http.post(base + "/chat/completions", json=body("chat", stream=True)) as reply:
                         stream = Stream(reply)
-                        await stream.until_first_token()  # both run now: the batch started with the two of them
+                        await (
+                            stream.until_first_token()
+                        )  # both run now: the batch started with the two of them
                         proxy.hold()
                         assert len(await anyio.to_thread.run_sync(server.abort)) == 2
-                        with anyio.move_on_after(3 * proxy.pause_timeout):  # the update outlasts pause_timeout
+                        with anyio.move_on_after(
+                            3 * proxy.pause_timeout
+                        ):  # the update outlasts pause_timeout
                             await reply.content.wait_eof()
                         assert not reply.content.at_eof() and not whole  # both wait for the hold's end
                         await reload(server, 1)
@@ -573,7 +589,9 @@ async def test_an_aborted_json_call_with_n_above_1_is_made_again_and_a_refusing_
     assert proxy.m_resume_failed.value("refused") == 1 and proxy.m_regenerated.value() == 0
 
 
-async def test_an_aborted_json_call_with_tools_is_made_again_under_the_new_weights(paired: InferenceServer) -> None:
+async def test_an_aborted_json_call_with_tools_is_made_again_under_the_new_weights(
+    paired: InferenceServer,
+) -> None:
     """A completion cannot continue a call whose output the backend parses as a whole (tool calls): the
     agent has seen none of a JSON answer, so the proxy makes the call again once the hold ends."""
     async with proxying(paired) as (proxy, store), aiohttp.ClientSession() as http:
@@ -755,7 +773,9 @@ class _AbortingThenFlooding:
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["continued", "made-again"])
-async def test_a_chunked_answer_read_whole_after_an_abort_is_bounded_by_max_response_bytes(tools: bool) -> None:
+async def test_a_chunked_answer_read_whole_after_an_abort_is_bounded_by_max_response_bytes(
+    tools: bool,
+) -> None:
     from aiohttp import web
 
     backend = _AbortingThenFlooding()

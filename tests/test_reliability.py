@@ -523,17 +523,19 @@ async def test_agent_outliving_a_daemon_restart_finishes_its_recovered_rollout_t
         return 1.0
 
     async with anyio.create_task_group() as tg:
-        async with MockVLLM(completion_tokens=4) as mock, daemon_for(
-            [mock.url], port=port, journal_path=journal, max_attempts=2
-        ) as first:
+        async with (
+            MockVLLM(completion_tokens=4) as mock,
+            daemon_for([mock.url], port=port, journal_path=journal, max_attempts=2) as first,
+        ):
             step = await first.submit([{"q": 0}])
             tg.start_soon(functools.partial(run_agents, first.server_url, agent, concurrency=2))
             with anyio.fail_after(STEP_TIMEOUT):
                 await first_call_done.wait()
             first_proxy = first.proxy.url
-        async with MockVLLM(completion_tokens=4) as mock, daemon_for(
-            [mock.url], port=port, journal_path=journal, max_attempts=2
-        ) as second:
+        async with (
+            MockVLLM(completion_tokens=4) as mock,
+            daemon_for([mock.url], port=port, journal_path=journal, max_attempts=2) as second,
+        ):
             (recovered,) = second.recovered_steps
             assert recovered.rollout_ids == step.rollout_ids
             assert second.proxy.url != first_proxy

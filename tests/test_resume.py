@@ -36,14 +36,21 @@ def _lines(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
 
 
-def test_a_run_killed_mid_step_resumes_without_losing_or_repeating_a_rollout(tmp_path: Path, tiny_model: Path) -> None:
+def test_a_run_killed_mid_step_resumes_without_losing_or_repeating_a_rollout(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     assert _run(tmp_path, 1) == -signal.SIGKILL, (tmp_path / "run1.log").read_text()[-3000:]
     trained = [(row["run"], row["step"]) for row in _lines(tmp_path / "steps.jsonl")]
     assert trained == [(1, 1), (1, 2)]  # killed during step 3, after checkpoint 2
     assert _run(tmp_path, 2) == 0, (tmp_path / "run2.log").read_text()[-3000:]
 
     steps = _lines(tmp_path / "steps.jsonl")
-    assert [(row["run"], row["step"]) for row in steps] == [(1, 1), (1, 2), (2, 3), (2, 4)]  # none trained twice
+    assert [(row["run"], row["step"]) for row in steps] == [
+        (1, 1),
+        (1, 2),
+        (2, 3),
+        (2, 4),
+    ]  # none trained twice
     assert all(row["step/n_completed"] == 4 and row["step/n_rows"] == 4 for row in steps)
 
     answers = _lines(tmp_path / "answers.jsonl")
@@ -89,7 +96,9 @@ def test_an_asynchronous_run_killed_mid_rollout_resumes_without_losing_or_repeat
     assert max(len(ids) for ids in rollouts_of.values()) == 2  # no sample answered more than rollout.n times
     # the group caught half answered by the kill was finished in the second run, its first answer reused
     assert any(runs == {1, 2} and len(rollouts_of[s]) == 2 for s, runs in runs_of.items())
-    for row in steps:  # a step's groups: answered in this process (counted), or restored from verl's checkpoint
+    for (
+        row
+    ) in steps:  # a step's groups: answered in this process (counted), or restored from verl's checkpoint
         restored = row["step/n_groups_restored"]
         assert row["step/n_completed"] == 2 * (2 - restored)
 
@@ -120,18 +129,26 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
     moments = [f"answer:{rng.randint(6, 24)}", "save", f"answer:{rng.randint(4, 16)}", "none"]
     for run, moment in enumerate(moments, 1):
         if moment == "save":  # the next checkpoint this run will save
-            resumed = int(latest.read_text()) if (latest := tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").exists() else 0
+            resumed = (
+                int(latest.read_text())
+                if (latest := tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+                else 0
+            )
             moment = f"save:{resumed + 3}"
         code = _run(tmp_path, run, mode, moment, helper=KILL_LOOP)
         log = (tmp_path / f"run{run}.log").read_text()[-3000:]
-        assert code == (0 if moment == "none" else -signal.SIGKILL), f"{mode}, seed {seed}, run {run} ({moment}):\n{log}"
+        assert code == (0 if moment == "none" else -signal.SIGKILL), (
+            f"{mode}, seed {seed}, run {run} ({moment}):\n{log}"
+        )
 
     runs = {row["run"]: row for row in _lines(tmp_path / "runs.jsonl")}
     steps = _lines(tmp_path / "steps.jsonl")
     groups = {row["uid"]: row["rollout_ids"] for row in _lines(tmp_path / "groups.jsonl")}
     answers = _lines(tmp_path / "answers.jsonl")
     context = f"{mode}, seed {seed}, moments {moments}, runs {runs}"
-    assert max(Counter(a["rollout_id"] for a in answers).values()) == 1, f"a rollout was answered twice ({context})"
+    assert max(Counter(a["rollout_id"] for a in answers).values()) == 1, (
+        f"a rollout was answered twice ({context})"
+    )
     sample_of = {a["rollout_id"]: a["sample"] for a in answers}
 
     # The final lineage: the last run's steps after the checkpoint it resumed from, and before that, the steps
@@ -145,14 +162,21 @@ def test_a_run_killed_at_three_random_moments_trains_every_step_once_and_every_s
         assert numbers == sorted(set(numbers)), f"run {run} trained a step twice: {numbers} ({context})"
         mine = {row["step"]: row for row in trained if start < row["step"] <= end}
         # verl saves a step's checkpoint before logging it: a kill between the two leaves its last step unlogged
-        assert set(mine) in ({*range(start + 1, end + 1)}, {*range(start + 1, end)}), (run, sorted(mine), context)
+        assert set(mine) in ({*range(start + 1, end + 1)}, {*range(start + 1, end)}), (
+            run,
+            sorted(mine),
+            context,
+        )
         lineage.update(mine)
         if start == 0:
             break
         # the run that saved checkpoint `start`: the latest earlier run that resumed before it and got there
-        run = max(r for r in range(1, run) if runs[r]["resumed_from"] < start and any(
-            row["run"] == r and row["step"] >= start - 1 for row in steps
-        ))
+        run = max(
+            r
+            for r in range(1, run)
+            if runs[r]["resumed_from"] < start
+            and any(row["run"] == r and row["step"] >= start - 1 for row in steps)
+        )
         end = start
     answered_in: Counter[int] = Counter()
     for number, row in sorted(lineage.items()):

@@ -178,7 +178,9 @@ class _DroppingFront:
             async with session.post(self.upstream + request.path, data=await request.read()) as answer:
                 body = await answer.read()
                 version = answer.headers[WEIGHT_VERSION_HEADER]
-        return web.Response(body=body, content_type="application/json", headers={WEIGHT_VERSION_HEADER: version})
+        return web.Response(
+            body=body, content_type="application/json", headers={WEIGHT_VERSION_HEADER: version}
+        )
 
 
 @pytest.fixture

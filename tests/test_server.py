@@ -300,7 +300,9 @@ async def test_tasks_posted_to_a_server_that_accepts_them_are_queued_in_order_be
         (b'[{"q": 1}]', "invalid tasks: field 'body'"),
     ],
 )
-async def test_a_bad_task_batch_is_refused_naming_the_field_and_queues_nothing(body: bytes, named: str) -> None:
+async def test_a_bad_task_batch_is_refused_naming_the_field_and_queues_nothing(
+    body: bytes, named: str
+) -> None:
     store = TaskStore(lease_seconds=30)
     server = TaskServer(store, accept_tasks=True)
     async with anyio.create_task_group() as tg:

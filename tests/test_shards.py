@@ -126,10 +126,14 @@ async def test_agents_spread_over_two_shards_on_two_nodes_and_every_call_is_reco
         async with aiohttp.ClientSession() as http, http.get(f"{daemon.server_url}/metrics") as response:
             metrics = await response.text()
     assert set(used) == set(shards.urls) and sum(used.values()) == 8  # both shards served attempts
-    assert batch.metrics["batch/n_calls"] == 24 and len(batch.data) == 8  # every call, one row per conversation
+    assert (
+        batch.metrics["batch/n_calls"] == 24 and len(batch.data) == 8
+    )  # every call, one row per conversation
     assert batch.metrics["batch/n_calls_drifted"] == 0
     assert Counter(batch.data.non_tensor_batch["rollout_id_list"]).most_common(1)[0][1] == 1
-    assert counters["proxy/calls_ok"] == 24 == len(mock.generation_requests())  # one request per call, token-in too
+    assert (
+        counters["proxy/calls_ok"] == 24 == len(mock.generation_requests())
+    )  # one request per call, token-in too
     assert all(n > 0 for n in per_shard.values()) and sum(per_shard.values()) == 24
     assert counters["proxy/token_in_generated"] == 16  # each later turn generated from the earlier ids
     for index in (0, 1):  # /metrics renders every shard's registry, labelled
@@ -205,8 +209,12 @@ async def test_pause_hold_and_resume_reach_every_shard(ray_cluster: Any) -> None
         await daemon.refresh_proxy_figures()
         assert daemon.proxy_counters()["proxy/held_calls"] == 2
         for task, _ in claimed:
-            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=0.0))
-        versions = [c.weight_version for task, _ in claimed for c in daemon.store.record(task.rollout_id).calls]
+            await agent.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=0.0)
+            )
+        versions = [
+            c.weight_version for task, _ in claimed for c in daemon.store.record(task.rollout_id).calls
+        ]
     assert versions == [0, 0, 7, 7]
     assert mock.completed == 4
 
@@ -228,7 +236,9 @@ async def test_a_shard_killed_with_sigkill_voids_its_attempts_and_serves_again(
         restarts = daemon.registry.counter("aglverl_proxy_shard_restarts_total", "")
         os.kill(await victim.actor.pid.remote(), signal.SIGKILL)
         with pytest.raises(TaskServerError) as refused:
-            await agent.post_rollout(Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0))
+            await agent.post_rollout(
+                Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0)
+            )
         assert refused.value.status == 409 and "void" in refused.value.detail
         try:  # the dead process's address serves it no more (a restarted process would not know it: a 404)
             assert (await _chat(second_base)).status == 404
@@ -243,7 +253,9 @@ async def test_a_shard_killed_with_sigkill_voids_its_attempts_and_serves_again(
         assert again.rollout_id == second.rollout_id and again.attempt_id != second.attempt_id
         assert (await _chat(again_base, "once more")).status == 200
         for task in (first, again):
-            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+            await agent.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+            )
         with anyio.fail_after(20):
             batch = await daemon.batches.receive()
         assert batch.step == step.number
@@ -270,19 +282,25 @@ async def test_a_shard_restarted_during_a_hold_comes_back_holding_with_its_new_a
         await daemon.hold_calls()
         os.kill(await victim.actor.pid.remote(), signal.SIGKILL)
         with pytest.raises(TaskServerError) as refused:  # its attempt is void, the task queued again
-            await agent.post_rollout(Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0))
+            await agent.post_rollout(
+                Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0)
+            )
         assert refused.value.status == 409
         with anyio.fail_after(60):
             await shards.wait_up()
         again, again_base = await _claim(agent)
-        assert again.rollout_id == second.rollout_id and again_base.startswith(victim.url + "/")  # least loaded
+        assert again.rollout_id == second.rollout_id and again_base.startswith(
+            victim.url + "/"
+        )  # least loaded
         async with anyio.create_task_group() as tg:
             tg.start_soon(_chat, again_base)
             with anyio.fail_after(20):
                 await victim.actor.calls_admitted.remote(1)
             assert mock.generation_requests() == []  # held on the restarted shard
             await daemon.resume_calls(5)
-        await agent.post_rollout(Rollout(rollout_id=again.rollout_id, attempt_id=again.attempt_id, final_reward=1.0))
+        await agent.post_rollout(
+            Rollout(rollout_id=again.rollout_id, attempt_id=again.attempt_id, final_reward=1.0)
+        )
         calls = daemon.store.record(again.rollout_id).calls
         await daemon.refresh_proxy_figures()
     assert [(c.attempt_id, c.weight_version) for c in calls] == [(again.attempt_id, 5)]
@@ -345,7 +363,11 @@ async def test_a_figures_call_in_flight_at_a_shards_death_voids_nothing_of_the_r
 
     async with _daemon(mock) as daemon, AgentClient(daemon.server_url) as agent:
         shards = _shards(daemon)
-        async with _second_shard_held(daemon, agent, read, ray.exceptions.RayActorError()) as (second, victim, held):
+        async with _second_shard_held(daemon, agent, read, ray.exceptions.RayActorError()) as (
+            second,
+            victim,
+            held,
+        ):
             pid = await held.actor.pid.remote()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(daemon.refresh_proxy_figures if read == "figures" else shards.metrics_text)
@@ -363,7 +385,9 @@ async def test_a_figures_call_in_flight_at_a_shards_death_voids_nothing_of_the_r
                 assert again.rollout_id == second.rollout_id and again_base.startswith(victim.url + "/")
                 assert (await _chat(again_base)).status == 200
                 held.release.set()  # the dead process's error arrives now
-        await agent.post_rollout(Rollout(rollout_id=again.rollout_id, attempt_id=again.attempt_id, final_reward=1.0))
+        await agent.post_rollout(
+            Rollout(rollout_id=again.rollout_id, attempt_id=again.attempt_id, final_reward=1.0)
+        )
         calls = daemon.store.record(again.rollout_id).calls
         restarts = daemon.registry.counter("aglverl_proxy_shard_restarts_total", "").value()
         lost = daemon.registry.counter("aglverl_attempts_lost_total", "").value()
@@ -404,7 +428,9 @@ def _outcomes(daemon: AgentDaemon) -> dict[str, float]:
     }
 
 
-async def test_a_hung_shard_bounds_post_rollout_and_the_step_still_ends(ray_cluster: Any, mock: MockVLLM) -> None:
+async def test_a_hung_shard_bounds_post_rollout_and_the_step_still_ends(
+    ray_cluster: Any, mock: MockVLLM
+) -> None:
     """A shard alive but not answering (its process stopped with SIGSTOP): ``POST /rollout`` of an attempt on
     it gets its 409 ("... is void") after ``take_timeout``, its rollout is failed (one attempt allowed) without
     calls, and the step ends; the other shard's rollout trains with its call."""
@@ -419,7 +445,9 @@ async def test_a_hung_shard_bounds_post_rollout_and_the_step_still_ends(ray_clus
         pid = await victim.actor.pid.remote()
         os.kill(pid, signal.SIGSTOP)
         try:
-            await agent.post_rollout(Rollout(rollout_id=first.rollout_id, attempt_id=first.attempt_id, final_reward=1.0))
+            await agent.post_rollout(
+                Rollout(rollout_id=first.rollout_id, attempt_id=first.attempt_id, final_reward=1.0)
+            )
             with anyio.fail_after(20), pytest.raises(TaskServerError) as refused:
                 await agent.post_rollout(
                     Rollout(rollout_id=second.rollout_id, attempt_id=second.attempt_id, final_reward=1.0)
@@ -430,21 +458,31 @@ async def test_a_hung_shard_bounds_post_rollout_and_the_step_still_ends(ray_clus
             os.kill(pid, signal.SIGCONT)
         outcomes = _outcomes(daemon)
     assert refused.value.status == 409 and "did not hand over its LLM calls within 2s" in refused.value.detail
-    assert batch.step == step.number and (batch.metrics["batch/n_rollouts"], batch.metrics["batch/n_calls"]) == (1, 1)
+    assert batch.step == step.number and (
+        batch.metrics["batch/n_rollouts"],
+        batch.metrics["batch/n_calls"],
+    ) == (1, 1)
     assert outcomes == {"completed": 1, "failed": 1, "take_timeouts": 1}
 
 
-async def test_a_failed_rollout_whose_shard_hangs_settles_and_its_step_ends(ray_cluster: Any, mock: MockVLLM) -> None:
+async def test_a_failed_rollout_whose_shard_hangs_settles_and_its_step_ends(
+    ray_cluster: Any, mock: MockVLLM
+) -> None:
     """A rollout whose lease expires (its last attempt) while its shard is stopped: taking its records is
     bounded by ``take_timeout``, so the rollout settles failed without them and its step ends."""
-    async with _daemon(mock, max_attempts=1, lease_seconds=5.0) as daemon, AgentClient(daemon.server_url) as agent:
+    async with (
+        _daemon(mock, max_attempts=1, lease_seconds=5.0) as daemon,
+        AgentClient(daemon.server_url) as agent,
+    ):
         shards = _shards(daemon)
         shards.take_timeout = 2.0
         step = await daemon.submit([{"q": 1}, {"q": 2}], n=1)
         (first, first_base), (_, second_base) = [await _claim(agent) for _ in range(2)]
         for base in (first_base, second_base):
             assert (await _chat(base)).status == 200
-        await agent.post_rollout(Rollout(rollout_id=first.rollout_id, attempt_id=first.attempt_id, final_reward=1.0))
+        await agent.post_rollout(
+            Rollout(rollout_id=first.rollout_id, attempt_id=first.attempt_id, final_reward=1.0)
+        )
         victim = next(s for s in shards.shards if second_base.startswith(s.url + "/"))
         pid = await victim.actor.pid.remote()
         os.kill(pid, signal.SIGSTOP)
@@ -454,7 +492,10 @@ async def test_a_failed_rollout_whose_shard_hangs_settles_and_its_step_ends(ray_
         finally:
             os.kill(pid, signal.SIGCONT)
         outcomes = _outcomes(daemon)
-    assert batch.step == step.number and (batch.metrics["batch/n_rollouts"], batch.metrics["batch/n_calls"]) == (1, 1)
+    assert batch.step == step.number and (
+        batch.metrics["batch/n_rollouts"],
+        batch.metrics["batch/n_calls"],
+    ) == (1, 1)
     assert outcomes == {"completed": 1, "failed": 1, "take_timeouts": 1}
 
 
@@ -486,7 +527,9 @@ async def test_agent_lightnings_proxy_path_reaches_each_attempts_shard(
 
     program = [sys.executable, str(Path(__file__).parent / "helpers" / "agl_style_agents.py"), "sdk"]
     async with _daemon(mock) as daemon:
-        runner = ProcessRunner(daemon, ProcessOptions.from_mapping({"command": program}), concurrency=4, log_dir=tmp_path)
+        runner = ProcessRunner(
+            daemon, ProcessOptions.from_mapping({"command": program}), concurrency=4, log_dir=tmp_path
+        )
         async with anyio.create_task_group() as tg:
             await tg.start(runner.serve)
             ids = [await daemon.queue_task({"prompt": f"p{i}", "reward": 1.0}) for i in range(6)]
@@ -496,5 +539,7 @@ async def test_agent_lightnings_proxy_path_reaches_each_attempts_shard(
         records = [daemon.store.record(r) for r in ids]
         await daemon.refresh_proxy_figures()
         per_shard = {s.index: s.counters.get("proxy/calls_ok", 0) for s in _shards(daemon).shards}
-    assert all(r.state == "completed" and len(r.calls) == 1 and r.calls[0].response_token_ids for r in records)
+    assert all(
+        r.state == "completed" and len(r.calls) == 1 and r.calls[0].response_token_ids for r in records
+    )
     assert sum(per_shard.values()) == 6 and all(n > 0 for n in per_shard.values())

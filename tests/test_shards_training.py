@@ -64,7 +64,12 @@ def two_nodes(tiny_model: Path) -> Iterator[Any]:
     loopback_only_ray()
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 16, "num_gpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 16,
+            "num_gpus": 0,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
     )
     saved = os.environ.get("RAY_ADDRESS")
     try:
@@ -93,7 +98,9 @@ class Lineage:
         self.made: dict[tuple[str, str], tuple[str, int]] = {}  # (rollout, attempt) -> (shard URL, calls)
         self.accepted: list[tuple[str, str]] = []
         self.groups: dict[str, list[str]] = {}
-        self.filed: dict[str, dict[str, Any]] = {}  # rollout -> attempt, its calls' attempts, rows' call counts
+        self.filed: dict[
+            str, dict[str, Any]
+        ] = {}  # rollout -> attempt, its calls' attempts, rows' call counts
         self.steps: list[tuple[int, list[str]]] = []
         self.kill_after: int | None = None  # kill the second shard when the N-th agent is on it
         self.killed: tuple[str, str] | None = None
@@ -116,7 +123,11 @@ class Lineage:
                 self.made[key] = (shard_url, turn + 1)
                 self.answers += 1
                 victim = self.shards.shards[1]
-                if self.kill_after is not None and self.answers >= self.kill_after and shard_url == victim.url:
+                if (
+                    self.kill_after is not None
+                    and self.answers >= self.kill_after
+                    and shard_url == victim.url
+                ):
                     self.kill_after = None
                     self.killed = key
                     os.kill(await victim.actor.pid.remote(), signal.SIGKILL)
@@ -166,7 +177,11 @@ class Lineage:
                 }
             await finished(group)
 
-        store.submit_result, producer.dispatch, producer.take_stats = logged_submit, logged_dispatch, logged_take_stats
+        store.submit_result, producer.dispatch, producer.take_stats = (
+            logged_submit,
+            logged_dispatch,
+            logged_take_stats,
+        )
         producer.sink.finished = logged_finished
 
     def check(self, steps: int) -> dict[str, float]:
@@ -191,7 +206,9 @@ class Lineage:
         return {url: float(n) for url, n in per_shard.items()}
 
 
-async def test_sync_training_spreads_agents_over_two_shards_and_survives_one_killed_mid_step(two_nodes: Any) -> None:
+async def test_sync_training_spreads_agents_over_two_shards_and_survives_one_killed_mid_step(
+    two_nodes: Any,
+) -> None:
     steps = 4
     lineage = Lineage()
     lineage.kill_after = 9  # during step 2 or 3, on the second shard
@@ -205,7 +222,9 @@ async def test_sync_training_spreads_agents_over_two_shards_and_survives_one_kil
     assert {s.node for s in shards.shards} == {replica}  # beside the rollout replica, off the driver's node
     assert replica != ray.get_runtime_context().get_node_id()
     lineage.check(steps)
-    assert lineage.killed is not None and lineage.killed not in lineage.accepted  # the void attempt was refused
+    assert (
+        lineage.killed is not None and lineage.killed not in lineage.accepted
+    )  # the void attempt was refused
     killed_rollout = lineage.killed[0]
     if killed_rollout in lineage.filed:  # its rollout was redone by another attempt (if its group was needed)
         assert lineage.filed[killed_rollout]["attempt"] != lineage.killed[1]
@@ -225,7 +244,10 @@ async def test_colocate_async_training_over_two_shards_records_every_call_and_ho
     algo.on_serving.append(lineage.observe)
     await algo.run(TRAIN)
     lineage.check(steps)
-    held = {s.index: s.counters.get("proxy/held_calls", 0.0) + s.counters.get("proxy/resumed", 0.0) for s in lineage.shards.shards}
+    held = {
+        s.index: s.counters.get("proxy/held_calls", 0.0) + s.counters.get("proxy/resumed", 0.0)
+        for s in lineage.shards.shards
+    }
     assert all(n > 0 for n in held.values()), held  # calls waited for the weight update on both shards
 
 
@@ -261,7 +283,9 @@ async def test_a_weight_update_holds_calls_on_both_shards_and_they_go_on_under_t
                     if not holding.is_set():
                         answered.set()
                         await holding.wait()
-            await client.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+            await client.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+            )
 
         from aglverl.trajectory.groups import Prompt
 
@@ -276,7 +300,9 @@ async def test_a_weight_update_holds_calls_on_both_shards_and_they_go_on_under_t
 
         run.producer.sink.finished = observed
 
-        run.producer.dispatch([Prompt("held", {"prompt": "Say yes."}, 2, global_steps=1)], resources_id=run.resources["train"])
+        run.producer.dispatch(
+            [Prompt("held", {"prompt": "Say yes."}, 2, global_steps=1)], resources_id=run.resources["train"]
+        )
         async with AgentClient(daemon.server_url) as client:
             tasks = [await client.next_task(wait=30) for _ in range(2)]
             with anyio.fail_after(180):

@@ -290,7 +290,11 @@ def test_broadcast_counts_each_rollout_once_in_its_group_whatever_its_rows() -> 
 
 def test_one_row_per_rollout_is_verls_stock_grpo() -> None:
     batch, _ = build_batch(
-        [rollout("a", ([1], [7]), reward=1.0), rollout("b", ([1], [8]), reward=0.0), rollout("c", ([1], [9]))],
+        [
+            rollout("a", ([1], [7]), reward=1.0),
+            rollout("b", ([1], [8]), reward=0.0),
+            rollout("c", ([1], [9])),
+        ],
         SMALL,
         SignalConfig(),
     )

@@ -85,7 +85,11 @@ def unpadded(
                 "uid": batch.non_tensor_batch["uid"][i],
                 "rollout_log_probs_valid": torch.tensor(int(present)),
             }
-            | ({"rollout_log_probs": tensors["rollout_log_probs"][i, :rlen]} if "rollout_log_probs" in tensors else {})
+            | (
+                {"rollout_log_probs": tensors["rollout_log_probs"][i, :rlen]}
+                if "rollout_log_probs" in tensors
+                else {}
+            )
         )
         tags.append(
             {
@@ -103,7 +107,9 @@ def unpadded(
 
 def _group(rollouts: Sequence[FinishedRollout], config: BatchConfig, signal: SignalConfig) -> FinishedGroup:
     rows = build_rows(rollouts, config, signal)
-    stats = GroupStats("p", "train", 3, len(rollouts), len(rollouts), 0, 0.0, len(rows), 0.0, rows.metrics, False, 0, 0)
+    stats = GroupStats(
+        "p", "train", 3, len(rollouts), len(rollouts), 0, 0.0, len(rows), 0.0, rows.metrics, False, 0, 0
+    )
     return FinishedGroup(Prompt("p", {}, max(len(rollouts), 1), global_steps=3), "finished", rows, stats, [])
 
 

@@ -423,7 +423,15 @@ async def test_every_state_change_is_one_of_the_transition_table_announced_as_it
     assert third is not None and third.attempt_id
     store.submit_result(Rollout(rollout_id=rid, attempt_id=third.attempt_id, final_reward=1.0))
     states = ["queued", *(change.state for change in heard[1:])]
-    assert [c.kind for c in heard] == ["queued", "claimed", "released", "claimed", "ended", "claimed", "ended"]
+    assert [c.kind for c in heard] == [
+        "queued",
+        "claimed",
+        "released",
+        "claimed",
+        "ended",
+        "claimed",
+        "ended",
+    ]
     assert states == ["queued", "claimed", "queued", "claimed", "queued", "claimed", "completed"]
     for before, change in zip(states, heard[1:], strict=False):
         assert change.kind in TRANSITIONS[(before, change.state)]  # type: ignore[index]

@@ -221,7 +221,9 @@ def test_a_backend_is_known_by_its_model_listing_and_the_prompt_ids_go_in_the_ag
     sent = VLLM.with_prompt_ids(body, orjson.loads(body), [1, 2])
     assert sent.endswith(b'"model": "m",  "messages": [], "x": 1.50}')
     assert orjson.loads(sent)["kv_transfer_params"] == {"prompt_token_ids": [1, 2]}
-    assert orjson.loads(VLLM.with_prompt_ids(b"{}", {}, [3])) == {"kv_transfer_params": {"prompt_token_ids": [3]}}
+    assert orjson.loads(VLLM.with_prompt_ids(b"{}", {}, [3])) == {
+        "kv_transfer_params": {"prompt_token_ids": [3]}
+    }
     own = {"model": "m", "kv_transfer_params": {"do_remote_prefill": True}}
     merged = orjson.loads(VLLM.with_prompt_ids(orjson.dumps(own), own, [4]))
     assert merged["kv_transfer_params"] == {"do_remote_prefill": True, "prompt_token_ids": [4]}
@@ -324,9 +326,13 @@ async def test_a_backend_that_does_not_take_prompt_ids_is_found_out_once_and_rel
     assert mock.url in warning.message and "0.32" in warning.message
     # every call answered and recorded as the backend generated it: from its own rendering of the messages
     assert all(c.status == "ok" for c in calls) and all(a["finish_reason"] == "length" for a in answers)
-    answered = [r.json for r in mock.requests if r.path == CHAT and (behaviour == "ignore" or not sent_ids(r))]
+    answered = [
+        r.json for r in mock.requests if r.path == CHAT and (behaviour == "ignore" or not sent_ids(r))
+    ]
     assert len(answered) == 3
-    assert [c.prompt_token_ids for c in calls] == [list(render_chat(b["messages"]).encode()) for b in answered]
+    assert [c.prompt_token_ids for c in calls] == [
+        list(render_chat(b["messages"]).encode()) for b in answered
+    ]
 
 
 async def test_a_template_the_backend_renders_otherwise_is_found_out_and_its_tails_rendered_there(
@@ -533,14 +539,19 @@ async def test_a_template_that_is_not_append_only_is_generated_from_its_whole_re
                 messages += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f"{turn}"}]  # fmt: skip
         plain = finish(store, rid, aid)
     assert counts(proxy) == {"first_call": 2, "not_append_only": 2, "generated": 2}
-    [warning] = [r for r in caplog.records if "does not render a conversation as its earlier turn" in r.message]
+    [warning] = [
+        r for r in caplog.records if "does not render a conversation as its earlier turn" in r.message
+    ]
     assert directory in warning.message
     # never from a prompt the template would not produce: the whole conversation as the template renders it
     history: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     for turn, (call, answer) in enumerate(zip(with_system, answers, strict=True)):
         whole = render_chat(history, tools=[LOOKUP], template="mistral").encode()
         assert call.prompt_token_ids == list(whole) and whole.count(b"<|tools|>") == 1
-        assert whole.count(b"Be brief.") == 1 and b"<|user|>Be brief.\n\n" + history[-1]["content"].encode() in whole
+        assert (
+            whole.count(b"Be brief.") == 1
+            and b"<|user|>Be brief.\n\n" + history[-1]["content"].encode() in whole
+        )
         history += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": f"more {turn}"}]  # fmt: skip
     assert_chained(plain)
 
@@ -556,7 +567,10 @@ async def test_a_relayed_answer_aborted_by_a_weight_update_keeps_its_turn(tools:
         async with openai_sdk(base) as client:
             mock.abort_next(after_tokens=2)
             first = await chat(client, messages, False, max_tokens=6, **extra)
-            messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "and?"}]
+            messages += [
+                {"role": "assistant", "content": first["content"]},
+                {"role": "user", "content": "and?"},
+            ]
             await chat(client, messages, False, **extra)
         calls = finish(store, rid, aid)
     assert (proxy.m_resumed.value(), proxy.m_regenerated.value()) == ((0, 1) if tools else (1, 0))
@@ -680,25 +694,41 @@ async def test_a_template_the_backend_renders_otherwise_is_found_out_whatever_th
     prompt (``<|assistant|>\\n`` where the backend renders ``\\n<|assistant|>``)."""
     if case == "forgotten":
         monkeypatch.setattr(tokenin, "TEMPLATES_KEPT", 1)  # a run of one conversation keeps two contexts
-    async with MockVLLM(tokenizer=True) as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+    async with (
+        MockVLLM(tokenizer=True) as mock,
+        proxied(mock.url) as (proxy, store),
+        aiohttp.ClientSession() as http,
+    ):
         assert mock.tokenizer_dir is not None
         other = JINJA_TEMPLATES["plain"].replace("<|assistant|>{% endif %}", "<|assistant|>\n{% endif %}")
         (mock.tokenizer_dir / "chat_template.jinja").write_text(other)
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [{"role": "user", "content": "hello"}]
         if case == "few_shot":
-            messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": " 4  "}, *messages]
+            messages = [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": " 4  "},
+                *messages,
+            ]
         turns = 2 if case == "few_shot" else 4
         for turn in range(turns):
-            if case == "forgotten" and turn == 2:  # other conversations with their own tools, then this one again
+            if (
+                case == "forgotten" and turn == 2
+            ):  # other conversations with their own tools, then this one again
                 for i in range(2):
                     _, _, other_base = claim(proxy, store)
-                    tool = {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+                    tool = {
+                        "type": "function",
+                        "function": {"name": f"f{i}", "parameters": {"type": "object"}},
+                    }
                     chat: list[Any] = [{"role": "user", "content": "q"}]
                     for _ in range(2):
                         body = {"model": "mock", "max_tokens": 2, "tools": [tool], "messages": chat}
                         async with http.post(f"{other_base}/chat/completions", json=body) as r:
-                            chat += [(await r.json())["choices"][0]["message"], {"role": "user", "content": "and?"}]
+                            chat += [
+                                (await r.json())["choices"][0]["message"],
+                                {"role": "user", "content": "and?"},
+                            ]
             body = {"model": "mock", "max_tokens": 4, "messages": messages}
             async with http.post(f"{base}/chat/completions", json=body) as r:
                 answer = (await r.json())["choices"][0]["message"]
@@ -713,12 +743,18 @@ async def test_an_answer_that_ended_on_another_stop_token_gets_no_second_end_of_
     """An answer the engine stopped on one of the model's other stop tokens (Qwen2.5's ``<|endoftext|>``, Llama
     3.1's ``<|eom_id|>``: vLLM keeps it in the ids and reports it as ``stop_reason``) has ended its turn: the
     next call's ids go on with the glue, not with the template's end of turn after it."""
-    async with MockVLLM(tokenizer=True) as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+    async with (
+        MockVLLM(tokenizer=True) as mock,
+        proxied(mock.url) as (proxy, store),
+        aiohttp.ClientSession() as http,
+    ):
         rid, aid, base = claim(proxy, store)
         messages: list[Any] = [{"role": "user", "content": "hello"}]
         async with http.post(f"{base}/chat/completions", json={"model": "mock", "messages": messages}) as r:
             prompt = (await r.json())["prompt_token_ids"]
-        stop = completion_token_ids(prompt, 0, 4)[2]  # the third token the engine will generate is a stop token
+        stop = completion_token_ids(prompt, 0, 4)[
+            2
+        ]  # the third token the engine will generate is a stop token
         finish(store, rid, aid)
         rid, aid, base = claim(proxy, store)
         calls_made = []
@@ -753,7 +789,13 @@ async def test_the_template_cache_holds_the_runs_conversations() -> None:
         for i in range(rollouts):
             _, _, base = claim(proxy, store)
             tool = {"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}
-            conversations.append((base, {"model": "mock", "max_tokens": 1, "tools": [tool]}, [{"role": "user", "content": "q"}]))
+            conversations.append(
+                (
+                    base,
+                    {"model": "mock", "max_tokens": 1, "tools": [tool]},
+                    [{"role": "user", "content": "q"}],
+                )
+            )
         for _ in range(2):  # every conversation's first call, then every second one (a context each)
             for base, body, messages in conversations:
                 async with http.post(f"{base}/chat/completions", json={**body, "messages": messages}) as r:

@@ -315,7 +315,9 @@ async def test_a_whole_token_in_answer_aborted_for_a_weight_update_is_continued_
                 server.resume()
                 await reload(server, 1)
                 proxy.resume(1)
-                tg.start_soon(completion, server.url, [5, 6, 7], 2)  # the continuation's companion in its batch
+                tg.start_soon(
+                    completion, server.url, [5, 6, 7], 2
+                )  # the continuation's companion in its batch
         calls = finish(store, rid, aid)
         second = calls[1]
         async with anyio.create_task_group() as tg:

@@ -104,7 +104,10 @@ async def first_run(shared_ray: None, tmp_path_factory: pytest.TempPathFactory) 
 
     def on_step(step: int, metrics: Mapping[str, float]) -> None:
         worker = algo.trainer.actor_rollout_wg.workers[0]
-        steps[step] = {"metrics": dict(metrics), "served": ray.get(worker.__ray_call__.remote(_served_checksum))}
+        steps[step] = {
+            "metrics": dict(metrics),
+            "served": ray.get(worker.__ray_call__.remote(_served_checksum)),
+        }
 
     algo.on_step.append(on_step)
     async with anyio.create_task_group() as tg:
@@ -139,7 +142,9 @@ async def test_two_full_steps_run_through_verls_actor_reference_and_critic(first
         assert "critic/vf_loss" in metrics and "critic/values/mean" in metrics  # critic (GAE)
         assert metrics["actor/grad_norm"] > 0
         # where the step's wall time went: the four shares add up
-        shares = [metrics[f"step/share_{k}"] for k in ("generating_only", "computing_only", "both", "neither")]
+        shares = [
+            metrics[f"step/share_{k}"] for k in ("generating_only", "computing_only", "both", "neither")
+        ]
         assert sum(shares) == pytest.approx(1.0, abs=1e-6) and metrics["step/share_computing_only"] > 0
         assert metrics["step/generated_tokens"] > 0
     final = first_run["final"]
@@ -148,7 +153,9 @@ async def test_two_full_steps_run_through_verls_actor_reference_and_critic(first
     assert set(first_run["seen"]) >= {0, 1, 2, 3, 100, 101}
 
 
-async def test_verl_consumes_the_engines_log_probs_and_on_policy_they_match(first_run: dict[str, Any]) -> None:
+async def test_verl_consumes_the_engines_log_probs_and_on_policy_they_match(
+    first_run: dict[str, Any],
+) -> None:
     metrics = first_run["steps"][1]["metrics"]
     assert metrics["logprobs/n_rows_missing"] == 0.0
     assert metrics["logprobs/n_tokens"] > 0
@@ -157,7 +164,9 @@ async def test_verl_consumes_the_engines_log_probs_and_on_policy_they_match(firs
     assert metrics["logprobs/abs_diff_mean"] < 1e-3, metrics["logprobs/abs_diff_mean"]
     assert abs(metrics["logprobs/k3_kl"]) < 1e-4
     # verl's rollout correction read rollout_log_probs: token-level IS weights, all ~1 on-policy
-    assert "rollout_corr/rollout_is_mean" in metrics, sorted(k for k in metrics if k.startswith("rollout_corr"))
+    assert "rollout_corr/rollout_is_mean" in metrics, sorted(
+        k for k in metrics if k.startswith("rollout_corr")
+    )
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-2)
 
 
@@ -192,7 +201,9 @@ async def test_a_steps_proxy_counts_are_that_steps_calls_not_the_runs_running_to
     assert sum(m["proxy/retries"] for m in steps) == totals["proxy/retries"]
 
 
-async def test_the_task_server_answers_in_milliseconds_while_an_update_runs(first_run: dict[str, Any]) -> None:
+async def test_the_task_server_answers_in_milliseconds_while_an_update_runs(
+    first_run: dict[str, Any],
+) -> None:
     update = max(r["metrics"]["timing_s/update_actor"] for r in first_run["steps"].values())
     assert update > 1.0  # slow enough that a blocked event loop would show
     latencies = first_run["latencies"]

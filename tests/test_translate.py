@@ -921,13 +921,22 @@ class ContentsApi:
         for content, where in items_of(body, "contents", required=True):
             fields = Fields(content, where)
             role = "assistant" if fields.get("role", str) == "model" else "user"
-            parts = [Fields(part, f"{where}.parts.{i}") for i, part in enumerate(fields.get("parts", list, required=True))]
-            messages.append({"role": role, "content": "".join(p.get("text", str, required=True) for p in parts)})
+            parts = [
+                Fields(part, f"{where}.parts.{i}")
+                for i, part in enumerate(fields.get("parts", list, required=True))
+            ]
+            messages.append(
+                {"role": role, "content": "".join(p.get("text", str, required=True) for p in parts)}
+            )
             for part in parts:
                 part.done()
             fields.done()
         config = Fields(body.get("generationConfig", dict) or {}, "generationConfig")
-        chat = {"model": self.ex.model, "messages": messages, "max_tokens": config.get("maxOutputTokens", int)}
+        chat = {
+            "model": self.ex.model,
+            "messages": messages,
+            "max_tokens": config.get("maxOutputTokens", int),
+        }
         config.done()
         body.done(chat)
         return chat
@@ -978,7 +987,10 @@ def contents_api() -> Iterator[type[ContentsApi]]:
 async def test_a_new_api_in_one_class_with_its_model_in_the_path_and_its_own_key_header(
     contents_api: type[ContentsApi],
 ) -> None:
-    body = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}], "generationConfig": {"maxOutputTokens": 4}}
+    body = {
+        "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+        "generationConfig": {"maxOutputTokens": 4},
+    }
     async with (
         MockVLLM() as mock,
         proxied(mock.url, token="s3cret") as (proxy, store),
@@ -990,7 +1002,9 @@ async def test_a_new_api_in_one_class_with_its_model_in_the_path_and_its_own_key
             whole = (r.status, await r.json())
         async with http.post(f"{base}/models/mock:streamGenerateContent", json=body, headers=key) as r:
             events = sse_events(await r.read())
-        async with http.post(f"{base}/models/mock:generateContent", json=body, headers={"x-goog-api-key": "no"}) as r:
+        async with http.post(
+            f"{base}/models/mock:generateContent", json=body, headers={"x-goog-api-key": "no"}
+        ) as r:
             refused = (r.status, await r.json())
         calls = finish(store, rid, aid)
     status, answer = whole
@@ -998,7 +1012,9 @@ async def test_a_new_api_in_one_class_with_its_model_in_the_path_and_its_own_key
     text = answer["candidates"][0]["content"]["parts"][0]["text"]
     streamed = "".join(e["candidates"][0]["content"]["parts"][0]["text"] for _, e in events)
     assert streamed == text and text == "".join(f" t{t}" for t in calls[0].response_token_ids or [])
-    assert refused[0] == 401 and refused[1]["error"]["status"] == "TOY_ERROR"  # the proxy's error, in its shape
+    assert (
+        refused[0] == 401 and refused[1]["error"]["status"] == "TOY_ERROR"
+    )  # the proxy's error, in its shape
     assert len(calls) == 2 and all(c.prompt_token_ids and c.response_token_ids for c in calls)
     generations = [r for r in mock.requests if r.path == "/v1/chat/completions"]
     assert [r.json["model"] for r in generations] == ["mock", "mock"]  # from the path

@@ -84,7 +84,10 @@ async def test_server_addresses_answer_openai_chat_with_token_ids(trainer: Any) 
             assert response.status == 200, await response.text()
             body = await response.json()
     assert body["prompt_token_ids"] == trainer.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Say yes."}], add_generation_prompt=True, tokenize=True, return_dict=False
+        [{"role": "user", "content": "Say yes."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     assert 1 <= len(body["choices"][0]["token_ids"]) <= 4
 
@@ -155,7 +158,9 @@ async def test_the_handle_applies_verls_defaults_and_reports_the_served_weight_v
     # no max_tokens: the response length (8); log-probs were not asked for; vLLM's "completed" for a length stop
     assert len(out.token_ids) == 8 and out.log_probs is None and out.stop_reason == "completed"
     assert out.extra_fields["global_steps"] == 3
-    near_end = await handle.generate.remote(prompt_ids=list(range(5, 40)), sampling_params=greedy | {"logprobs": True})
+    near_end = await handle.generate.remote(
+        prompt_ids=list(range(5, 40)), sampling_params=greedy | {"logprobs": True}
+    )
     assert len(near_end.token_ids) == 5 == len(near_end.log_probs)  # capped by the 40-token context
 
 
@@ -172,7 +177,9 @@ async def test_the_handle_aborts_a_parked_request_and_rejects_new_ones_until_res
             out = await parked  # ended by the abort, whether it was waiting at the sleeping server or refused
             refused = await handle.generate.remote(prompt_ids=[5, 6, 7], sampling_params=sampling)
         assert set(result) == {"aborted_count", "request_ids"}
-        assert result["aborted_count"] == len(result["request_ids"]) and set(result["request_ids"]) <= {"cmpl-parked"}
+        assert result["aborted_count"] == len(result["request_ids"]) and set(result["request_ids"]) <= {
+            "cmpl-parked"
+        }
         for ended in (out, refused):
             assert ended.stop_reason == "aborted" and ended.token_ids == []
             assert isinstance(ended.extra_fields["global_steps"], int)

@@ -68,14 +68,18 @@ def _tq_tags(partition: str = "train") -> dict[str, dict[str, Any]]:
     return (tq.kv_list(partition) or {}).get(partition, {})
 
 
-def _answer_with_triplets(store: Any, plan: dict[tuple[str, int], tuple[float, list[tuple[list[int], list[int]]]]]) -> int:
+def _answer_with_triplets(
+    store: Any, plan: dict[tuple[str, int], tuple[float, list[tuple[list[int], list[int]]]]]
+) -> int:
     """Claim queued tasks and post, for (group, session), its reward and triplets (prompt ids, response ids)."""
     answered = 0
     while (task := store.try_claim()) is not None:
         reward, turns = plan[(task.metadata["data_id"], task.metadata["session"])]
         triplets = [Triplet(prompt={"token_ids": p}, response={"token_ids": r}) for p, r in turns]
         store.submit_result(
-            Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward, triplets=triplets)
+            Rollout(
+                rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward, triplets=triplets
+            )
         )
         answered += 1
     return answered
@@ -94,14 +98,21 @@ async def _agents_answer(run: Any, count: int, reply: dict[str, tuple[list[int],
             task = await agent.next_task(wait=30)
             assert task is not None
             llm = (await agent.resources(task.resources_id)).resources["main_llm"]
-            answer = await client.with_options(base_url=llm.get_base_url(task.rollout_id, task.attempt_id)).chat.completions.create(
+            answer = await client.with_options(
+                base_url=llm.get_base_url(task.rollout_id, task.attempt_id)
+            ).chat.completions.create(
                 model=llm.model, messages=[{"role": "user", "content": task.input["prompt"]}]
             )
             text = answer.choices[0].message.content or ""
             # the engine's ids, as vLLM returns them when asked (the proxy asked on the agent's behalf)
-            reply[task.rollout_id] = (answer.model_extra["prompt_token_ids"], answer.choices[0].model_extra["token_ids"])
+            reply[task.rollout_id] = (
+                answer.model_extra["prompt_token_ids"],
+                answer.choices[0].model_extra["token_ids"],
+            )
             await agent.post_rollout(
-                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=word_reward(text))
+                Rollout(
+                    rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=word_reward(text)
+                )
             )
         await client.close()
 
@@ -111,7 +122,9 @@ async def test_a_training_batch_is_filed_and_sampled_the_way_verls_agent_loop_do
     trainer.replay_buffer.poll_interval = 3600.0  # were it still polling, sample() would not return in time
     replies: dict[str, tuple[list[int], list[int]]] = {}
     async with anyio.create_task_group() as tg:
-        await anyio.to_thread.run_sync(trainer._add_batch_to_generate)  # verl's own dispatch: pending tags, then us
+        await anyio.to_thread.run_sync(
+            trainer._add_batch_to_generate
+        )  # verl's own dispatch: pending tags, then us
         tg.start_soon(_agents_answer, run, 4, replies)
         with anyio.fail_after(120):
             batch, metrics = await anyio.to_thread.run_sync(trainer.replay_buffer.sample, 1, "train", 2)
@@ -316,7 +329,9 @@ async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_on
             tg.start_soon(held_call)
             await anyio.sleep(0.2)
             assert "held call done" not in events  # held by the proxy while the weights change
-            await anyio.to_thread.run_sync(trainer.on_step_end)  # weights synced, replicas awake, calls resume
+            await anyio.to_thread.run_sync(
+                trainer.on_step_end
+            )  # weights synced, replicas awake, calls resume
             events.append("updated")
         assert events.index("updated") < events.index("held call done")
     daemon.store.submit_result(Rollout(rollout_id=rollout_id, attempt_id=task.attempt_id, final_reward=0.0))
@@ -327,7 +342,9 @@ async def test_the_proxy_drains_calls_before_the_replicas_sleep_and_holds_new_on
     assert (first.weight_version, held.weight_version) == (served[0], version)
 
 
-async def test_bypass_mode_trains_rows_without_engine_log_probs_against_the_trainers_not_zero(live: Any) -> None:
+async def test_bypass_mode_trains_rows_without_engine_log_probs_against_the_trainers_not_zero(
+    live: Any,
+) -> None:
     """verl's bypass copies rollout_log_probs into old_log_probs; a row whose call came back without the
     engine's log-probs must get the trainer's log-probs there, never the 0 its column holds."""
     from omegaconf import open_dict
@@ -341,7 +358,9 @@ async def test_bypass_mode_trains_rows_without_engine_log_probs_against_the_trai
 
     await anyio.to_thread.run_sync(
         lambda: tq.kv_batch_put(
-            keys=["gc"], partition_id="train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}]
+            keys=["gc"],
+            partition_id="train",
+            tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}],
         )
     )
     producer.dispatch(prompts, resources_id=None)
@@ -401,7 +420,9 @@ async def test_a_checkpoint_covers_exactly_the_groups_its_save_hook_files_in_tra
             tags=[{"is_prompt": True, "status": "pending", "global_steps": steps}] * 2,
         )
     )
-    producer.dispatch([Prompt("ca", {}, 1, global_steps=steps), Prompt("cb", {}, 1, global_steps=steps)], resources_id=None)
+    producer.dispatch(
+        [Prompt("ca", {}, 1, global_steps=steps), Prompt("cb", {}, 1, global_steps=steps)], resources_id=None
+    )
     tasks = {}
     while (task := store.try_claim()) is not None:
         tasks[task.metadata["data_id"]] = task
@@ -409,7 +430,11 @@ async def test_a_checkpoint_covers_exactly_the_groups_its_save_hook_files_in_tra
     def answer(uid: str) -> None:
         task = tasks[uid]
         triplet = Triplet(prompt={"token_ids": [1, 2]}, response={"token_ids": [3]})
-        store.submit_result(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0, triplets=[triplet]))
+        store.submit_result(
+            Rollout(
+                rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0, triplets=[triplet]
+            )
+        )
 
     seen = producer.version
     answer("ca")

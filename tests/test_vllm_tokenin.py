@@ -385,7 +385,12 @@ async def test_without_the_models_tokenizer_a_later_call_first_asks_vllm_to_rend
     assert counts(proxy) == {"first_call": 1, "generated": 3}
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
     paths = served.hop.paths()
-    assert paths[0] == CHAT and paths[-4:] == [RENDER, CHAT, RENDER, CHAT]  # after the template's first reading
+    assert paths[0] == CHAT and paths[-4:] == [
+        RENDER,
+        CHAT,
+        RENDER,
+        CHAT,
+    ]  # after the template's first reading
     for later in calls[1:]:
         reference = await completion(served.vllm, later.prompt_token_ids or [], 8)
         assert later.response_token_ids == reference["token_ids"]

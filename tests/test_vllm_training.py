@@ -38,7 +38,12 @@ TRAIN = [{"prompt": "Say yes.", "word": "yes", "id": i} for i in range(12)]
 
 def config(mode: str) -> dict[str, Any]:
     return {
-        "data": {"train_batch_size": 2, "max_prompt_length": 32, "max_response_length": RESPONSE, "shuffle": False},
+        "data": {
+            "train_batch_size": 2,
+            "max_prompt_length": 32,
+            "max_response_length": RESPONSE,
+            "shuffle": False,
+        },
         # two sequences at once: the others wait in vLLM's queue, and are aborted there too
         "actor_rollout_ref": {
             "rollout": {"name": "vllm", "n": 2, "max_num_seqs": 2},
@@ -98,7 +103,11 @@ class LongAnswers:
 async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -> None:
     composed, _ = compose_config(config(mode))
     rollout = composed.actor_rollout_ref.rollout
-    assert (rollout.enable_sleep_mode, rollout.free_cache_engine, rollout.enforce_eager) == (False, False, True)
+    assert (rollout.enable_sleep_mode, rollout.free_cache_engine, rollout.enforce_eager) == (
+        False,
+        False,
+        True,
+    )
     agent = LongAnswers()
     algo = AsyncVERL(config(mode), agent=agent.agent)
     steps: dict[int, dict[str, float]] = {}
@@ -111,7 +120,12 @@ async def test_three_steps_on_verls_vllm_replicas(mode: str, shared_ray: None) -
         assert metrics["logprobs/n_rows_missing"] == 0.0
     # proxy/* are each step's counts: the run's are their sums
     run = {key: sum(m[key] for m in steps.values()) for key in steps[3] if key.startswith("proxy/")}
-    failures = ("calls_failed", "calls_upstream_error", "resume_failures_unsupported", "resume_failures_refused")
+    failures = (
+        "calls_failed",
+        "calls_upstream_error",
+        "resume_failures_unsupported",
+        "resume_failures_refused",
+    )
     assert {key: run[f"proxy/{key}"] for key in failures} == dict.fromkeys(failures, 0)
     if mode != "sync":
         assert run["proxy/resumed"] > 0  # updates aborted generations, and the proxy continued them
@@ -170,7 +184,9 @@ class ToolCalling:
             self.required.append(called)
             message = called.choices[0].message
             [call] = message.tool_calls or [None]
-            assert call is not None, f"no tool call in {TOOL_CALL_TOKENS} tokens, 4 times: {message.content!r}"
+            assert call is not None, (
+                f"no tool call in {TOOL_CALL_TOKENS} tokens, 4 times: {message.content!r}"
+            )
             messages += [
                 {"role": "assistant", "content": message.content, "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": "noted"},
@@ -192,7 +208,11 @@ async def test_verls_vllm_replicas_answer_tools_and_serve_token_in_chat_one_row_
     overrides["trainer"] |= {"total_training_steps": 1}
     composed, _ = compose_config(overrides)
     vllm = composed.actor_rollout_ref.rollout.engine_kwargs.vllm
-    assert (vllm.enable_scale_out, vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (True, True, "hermes")
+    assert (vllm.enable_scale_out, vllm.enable_auto_tool_choice, vllm.tool_call_parser) == (
+        True,
+        True,
+        "hermes",
+    )
     agent = ToolCalling()
     algo = AsyncVERL(overrides, agent=agent.agent)
     steps: dict[int, dict[str, float]] = {}

@@ -131,7 +131,11 @@ class AgentLightningAPI:
             Route("/api/rollouts", g(self.list_rollouts), methods=["GET"]),
             Route("/api/rollouts/terminal", g(self.terminal), methods=["GET"]),
             Route("/api/rollouts/{rollout_id}", g(self.get_rollout, scoped=True), methods=["GET"]),
-            Route("/api/rollouts/{rollout_id}", g(self.patch_rollout, scoped=True, write=True), methods=["PATCH"]),
+            Route(
+                "/api/rollouts/{rollout_id}",
+                g(self.patch_rollout, scoped=True, write=True),
+                methods=["PATCH"],
+            ),
             Route("/api/rollouts/{rollout_id}", g(self.delete_rollout), methods=["DELETE"]),
             Route(
                 "/api/rollouts/{rollout_id}/attempt/{attempt_id}/events",

@@ -173,7 +173,12 @@ def _merged(defaults: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str,
 def _number(value: Any, key: str, *, low: float, nullable: bool = False) -> float | None:
     if value is None and nullable:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+    ):
         null = " or null" if nullable else ""
         raise _error(f"agentlightning.{key} must be a number >= {low:g}{null}, got {value!r}")
     return float(value)
@@ -259,12 +264,21 @@ def _refuse_unsupported(agl: Mapping[str, Any]) -> None:
         )
 
 
-def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+def _map_trace_aggregator(
+    user: dict[str, Any], aggregator: Mapping[str, Any], given: Mapping[str, Any]
+) -> None:
     level = aggregator.get("level")
     if level not in ("trajectory", "transition"):
-        raise _error(f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}")
+        raise _error(
+            f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}"
+        )
     place = _put if "level" in given else _default
-    place(user, "aglverl.signal.trajectory", "merge" if level == "trajectory" else "per_call", "agentlightning.trace_aggregator.level")
+    place(
+        user,
+        "aglverl.signal.trajectory",
+        "merge" if level == "trajectory" else "per_call",
+        "agentlightning.trace_aggregator.level",
+    )
     if level != "trajectory":
         return
     for key, target in (
@@ -295,9 +309,16 @@ def _map_verl_additions(user: dict[str, Any]) -> None:
             "not registered in aglverl's verl; use per_rollout_mean (mapped onto verl's vanilla loss) or a verl loss"
         )
     _pop(user, "actor_rollout_ref.actor.policy_loss.loss_mode")
-    _put(user, "aglverl.signal.turn_weighting", "per_rollout", "actor_rollout_ref.actor.policy_loss.loss_mode")
+    _put(
+        user, "aglverl.signal.turn_weighting", "per_rollout", "actor_rollout_ref.actor.policy_loss.loss_mode"
+    )
     if not _get(user, "actor_rollout_ref.actor.loss_agg_mode")[0]:
-        _put(user, "actor_rollout_ref.actor.loss_agg_mode", "seq-mean-token-mean", "actor_rollout_ref.actor.policy_loss.loss_mode")
+        _put(
+            user,
+            "actor_rollout_ref.actor.loss_agg_mode",
+            "seq-mean-token-mean",
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+        )
 
 
 def _job_template(path: Any) -> str | None:
@@ -309,4 +330,6 @@ def _job_template(path: Any) -> str | None:
         with open(os.path.expanduser(os.fspath(path)), encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise _error(f"agentlightning.k8s.job_template_path: cannot read {os.fspath(path)!r}: {exc.strerror}") from None
+        raise _error(
+            f"agentlightning.k8s.job_template_path: cannot read {os.fspath(path)!r}: {exc.strerror}"
+        ) from None

@@ -119,7 +119,9 @@ class ProxyHop:
             raise Refused(404, f"Unsupported proxy mode: {mode} (train or val)")
         path = params["path"]
         if any(segment in (".", "..") for segment in path.split("/")):
-            raise Refused(400, f"the proxy path {path!r} has a '.' or '..' segment; send the API's path as it is")
+            raise Refused(
+                400, f"the proxy path {path!r} has a '.' or '..' segment; send the API's path as it is"
+            )
         if self._session is None:
             raise Refused(503, "the Agent Lightning proxy path is not serving")
         slot = await self.rollouts.start(params["rollout_id"])

@@ -189,16 +189,33 @@ class LightningStoreBridge:
             self.daemon.store.heartbeat(task.rollout_id, task.attempt_id, seconds=_BRIDGED_LEASE_SECONDS)
             result = await self._run(task)
         except StoreError as exc:  # the attempt ended meanwhile (a step's deadline): nothing to report
-            logger.info("attempt %s of %s ended before its Agent Lightning rollout: %s", task.attempt_id, task.rollout_id, exc)
+            logger.info(
+                "attempt %s of %s ended before its Agent Lightning rollout: %s",
+                task.attempt_id,
+                task.rollout_id,
+                exc,
+            )
             return
         except Exception as exc:  # Agent Lightning's store refused it: the attempt fails, training goes on
-            logger.warning("attempt %s of %s could not run in Agent Lightning's store: %r", task.attempt_id, task.rollout_id, exc)
+            logger.warning(
+                "attempt %s of %s could not run in Agent Lightning's store: %r",
+                task.attempt_id,
+                task.rollout_id,
+                exc,
+            )
             error = f"Agent Lightning's store could not run the attempt: {exc!r}"
-            result = Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, status="failed", metadata={"error": error})
+            result = Rollout(
+                rollout_id=task.rollout_id,
+                attempt_id=task.attempt_id,
+                status="failed",
+                metadata={"error": error},
+            )
         try:
             await self.daemon.store.accept_result(result)
         except StoreError as exc:
-            logger.info("the result of %s (attempt %s) was not taken: %s", task.rollout_id, task.attempt_id, exc)
+            logger.info(
+                "the result of %s (attempt %s) was not taken: %s", task.rollout_id, task.attempt_id, exc
+            )
         finally:
             self.finished += 1
 
@@ -234,7 +251,9 @@ class LightningStoreBridge:
         update = self.daemon.store.resources(task.resources_id)
         llm = update.resources.get("main_llm") if update is not None else None
         if not isinstance(llm, ProxyLLM):
-            raise StoreError(f"rollout {task.rollout_id} has no proxy main_llm to point Agent Lightning's runners at")
+            raise StoreError(
+                f"rollout {task.rollout_id} has no proxy main_llm to point Agent Lightning's runners at"
+            )
         resolved = llm.resolve(task.rollout_id, task.attempt_id)
         return agl.LLM(
             endpoint=resolved.endpoint,
@@ -268,7 +287,9 @@ class LightningStoreBridge:
             if reward is None:
                 reward = self.reward_fillna_value
             if reward is not None and math.isfinite(reward):
-                return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=float(reward))
+                return Rollout(
+                    rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=float(reward)
+                )
             error = f"Agent Lightning rollout {ended.rollout_id} reported the reward {reward!r}"
         else:
             attempt = await self.store.get_latest_attempt(ended.rollout_id)

@@ -224,7 +224,9 @@ class AgentLightningRollouts:
     def _move(self, slot: Slot, state: str, error: str | None = None) -> None:
         """A transition of the state machine (the store's change it follows is always one)."""
         if state not in VALID_TRANSITIONS[slot.state]:
-            logger.warning("agent lightning view: %s cannot go %s -> %s; ignored", slot.agl_id, slot.state, state)
+            logger.warning(
+                "agent lightning view: %s cannot go %s -> %s; ignored", slot.agl_id, slot.state, state
+            )
             return
         slot.state = state
         slot.updated_at = time.time()
@@ -275,7 +277,9 @@ class AgentLightningRollouts:
                 if slot.attempt_id == change.attempt_id:
                     self._move(slot, "succeeded")
                 else:
-                    self._move(slot, "failed", f"superseded: attempt {change.attempt_id}'s result was accepted")
+                    self._move(
+                        slot, "failed", f"superseded: attempt {change.attempt_id}'s result was accepted"
+                    )
         if change.state in TERMINAL and change.rollout_id in self._configs:
             self._finished_api[change.rollout_id] = None  # evicted later, outside the store's method
 
@@ -301,7 +305,9 @@ class AgentLightningRollouts:
         self._recovered.clear()
         ended = [r for r in self._configs if self.store.knows(r) and self.store.state(r) in TERMINAL]
         last = {r: max((s.position or 0 for s in self._of.get(r, ())), default=0) for r in ended}
-        for rollout_id in sorted(ended, key=last.__getitem__):  # in the order they ended, as evict() reads them
+        for rollout_id in sorted(
+            ended, key=last.__getitem__
+        ):  # in the order they ended, as evict() reads them
             self._finished_api.setdefault(rollout_id, None)
 
     def _sync_one(self, rollout_id: str) -> None:
@@ -315,7 +321,9 @@ class AgentLightningRollouts:
         record = store.record(rollout_id) if state in TERMINAL else None
         for index in range(count):
             slot = self._new_slot(rollout_id, index)
-            offset = index - (claims - len(attempts))  # a finished rollout's journal keeps its last attempt only
+            offset = index - (
+                claims - len(attempts)
+            )  # a finished rollout's journal keeps its last attempt only
             slot.attempt_id = attempts[offset] if 0 <= offset < len(attempts) else None
             if slot.position is not None:
                 continue  # its end was journaled
@@ -355,7 +363,12 @@ class AgentLightningRollouts:
         yield {"kind": "agl_cursor", "total": len(self._terminal)}
         for slot in self._slots.values():
             if slot.position is not None:
-                yield {"kind": "agl_terminal", "position": slot.position, "agl_id": slot.agl_id, "state": slot.state}
+                yield {
+                    "kind": "agl_terminal",
+                    "position": slot.position,
+                    "agl_id": slot.agl_id,
+                    "state": slot.state,
+                }
         for agl_id, (position, state) in self._recovered.items():
             yield {"kind": "agl_terminal", "position": position, "agl_id": agl_id, "state": state}
         for rollout_id, config in self._configs.items():
@@ -395,7 +408,9 @@ class AgentLightningRollouts:
             input=task.input,
             is_train=_is_train(task.mode, metadata),
             config=self.config_of(slot.rollout_id),
-            metadata=RolloutMetadata.model_validate(metadata) if _fits_metadata(metadata) else RolloutMetadata(),
+            metadata=RolloutMetadata.model_validate(metadata)
+            if _fits_metadata(metadata)
+            else RolloutMetadata(),
             status=LifecycleStatus(
                 state=slot.state,  # type: ignore[arg-type]
                 k8s_job_name=slot.k8s_job_name,
@@ -462,7 +477,9 @@ class AgentLightningRollouts:
                 f"rollout {agl_id} already has {slot.event_count:,} events, the most one rollout keeps "
                 f"({self.max_events_per_rollout:,}); this one was not stored"
             )
-        event = Event(event_type=event_type, rollout_id=agl_id, attempt_id=label, timestamp=time.time(), data=data)
+        event = Event(
+            event_type=event_type, rollout_id=agl_id, attempt_id=label, timestamp=time.time(), data=data
+        )
         slot.events.setdefault(label, []).append(event)
         slot.event_count += 1
         return event
@@ -537,7 +554,15 @@ class AgentLightningRollouts:
         if record is None or record.result is None or record.result.final_reward is None:
             return []
         data = {"value": record.result.final_reward, "source": "aglverl"}
-        return [Event(event_type="reward", rollout_id=slot.agl_id, attempt_id=label, timestamp=slot.updated_at, data=data)]
+        return [
+            Event(
+                event_type="reward",
+                rollout_id=slot.agl_id,
+                attempt_id=label,
+                timestamp=slot.updated_at,
+                data=data,
+            )
+        ]
 
     def reward(self, slot: Slot, label: str | None = None) -> float | None:
         """The value of the last valid ``reward`` event under ``label`` (default: the slot's)."""
@@ -599,8 +624,10 @@ class AgentLightningRollouts:
         ``reward_fillna_value``; with none of them the attempt fails) or failed with ``error``. A failed
         attempt is retried while the store's ``max_attempts`` allows (the retry is a new rollout)."""
         if slot.state != "running" or slot.attempt_id is None:
-            raise Conflict(f"Rollout {slot.agl_id}: cannot transition {slot.state} -> "
-                           f"{'succeeded' if succeeded else 'failed'}")
+            raise Conflict(
+                f"Rollout {slot.agl_id}: cannot transition {slot.state} -> "
+                f"{'succeeded' if succeeded else 'failed'}"
+            )
         if succeeded:
             if reward is None:
                 reward = self.reward(slot)
@@ -612,11 +639,13 @@ class AgentLightningRollouts:
                 await self.store.commit()
                 return
             error = (
-                "the agent finished without a reward event (POST {\"event_type\": \"reward\", \"data\": "
-                "{\"value\": <number>}} to its AGL_EVENT_URL; or set agentlightning.reward_fillna_value)"
+                'the agent finished without a reward event (POST {"event_type": "reward", "data": '
+                '{"value": <number>}} to its AGL_EVENT_URL; or set agentlightning.reward_fillna_value)'
             )
         failure = Rollout(
-            rollout_id=slot.rollout_id, attempt_id=slot.attempt_id, status="failed",
+            rollout_id=slot.rollout_id,
+            attempt_id=slot.attempt_id,
+            status="failed",
             metadata={"error": error or "failed"},
         )
         await self.store.accept_result(failure)
@@ -639,8 +668,11 @@ class AgentLightningRollouts:
         if state == "running":
             await self.start(agl_id)
         elif state == "failed" and slot.state == "queuing":  # the controller could not start it at all
-            self.store.fail([slot.rollout_id], updates.get("error_message") or "failed before it started",
-                            termination="agent_error")
+            self.store.fail(
+                [slot.rollout_id],
+                updates.get("error_message") or "failed before it started",
+                termination="agent_error",
+            )
         elif state in ("succeeded", "failed"):
             await self.finish(slot, succeeded=state == "succeeded", error=updates.get("error_message"))
         if "error_message" in updates and state is None:  # with a transition, the store's account of it
@@ -663,11 +695,15 @@ class AgentLightningRollouts:
         finished = self.store.state(rollout_id) in TERMINAL
         if self.store.owner(rollout_id) is not None:
             if not finished:
-                raise Conflict(f"Rollout {agl_id} belongs to a training step of this run; it cannot be deleted")
+                raise Conflict(
+                    f"Rollout {agl_id} belongs to a training step of this run; it cannot be deleted"
+                )
             self._forgotten([rollout_id])
             return
         if not finished:
-            self.store.fail([rollout_id], "deleted through the Agent Lightning API", termination="agent_error")
+            self.store.fail(
+                [rollout_id], "deleted through the Agent Lightning API", termination="agent_error"
+            )
         self.store.forget([rollout_id])
 
 
@@ -687,7 +723,9 @@ def _data_id(value: Any, metadata: Mapping[str, Any] | None) -> str:
 
 
 def _fits_metadata(metadata: Mapping[str, Any]) -> bool:
-    return all(metadata.get(k) is None or type(metadata.get(k)) is int for k in ("batch_idx", "sample_idx_in_batch"))
+    return all(
+        metadata.get(k) is None or type(metadata.get(k)) is int for k in ("batch_idx", "sample_idx_in_batch")
+    )
 
 
 def model_request_events(agl_id: str, label: str, calls: Sequence[LLMCall]) -> list[Event]:
@@ -709,14 +747,19 @@ def model_request_events(agl_id: str, label: str, calls: Sequence[LLMCall]) -> l
                     "index": c.choice_index,
                     "token_ids": c.response_token_ids or [],
                     "finish_reason": c.finish_reason,
-                    "logprobs": {"content": [{"logprob": x} for x in c.logprobs]} if c.logprobs is not None else None,
+                    "logprobs": {"content": [{"logprob": x} for x in c.logprobs]}
+                    if c.logprobs is not None
+                    else None,
                 }
                 for c in choices
             ],
         }
         if not ok:
             response["error"] = {"message": first.error}
-        prompt, completion = len(first.prompt_token_ids or ()), sum(len(c.response_token_ids or ()) for c in choices)
+        prompt, completion = (
+            len(first.prompt_token_ids or ()),
+            sum(len(c.response_token_ids or ()) for c in choices),
+        )
         data = {
             "model": first.model,
             "model_version": first.weight_version,
@@ -727,11 +770,17 @@ def model_request_events(agl_id: str, label: str, calls: Sequence[LLMCall]) -> l
             "http_status": 200 if ok else None,
             "status": "ok" if ok else "error",
             "retry_count": 0,
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            },
             "finish_reason": first.finish_reason,
         }
         stamp = first.started_at + first.latency
-        events.append(Event(event_type="model_request", rollout_id=agl_id, attempt_id=label, timestamp=stamp, data=data))
+        events.append(
+            Event(event_type="model_request", rollout_id=agl_id, attempt_id=label, timestamp=stamp, data=data)
+        )
     return events
 
 
@@ -775,7 +824,9 @@ def _trim_request(data: Mapping[str, Any]) -> dict[str, Any]:
             content = (choices[0].get("logprobs") or {}).get("content")
             if isinstance(content, list):
                 values = [item.get("logprob") for item in content if isinstance(item, Mapping)]
-                numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                numbers = [
+                    float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+                ]
                 good = len(numbers) == len(content) and all(math.isfinite(v) for v in numbers)
                 logprobs = numbers if good else None
     server = data.get("server") or {}

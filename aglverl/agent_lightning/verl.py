@@ -70,7 +70,9 @@ class VERL(agl.Algorithm):
                     "daemon); customise through verl's config and the aglverl: section instead"
                 )
         if not isinstance(config, Mapping):
-            raise ConfigError(f"VERL's config must be a mapping of verl's overrides, got {type(config).__name__}")
+            raise ConfigError(
+                f"VERL's config must be a mapping of verl's overrides, got {type(config).__name__}"
+            )
         overrides = map_verl_section(nest_overrides(dict(config)))
         self.algorithm = AsyncVERL(overrides)
         _check_span_exporter()
@@ -113,7 +115,9 @@ class VERL(agl.Algorithm):
             store = None
         if store is None:
             # Trainer.fit_v0 (no store): agents are Agent Lightning 0.1 clients of aglverl's task server
-            logger.info("aglverl: no LightningStore set: serving Agent Lightning 0.1's protocol at the task server")
+            logger.info(
+                "aglverl: no LightningStore set: serving Agent Lightning 0.1's protocol at the task server"
+            )
             self.metrics = await self.algorithm.run(train, val)
             return
         self.metrics = await self._train_with_store(store, train, val)
@@ -196,4 +200,6 @@ def _as_rows(dataset: Any, name: str) -> Any:
     try:
         return [dataset[i] for i in range(len(dataset))]
     except TypeError as exc:
-        raise ConfigError(f"{name} must be a sequence of task inputs or a parquet / JSON-lines path: {exc}") from None
+        raise ConfigError(
+            f"{name} must be a sequence of task inputs or a parquet / JSON-lines path: {exc}"
+        ) from None

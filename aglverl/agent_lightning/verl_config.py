@@ -59,8 +59,17 @@ VERL_SECTION_DEFAULTS: dict[str, Any] = {
 
 #: Keys of Agent Lightning 1.0's section (read by ``AsyncVERL``), named when one reaches ``VERL``.
 _SECTION_1_0_KEYS = frozenset(
-    {"agl_base_url", "agl_key", "hooks", "rollout_timeout_seconds", "local", "k8s", "reward_fillna_value",
-     "max_ppo_update_times", "async_rollout"}
+    {
+        "agl_base_url",
+        "agl_key",
+        "hooks",
+        "rollout_timeout_seconds",
+        "local",
+        "k8s",
+        "reward_fillna_value",
+        "max_ppo_update_times",
+        "async_rollout",
+    }
 )
 
 
@@ -121,7 +130,9 @@ def _copy(tree: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copy(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
 
 
-def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+def _map_trace_aggregator(
+    user: dict[str, Any], aggregator: Mapping[str, Any], given: Mapping[str, Any]
+) -> None:
     """``debug`` refused; ``level`` onto aglverl's row layout (left out: aglverl's, ``merge`` unless
     ``aglverl.signal.trajectory`` says ``per_call``); the trajectory widths when rows are merged."""
     if aggregator["debug"] not in (False, None):
@@ -133,9 +144,13 @@ def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], g
         )
     level = given.get("level")
     if level is not None and level not in ("trajectory", "transition"):
-        raise ConfigError(f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}")
+        raise ConfigError(
+            f"agentlightning.trace_aggregator.level must be 'trajectory' or 'transition', got {level!r}"
+        )
     if level is None:
-        level = "transition" if _get(user, "aglverl.signal.trajectory") == (True, "per_call") else "trajectory"
+        level = (
+            "transition" if _get(user, "aglverl.signal.trajectory") == (True, "per_call") else "trajectory"
+        )
     else:
         trajectory = "merge" if level == "trajectory" else "per_call"
         _put(user, "aglverl.signal.trajectory", trajectory, "agentlightning.trace_aggregator.level")
@@ -145,7 +160,9 @@ def _map_trace_aggregator(user: dict[str, Any], aggregator: Mapping[str, Any], g
         if key in given:
             value = given[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"agentlightning.trace_aggregator.{key} must be an integer >= 1, got {value!r}")
+                raise ConfigError(
+                    f"agentlightning.trace_aggregator.{key} must be an integer >= 1, got {value!r}"
+                )
     if "trajectory_max_prompt_length" in given:
         # the rows' prompt width, in place of data's, as agl.VERL builds its batch
         user.setdefault("data", {})["max_prompt_length"] = given["trajectory_max_prompt_length"]

@@ -184,7 +184,9 @@ class AsyncVERL:
             # only fail their rollouts (it frees nothing), so unless the config says otherwise the proxy measures
             # its lag and turns no call away.
             measuring = dataclasses.replace(settings.proxy.overload, refuse=False)
-            settings = dataclasses.replace(settings, proxy=dataclasses.replace(settings.proxy, overload=measuring))
+            settings = dataclasses.replace(
+                settings, proxy=dataclasses.replace(settings.proxy, overload=measuring)
+            )
         plan = verl_v1.RunPlan(
             config=config,
             daemon=settings,
@@ -228,12 +230,16 @@ class AsyncVERL:
         processes = self.options.processes
         log_dir = processes.log_dir or os.path.join(str(config.trainer.default_local_dir), "agent_logs")
         self.process_runner = ProcessRunner(daemon, processes, concurrency=concurrency, log_dir=log_dir)
-        logger.info("aglverl: up to %d agent processes at once; their output goes to %s", concurrency, log_dir)
+        logger.info(
+            "aglverl: up to %d agent processes at once; their output goes to %s", concurrency, log_dir
+        )
         await self.process_runner.serve(task_status=task_status)
 
     async def _run_agents(self, concurrency: int) -> None:
         assert self.agent is not None and self.daemon is not None
-        await run_agents(self.daemon.server_url, self.agent, concurrency=concurrency, token=self.options.token)
+        await run_agents(
+            self.daemon.server_url, self.agent, concurrency=concurrency, token=self.options.token
+        )
 
 
 #: How long :attr:`AsyncVERL.on_stopping` callbacks may take, all together, before the daemon stops anyway.

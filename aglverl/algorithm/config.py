@@ -107,7 +107,6 @@ GPU_DEFAULTS: dict[str, Any] = {
 }
 
 
-
 def nest_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Dotted keys (``"a.b.c": v``, as on verl's command line) expanded into nested mappings."""
     nested: dict[str, Any] = {}
@@ -289,13 +288,21 @@ def _batch_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None
             logger.warning(
                 "aglverl: set %s = %d: verl's default (%d) is larger than data.train_batch_size (%d) and would pad "
                 "every step with rows of no loss up to %d prompts (%gx the work); set it yourself to silence this",
-                key, batch, mini, batch, mini, mini / batch,
+                key,
+                batch,
+                mini,
+                batch,
+                mini,
+                mini / batch,
             )
         elif batch % mini:
             logger.warning(
                 "aglverl: data.train_batch_size (%d) is not a multiple of %s (%d): verl pads every step with rows "
                 "of no loss to a whole number of mini-batches (%d prompts)",
-                batch, key, mini, -(-batch // mini) * mini,
+                batch,
+                key,
+                mini,
+                -(-batch // mini) * mini,
             )
     if platform == "cpu" and not user_set(user, "data.max_response_length"):
         logger.warning(
@@ -358,10 +365,14 @@ def _mode_defaults(config: Any, user: Mapping[str, Any], platform: str) -> None:
         rollout.checkpoint_engine.backend = CPU_CHECKPOINT_ENGINE
     if not user_set(user, "trainer.v1.separate_async.parameter_sync_step"):
         mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
-        config.trainer.v1.separate_async.parameter_sync_step = max(1, int(config.data.train_batch_size) // mini)
+        config.trainer.v1.separate_async.parameter_sync_step = max(
+            1, int(config.data.train_batch_size) // mini
+        )
 
 
-def _rollout_defaults(config: Any, user: Mapping[str, Any], platform: str, tool_call_parser: str | None) -> None:
+def _rollout_defaults(
+    config: Any, user: Mapping[str, Any], platform: str, tool_call_parser: str | None
+) -> None:
     """What the rollout backend needs on the platform by default, each unless the user set it: verl's vLLM
     rollout gets :data:`VLLM_TOKEN_IN` and tool calling (:func:`_vllm_tool_calling`) in its engine arguments,
     and on the CPU platform :data:`VLLM_CPU_ROLLOUT` (selected by ``rollout.name: vllm`` alone)."""
@@ -402,7 +413,8 @@ def _vllm_tool_calling(model_path: str, choice: str | None) -> dict[str, Any]:
                 "aglverl: verl's vLLM rollout is started without tool calling (LLM calls with tools get a 400 from "
                 "vLLM): no tool-call parser known for %s (%s); set aglverl.tool_call_parser to one of vLLM's, or "
                 "to null to silence this",
-                model_path, why,
+                model_path,
+                why,
             )
             return {}
         logger.info("aglverl: verl's vLLM rollout parses tool calls with %r: %s", picked, why)
@@ -486,7 +498,9 @@ def _resolve_model_paths(config: Any, user: Mapping[str, Any]) -> None:
     model = config.actor_rollout_ref.model
     model.path = _model_path(str(model.path), "actor_rollout_ref.model.path")
     critic_path = user.get("critic", {}).get("model", {}).get("path")
-    config.critic.model.path = _model_path(str(critic_path), "critic.model.path") if critic_path else model.path
+    config.critic.model.path = (
+        _model_path(str(critic_path), "critic.model.path") if critic_path else model.path
+    )
 
 
 def _model_path(value: str, key: str) -> str:
@@ -549,7 +563,6 @@ def _validate_with_verl(config: Any) -> None:
         for line in printed.getvalue().splitlines():
             if line.strip() and "checks passed" not in line:
                 logger.warning("verl: %s", line.strip())
-
 
 
 def run_config(config: Any, *, has_validation: bool) -> Any:

@@ -113,7 +113,9 @@ class DaemonOptions:
                 raise ConfigError(unknown_key_message(f"aglverl.{key}", key, names | PROXY_ALIASES.keys()))
         values = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
         values["proxy"] = _proxy_section(values)
-        check_fields(cls, {k: v for k, v in values.items() if k not in _SUBSECTIONS and k != "proxy"}, "aglverl")
+        check_fields(
+            cls, {k: v for k, v in values.items() if k not in _SUBSECTIONS and k != "proxy"}, "aglverl"
+        )
         for key, (name, read) in _SUBSECTIONS.items():
             value = values.get(key)
             if value is not None and not isinstance(value, Mapping):
@@ -131,7 +133,9 @@ class DaemonOptions:
         _check_tool_call_parser(options.tool_call_parser)
         try:
             refuse_open_address(
-                options.host, options.token, allow_unauthenticated=options.allow_unauthenticated,
+                options.host,
+                options.token,
+                allow_unauthenticated=options.allow_unauthenticated,
                 keys="aglverl.allow_unauthenticated: true",
             )
         except ValueError as exc:
@@ -186,7 +190,9 @@ def _proxy_section(values: dict[str, Any]) -> ProxyConfig:
     defaults; :class:`ConfigError` naming the key as the user wrote it."""
     section = values.pop("proxy", None)
     if section is not None and not isinstance(section, Mapping):
-        raise ConfigError(f"aglverl.proxy must be a mapping of the proxy's settings (ProxyConfig's fields), got {section!r}")
+        raise ConfigError(
+            f"aglverl.proxy must be a mapping of the proxy's settings (ProxyConfig's fields), got {section!r}"
+        )
     section = with_aliases(section or {})
     written = {name: f"aglverl.proxy.{name}" for name in section}
     for old, name in PROXY_ALIASES.items():
@@ -206,7 +212,11 @@ def _proxy_section(values: dict[str, Any]) -> ProxyConfig:
         if isinstance(section.get(name), Mapping):
             check_fields(policy, section[name], f"aglverl.proxy.{name}")
     _check_ranges(section, _PROXY_RANGES, written, frozenset())
-    defaults = {"hold_timeout": RUN_HOLD_TIMEOUT, "host": values.get("host", "127.0.0.1"), "token": values.get("token")}
+    defaults = {
+        "hold_timeout": RUN_HOLD_TIMEOUT,
+        "host": values.get("host", "127.0.0.1"),
+        "token": values.get("token"),
+    }
     try:
         return ProxyConfig.from_mapping(section, **defaults)
     except (TypeError, ValueError) as exc:

@@ -116,7 +116,10 @@ def _start_ray(config: Any, env: Mapping[str, str], platform: Literal["cpu", "gp
     runtime_env = get_ppo_ray_runtime_env(config)
     runtime_env.setdefault("env_vars", {}).update(env)
     init_kwargs: dict[str, Any] = dict(
-        cast(Mapping[str, Any], OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {})
+        cast(
+            Mapping[str, Any],
+            OmegaConf.to_container(config.ray_kwargs.get("ray_init", {}), resolve=True) or {},
+        )
     )
     user_env: Mapping[str, Any] = init_kwargs.pop("runtime_env", None) or {}
     for key, value in user_env.items():
@@ -160,7 +163,6 @@ def _shutdown_ray() -> None:
     import ray
 
     ray.shutdown()
-
 
 
 def total_steps(config: Any, n_train: int) -> int:

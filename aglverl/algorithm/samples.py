@@ -70,7 +70,9 @@ def _read_json_rows(path: Path) -> list[dict[str, Any]]:
                 try:
                     rows.append(orjson.loads(line))
                 except orjson.JSONDecodeError as exc:
-                    raise ConfigError(f"dataset file {str(path)!r}, line {number}: not JSON ({exc})") from None
+                    raise ConfigError(
+                        f"dataset file {str(path)!r}, line {number}: not JSON ({exc})"
+                    ) from None
         where = "row"
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -78,7 +80,6 @@ def _read_json_rows(path: Path) -> list[dict[str, Any]]:
                 f"dataset file {str(path)!r}: {where} {i} must be a JSON object (a task input), got {row!r:.80}"
             )
     return rows
-
 
 
 PROMPTS_MEASURED = 256
@@ -91,7 +92,11 @@ def _prompt_messages(row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     prompt = row.get("prompt", row.get("messages"))
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping) and "role" in m for m in prompt):
+    if (
+        isinstance(prompt, (list, tuple))
+        and prompt
+        and all(isinstance(m, Mapping) and "role" in m for m in prompt)
+    ):
         return [dict(m) for m in prompt]
     return None
 

@@ -155,7 +155,9 @@ def _default(node: Any, key: str) -> Any:
         return None
 
 
-def check_types(base: Any, overrides: Mapping[str, Any], path: str = "", free_form: frozenset[str] = frozenset()) -> None:
+def check_types(
+    base: Any, overrides: Mapping[str, Any], path: str = "", free_form: frozenset[str] = frozenset()
+) -> None:
     """Raise :class:`ConfigError` for a value of ``overrides`` whose type its key does not take.
 
     ``base`` is verl's composed config (an OmegaConf ``DictConfig``); keys the base does not have (free-form

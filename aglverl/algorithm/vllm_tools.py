@@ -27,7 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAMILY_PARSERS", "KNOWN_TOOL_PARSERS", "known_tool_parsers", "model_files", "pick_tool_call_parser"]
+__all__ = [
+    "FAMILY_PARSERS",
+    "KNOWN_TOOL_PARSERS",
+    "known_tool_parsers",
+    "model_files",
+    "pick_tool_call_parser",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +110,11 @@ def _registered_in_source() -> tuple[str, ...]:
         value = getattr(node, "value", None)
         named = any(isinstance(t, ast.Name) and t.id == "_TOOL_PARSERS_TO_REGISTER" for t in targets)
         if named and isinstance(value, ast.Dict):
-            names = [key.value for key in value.keys if isinstance(key, ast.Constant) and isinstance(key.value, str)]
+            names = [
+                key.value
+                for key in value.keys
+                if isinstance(key, ast.Constant) and isinstance(key.value, str)
+            ]
             return tuple(sorted(names))
     return ()
 

@@ -92,7 +92,11 @@ class Console:
         # the bar keeps the console when the libraries' output is redirected; JSON lines replace it
         algo.progress = False if self.json_lines else console_err
 
-        with (self.out / "metrics.jsonl").open("wb") as log, _libraries_to(self.log_path), _warnings_to(console_err):
+        with (
+            (self.out / "metrics.jsonl").open("wb") as log,
+            _libraries_to(self.log_path),
+            _warnings_to(console_err),
+        ):
 
             def on_step(step: int, metrics: Mapping[str, float]) -> None:
                 now = time.monotonic()
@@ -121,7 +125,9 @@ class Console:
             finally:
                 algo.on_step.remove(on_step)
                 if self.plot and self.rewards:
-                    await anyio.to_thread.run_sync(plot_rewards, self.rewards, self.out / "reward.png", self.title)
+                    await anyio.to_thread.run_sync(
+                        plot_rewards, self.rewards, self.out / "reward.png", self.title
+                    )
         return self._summary(metrics, started, first_step_at, walls)
 
     def _summary(
@@ -229,7 +235,9 @@ def _warnings_to(stream: TextIO) -> Iterator[None]:
         logger.removeHandler(handler)
 
 
-def plot_rewards(rewards: list[float], path: Path, title: str = "aglverl: mean training reward per step") -> None:
+def plot_rewards(
+    rewards: list[float], path: Path, title: str = "aglverl: mean training reward per step"
+) -> None:
     """Mean training reward per step, as a PNG (blocking)."""
     import matplotlib
 

@@ -40,7 +40,9 @@ def redirect_verl() -> type:
     algorithm_package.VERL = VERL
     parent = algorithm_package
     for name in VERL_MODULES:
-        module = types.ModuleType(name, f"aglverl's stand-in for {name}: VERL is aglverl.agent_lightning.VERL")
+        module = types.ModuleType(
+            name, f"aglverl's stand-in for {name}: VERL is aglverl.agent_lightning.VERL"
+        )
         module.VERL = VERL  # type: ignore[attr-defined]
         module.__all__ = ["VERL"]  # type: ignore[attr-defined]
         sys.modules[name] = module

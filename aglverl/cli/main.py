@@ -146,7 +146,10 @@ async def _serve(args: argparse.Namespace) -> None:
 
     try:
         refuse_open_address(
-            args.host, args.token, allow_unauthenticated=args.allow_unauthenticated, keys="--allow-unauthenticated"
+            args.host,
+            args.token,
+            allow_unauthenticated=args.allow_unauthenticated,
+            keys="--allow-unauthenticated",
         )
     except ValueError as exc:
         raise SystemExit(f"aglverl serve: --host {exc}") from None
@@ -277,7 +280,9 @@ def _demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--agents", type=int, default=None, help="agent loops (default: every rollout of a step)")
     p.add_argument("--out", default="demo-out", help="directory for metrics.jsonl and reward.png")
     p.add_argument("--model", default="tiny", metavar="tiny|PATH", help="the model to train (default: tiny)")
-    p.add_argument("--json", action="store_true", help="one JSON line per step on stdout instead of a progress bar")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON line per step on stdout instead of a progress bar"
+    )
     p.add_argument(
         "--rejection-sampling",
         action="store_true",
@@ -321,7 +326,9 @@ async def _demo(args: argparse.Namespace) -> None:
         json_lines=args.json,
         rejection_sampling=args.rejection_sampling,
         mode=args.mode,
-        library_log=Path("train.log"),  # in ``out`` (the console's rule): what verl, Ray and TransferQueue print
+        library_log=Path(
+            "train.log"
+        ),  # in ``out`` (the console's rule): what verl, Ray and TransferQueue print
         task=args.task,
         trajectory=args.trajectory,
     )
@@ -345,7 +352,11 @@ def _fit(args: argparse.Namespace) -> int:
     try:
         run_script(args.script, args.args)
     except (FileNotFoundError, ModuleNotFoundError) as exc:
-        if isinstance(exc, ModuleNotFoundError) and exc.name != "agentlightning" and "aglverl fit" not in str(exc):
+        if (
+            isinstance(exc, ModuleNotFoundError)
+            and exc.name != "agentlightning"
+            and "aglverl fit" not in str(exc)
+        ):
             raise  # the script's own missing import: its traceback is the message
         print(f"aglverl fit: {exc}", file=sys.stderr)
         return 2

@@ -86,10 +86,14 @@ def _tail(job: Job) -> list[bytes]:
     if job.error is not None:
         tail.append(_sse(ApiError(500, f"generation failed: {job.error}").body()))
     elif job.plan.include_usage and job.plan.kind == "generate":
-        tail.append(_sse({"request_id": job.id, "usage": job.usage(True), "output_mode": "tokens", "choices": []}))
+        tail.append(
+            _sse({"request_id": job.id, "usage": job.usage(True), "output_mode": "tokens", "choices": []})
+        )
     elif job.plan.include_usage:
         head = _head(job, "chat.completion.chunk" if job.plan.kind == "chat" else "text_completion")
-        tail.append(_sse({**head, "choices": [], "usage": job.usage(False), "system_fingerprint": _fingerprint()}))
+        tail.append(
+            _sse({**head, "choices": [], "usage": job.usage(False), "system_fingerprint": _fingerprint()})
+        )
     tail.append(_DONE)
     return tail
 
@@ -191,7 +195,12 @@ def completion_body(job: Job) -> dict[str, Any]:
         )
     body = _head(job, "text_completion")
     body |= {"choices": choices, "service_tier": None, "system_fingerprint": _fingerprint()}
-    body |= {"usage": job.usage(True), "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+    body |= {
+        "usage": job.usage(True),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
     return body
 
 
@@ -202,7 +211,11 @@ def _generate_choice(job: Job, c: Choice, ids: list[int], start: int) -> dict[st
     end = start + len(ids)
     if job.plan.logprobs:
         out["logprobs"] = generate_logprobs(
-            ids, seq.logprobs[start:end], seq.ranks[start:end], seq.top_logprobs[start:end], seq.params.top_logprobs
+            ids,
+            seq.logprobs[start:end],
+            seq.ranks[start:end],
+            seq.top_logprobs[start:end],
+            seq.params.top_logprobs,
         )
     else:
         out["logprobs"] = None
@@ -229,7 +242,11 @@ def generate_chunk(job: Job, c: Choice, d: Delta) -> dict[str, Any] | None:
     """One choice's streamed generate chunk; ``None`` when the delta holds nothing to send."""
     if not d.ids and d.finish_reason is None:
         return None
-    start = c.consumed - len(d.ids) if d.finish_reason is None else len(c.seq.token_ids[: c.consumed]) - len(d.ids)
+    start = (
+        c.consumed - len(d.ids)
+        if d.finish_reason is None
+        else len(c.seq.token_ids[: c.consumed]) - len(d.ids)
+    )
     choice = _generate_choice(job, c, d.ids, start)
     if d.finish_reason is not None:
         choice |= {"finish_reason": d.finish_reason, "stop_reason": c.stop_reason}

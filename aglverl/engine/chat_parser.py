@@ -115,7 +115,11 @@ class ToolCall:
     id: str = field(default_factory=make_tool_call_id)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(slots=True)
@@ -166,7 +170,9 @@ class ChatParser:
         if tool_parser is not None and tool_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool_parser {tool_parser!r}; known: {list(TOOL_PARSERS)}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; known: {list(REASONING_PARSERS)}")
+            raise ValueError(
+                f"unknown reasoning_parser {reasoning_parser!r}; known: {list(REASONING_PARSERS)}"
+            )
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.think_ids: tuple[int, int] | None = None
@@ -229,7 +235,9 @@ class ParseSession:
         reasoning, _, content = text.partition(THINK_END)
         return reasoning, content or None
 
-    def finish_reason(self, message_or_streamed: ParsedMessage | bool, engine_reason: str | None) -> str | None:
+    def finish_reason(
+        self, message_or_streamed: ParsedMessage | bool, engine_reason: str | None
+    ) -> str | None:
         """The chat ``finish_reason`` for an engine one, given the calls found (whole) or streamed."""
         called = (
             bool(message_or_streamed.tool_calls)
@@ -237,7 +245,9 @@ class ParseSession:
             else message_or_streamed
         )
         if engine_reason == "stop" and self._tools and not self.request.named:
-            if called or (self.request.tool_choice == "required" and isinstance(message_or_streamed, ParsedMessage)):
+            if called or (
+                self.request.tool_choice == "required" and isinstance(message_or_streamed, ParsedMessage)
+            ):
                 return "tool_calls"
         return engine_reason
 
@@ -318,7 +328,12 @@ class ParseSession:
                     break  # call i+1 cannot start before call i has its name
                 call["name"], call["sent"] = match.group(1), ""
                 deltas.append(
-                    {"id": make_tool_call_id(), "type": "function", "index": i, "function": {"name": call["name"]}}
+                    {
+                        "id": make_tool_call_id(),
+                        "type": "function",
+                        "index": i,
+                        "function": {"name": call["name"]},
+                    }
                 )
             arguments = _arguments_text(body, complete)
             if arguments is not None and len(arguments) > len(call["sent"]):
@@ -376,7 +391,9 @@ def _hermes_calls(text: str) -> tuple[list[ToolCall], str | None]:
         calls = []
         for closed, unclosed in _TOOL_CALL.findall(text):
             raw = json.loads(closed if closed else unclosed)
-            calls.append(ToolCall(name=raw["name"], arguments=json.dumps(raw["arguments"], ensure_ascii=False)))
+            calls.append(
+                ToolCall(name=raw["name"], arguments=json.dumps(raw["arguments"], ensure_ascii=False))
+            )
     except Exception:  # not JSON, not an object, no name or arguments: it is text
         return [], text
     content = text[: text.find(TOOL_START)]

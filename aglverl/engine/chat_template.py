@@ -110,12 +110,16 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     for k, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise ChatTemplateError(f"field 'tools.{k}': only tools of type 'function' are supported", "tools")
+            raise ChatTemplateError(
+                f"field 'tools.{k}': only tools of type 'function' are supported", "tools"
+            )
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise ChatTemplateError(f"field 'tools.{k}.function.name': must be a string", "tools")
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, Mapping):
-            raise ChatTemplateError(f"field 'tools.{k}.function.parameters': must be a JSON schema object", "tools")
+            raise ChatTemplateError(
+                f"field 'tools.{k}.function.parameters': must be a JSON schema object", "tools"
+            )
         out.append({"type": "function", "function": dict(function)})
     return out
 
@@ -183,7 +187,9 @@ class ChatTemplate:
         except ChatTemplateError:
             raise
         except Exception as exc:  # the template is user data: any error in it is a bad request
-            raise ChatTemplateError(f"the chat template failed on these messages: {exc}", "messages") from None
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {exc}", "messages"
+            ) from None
         return str(text)
 
     def check(

@@ -176,7 +176,9 @@ class _Lark:
         if self._split is None:
             return json.dumps(text, ensure_ascii=False)
         parts = [p for p in self._split.split(text) if p]
-        return " ".join(f"<[{self.added[p]}]>" if p in self.added else json.dumps(p, ensure_ascii=False) for p in parts)
+        return " ".join(
+            f"<[{self.added[p]}]>" if p in self.added else json.dumps(p, ensure_ascii=False) for p in parts
+        )
 
     def json_schema(self, schema: Any) -> str:
         if schema is True or schema is None:
@@ -306,11 +308,14 @@ class ConstraintCompiler:
 
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self._hf,  # type: ignore[arg-type]
-                n_vocab=self.vocab_size, eos_token=self.eos_ids or None
+                n_vocab=self.vocab_size,
+                eos_token=self.eos_ids or None,
             )
         return self._tokenizer
 
-    def constraint(self, structured_outputs: Mapping[str, Any], gate: int | None = None) -> TokenConstraint | None:
+    def constraint(
+        self, structured_outputs: Mapping[str, Any], gate: int | None = None
+    ) -> TokenConstraint | None:
         """A fresh matcher for ``structured_outputs`` (``None`` when it constrains nothing); see ``gate`` in
         :class:`TokenConstraint`. Raises :class:`ConstraintError` for a format or schema that cannot be compiled.
         """

@@ -39,6 +39,7 @@ def request_id(kind: str, given: str | None = None) -> str:
         return f"generate-tokens-{given or secrets.token_hex(8)}"
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{given or secrets.token_hex(8)}"
 
+
 @dataclass(slots=True)
 class Delta:
     """What one choice gained since its last delta."""
@@ -91,7 +92,12 @@ class Choice:
 
     def message(self) -> tuple[dict[str, Any], str | None]:
         """The whole answer's assistant message (vLLM's key order) and its chat ``finish_reason``."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.text, "refusal": None, "annotations": None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.text,
+            "refusal": None,
+            "annotations": None,
+        }
         message |= {"audio": None, "function_call": None}
         if self.session is None:
             return message | {"reasoning": None}, self.finish_reason

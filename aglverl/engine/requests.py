@@ -309,7 +309,9 @@ class RequestPlanner:
             raise ApiError(400, f"Input length ({length}) exceeds model's maximum context length ({limit}).")
         room = limit - length
         if room == 0:
-            raise ApiError(400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens")
+            raise ApiError(
+                400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"
+            )
         return room if max_tokens is None else min(max_tokens, room)
 
     def check_tools(self, req: ChatRequest) -> None:
@@ -378,7 +380,9 @@ class RequestPlanner:
         )
         structured = req.structured_outputs
         if parse.forced:
-            tag = hermes_structural_tag(req.tools or [], req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+            tag = hermes_structural_tag(
+                req.tools or [], req.tool_choice, parallel_tool_calls=req.parallel_tool_calls
+            )
             structured = _structured_outputs(tag)
         return dataclasses.replace(
             plan,
@@ -409,7 +413,9 @@ class RequestPlanner:
                 PROMPT_IDS_PARAM,
             )
         if (top := max(ids)) >= self.vocab_size:
-            raise ApiError(400, f"Token id {top} is out of vocabulary (parameter={PROMPT_IDS_PARAM})", PROMPT_IDS_PARAM)
+            raise ApiError(
+                400, f"Token id {top} is out of vocabulary (parameter={PROMPT_IDS_PARAM})", PROMPT_IDS_PARAM
+            )
         try:
             self.chat_template.check(req.messages, tools=req.tools, **self._template_options(req))
         except ChatTemplateError as exc:
@@ -443,7 +449,9 @@ class RequestPlanner:
             first = self.constraints.constraint(plan.structured_outputs or {}, gate)
             if first is None:
                 return None
-            rest = [self.constraints.constraint(plan.structured_outputs or {}, gate) for _ in range(count - 1)]
+            rest = [
+                self.constraints.constraint(plan.structured_outputs or {}, gate) for _ in range(count - 1)
+            ]
             return (first, *[c for c in rest if c is not None])
 
         try:
@@ -538,7 +546,11 @@ def _structured_outputs(structural_tag: str | None) -> dict[str, Any] | None:
         return None
     fields = ("json", "regex", "choice", "grammar", "json_object")
     out: dict[str, Any] = dict.fromkeys(fields)
-    out |= {"disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}
+    out |= {
+        "disable_any_whitespace": False,
+        "disable_additional_properties": False,
+        "whitespace_pattern": None,
+    }
     out |= {"structural_tag": structural_tag, "_backend": None, "_backend_was_auto": False}
     return out
 
@@ -553,6 +565,10 @@ def _has_non_text_part(messages: Sequence[Any]) -> bool:
             if not isinstance(part, Mapping):
                 continue
             kind = part.get("type", "text")
-            if not isinstance(kind, str) or kind not in TEXT_PART_TYPES or any(key in part for key in MEDIA_PART_KEYS):
+            if (
+                not isinstance(kind, str)
+                or kind not in TEXT_PART_TYPES
+                or any(key in part for key in MEDIA_PART_KEYS)
+            ):
                 return True
     return False

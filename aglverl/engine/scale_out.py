@@ -133,7 +133,9 @@ class ScaleOutRoutes:
         for key, neutral in NEUTRAL_SAMPLING.items():
             if sp.get(key) not in neutral:
                 raise ApiError(
-                    400, f"field 'sampling_params.{key}': only its neutral value is supported here", "sampling_params"
+                    400,
+                    f"field 'sampling_params.{key}': only its neutral value is supported here",
+                    "sampling_params",
                 )
         if sp.get("n", 1) not in (1, None):
             raise ApiError(400, "field 'sampling_params.n': only 1 is supported", "sampling_params")
@@ -143,11 +145,15 @@ class ScaleOutRoutes:
             shaped["temperature"] = float(shaped["temperature"])
         if isinstance(shaped.get("top_p"), int):
             shaped["top_p"] = float(shaped["top_p"])
-        inner = GenerationRequest.model_validate({**shaped, "stream": req.stream, "request_id": req.request_id})
+        inner = GenerationRequest.model_validate(
+            {**shaped, "stream": req.stream, "request_id": req.request_id}
+        )
         logprobs = sp.get("logprobs")
         if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise ApiError(
-                400, f"field 'sampling_params.logprobs': an integer in [0, {MAX_TOP_LOGPROBS}]", "sampling_params"
+                400,
+                f"field 'sampling_params.logprobs': an integer in [0, {MAX_TOP_LOGPROBS}]",
+                "sampling_params",
             )
         self.planner.check_prompt_ids(req.token_ids, "token_ids")
         params = self.planner.sampling(inner, [req.token_ids], inner.max_tokens, logprobs or 0)
@@ -185,7 +191,9 @@ class ScaleOutRoutes:
         creq = ChatRequest.model_validate(chat)
         parse = ToolRequest.from_request(chat)
         uses_parser = self.planner.chat_parser.reasoning_parser is not None or (
-            self.planner.chat_parser.tool_parser is not None and parse.has_tools and parse.tool_choice != "none"
+            self.planner.chat_parser.tool_parser is not None
+            and parse.has_tools
+            and parse.tool_choice != "none"
         )
         stops = (creq.stop,) if isinstance(creq.stop, str) else tuple(creq.stop or ())
         params = SamplingParams(max_tokens=self.planner.max_model_len, top_logprobs=creq.top_logprobs or 0)
@@ -206,12 +214,18 @@ class ScaleOutRoutes:
     def _replayed(self, plan: Plan, prompt: list[int], choice: Any, *, final: bool) -> GenSequence:
         """A finished (or, streaming, growing) sequence holding a generate answer's ids, for a derender."""
         seq = GenSequence(
-            prompt, plan.params, loop=asyncio.get_running_loop(), notify=lambda s, n: None,
-            incremental=plan.stream or bool(plan.stops), choice=choice.index,
+            prompt,
+            plan.params,
+            loop=asyncio.get_running_loop(),
+            notify=lambda s, n: None,
+            incremental=plan.stream or bool(plan.stops),
+            choice=choice.index,
         )
         ids = list(choice.token_ids or [])
         if any(t < 0 or t >= self.planner.vocab_size for t in ids):
-            raise ApiError(400, f"field 'token_ids': ids must be in [0, {self.planner.vocab_size})", "generate_response")
+            raise ApiError(
+                400, f"field 'token_ids': ids must be in [0, {self.planner.vocab_size})", "generate_response"
+            )
         seq.token_ids.extend(ids)
         content = (choice.logprobs or {}).get("content") or []
         seq.logprobs.extend(float(e.get("logprob", 0.0)) for e in content[: len(ids)])
@@ -224,7 +238,11 @@ class ScaleOutRoutes:
     def _derender_whole(self, req: DerenderRequest) -> dict[str, Any]:
         gen = req.generate_response
         if gen is None or not gen.choices:
-            raise ApiError(400, "field 'generate_response': a generate answer with choices is required", "generate_response")
+            raise ApiError(
+                400,
+                "field 'generate_response': a generate answer with choices is required",
+                "generate_response",
+            )
         prompt = list(req.prompt_token_ids or gen.prompt_token_ids or [])
         logprobs = any(c.logprobs is not None for c in gen.choices)
         plan = self._derender_plan(req, prompt, len(gen.choices), logprobs)
@@ -239,7 +257,11 @@ class ScaleOutRoutes:
         completion = sum(len(c.token_ids or []) for c in gen.choices)
         prompt_tokens = req.prompt_tokens or 0
         body["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion}
-        body["usage"] |= {"completion_tokens": completion, "prompt_tokens_details": None, "completion_tokens_details": None}
+        body["usage"] |= {
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
         body["prompt_token_ids"] = None
         return body
 
@@ -251,13 +273,19 @@ class ScaleOutRoutes:
             raise ApiError(400, "field 'generate_chunk': at most one choice per chunk", "generate_chunk")
         state = req.stream_state
         if state is not None and sum(state.output_chunk_lens) != len(state.output_token_ids):
-            raise ApiError(400, "field 'stream_state': output_chunk_lens must add up to output_token_ids", "stream_state")
+            raise ApiError(
+                400, "field 'stream_state': output_chunk_lens must add up to output_token_ids", "stream_state"
+            )
         prompt = list(req.prompt_token_ids or chunk_in.prompt_token_ids or [])
         choice_in = chunk_in.choices[0] if chunk_in.choices else None
         logprobs = choice_in is not None and choice_in.logprobs is not None
         plan = self._derender_plan(req, prompt, 1, logprobs)
         seq = GenSequence(
-            prompt, plan.params, loop=asyncio.get_running_loop(), notify=lambda s, n: None, incremental=True,
+            prompt,
+            plan.params,
+            loop=asyncio.get_running_loop(),
+            notify=lambda s, n: None,
+            incremental=True,
             choice=choice_in.index if choice_in else 0,
         )
         job = self.new_job(plan, [seq])
@@ -274,21 +302,30 @@ class ScaleOutRoutes:
                 choice.delta(d)
         new_ids = list(choice_in.token_ids or []) if choice_in else []
         out_chunk: dict[str, Any] = {
-            "id": chunk_in.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": req.model or self.planner.served_model_name, "choices": [],
+            "id": chunk_in.request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model or self.planner.served_model_name,
+            "choices": [],
         }
         pinned = list(state.last_tool_call_ids) if state else []
         if choice_in is not None:
             replayed = self._replayed(plan, prompt, choice_in, final=True)
             seq.token_ids.extend(new_ids)
             seq.logprobs.extend(replayed.logprobs)
-            seq.finished, seq.finish_reason, seq.stop_reason = replayed.finished, replayed.finish_reason, replayed.stop_reason
+            seq.finished, seq.finish_reason, seq.stop_reason = (
+                replayed.finished,
+                replayed.finish_reason,
+                replayed.stop_reason,
+            )
             d = choice.take(len(seq.token_ids))
             if d is not None and choice.finish_reason is None and choice_in.finish_reason is not None:
                 d.finish_reason = choice.finish_reason = choice_in.finish_reason
             chunk = chat_chunk(job, choice, d) if d is not None else None
             if chunk is None:
-                chunk = {"choices": [{"index": seq_index, "delta": {}, "logprobs": None, "finish_reason": None}]}
+                chunk = {
+                    "choices": [{"index": seq_index, "delta": {}, "logprobs": None, "finish_reason": None}]
+                }
             out = chunk["choices"][0]
             for call in out["delta"].get("tool_calls") or []:
                 if "id" in call:
@@ -301,8 +338,16 @@ class ScaleOutRoutes:
             out_chunk["choices"] = [out]
         if chunk_in.usage is not None:
             completion = int(chunk_in.usage.get("completion_tokens") or 0)
-            prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else int(chunk_in.usage.get("prompt_tokens") or 0)
-            out_chunk["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion, "completion_tokens": completion}
+            prompt_tokens = (
+                req.prompt_tokens
+                if req.prompt_tokens is not None
+                else int(chunk_in.usage.get("prompt_tokens") or 0)
+            )
+            out_chunk["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + completion,
+                "completion_tokens": completion,
+            }
         streamed = choice.session.tools_streamed if choice.session else False
         new_state = derender_state(state, new_ids, tools_streamed=streamed, tool_call_ids=pinned)
         if not choice_in:

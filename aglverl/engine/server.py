@@ -204,7 +204,9 @@ class InferenceServer:
         self.chat_parser = ChatParser(
             tool_parser=_default_tool_parser(self.chat_template) if tool_parser == "auto" else tool_parser,
             reasoning_parser=(
-                _default_reasoning_parser(self.chat_template, vocab) if reasoning_parser == "auto" else reasoning_parser
+                _default_reasoning_parser(self.chat_template, vocab)
+                if reasoning_parser == "auto"
+                else reasoning_parser
             ),
             vocab=vocab,
         )
@@ -611,5 +613,3 @@ def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], Any]) -> N
         loop.call_soon_threadsafe(callback)
     except RuntimeError:
         pass  # the loop is closed: nobody waits
-
-

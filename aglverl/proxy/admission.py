@@ -171,7 +171,9 @@ class Admission:
     def authorize(self, request: web.Request) -> None:
         if self.config.auth is None:
             return
-        header = APIS.credential(request.headers)  # Authorization, or an API's key header (Anthropic's x-api-key)
+        header = APIS.credential(
+            request.headers
+        )  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self.config.auth):
             others = " or ".join(f"'{name}'" for name in APIS.key_headers)
@@ -234,9 +236,7 @@ class Admission:
         ``off_policy`` under ``"mask"``.
         """
         expected = (
-            self.sampling_of(call.rollout_id)
-            if self.sampling_of is not None and call.rollout_id
-            else None
+            self.sampling_of(call.rollout_id) if self.sampling_of is not None and call.rollout_id else None
         )
         if not expected:
             return {}

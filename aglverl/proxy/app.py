@@ -126,7 +126,9 @@ class LLMProxy:
         **settings: Unpack[ProxySettings],
     ) -> None:
         if config is not None and settings:
-            raise TypeError(f"LLMProxy takes config or its settings as keywords, not both: {', '.join(settings)}")
+            raise TypeError(
+                f"LLMProxy takes config or its settings as keywords, not both: {', '.join(settings)}"
+            )
         config = self._config = config if config is not None else ProxyConfig.from_settings(**settings)
         self._sampling_of = sampling_of
         self._store = store

@@ -167,7 +167,9 @@ class Call:
         self.fill: dict[str, Any] = {}
         self.wire: Dialect | None = None  # the dialect the body is spelled in (prepare)
         self.prompt_ids: list[int] | None = None  # token-in: the ids the call is made from
-        self.reshape: CompletionAsChat | None = None  # token-in answered as a completion: spelled back as chat
+        self.reshape: CompletionAsChat | None = (
+            None  # token-in answered as a completion: spelled back as chat
+        )
         # The weight version of the call's first and last tokens: the backend's X-Weight-Version when it sends
         # one, else the proxy's version when the answer (or the continuation) was asked for.
         self.weight_version = 0

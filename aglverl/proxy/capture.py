@@ -36,6 +36,7 @@ CAPTURED_PATHS: Mapping[str, Literal["chat", "completion"]] = {
     "completions": "completion",
 }
 
+
 class _Entry(msgspec.Struct, gc=False):
     """A chat log-probs entry, of which only the sampled token's log-prob is read (its token text, bytes and
     alternatives are skipped by the decoder, never built)."""

@@ -63,7 +63,6 @@ from .sse import (
 logger = logging.getLogger(__name__)
 
 
-
 def _length_end(dialect: Dialect) -> dict[str, Any]:
     """The end of a generation aborted exactly at its limit (nothing is left to continue), as a completion
     choice of ``dialect``'s wire."""

@@ -210,7 +210,9 @@ class ProxyShard:
         )
         self.table.forget = self.proxy.forget
         self.registry.gauge(
-            "aglverl_proxy_shard_attempts", "Attempts pinned to this proxy shard now.", lambda: len(self.table)
+            "aglverl_proxy_shard_attempts",
+            "Attempts pinned to this proxy shard now.",
+            lambda: len(self.table),
         )
         self._gate_seq = -1
         self._serving: asyncio.Task[None] | None = None

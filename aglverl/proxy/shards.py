@@ -257,7 +257,9 @@ class ProxyShards:
         self._register_metrics(registry or Registry())
 
     def _register_metrics(self, r: Registry) -> None:
-        r.gauge("aglverl_proxy_shards_up", "Proxy shards serving now.", lambda: sum(s.up for s in self.shards))
+        r.gauge(
+            "aglverl_proxy_shards_up", "Proxy shards serving now.", lambda: sum(s.up for s in self.shards)
+        )
         self.m_restarts = r.counter(
             "aglverl_proxy_shard_restarts_total", "Proxy shard processes that died and served again."
         )
@@ -267,15 +269,19 @@ class ProxyShards:
         )
         self.m_ops = r.counter("aglverl_proxy_shard_table_ops_total", "Table changes sent to the shards.")
         self.m_take = r.histogram(
-            "aglverl_proxy_shard_take_seconds", "Round trip of one take of an attempt's records from its shard."
+            "aglverl_proxy_shard_take_seconds",
+            "Round trip of one take of an attempt's records from its shard.",
         )
-        self.m_taken = r.counter("aglverl_proxy_shard_records_taken_total", "Call records taken from the shards.")
+        self.m_taken = r.counter(
+            "aglverl_proxy_shard_records_taken_total", "Call records taken from the shards."
+        )
         self.m_take_timeouts = r.counter(
             "aglverl_proxy_shard_take_timeouts_total",
             "Takes of an attempt's records that a shard did not answer within take_timeout (the attempt voided).",
         )
         self.m_gate = r.histogram(
-            "aglverl_proxy_shard_gate_seconds", "A gate operation's broadcast to every shard (pause: to drained)."
+            "aglverl_proxy_shard_gate_seconds",
+            "A gate operation's broadcast to every shard (pause: to drained).",
         )
 
     # ------------------------------------------------------------------ life cycle
@@ -478,13 +484,19 @@ class ProxyShards:
             started = time.monotonic()
             try:
                 with anyio.fail_after(self.take_timeout):
-                    calls: list[LLMCall] = await shard.actor.take.remote(shard.incarnation, rollout_id, attempt_id)
+                    calls: list[LLMCall] = await shard.actor.take.remote(
+                        shard.incarnation, rollout_id, attempt_id
+                    )
             except (ray.exceptions.RayActorError, ShardRestarted) as exc:
                 self._lost(shard, epoch, exc)
             except TimeoutError:
                 self.m_take_timeouts.inc()
-                why = f"proxy shard {shard.index} did not hand over its LLM calls within {self.take_timeout:g}s"
-                logger.warning("%s (attempt %s of rollout %s): the attempt is void", why, attempt_id, rollout_id)
+                why = (
+                    f"proxy shard {shard.index} did not hand over its LLM calls within {self.take_timeout:g}s"
+                )
+                logger.warning(
+                    "%s (attempt %s of rollout %s): the attempt is void", why, attempt_id, rollout_id
+                )
                 self.unpin(rollout_id, [attempt_id])
                 self.store.attempts_lost([(rollout_id, attempt_id)], why)
                 raise AttemptLost(
@@ -561,7 +573,11 @@ class ProxyShards:
             self.m_push.observe(time.monotonic() - started)
             self.m_ops.inc(len(ops))
             for op in ops:
-                if op[0] == "a" and (pin := self._pins.get((op[1], op[2]))) is not None and pin.epoch == epoch:
+                if (
+                    op[0] == "a"
+                    and (pin := self._pins.get((op[1], op[2]))) is not None
+                    and pin.epoch == epoch
+                ):
                     pin.ready.set()
 
     # ------------------------------------------------------------------ death
@@ -627,7 +643,9 @@ class ProxyShards:
             pin.ready.set()
         self.m_restarts.inc()
         self.m_start.observe(time.monotonic() - started)
-        logger.warning("proxy shard %d serves again at %s (%d attempts pinned to it)", shard.index, url, len(admitted))
+        logger.warning(
+            "proxy shard %d serves again at %s (%d attempts pinned to it)", shard.index, url, len(admitted)
+        )
         shard.wake.set()  # table changes queued since the snapshot
         await self._serving(shard, boot, gate[0])
 
@@ -645,7 +663,9 @@ class ProxyShards:
         logger.error("proxy shard %d is gone: Ray will not restart it again", shard.index)
         self._check_all_up()
         if all(s.gone for s in self.shards):
-            raise ShardsGone(f"every proxy shard died {self.max_restarts + 1} times; no LLM call can be served")
+            raise ShardsGone(
+                f"every proxy shard died {self.max_restarts + 1} times; no LLM call can be served"
+            )
 
     # ------------------------------------------------------------------ the gate
     def _gate(self) -> tuple[int, str, int]:

@@ -63,7 +63,9 @@ class _Refusals:
         body = self._bodies.get(route)
         if body is None:
             found = APIS.match(route.decode("latin-1"))
-            message = "the LLM proxy is overloaded: the call was not forwarded; retry after the Retry-After delay"
+            message = (
+                "the LLM proxy is overloaded: the call was not forwarded; retry after the Retry-After delay"
+            )
             body = ProxyError(429, message).body(Translator(*found) if found is not None else None)
             if len(self._bodies) < 64:  # routes are few; one with a path parameter is made anew past that
                 self._bodies[route] = body
@@ -76,7 +78,18 @@ _REFUSALS = _Refusals()
 class Shedder(asyncio.Protocol):
     """One connection's protocol: aiohttp's, behind the shedding of new calls (see the module docstring)."""
 
-    __slots__ = ("_dropping", "_gate", "_head", "_held", "_inner", "_lost", "_meters", "_overload", "_remaining", "_transport")
+    __slots__ = (
+        "_dropping",
+        "_gate",
+        "_head",
+        "_held",
+        "_inner",
+        "_lost",
+        "_meters",
+        "_overload",
+        "_remaining",
+        "_transport",
+    )
 
     def __init__(self, inner: Any, overload: Overload, gate: Gate, meters: Meters) -> None:
         self._inner = inner
@@ -106,7 +119,9 @@ class Shedder(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         if self._held and self._head:
-            self._inner.data_received(self._head)  # what was kept back goes on: aiohttp answers the half request
+            self._inner.data_received(
+                self._head
+            )  # what was kept back goes on: aiohttp answers the half request
             self._head, self._held = b"", False
         return self._inner.eof_received()
 

@@ -219,7 +219,11 @@ class _LocalRenderer:
     local = True
 
     def __init__(
-        self, source: str, tokenizer: PreTrainedTokenizerBase, stop_ids: frozenset[int] = frozenset(), kept: Any = None
+        self,
+        source: str,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_ids: frozenset[int] = frozenset(),
+        kept: Any = None,
     ) -> None:
         self.source = source
         fast = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: no Python wrapper per call
@@ -249,7 +253,9 @@ class _LocalRenderer:
                 kwargs[key] = fields[key]
         tools = fields.get("tools")
         return [
-            self.template.render(messages, tools=tools, add_generation_prompt=gen, chat_template_kwargs=kwargs)
+            self.template.render(
+                messages, tools=tools, add_generation_prompt=gen, chat_template_kwargs=kwargs
+            )
             for messages, gen in conversations
         ]
 
@@ -379,7 +385,9 @@ class _Tokenizers:
     def __init__(self, live: Callable[[], int]) -> None:
         self._renderers: dict[str, _LocalRenderer | None] = {}
         self._loading: dict[str, anyio.Event] = {}
-        self._live = live  # how many conversations the run holds (what a renderer's template cache is sized by)
+        self._live = (
+            live  # how many conversations the run holds (what a renderer's template cache is sized by)
+        )
 
     async def renderer(self, source: str | None) -> _LocalRenderer | None:
         if source is None:

@@ -203,7 +203,10 @@ class Journal:
     def _due(self) -> bool:
         if self._size > self.compact_bytes:
             return True
-        return self._size > min(self.compact_bytes, COMPACT_FLOOR) and self._size > COMPACT_RATIO * self._live_size
+        return (
+            self._size > min(self.compact_bytes, COMPACT_FLOOR)
+            and self._size > COMPACT_RATIO * self._live_size
+        )
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Compact off the event loop whenever :meth:`maybe_compact` asks, until cancelled (a rewrite in

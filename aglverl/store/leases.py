@@ -42,7 +42,14 @@ class Leases:
         renewed during a freeze counts from the freeze, so a thaw gives it exactly its length)."""
         return time.monotonic() if self._frozen_at is None else self._frozen_at
 
-    def push(self, deadline: float, rollout_id: str, attempt_id: str, live: int, current: Callable[[LeaseItem], bool]) -> None:
+    def push(
+        self,
+        deadline: float,
+        rollout_id: str,
+        attempt_id: str,
+        live: int,
+        current: Callable[[LeaseItem], bool],
+    ) -> None:
         """Add a deadline; wake the reaper when it is the earliest. ``live``: the claims running now;
         ``current(item)``: whether a heap entry is still a claim's deadline (used to drop stale ones)."""
         self._seq += 1

@@ -102,7 +102,9 @@ class TaskStore:
         **settings: Unpack[StoreSettings],
     ) -> None:
         if config is not None and settings:
-            raise TypeError(f"TaskStore takes config or its settings as keywords, not both: {', '.join(settings)}")
+            raise TypeError(
+                f"TaskStore takes config or its settings as keywords, not both: {', '.join(settings)}"
+            )
         #: The settings every method reads when it uses one (a frozen value; see :meth:`reconfigure`).
         self.config = config if config is not None else StoreConfig(**settings)
         self.journal = journal
@@ -287,7 +289,9 @@ class TaskStore:
         task = self.try_claim()
         if task is not None or wait <= 0 or self._closed:
             return task
-        return await self._waiters.park(wait, lambda task: self.release(task.rollout_id, task.attempt_id or ""))
+        return await self._waiters.park(
+            wait, lambda task: self.release(task.rollout_id, task.attempt_id or "")
+        )
 
     def release(self, rollout_id: str, attempt_id: str) -> bool:
         """Undo a claim whose task never reached its agent: back to the front of the queue, no attempt used."""
@@ -309,7 +313,9 @@ class TaskStore:
     # ------------------------------------------------------------------ leases
     def _set_lease(self, entry: Entry, deadline: float) -> None:
         entry.lease_deadline = deadline
-        self._leases.push(deadline, entry.rollout_id, entry.attempt_id or "", self._claimed_count, self._lease_current)
+        self._leases.push(
+            deadline, entry.rollout_id, entry.attempt_id or "", self._claimed_count, self._lease_current
+        )
 
     def _lease_current(self, item: LeaseItem) -> bool:
         """Whether a lease-heap entry is still its claim's deadline (not finished, superseded or extended)."""
@@ -321,7 +327,9 @@ class TaskStore:
             and entry.lease_deadline == item[0]
         )
 
-    def heartbeat(self, rollout_id: str, attempt_id: str | None = None, *, seconds: float | None = None) -> float:
+    def heartbeat(
+        self, rollout_id: str, attempt_id: str | None = None, *, seconds: float | None = None
+    ) -> float:
         """Extend the current attempt's lease by ``lease_seconds`` (or ``seconds``); returns the seconds until it
         expires."""
         entry = self._require(rollout_id)
@@ -513,7 +521,9 @@ class TaskStore:
         except AttemptLost:
             entry.calls = {}
         except Exception:  # the rollout stays failed, without calls, whatever the take ran into
-            logger.exception("the records of failed rollout %s could not be taken from its shard", entry.rollout_id)
+            logger.exception(
+                "the records of failed rollout %s could not be taken from its shard", entry.rollout_id
+            )
             entry.calls = {}
         finally:
             entry.settling = False
@@ -603,8 +613,13 @@ class TaskStore:
         self._attempt_listeners.append(listener)
 
     def _emit(
-        self, kind: AttemptEvent, entry: Entry, attempt_id: str | None,
-        error: str | None = None, *, resources_id: str | None = None,
+        self,
+        kind: AttemptEvent,
+        entry: Entry,
+        attempt_id: str | None,
+        error: str | None = None,
+        *,
+        resources_id: str | None = None,
     ) -> None:
         if self._attempt_listeners:
             change = AttemptChange(
@@ -715,7 +730,9 @@ class TaskStore:
 
     def pop_all_finished(self) -> list[Rollout]:
         """Results of every finished owner-less rollout, removed from the store."""
-        done = [e for e in self._entries.values() if e.owner is None and e.state in TERMINAL and not e.settling]
+        done = [
+            e for e in self._entries.values() if e.owner is None and e.state in TERMINAL and not e.settling
+        ]
         self.forget([e.rollout_id for e in done])
         return [e.as_result() for e in done]
 
@@ -783,6 +800,8 @@ class TaskStore:
             elif (entry := self._entries.get(r.get("rollout_id", ""))) is not None:
                 entry.apply(r)
         for entry in self._entries.values():
-            if entry.state not in TERMINAL:  # replayed attempts leave a rollout queued: it is handed out again
+            if (
+                entry.state not in TERMINAL
+            ):  # replayed attempts leave a rollout queued: it is handed out again
                 self._queued_count += 1
                 self._queue.append(entry.rollout_id)

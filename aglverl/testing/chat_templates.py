@@ -29,7 +29,7 @@ __all__ = ["MISTRAL_TEMPLATE", "TEMPLATES", "THINK_TEMPLATE", "TRIM_TEMPLATE", "
 
 _TOOLS = (
     "{% if tools %}<|im_start|>system\nYou may call tools:{% for t in tools %} {{ t['function']['name'] }}"
-    "{% endfor %}. Call one as <tool_call>\n{\"name\": <name>, \"arguments\": <object>}\n</tool_call><|im_end|>\n"
+    '{% endfor %}. Call one as <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n'
     "{% endif %}"
 )
 _CALLS = (
@@ -42,7 +42,9 @@ TRIM_TEMPLATE = (
     _TOOLS + "{% for m in messages %}"
     "{% if m['role'] == 'tool' %}<|im_start|>tool\n<tool_response>\n{{ (m['content'] or '') | trim }}\n"
     "</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ (m['content'] or '') | trim }}" + _CALLS + "<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ (m['content'] or '') | trim }}"
+    + _CALLS
+    + "<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 #: Qwen3's way (earlier reasoning dropped, a pre-opened think block) over ChatML tokens, with a Hermes tool section.

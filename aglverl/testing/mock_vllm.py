@@ -180,10 +180,21 @@ def _jinja(template: Template) -> str:
             "{%- if loop.first and m['role'] == 'system' %}{% set ns.system = m.get('content') or '' %}{% endif %}"
             "{%- endfor %}"
         )
-        system = "{%- if not (loop.first and ns.system is not none) %}{% if loop.index0 == ns.last %}" + listed + "{% endif %}"
-        last = "{% if loop.index0 == ns.last and ns.system is not none %}{{ ns.system ~ '\\n\\n' }}{% endif %}"
+        system = (
+            "{%- if not (loop.first and ns.system is not none) %}{% if loop.index0 == ns.last %}"
+            + listed
+            + "{% endif %}"
+        )
+        last = (
+            "{% if loop.index0 == ns.last and ns.system is not none %}{{ ns.system ~ '\\n\\n' }}{% endif %}"
+        )
     return (
-        head + "{%- for m in messages %}" + system + "{{ '<|' ~ m['role'] ~ '|>' }}" + final + last
+        head
+        + "{%- for m in messages %}"
+        + system
+        + "{{ '<|' ~ m['role'] ~ '|>' }}"
+        + final
+        + last
         + "{{ m.get('content') or '' }}"
         "{%- for c in (m.get('tool_calls') or []) %}<tool_call>"
         "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
@@ -198,7 +209,11 @@ JINJA_TEMPLATES: Mapping[str, str] = {name: _jinja(name) for name in ("plain", "
 
 def _byte_chars() -> list[str]:
     """The printable character byte-level tokenizers write each byte as (the GPT-2 convention)."""
-    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)}
+    kept = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), 256),
+    }
     chars, shifted = [], 0
     for byte in range(256):
         if byte in kept:
@@ -369,7 +384,9 @@ class _Choice:
     prompt: list[int]
     ids: list[int]
     finish: str
-    stop_reason: int | None = None  # the stop token id the choice ended on (kept in its ids, as vLLM keeps it)
+    stop_reason: int | None = (
+        None  # the stop token id the choice ended on (kept in its ids, as vLLM keeps it)
+    )
 
 
 #: How many tokens a choice gets for its prompt, and why it stopped ("stop" or "length").
@@ -673,14 +690,14 @@ class MockVLLM:
         """The next ``count`` calls lose their connection: streams after ``after_events`` events, others at once."""
         self._faults.extend(_Fault("break", after_events=after_events) for _ in range(count))
 
-    def abort_next(self, count: int = 1, *, after_tokens: int = 2, release: anyio.Event | None = None) -> None:
+    def abort_next(
+        self, count: int = 1, *, after_tokens: int = 2, release: anyio.Event | None = None
+    ) -> None:
         """The next ``count`` generation calls are aborted (finish reason ``"abort"``, as an engine aborts them for
         a weight update) after ``after_tokens`` tokens. With ``release``, the abort goes out only once it is
         set: a stream's events before the aborting one first, a whole answer all of it (:attr:`aborting` counts
         the answers waiting so)."""
-        self._faults.extend(
-            _Fault("abort", after_events=after_tokens, release=release) for _ in range(count)
-        )
+        self._faults.extend(_Fault("abort", after_events=after_tokens, release=release) for _ in range(count))
 
     def omit_ids_next(self, count: int = 1) -> None:
         """The next ``count`` generation calls are answered without token ids, as if not asked for them."""
@@ -1027,13 +1044,14 @@ class MockVLLM:
         await response.write_eof()
         return response
 
-
     # ------------------------------------------------------------------ the render route (vLLM --enable-scale-out)
     def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
         if self.scale_out:
             return None
         self._seen(request, b"", None)
-        message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+        message = (
+            "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+        )
         return _json_error(403, message, "PermissionDeniedError")
 
     async def _read_json(self, request: web.Request) -> tuple[Any, web.Response | None]:

@@ -502,7 +502,9 @@ class TrajectoryProducer:
         self.failed_groups_total += 1
         self._failed_streak += 1
         self._failed_rollouts += len(group.records)
-        too_small = self.signal.min_group_size if group.stats.counts.get("rejection/n_samples_too_small") else 0
+        too_small = (
+            self.signal.min_group_size if group.stats.counts.get("rejection/n_samples_too_small") else 0
+        )
         masked = group.masked.tolist() if len(group.masked) else [0] * len(group.records)
         self._failed_errors.update(
             rollout_error(r, bits, too_small) for r, bits in zip(group.records, masked, strict=True)
@@ -557,7 +559,9 @@ class TrajectoryProducer:
         a kill at any moment of the save a recovered group is never attached to a prompt of a step the
         checkpoint covers (it may already be trained). Cancelled during the flush: nothing is journaled.
         """
-        ready = [uid for uid, g in self._groups.items() if g.finished and g.journaled and g.covered_at is None]
+        ready = [
+            uid for uid, g in self._groups.items() if g.finished and g.journaled and g.covered_at is None
+        ]
         await self.sink.flush()
         uids = [uid for uid in ready if (g := self._groups.get(uid)) is not None and g.covered_at is None]
         for uid in uids:
@@ -689,7 +693,9 @@ class TrajectoryProducer:
         for uid in dropped:
             del self._recovered[uid]
         if dropped:
-            logger.info("journal: %d groups of the previous run were not asked for again; dropped", len(dropped))
+            logger.info(
+                "journal: %d groups of the previous run were not asked for again; dropped", len(dropped)
+            )
         return len(dropped)
 
     def live_records(self) -> Iterator[dict[str, Any]]:

@@ -95,7 +95,6 @@ class FinishedRollout:
     end_versions: Sequence[int] | None = None
 
 
-
 class Trajectory(NamedTuple):
     """A finished rollout's turns and what goes with each: the agent's reward (``rewards``, ``None`` when the
     turns came from the proxy), the engine's logprobs (one list per turn, ``None`` where missing), where the

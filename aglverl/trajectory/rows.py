@@ -565,7 +565,11 @@ def _response_mask(spans: _Spans, generated: np.ndarray) -> np.ndarray:
 
 
 def _logprobs(
-    rollouts: Sequence[FinishedRollout], turns: _Turns, kept: _Kept, spans: _Spans, where: Callable[[int], str]
+    rollouts: Sequence[FinishedRollout],
+    turns: _Turns,
+    kept: _Kept,
+    spans: _Spans,
+    where: Callable[[int], str],
 ) -> tuple[np.ndarray, np.ndarray]:
     """The engine's logprobs of the rows' generated ids (float32, zeros elsewhere), aligned with the response
     ids, and per row whether every call of it brought finite logprobs aligned with its response (only aligned
@@ -612,7 +616,9 @@ def _versions(rollouts: Sequence[FinishedRollout], kept: _Kept) -> tuple[np.ndar
     """Per row: its first call's weight version, the oldest first-token version and the newest last-token
     version of its calls (-1 where a rollout's versions are unknown)."""
     first = per_turn(rollouts, lambda r: r.versions, -1, np.int64)
-    last = per_turn(rollouts, lambda r: r.versions if r.end_versions is None else r.end_versions, -1, np.int64)
+    last = per_turn(
+        rollouts, lambda r: r.versions if r.end_versions is None else r.end_versions, -1, np.int64
+    )
     if not kept.n_rows:
         empty = np.zeros(0, np.int64)
         return empty, empty.copy(), empty.copy()

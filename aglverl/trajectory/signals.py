@@ -562,7 +562,9 @@ def logprob_mismatch(
     mask = response_mask.bool()
     if rows is not None:
         if rows.shape != old_log_probs.shape[:1]:
-            raise ValueError(f"rows has shape {tuple(rows.shape)}, old_log_probs {tuple(old_log_probs.shape)}")
+            raise ValueError(
+                f"rows has shape {tuple(rows.shape)}, old_log_probs {tuple(old_log_probs.shape)}"
+            )
         mask = mask & rows.bool().unsqueeze(-1)
     diff = (old_log_probs.double() - rollout_log_probs.double())[mask]
     if not diff.numel():

@@ -46,6 +46,7 @@ __all__ = ["RolloutCollector", "Step", "StepReport", "TrainingBatch"]
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """What a finished step produced: counts and metrics (for validation steps, the metrics are the result)."""
@@ -195,7 +196,12 @@ class RolloutCollector:
                 )
         now = time.monotonic()
         step = Step(
-            number, mode, rollout_ids, now, now + deadline if deadline is not None else math.inf, dict(metadata or {})
+            number,
+            mode,
+            rollout_ids,
+            now,
+            now + deadline if deadline is not None else math.inf,
+            dict(metadata or {}),
         )
         self.steps[number] = step
         self.store.journal_write(self._step_record(step))

@@ -173,7 +173,9 @@ def _value_model_attention() -> None:
         return
 
     @functools.wraps(original)
-    def load_valuehead_model(local_path: Any, torch_dtype: Any, model_config: Any, trust_remote_code: Any) -> Any:
+    def load_valuehead_model(
+        local_path: Any, torch_dtype: Any, model_config: Any, trust_remote_code: Any
+    ) -> Any:
         attention = getattr(model_config, "_attn_implementation", None) or "sdpa"
         if attention == "flash_attention_2":
             attention = "sdpa"

@@ -127,7 +127,9 @@ class EmbeddedRollout(BaseRollout):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"the aglverl rollout takes full named tensors, not {wire_format!r}")
         if kwargs.get("peft_config") is not None:
-            raise NotImplementedError("the aglverl rollout cannot load LoRA adapters; set model.lora.merge=true")
+            raise NotImplementedError(
+                "the aglverl rollout cannot load LoRA adapters; set model.lora.merge=true"
+            )
         named = await _received(weights)
         version = int(kwargs.get("global_steps") or 0)
         await asyncio.to_thread(self.server.load_weights, named, version)
@@ -154,7 +156,11 @@ async def _received(
 def _describe(_worker: Any) -> dict[str, Any]:
     rollout = local_rollout()
     server = rollout.server
-    return {"address": rollout.address, "model": server.served_model_name, "max_model_len": server.max_model_len}
+    return {
+        "address": rollout.address,
+        "model": server.served_model_name,
+        "max_model_len": server.max_model_len,
+    }
 
 
 def _sleep(_worker: Any) -> None:
@@ -243,7 +249,9 @@ class EmbeddedServerHandle:
         except _NoResponse as exc:
             failure = exc.__cause__
         for attempt, delay in enumerate(RETRY_DELAYS, start=2):
-            logger.info("retrying %s on a fresh connection (attempt %d) after: %r", self.url, attempt, failure)
+            logger.info(
+                "retrying %s on a fresh connection (attempt %d) after: %r", self.url, attempt, failure
+            )
             await asyncio.sleep(delay)
             fresh = aiohttp.TCPConnector(force_close=True)
             async with aiohttp.ClientSession(connector=fresh, timeout=_CLIENT_TIMEOUT) as session:
@@ -276,7 +284,9 @@ class EmbeddedServerHandle:
         requests wait, or with ``reject_request`` are answered at once as aborted with no tokens. Returns
         ``{"aborted_count": n, "request_ids": [...]}`` (the ids are the servers' ``cmpl-<request_id>``).
         """
-        ended = await asyncio.gather(*[w.__ray_call__.remote(_abort, bool(reject_request)) for w in self.workers])
+        ended = await asyncio.gather(
+            *[w.__ray_call__.remote(_abort, bool(reject_request)) for w in self.workers]
+        )
         request_ids = [rid for ids in ended for rid in ids]
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
@@ -329,7 +339,9 @@ async def _post_once(
     except orjson.JSONDecodeError:
         payload = None
     if response.status != 200 or not isinstance(payload, dict):
-        error = payload.get("error", payload) if isinstance(payload, dict) else raw[:500].decode(errors="replace")
+        error = (
+            payload.get("error", payload) if isinstance(payload, dict) else raw[:500].decode(errors="replace")
+        )
         raise RuntimeError(f"aglverl rollout server at {url} answered {response.status}: {error}")
     version = response.headers.get(WEIGHT_VERSION_HEADER)
     return payload, int(version) if version is not None else None
@@ -374,7 +386,9 @@ def _completion_request(
     if limit is None:
         limit = sampling.get("max_new_tokens")
     if limit is None:
-        limit = min(lengths.response_length, lengths.prompt_length + lengths.response_length - len(prompt_ids))
+        limit = min(
+            lengths.response_length, lengths.prompt_length + lengths.response_length - len(prompt_ids)
+        )
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt_ids,

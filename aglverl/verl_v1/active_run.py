@@ -15,7 +15,6 @@ import anyio.lowlevel
 import anyio.to_thread
 
 if TYPE_CHECKING:
-
     from ..daemon import AgentDaemon
     from ..trajectory.signals import SignalConfig
 

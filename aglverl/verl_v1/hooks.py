@@ -192,7 +192,9 @@ def _rows_missing_logprobs(batch: Any) -> bool:
     """Whether any row of the batch came without the engine's log-probs (``rollout_log_probs_valid = 0``)."""
     import transfer_queue as tq
 
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs_valid"])
+    data = tq.kv_batch_get(
+        keys=batch.keys, partition_id=batch.partition_id, select_fields=["rollout_log_probs_valid"]
+    )
     return bool((data["rollout_log_probs_valid"] == 0).any())
 
 
@@ -303,7 +305,10 @@ def _step_metrics(trainer: Any, run: Run, uids: list[str], timing: Mapping[str, 
     metrics["step/n_groups_restored"] = float(len(set(uids) - {s.uid for s in stats}))
     reported: Mapping[str, float] = getattr(trainer, "_proxy_reported", {})
     metrics.update(
-        {name: total if name in GAUGES else total - reported.get(name, 0.0) for name, total in counters.items()}
+        {
+            name: total if name in GAUGES else total - reported.get(name, 0.0)
+            for name, total in counters.items()
+        }
     )
     trainer._proxy_reported = counters
     computing = [(max(a, start), min(b, stop)) for a, b in trainer._computing if b > start]

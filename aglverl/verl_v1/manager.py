@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
 
-
 logger = logging.getLogger(__name__)
 
 

@@ -27,7 +27,6 @@ from .manager import DaemonAgentLoopManager
 from .sink import TransferQueueSink
 
 if TYPE_CHECKING:
-
     from ..daemon import AgentDaemon, DaemonConfig
 
 
@@ -142,7 +141,9 @@ def close_trainer(trainer: Any) -> None:
         group = getattr(trainer, name, None)
         if group is not None:
             actors += list(group.workers)
-    pools = list((getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}).values())
+    pools = list(
+        (getattr(getattr(trainer, "resource_pool_manager", None), "resource_pool_dict", {}) or {}).values()
+    )
     for manager_name in ("llm_server_manager", "standalone_server_manager"):
         manager = getattr(trainer, manager_name, None)
         if manager is None:
@@ -181,7 +182,13 @@ async def running(plan: RunPlan) -> AsyncIterator[tuple[Run, Any]]:
 
     config = plan.config
     datasets = {TRAIN_FILES: plan.train, VAL_FILES: plan.val or plan.train}
-    run = Run(config=config, signal=plan.daemon.signal, datasets=datasets, on_step=plan.on_step, progress=plan.progress)
+    run = Run(
+        config=config,
+        signal=plan.daemon.signal,
+        datasets=datasets,
+        on_step=plan.on_step,
+        progress=plan.progress,
+    )
     run.token = anyio.lowlevel.current_token()
     with activate(run), _progress_bar(run):
         await anyio.to_thread.run_sync(tq.init, config.transfer_queue)

@@ -89,7 +89,9 @@ class Apis:
                 continue
             prefix = route.pattern.split("{", 1)[0]
             parts = re.split(r"\{(\w+)\}", route.pattern)
-            regex = "".join(re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)" for i, part in enumerate(parts))
+            regex = "".join(
+                re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)" for i, part in enumerate(parts)
+            )
             self._patterns.append((prefix, re.compile(regex + r"\Z"), api, route))
         header = getattr(api, "credential_header", None)
         if header and header.lower() not in self.credential_headers:
