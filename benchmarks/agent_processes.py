@@ -91,12 +91,21 @@ async def start_costs(starts: int) -> dict[str, Any]:
     return out
 
 
-async def _controller(agl_python: str, server: str, poll: float, concurrency: int, tg: anyio.abc.TaskGroup) -> anyio.abc.Process:
+async def _controller(
+    agl_python: str, server: str, poll: float, concurrency: int, tg: anyio.abc.TaskGroup
+) -> anyio.abc.Process:
     """Agent Lightning's local controller, returned once it polls (its first line: 'LocalReconciler starting')."""
     command = [
-        agl_python, "-m", "agentlightning.controller", "runner_type=local", f"agl_server.url={server}",
-        f"agl_server.key={KEY}", f"local_runner.poll_interval={poll:g}", f"local_runner.maximum_size={concurrency}",
-        "hydra.run.dir=/tmp/aglverl-bench-hydra", "hydra.output_subdir=null",
+        agl_python,
+        "-m",
+        "agentlightning.controller",
+        "runner_type=local",
+        f"agl_server.url={server}",
+        f"agl_server.key={KEY}",
+        f"local_runner.poll_interval={poll:g}",
+        f"local_runner.maximum_size={concurrency}",
+        "hydra.run.dir=/tmp/aglverl-bench-hydra",
+        "hydra.output_subdir=null",
     ]
     process = await anyio.open_process(command, stdin=None, stderr=None)
     assert process.stdout is not None
@@ -122,7 +131,9 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
     tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(args.rollouts)]
     agent_class = AGENT_CLASSES.get(agent)
     settings = AgentLightningSettings(
-        rollout_config=RolloutConfig(timeout_seconds=600, local=RolloutLocalConfig(agent_class=agent_class, env_map=ENV_MAP))
+        rollout_config=RolloutConfig(
+            timeout_seconds=600, local=RolloutLocalConfig(agent_class=agent_class, env_map=ENV_MAP)
+        )
     )
     section: dict[str, Any] = (
         {"agent_class": agent_class, "env_map": ENV_MAP}
@@ -136,22 +147,34 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
     runner = None
     async with (
         MockVLLM(completion_tokens=4) as mock,
-        AgentDaemon(backends=[mock.url], model="mock", token=KEY, agent_lightning=settings, max_attempts=1) as daemon,
+        AgentDaemon(
+            backends=[mock.url], model="mock", token=KEY, agent_lightning=settings, max_attempts=1
+        ) as daemon,
     ):
         async with anyio.create_task_group() as tg:
             controller = None
             if system.startswith("agl_poll_"):
-                controller = await _controller(args.agl_python, daemon.server_url, float(system[9:-1]), args.concurrency, tg)
+                controller = await _controller(
+                    args.agl_python, daemon.server_url, float(system[9:-1]), args.concurrency, tg
+                )
             else:
-                runner = ProcessRunner(daemon, options, concurrency=args.concurrency, log_dir=args.logs / f"{agent}-{system}")
-                await tg.start(runner.serve)  # the fork server's template imports the agent here, before the clock
+                runner = ProcessRunner(
+                    daemon, options, concurrency=args.concurrency, log_dir=args.logs / f"{agent}-{system}"
+                )
+                await tg.start(
+                    runner.serve
+                )  # the fork server's template imports the agent here, before the clock
             started = time.perf_counter()
             ids = [await daemon.queue_task(task) for task in tasks]
             with anyio.fail_after(args.deadline):
                 await daemon.store.wait_terminal(ids)
             wall = time.perf_counter() - started
             records = [daemon.store.record(r) for r in ids]
-            firsts = [min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time for r in records if r.calls]
+            firsts = [
+                min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time
+                for r in records
+                if r.calls
+            ]
             if controller is not None:
                 controller.send_signal(signal.SIGTERM)
                 await controller.wait()
@@ -163,7 +186,8 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
         "rollouts": n,
         "succeeded": sum(r.state == "completed" for r in records),
         "queued_to_first_call_s": {
-            "p50": round(percentile(firsts, 50), 3), "p90": round(percentile(firsts, 90), 3),
+            "p50": round(percentile(firsts, 50), 3),
+            "p90": round(percentile(firsts, 90), 3),
             "max": round(max(firsts), 3) if firsts else None,
         },
         "rollouts_per_s": round(n / wall, 3),
@@ -179,9 +203,20 @@ async def _in_child(agent: str, args: argparse.Namespace) -> dict[str, Any]:
     """``agent`` run by the built-in runner of the tree ``--against`` names, in a child process importing it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.against), str(EXAMPLES), str(HERE)])}
     command = [
-        sys.executable, str(HERE / "agent_processes.py"), "--only", agent, "--rollouts", str(args.rollouts),
-        "--concurrency", str(args.concurrency), "--deadline", str(args.deadline), "--logs", str(args.logs / "against"),
-        "--agl-python", args.agl_python,
+        sys.executable,
+        str(HERE / "agent_processes.py"),
+        "--only",
+        agent,
+        "--rollouts",
+        str(args.rollouts),
+        "--concurrency",
+        str(args.concurrency),
+        "--deadline",
+        str(args.deadline),
+        "--logs",
+        str(args.logs / "against"),
+        "--agl-python",
+        args.agl_python,
     ]
     done = await anyio.run_process(command, env=env, check=False, stderr=None)
     if done.returncode != 0:
@@ -191,11 +226,21 @@ async def _in_child(agent: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(EXAMPLES), str(HERE), os.environ.get("PYTHONPATH")) if p)
-    if args.only is not None:  # the child of --against: this agent by the built-in runner of the tree imported
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(EXAMPLES), str(HERE), os.environ.get("PYTHONPATH")) if p
+    )
+    if (
+        args.only is not None
+    ):  # the child of --against: this agent by the built-in runner of the tree imported
         print(json.dumps(await one_system(args.only, "aglverl_against_child", args)), flush=True)
         return
-    systems = ["aglverl", *(["against"] if args.against else []), "aglverl_spawn", "agl_poll_1s", "agl_poll_10s"]
+    systems = [
+        "aglverl",
+        *(["against"] if args.against else []),
+        "aglverl_spawn",
+        "agl_poll_1s",
+        "agl_poll_10s",
+    ]
     runs = [(agent, system) for agent in ("sdk", "stdlib") for system in systems]
     if shutil.which("jq") and shutil.which("curl"):
         runs += [("shell", "aglverl"), *([("shell", "against")] if args.against else [])]
@@ -221,35 +266,54 @@ async def main(args: argparse.Namespace) -> None:
 
 def _medians(figures: list[dict[str, Any]]) -> dict[str, Any]:
     """The repeats of one system: the median of each figure, and every repeat."""
+
     def median(get: Any) -> float:
         return round(statistics.median(get(f) for f in figures), 4)
 
     return {
         "repeats": len(figures),
-        "queued_to_first_call_s": {q: median(lambda f, q=q: f["queued_to_first_call_s"][q]) for q in ("p50", "p90", "max")},
+        "queued_to_first_call_s": {
+            q: median(lambda f, q=q: f["queued_to_first_call_s"][q]) for q in ("p50", "p90", "max")
+        },
         "rollouts_per_s": median(lambda f: f["rollouts_per_s"]),
-        "cpu_s_per_rollout": {k: median(lambda f, k=k: f["cpu_s_per_rollout"][k]) for k in ("processes", "daemon")},
+        "cpu_s_per_rollout": {
+            k: median(lambda f, k=k: f["cpu_s_per_rollout"][k]) for k in ("processes", "daemon")
+        },
         "succeeded": min(f["succeeded"] for f in figures),
         "each": figures,
     }
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--starts", type=int, default=5, help="starts of each kind of process (start cost)")
     parser.add_argument("--agl-python", default=str(ROOT / ".venv-agl" / "bin" / "python"))
-    parser.add_argument("--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's")
-    parser.add_argument("--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)")
-    parser.add_argument("--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)")
+    parser.add_argument(
+        "--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's"
+    )
+    parser.add_argument(
+        "--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)"
+    )
     parser.add_argument("--only", help=argparse.SUPPRESS)  # the --against child: one agent, printed as JSON
-    parser.add_argument("--deadline", type=float, default=900.0, help="seconds a system gets for its rollouts")
+    parser.add_argument(
+        "--deadline", type=float, default=900.0, help="seconds a system gets for its rollouts"
+    )
     parser.add_argument("--logs", type=Path, default=Path("/tmp/aglverl-bench-agent-logs"))
     args = parser.parse_args()
-    needs_agl = args.only is None and (not args.systems or any(s.startswith("agl_poll") for s in args.systems))
+    needs_agl = args.only is None and (
+        not args.systems or any(s.startswith("agl_poll") for s in args.systems)
+    )
     if needs_agl and not Path(args.agl_python).exists():
-        parser.exit(2, f"no Agent Lightning venv at {args.agl_python}: run `make venv-agl` (or pass --agl-python)\n")
+        parser.exit(
+            2, f"no Agent Lightning venv at {args.agl_python}: run `make venv-agl` (or pass --agl-python)\n"
+        )
     if args.against is not None and not (args.against / "aglverl" / "__init__.py").is_file():
         parser.exit(2, f"--against {args.against}: no aglverl package in it\n")
     run_loop(main, args)

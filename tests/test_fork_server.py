@@ -39,10 +39,17 @@ def agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @asynccontextmanager
-async def runner(tmp_path: Path, options: Mapping[str, Any]) -> AsyncIterator[tuple[AgentDaemon, ProcessRunner]]:
+async def runner(
+    tmp_path: Path, options: Mapping[str, Any]
+) -> AsyncIterator[tuple[AgentDaemon, ProcessRunner]]:
     section = {"env_allow": ["PATH", "PYTHONPATH", "IMPORT_LOG"], **options}
-    async with MockVLLM(completion_tokens=4) as mock, AgentDaemon(backends=[mock.url], model="mock") as daemon:
-        run = ProcessRunner(daemon, ProcessOptions.from_mapping(section), concurrency=2, log_dir=tmp_path / "logs")
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock") as daemon,
+    ):
+        run = ProcessRunner(
+            daemon, ProcessOptions.from_mapping(section), concurrency=2, log_dir=tmp_path / "logs"
+        )
         async with anyio.create_task_group() as tg:
             await tg.start(run.serve)
             yield daemon, run
@@ -86,7 +93,11 @@ async def test_an_agent_class_is_imported_once_and_each_attempt_is_a_fork_of_its
         assert imports(tmp_path) == [template.pid]  # imported once, by the template
         for n, printed in enumerate(seen):
             assert printed["pid"] != template.pid and printed["pgid"] == printed["pid"]
-            assert printed["sid"] not in (printed["pid"], os.getsid(0), template.pid)  # its supervisor's session
+            assert printed["sid"] not in (
+                printed["pid"],
+                os.getsid(0),
+                template.pid,
+            )  # its supervisor's session
             assert printed["cwd"] == str(work) and json.loads(printed["stdin"]) == {"n": n}
             assert printed["nofile"] == [256, 256] and printed["secret"] is None
             assert printed["argv"] == ["-c", "probe_agent:Probe"]

@@ -40,7 +40,9 @@ async def running(
 ) -> AsyncIterator[tuple[AgentDaemon, ProcessRunner, MockVLLM]]:
     async with (
         MockVLLM(completion_tokens=4) as mock,
-        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, max_attempts=max_attempts, token=TOKEN) as daemon,
+        AgentDaemon(
+            backends=[mock.url], model="mock", batch=BATCH, max_attempts=max_attempts, token=TOKEN
+        ) as daemon,
     ):
         runner = ProcessRunner(
             daemon, ProcessOptions.from_mapping(options), concurrency=concurrency, log_dir=tmp_path / "logs"
@@ -58,7 +60,9 @@ async def finished(daemon: AgentDaemon, rollout_id: str) -> Any:
 
 
 @pytest.mark.parametrize("agent_class", ["RewardAgent", "AsyncRewardAgent"], ids=["sync-run", "async-run"])
-async def test_an_agent_lightning_agent_class_trains_a_step_with_its_reward_events(tmp_path: Path, agent_class: str) -> None:
+async def test_an_agent_lightning_agent_class_trains_a_step_with_its_reward_events(
+    tmp_path: Path, agent_class: str
+) -> None:
     """Agent Lightning v1.0's contract, run by aglverl: the class's ``run()`` calls the OpenAI SDK at
     AGL_OPENAI_BASE_URL and posts a reward event to AGL_EVENT_URL; the step's batch carries exactly those rewards
     on the ids the backend generated for those calls."""
@@ -103,7 +107,9 @@ async def test_a_command_gets_the_endpoints_in_the_sdks_variables_its_input_on_s
     seen = json.loads(line)
     assert seen["input"] == {"prompt": "hello", "reward": 0.5}
     assert seen["env"]["AGL_MODE"] == "train" and seen["env"]["AGL_MODEL"] == "mock"
-    assert seen["env"]["ANTHROPIC_BASE_URL"].endswith(f"/proxy/rollout/{rollout_id}/attempt/0/mode/train/openai")
+    assert seen["env"]["ANTHROPIC_BASE_URL"].endswith(
+        f"/proxy/rollout/{rollout_id}/attempt/0/mode/train/openai"
+    )
     assert [r.json["model"] for r in mock.generation_requests()] == ["mock"]  # the served name, forced
 
 
@@ -112,7 +118,11 @@ async def test_a_crashed_attempt_fails_naming_its_log_and_is_retried_as_a_new_ag
 ) -> None:
     """A non-zero exit is a failed attempt: its Agent Lightning rollout ends failed with the exit code, the
     last line of its output and its log file; aglverl's retry runs as ``<id>-retry-1`` and succeeds."""
-    async with running(tmp_path, {"command": [*PROGRAM, "crash-first"]}, max_attempts=2) as (daemon, _, _mock):
+    async with running(tmp_path, {"command": [*PROGRAM, "crash-first"]}, max_attempts=2) as (
+        daemon,
+        _,
+        _mock,
+    ):
         rollout_id = await daemon.queue_task({"prompt": "p", "reward": 1.0})
         record = await finished(daemon, rollout_id)
         view = daemon.agent_lightning.rollouts
@@ -139,7 +149,10 @@ async def test_a_timeout_kills_the_agents_whole_process_group(tmp_path: Path) ->
     options = {"command": [*PROGRAM, "hang", str(pidfile)], "timeout_seconds": 5.0}
     async with running(tmp_path, options) as (daemon, _, _mock):
         record = await finished(daemon, await daemon.queue_task({"reward": 1.0}))
-    assert record.state == "failed" and "timed out after 5 s; it and every process it started were sent SIGTERM" in record.error
+    assert (
+        record.state == "failed"
+        and "timed out after 5 s; it and every process it started were sent SIGTERM" in record.error
+    )
     await _exited(int(pidfile.read_text()))
 
 
@@ -214,8 +227,16 @@ async def test_no_more_than_concurrency_processes_run_at_once(tmp_path: Path) ->
 
 def test_env_map_reads_the_input_as_agent_lightning_does() -> None:
     task = {"q": "why", "items": [{"id": 7}], "n": 3}
-    env = resolve_env_map(task, {"ALL": "input", "Q": "input.q", "ID": "input.items.0.id", "N": "input.n", "LIT": "x"})
-    assert env == {"ALL": json.dumps(task, separators=(",", ":")), "Q": "why", "ID": "7", "N": "3", "LIT": "x"}
+    env = resolve_env_map(
+        task, {"ALL": "input", "Q": "input.q", "ID": "input.items.0.id", "N": "input.n", "LIT": "x"}
+    )
+    assert env == {
+        "ALL": json.dumps(task, separators=(",", ":")),
+        "Q": "why",
+        "ID": "7",
+        "N": "3",
+        "LIT": "x",
+    }
     with pytest.raises(ValueError, match=r"env_map\.Z: the task input has no 'input\.missing'"):
         resolve_env_map(task, {"Z": "input.missing"})
 
@@ -247,7 +268,9 @@ async def test_no_task_input_or_rollout_id_can_stop_the_runner(tmp_path: Path) -
     async with running(tmp_path, options) as (daemon, _runner, _mock):
         big = await daemon.queue_task({"text": "y" * (1 << 20)})
         nul = await daemon.queue_task({"text": "a\0b"})
-        hostile = [daemon.store.enqueue({"text": "ok"}, rollout_id=i) for i in ("a/b", "../../escaped", "/abs")]
+        hostile = [
+            daemon.store.enqueue({"text": "ok"}, rollout_id=i) for i in ("a/b", "../../escaped", "/abs")
+        ]
         records = [await finished(daemon, r) for r in [big, nul, *hostile]]
         after = await finished(daemon, await daemon.queue_task({"text": "small"}))
     assert [r.state for r in records] == ["completed"] * 5 and after.state == "completed"
@@ -265,7 +288,9 @@ async def test_no_task_input_or_rollout_id_can_stop_the_runner(tmp_path: Path) -
 
 
 def _anywhere_but(logs: Path, root: Path, name: str) -> bool:
-    return any(p.parent != logs for p in [root / name, logs.parent / name, logs.parent.parent / name] if p.exists())
+    return any(
+        p.parent != logs for p in [root / name, logs.parent / name, logs.parent.parent / name] if p.exists()
+    )
 
 
 async def test_a_missing_program_is_named_before_the_runner_starts_and_later_fails_its_attempt_alone(
@@ -276,7 +301,9 @@ async def test_a_missing_program_is_named_before_the_runner_starts_and_later_fai
     that disappears later fails the attempt that finds it gone, with its error, and the next one runs."""
     async with AgentDaemon(model="mock") as daemon:
         options = ProcessOptions.from_mapping({"command": ["no-such-agent-39", "--x"]})
-        with pytest.raises(ConfigError, match=r"'no-such-agent-39' is not installed: not found on the agents' PATH"):
+        with pytest.raises(
+            ConfigError, match=r"'no-such-agent-39' is not installed: not found on the agents' PATH"
+        ):
             with anyio.fail_after(30):  # serving without complaint is the defect
                 await ProcessRunner(daemon, options, concurrency=1, log_dir=tmp_path / "logs").serve()
     script = tmp_path / "agent.sh"
@@ -368,10 +395,18 @@ async def test_an_agent_gets_no_secret_of_the_runner_and_a_key_that_opens_only_i
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(listener.serve, gate)
-        holder = ProcessRunner(daemon, ProcessOptions.from_mapping({"command": [*PROGRAM, "gate", "127.0.0.1", str(port)]}),
-                               concurrency=1, log_dir=tmp_path / "logs")
-        prober = ProcessRunner(daemon, ProcessOptions.from_mapping({"command": [*PROGRAM, "probe"]}),
-                               concurrency=1, log_dir=tmp_path / "logs")
+        holder = ProcessRunner(
+            daemon,
+            ProcessOptions.from_mapping({"command": [*PROGRAM, "gate", "127.0.0.1", str(port)]}),
+            concurrency=1,
+            log_dir=tmp_path / "logs",
+        )
+        prober = ProcessRunner(
+            daemon,
+            ProcessOptions.from_mapping({"command": [*PROGRAM, "probe"]}),
+            concurrency=1,
+            log_dir=tmp_path / "logs",
+        )
         await tg.start(holder.serve)
         victim = await daemon.queue_task({})  # the holder's agent runs it, and waits at the gate
         with anyio.fail_after(60):
@@ -389,7 +424,9 @@ async def test_an_agent_gets_no_secret_of_the_runner_and_a_key_that_opens_only_i
     assert daemon.agent_lightning.rollouts.reward(daemon.agent_lightning.rollouts.slot(victim)) is None
 
 
-async def test_an_agents_output_is_kept_up_to_log_max_bytes_and_a_daemon_it_left_dies_with_it(tmp_path: Path) -> None:
+async def test_an_agents_output_is_kept_up_to_log_max_bytes_and_a_daemon_it_left_dies_with_it(
+    tmp_path: Path,
+) -> None:
     """Finding 7: a log keeps the first ``log_max_bytes`` of the output (a last line counts the rest); a daemon
     the agent started outside its process group and session is ended when the attempt is (and the attempt is
     not failed for it)."""
@@ -398,9 +435,15 @@ async def test_an_agents_output_is_kept_up_to_log_max_bytes_and_a_daemon_it_left
         flood = await finished(daemon, await daemon.queue_task({}))
     log = (tmp_path / "logs" / f"{flood.rollout_id}.log").read_bytes()
     assert flood.state == "completed" and 65536 < len(log) < 65536 + 300
-    assert log.endswith(b"bytes of output were dropped: the log keeps the first 65,536 (aglverl.processes.log_max_bytes)\n")
+    assert log.endswith(
+        b"bytes of output were dropped: the log keeps the first 65,536 (aglverl.processes.log_max_bytes)\n"
+    )
     pidfile = tmp_path / "daemon.pid"
-    async with running(tmp_path, {"command": [*PROGRAM, "leave-daemon", str(pidfile)]}) as (daemon, _runner, _mock):
+    async with running(tmp_path, {"command": [*PROGRAM, "leave-daemon", str(pidfile)]}) as (
+        daemon,
+        _runner,
+        _mock,
+    ):
         left = await finished(daemon, await daemon.queue_task({}))
         await _exited(int(pidfile.read_text()))
     assert left.state == "completed"

@@ -214,7 +214,9 @@ def _prepare(kind: str, spec: list[str]):
             raise ImportError(f"No module named {name!r} (or it has no source to run)")
         _preimport(source, skip=name)
         found = importlib.util.find_spec(name)
-        return (lambda argv: runpy.run_module(name, run_name="__main__", alter_sys=True)), [found and found.origin]
+        return (lambda argv: runpy.run_module(name, run_name="__main__", alter_sys=True)), [
+            found and found.origin
+        ]
     if kind == "code":
         (code,) = spec
         _preimport(code)
@@ -233,7 +235,11 @@ def _own_files(extra: list) -> dict[str, tuple[int, int]]:
         if not path or not path.endswith(".py"):
             continue
         real = os.path.realpath(path)
-        if "site-packages" in real or "dist-packages" in real or any(real.startswith(r + os.sep) for r in roots):
+        if (
+            "site-packages" in real
+            or "dist-packages" in real
+            or any(real.startswith(r + os.sep) for r in roots)
+        ):
             continue
         paths.add(path)
     stamps = {}
@@ -266,7 +272,8 @@ _REPORT_MAX = 5000
 def _report_imports(fd: int) -> None:
     """Write the names of the modules this agent imported that the template had not (one JSON list)."""
     names = [
-        name for name, module in list(sys.modules.items())
+        name
+        for name, module in list(sys.modules.items())
         if name not in _KNOWN and getattr(module, "__file__", None) and not name.startswith("__main__")
     ]
     data = json.dumps(names[:_REPORT_MAX]).encode()
@@ -300,7 +307,14 @@ def _become_agent(request: dict, fds: list[int], close: list[int], run, err_w: i
     try:
         os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        for signum in (
+            signal.SIGCHLD,
+            signal.SIGTERM,
+            signal.SIGHUP,
+            signal.SIGQUIT,
+            signal.SIGUSR1,
+            signal.SIGUSR2,
+        ):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler if run is not None else signal.SIG_DFL)
         if run is None:  # an exec'd program starts with the default dispositions, as from a shell
@@ -334,7 +348,9 @@ def _become_agent(request: dict, fds: list[int], close: list[int], run, err_w: i
         os.environ.update(env)
         sys.argv = list(argv)
     except BaseException as exc:  # the start failed: say why on the error pipe
-        why = str(exc) if isinstance(exc, OSError) and exc.errno is not None else f"{type(exc).__name__}: {exc}"
+        why = (
+            str(exc) if isinstance(exc, OSError) and exc.errno is not None else f"{type(exc).__name__}: {exc}"
+        )
         os.write(err_w, why.encode(errors="replace")[:2000])
         os._exit(127)
     os.close(err_w)
@@ -440,7 +456,11 @@ class _Supervisor:
                 return False
             self.cpu += usage.ru_utime + usage.ru_stime
             if pid == self.agent:
-                self.exit = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"code": os.WEXITSTATUS(status)}
+                self.exit = (
+                    {"signal": os.WTERMSIG(status)}
+                    if os.WIFSIGNALED(status)
+                    else {"code": os.WEXITSTATUS(status)}
+                )
                 _send(self.channel, {"exited": self.exit})
             else:
                 self.strays += 1
@@ -524,11 +544,22 @@ def _spawn_agent(supervisor: _Supervisor, request: dict, fds: list[int]) -> None
                 program = candidate
                 break
     actions = [
-        (os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2),
+        (os.POSIX_SPAWN_DUP2, fds[0], 0),
+        (os.POSIX_SPAWN_DUP2, fds[1], 1),
+        (os.POSIX_SPAWN_DUP2, fds[1], 2),
         *[(os.POSIX_SPAWN_CLOSE, fd) for fd in sorted(set(fds)) if fd > 2],
     ]
-    defaults = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD, signal.SIGPIPE,
-                signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2)
+    defaults = (
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGCHLD,
+        signal.SIGPIPE,
+        signal.SIGXFSZ,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    )
     why = None
     try:
         os.chdir(request["cwd"])
@@ -538,7 +569,9 @@ def _spawn_agent(supervisor: _Supervisor, request: dict, fds: list[int]) -> None
         if why is None and os.sep not in program:
             why = f"cannot run {program!r}: No such file or directory"
         if why is None:
-            pid = os.posix_spawn(program, argv, env, file_actions=actions, setpgroup=0, setsigmask=(), setsigdef=defaults)
+            pid = os.posix_spawn(
+                program, argv, env, file_actions=actions, setpgroup=0, setsigmask=(), setsigdef=defaults
+            )
     except OSError as exc:
         why = f"cannot run {argv[0]!r}: {os.strerror(exc.errno or 0)}"
     finally:
@@ -559,7 +592,9 @@ def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None
         for fd in inherited:
             os.close(fd)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_IGN)  # only the runner (or the channel closing) ends the supervisor
+            signal.signal(
+                signum, signal.SIG_IGN
+            )  # only the runner (or the channel closing) ends the supervisor
         _subreaper()
         channel = socket.socket(fileno=fds[2])
         channel.setblocking(True)
@@ -586,7 +621,9 @@ def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None
         supervisor.agent = pid
         why = b""
         while True:
-            chunk = os.read(err_r, 4096)  # empty once the program was exec'd or the agent runs (close-on-exec)
+            chunk = os.read(
+                err_r, 4096
+            )  # empty once the program was exec'd or the agent runs (close-on-exec)
             if not chunk:
                 break
             why += chunk
@@ -661,7 +698,10 @@ def main(argv: list[str]) -> None:
     _KNOWN.update(sys.modules)
     gc.freeze()  # what is imported now stays out of the collector's reach: forks do not copy it by collecting
     wake, wake_w = _wake_pipe()
-    _send(ctl, {"ready": {"pid": os.getpid(), "threads": _threads(), "subreaper": subreaper, "files": len(stamps)}})
+    _send(
+        ctl,
+        {"ready": {"pid": os.getpid(), "threads": _threads(), "subreaper": subreaper, "files": len(stamps)}},
+    )
     supervisors: set[int] = set()
     buffer = bytearray()
     fds: list[int] = []
@@ -697,7 +737,12 @@ def main(argv: list[str]) -> None:
                 if stale is not None:
                     _send(ctl, {"stale": stale})
                     os._exit(0)
-                _send(ctl, {"threads": threads} if threads > 1 else {"error": "a fork request came without its descriptors"})
+                _send(
+                    ctl,
+                    {"threads": threads}
+                    if threads > 1
+                    else {"error": "a fork request came without its descriptors"},
+                )
                 continue
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()

@@ -166,7 +166,11 @@ class ProcessRunner:
             if rollout_id != change.rollout_id:
                 continue
             if change.state in TERMINAL:
-                attempt.end("its rollout completed" if change.state == "completed" else f"its rollout failed: {change.error}")
+                attempt.end(
+                    "its rollout completed"
+                    if change.state == "completed"
+                    else f"its rollout failed: {change.error}"
+                )
             elif change.attempt_id == attempt_id:
                 attempt.end(f"the attempt ended (its rollout is queued again): {change.error}")
 
@@ -183,7 +187,9 @@ class ProcessRunner:
         try:
             slot = rollouts.slot_of(task.rollout_id, attempt_id)
         except StoreError as exc:
-            logger.warning("attempt %s of %s has no Agent Lightning rollout: %s", attempt_id, task.rollout_id, exc)
+            logger.warning(
+                "attempt %s of %s has no Agent Lightning rollout: %s", attempt_id, task.rollout_id, exc
+            )
             return
         attempt = _Attempt(task, slot)
         try:
@@ -205,8 +211,10 @@ class ProcessRunner:
             return
         except Exception as exc:  # whatever it is, it fails this attempt alone
             logger.exception("aglverl's runner could not run %s", slot.agl_id)
-            outcome = _Outcome(False, f"aglverl's runner could not run the agent for {slot.agl_id}: "
-                                      f"{type(exc).__name__}: {exc}")
+            outcome = _Outcome(
+                False,
+                f"aglverl's runner could not run the agent for {slot.agl_id}: {type(exc).__name__}: {exc}",
+            )
         finally:
             self._attempts.pop(key, None)
             rollouts.revoke_key(slot)
@@ -215,7 +223,9 @@ class ProcessRunner:
             self.finished += 1
             return
         try:
-            await rollouts.finish(slot, succeeded=outcome.succeeded, error=outcome.error, reward=outcome.reward)
+            await rollouts.finish(
+                slot, succeeded=outcome.succeeded, error=outcome.error, reward=outcome.reward
+            )
         except StoreError as exc:
             logger.info("the end of %s was not taken: %s", slot.agl_id, exc)
         finally:
@@ -226,7 +236,9 @@ class ProcessRunner:
         slot.last_attempt_id = DEFAULT_ATTEMPT_ID
         grace = options.kill_grace_seconds
         self.daemon.store.heartbeat(
-            task.rollout_id, task.attempt_id, seconds=options.timeout_seconds + grace + CONTROLLER_GRACE_SECONDS
+            task.rollout_id,
+            task.attempt_id,
+            seconds=options.timeout_seconds + grace + CONTROLLER_GRACE_SECONDS,
         )
         stem = file_stem(slot.agl_id)
         log = AgentLog(self.log_dir / f"{stem}.log", options.log_max_bytes)
@@ -242,10 +254,18 @@ class ProcessRunner:
         input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
         variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
         files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
-        stdin = await anyio.to_thread.run_sync(_prepare_files, scratch, files, input_path, log, variables.notice)
+        stdin = await anyio.to_thread.run_sync(
+            _prepare_files, scratch, files, input_path, log, variables.notice
+        )
         launch = Launch(
-            argv=tuple(options.argv()), env=self.launcher.environment(variables.env), cwd=options.cwd or os.getcwd(),
-            stdin=stdin, output=-1, name=slot.agl_id, limits=options.limits, grace=grace,
+            argv=tuple(options.argv()),
+            env=self.launcher.environment(variables.env),
+            cwd=options.cwd or os.getcwd(),
+            stdin=stdin,
+            output=-1,
+            name=slot.agl_id,
+            limits=options.limits,
+            grace=grace,
         )
         exit, timed_out, failure = await self._launch_and_wait(attempt, launch, log)
         if exit is None:
@@ -302,15 +322,24 @@ class ProcessRunner:
         where = f"its output: {log.path}"
         if timed_out:
             grace = self.options.kill_grace_seconds
-            return _Outcome(False, (
-                f"agent process timed out after {self.options.timeout_seconds:g} s; it and every process it started "
-                f"were sent SIGTERM, then SIGKILL after {grace:g} s ({where})"
-            ))
+            return _Outcome(
+                False,
+                (
+                    f"agent process timed out after {self.options.timeout_seconds:g} s; it and every process it started "
+                    f"were sent SIGTERM, then SIGKILL after {grace:g} s ({where})"
+                ),
+            )
         if exit.lost:
-            return _Outcome(False, f"agent process {slot.agl_id}'s supervisor vanished; its end is unknown ({where})")
+            return _Outcome(
+                False, f"agent process {slot.agl_id}'s supervisor vanished; its end is unknown ({where})"
+            )
         if exit.code != 0:
             tail = log.last_line()
-            how = f"was killed by {_signal_name(exit.signal)}" if exit.signal else f"exited with code {exit.code}"
+            how = (
+                f"was killed by {_signal_name(exit.signal)}"
+                if exit.signal
+                else f"exited with code {exit.code}"
+            )
             said = f"; its last line: {tail!r}" if tail else ""
             return _Outcome(False, f"agent process {how}{said} ({where})")
         reward = self.daemon.agent_lightning.rollouts.reward(slot)
@@ -319,10 +348,13 @@ class ProcessRunner:
         if reward is None:
             reward = self.options.reward_fillna_value
         if reward is None:
-            return _Outcome(False, (
-                "agent process exited 0 without a reward (POST {\"event_type\": \"reward\", \"data\": {\"value\": x}} "
-                f"to AGL_EVENT_URL, or write x to AGL_REWARD_FILE; or set reward_fillna_value) ({where})"
-            ))
+            return _Outcome(
+                False,
+                (
+                    'agent process exited 0 without a reward (POST {"event_type": "reward", "data": {"value": x}} '
+                    f"to AGL_EVENT_URL, or write x to AGL_REWARD_FILE; or set reward_fillna_value) ({where})"
+                ),
+            )
         return _Outcome(True, reward=reward)
 
     def _variables(self, slot: Slot, task: Task, input_path: str, reward_path: str) -> dict[str, str]:
@@ -392,4 +424,3 @@ def _signal_name(number: int | None) -> str:
         return signal.Signals(number or 0).name
     except ValueError:
         return f"signal {number}"
-

@@ -53,10 +53,14 @@ async def check_agent(options: ProcessOptions, *, deep: bool = True) -> None:
         return
     python = await anyio.to_thread.run_sync(_which, agent.command[0], search, cwd) or agent.command[0]
     with anyio.move_on_after(_CHECK_SECONDS):
-        done = await anyio.run_process([python, "-c", _CHECK, agent.kind, agent.spec[0]], env=env, cwd=cwd, check=False)
+        done = await anyio.run_process(
+            [python, "-c", _CHECK, agent.kind, agent.spec[0]], env=env, cwd=cwd, check=False
+        )
         if done.returncode != 0:
             lines = [line for line in done.stderr.decode(errors="replace").splitlines() if line.strip()]
-            raise ConfigError(f"{what} cannot be loaded by {python}: {lines[-1].strip() if lines else done.returncode}")
+            raise ConfigError(
+                f"{what} cannot be loaded by {python}: {lines[-1].strip() if lines else done.returncode}"
+            )
 
 
 def _check_files(options: ProcessOptions, what: str, cwd: str, search: str) -> None:
@@ -64,7 +68,9 @@ def _check_files(options: ProcessOptions, what: str, cwd: str, search: str) -> N
         raise ConfigError(f"{what}: the working directory {cwd!r} (aglverl.processes.cwd) is not a directory")
     program = options.argv()[0]
     if _which(program, search, cwd) is None:
-        where = "no such executable file" if os.sep in program else f"not found on the agents' PATH ({search})"
+        where = (
+            "no such executable file" if os.sep in program else f"not found on the agents' PATH ({search})"
+        )
         raise ConfigError(f"{what}: {program!r} is not installed: {where}")
     agent = python_agent(options)
     if agent is not None and agent.kind == "script" and not os.path.isfile(os.path.join(cwd, agent.spec[0])):

@@ -40,10 +40,13 @@ _SAFE = re.compile(r"[A-Za-z0-9_-]")
 def file_stem(identifier: str) -> str:
     """A file name made from an id, never a path: every character but letters, digits, ``_`` and ``-`` is
     %-escaped (``/``, ``.``, anything outside ASCII), and a long result is cut and suffixed with a hash."""
-    stem = "".join(
-        c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
-        for c in identifier
-    ) or "%00"
+    stem = (
+        "".join(
+            c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+            for c in identifier
+        )
+        or "%00"
+    )
     if len(stem) > 160:
         stem = f"{stem[:120]}~{hashlib.sha256(identifier.encode(errors='surrogatepass')).hexdigest()[:16]}"
     return stem
@@ -54,7 +57,9 @@ def inherited(allow: Iterable[str], environ: Mapping[str, str] | None = None) ->
     environ = os.environ if environ is None else environ
     patterns = [p for p in allow if any(c in p for c in "*?[")]
     names = set(allow)
-    return {k: v for k, v in environ.items() if k in names or any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+    return {
+        k: v for k, v in environ.items() if k in names or any(fnmatch.fnmatchcase(k, p) for p in patterns)
+    }
 
 
 @dataclass

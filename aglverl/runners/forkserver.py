@@ -146,7 +146,9 @@ class ForkServer:
         self.spawner = spawner or Spawner(env_allow=options.env_allow)
         self.agent = python_agent(options) if options.fork_server else None
         #: Why this agent's attempts are spawned rather than forked (``None`` while they are forked).
-        self.off: str | None = None if self.agent is not None else "not a Python agent, or the fork server is off"
+        self.off: str | None = (
+            None if self.agent is not None else "not a Python agent, or the fork server is off"
+        )
         self._holder = TemplateHolder(self._template)
         self._tg: anyio.abc.TaskGroup | None = None
         #: Modules the agent's forks imported beyond the template's: the template imports them before the next
@@ -162,8 +164,12 @@ class ForkServer:
     def _template(self) -> Template:
         assert self.agent is not None
         return Template(
-            self.agent.command, self.agent.kind, self.agent.spec,
-            env=self.spawner.environment({}), cwd=self.options.cwd or os.getcwd(), name=self.options.what,
+            self.agent.command,
+            self.agent.kind,
+            self.agent.spec,
+            env=self.spawner.environment({}),
+            cwd=self.options.cwd or os.getcwd(),
+            name=self.options.what,
         )
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -202,8 +208,11 @@ class ForkServer:
             culprit = await template.preload(sorted(missing))
             if culprit is None:
                 return template
-            logger.info("aglverl's fork server: importing %s started a thread; the template no longer imports it "
-                        "before forking (a new template is started)", culprit)
+            logger.info(
+                "aglverl's fork server: importing %s started a thread; the template no longer imports it "
+                "before forking (a new template is started)",
+                culprit,
+            )
             self._refused.add(culprit)
             self.learned.discard(culprit)
             self._holder.forget(template)
@@ -239,7 +248,10 @@ class ForkServer:
                 continue
             try:
                 process = await template.fork(
-                    fork_request(launch, exec_=False, argv=self.agent.argv), launch.stdin, launch.output, launch.name
+                    fork_request(launch, exec_=False, argv=self.agent.argv),
+                    launch.stdin,
+                    launch.output,
+                    launch.name,
                 )
             except TemplateStale as exc:
                 logger.info("aglverl's fork server: %s changed; a new template imports it", exc)
@@ -254,7 +266,9 @@ class ForkServer:
             process.on_done = self._learn
             await process.started()
             return process
-        raise LaunchFailed(f"the template of {self.options.what} keeps dying or changing (its output is on standard error)")
+        raise LaunchFailed(
+            f"the template of {self.options.what} keeps dying or changing (its output is on standard error)"
+        )
 
     async def stop(self, process: AgentProcess, grace: float) -> None:
         assert isinstance(process, SupervisedProcess)

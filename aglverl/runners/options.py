@@ -76,7 +76,9 @@ def default_concurrency(rollouts: int, *, forked: bool = False) -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    per_core, memory = (FORKED_PER_CORE, MEMORY_PER_FORKED_AGENT) if forked else (PROCESSES_PER_CORE, MEMORY_PER_AGENT)
+    per_core, memory = (
+        (FORKED_PER_CORE, MEMORY_PER_FORKED_AGENT) if forked else (PROCESSES_PER_CORE, MEMORY_PER_AGENT)
+    )
     return max(1, min(rollouts, per_core * cores, _available_memory() // memory))
 
 
@@ -160,8 +162,12 @@ class ProcessOptions:
         if command is not None:
             values["command"] = _check_command(command)
         values["env_map"] = _check_env_map(values.get("env_map") or {})
-        values["timeout_seconds"] = _seconds(values.get("timeout_seconds", 3600.0), "timeout_seconds", low=0.0)
-        values["kill_grace_seconds"] = _seconds(values.get("kill_grace_seconds", 10.0), "kill_grace_seconds", low=None)
+        values["timeout_seconds"] = _seconds(
+            values.get("timeout_seconds", 3600.0), "timeout_seconds", low=0.0
+        )
+        values["kill_grace_seconds"] = _seconds(
+            values.get("kill_grace_seconds", 10.0), "kill_grace_seconds", low=None
+        )
         fillna = values.get("reward_fillna_value")
         if fillna is not None and (
             isinstance(fillna, bool) or not isinstance(fillna, (int, float)) or not math.isfinite(fillna)
@@ -176,8 +182,14 @@ class ProcessOptions:
         if not isinstance(values.get("fork_server", True), bool):
             raise ValueError(f"fork_server must be true or false, got {values['fork_server']!r}")
         allow = values.get("env_allow", DEFAULT_ENV_ALLOW)
-        if isinstance(allow, str) or not isinstance(allow, Sequence) or not all(isinstance(a, str) and a for a in allow):
-            raise ValueError(f"env_allow must be a list of variable names or patterns (such as 'LC_*'), got {allow!r}")
+        if (
+            isinstance(allow, str)
+            or not isinstance(allow, Sequence)
+            or not all(isinstance(a, str) and a for a in allow)
+        ):
+            raise ValueError(
+                f"env_allow must be a list of variable names or patterns (such as 'LC_*'), got {allow!r}"
+            )
         values["env_allow"] = tuple(allow)
         values["limits"] = _check_limits(values.get("limits") or {})
         size = values.get("log_max_bytes", 8 << 20)
@@ -229,17 +241,25 @@ def _check_command(value: Any) -> str | tuple[str, ...]:
 
 
 def _check_env_map(env_map: Any) -> dict[str, str]:
-    if not isinstance(env_map, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_map.items()):
-        raise ValueError(f"env_map must map variable names to strings ('input', 'input.a.b' or a literal), got {env_map!r}")
+    if not isinstance(env_map, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env_map.items()
+    ):
+        raise ValueError(
+            f"env_map must map variable names to strings ('input', 'input.a.b' or a literal), got {env_map!r}"
+        )
     for name in env_map:
         if not _ENV_NAME.fullmatch(name):
-            raise ValueError(f"env_map: {name!r} is not an environment variable name (letters, digits and '_')")
+            raise ValueError(
+                f"env_map: {name!r} is not an environment variable name (letters, digits and '_')"
+            )
     return dict(env_map)
 
 
 def _check_limits(limits: Any) -> dict[str, int]:
     if not isinstance(limits, Mapping):
-        raise ValueError(f"limits must map resource names ({', '.join(sorted(_LIMIT_NAMES))}) to integers, got {limits!r}")
+        raise ValueError(
+            f"limits must map resource names ({', '.join(sorted(_LIMIT_NAMES))}) to integers, got {limits!r}"
+        )
     for name, value in limits.items():
         if name not in _LIMIT_NAMES:
             raise ValueError(f"limits: {name!r} is not one of {', '.join(sorted(_LIMIT_NAMES))}")
@@ -274,5 +294,9 @@ def resolve_env_map(task_input: Any, env_map: Mapping[str, str]) -> dict[str, st
                     raise ValueError(f"env_map.{name}: the task input has no {path!r}")
         else:
             value = path
-        env[name] = value if isinstance(value, str) else orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+        env[name] = (
+            value
+            if isinstance(value, str)
+            else orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+        )
     return env

@@ -37,7 +37,12 @@ class Spawner:
 
     def _template(self) -> Template:
         return Template(
-            [sys.executable, "-I", "-S"], "bare", [], env=self.environment({}), cwd="/", name="the spawner",
+            [sys.executable, "-I", "-S"],
+            "bare",
+            [],
+            env=self.environment({}),
+            cwd="/",
+            name="the spawner",
         )
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -70,7 +75,9 @@ class Spawner:
         for _ in range(3):  # a template that died is started again
             template = await self._holder.get(self._tg)
             try:
-                return await template.fork(fork_request(launch, exec_=exec_), launch.stdin, launch.output, launch.name)
+                return await template.fork(
+                    fork_request(launch, exec_=exec_), launch.stdin, launch.output, launch.name
+                )
             except TemplateGone:
                 self._holder.forget(template)
         raise LaunchFailed("the spawner's template process keeps dying (its output is on standard error)")

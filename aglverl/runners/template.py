@@ -65,7 +65,13 @@ async def _line(reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
     """The next JSON line, or ``None`` once the other end is gone."""
     try:
         message = orjson.loads(await reader.receive_until(b"\n", _LINE))
-    except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+    except (
+        anyio.IncompleteRead,
+        anyio.EndOfStream,
+        anyio.BrokenResourceError,
+        anyio.ClosedResourceError,
+        OSError,
+    ):
         return None
     except (anyio.DelimiterNotFound, orjson.JSONDecodeError):
         logger.warning("a template or supervisor sent a line that is not JSON; treating it as gone")
@@ -197,12 +203,20 @@ class Template:
             argv = [*self.command, "-c", SOURCE, str(theirs.fileno()), self.kind, *self.spec]
             try:
                 process = await anyio.open_process(
-                    argv, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=self.env,
-                    cwd=self.cwd, pass_fds=[theirs.fileno()], start_new_session=True,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=None,
+                    stderr=None,
+                    env=self.env,
+                    cwd=self.cwd,
+                    pass_fds=[theirs.fileno()],
+                    start_new_session=True,
                 )
             except OSError as exc:
                 ours.close()
-                raise LaunchFailed(f"cannot start {self.command[0]!r} for {self.name}: {exc.strerror or exc}") from None
+                raise LaunchFailed(
+                    f"cannot start {self.command[0]!r} for {self.name}: {exc.strerror or exc}"
+                ) from None
         finally:
             theirs.close()
         self._process, self.pid = process, process.pid
@@ -216,9 +230,13 @@ class Template:
                 return self.info
             await self.aclose()
             if ready is None:
-                raise LaunchFailed(f"{self.name}: its template process ended before it was ready (its output is "
-                                   "on this process's standard error)")
-            raise LaunchFailed(f"{self.name} cannot be loaded: {ready.get('error')}\n{ready.get('traceback', '')}".rstrip())
+                raise LaunchFailed(
+                    f"{self.name}: its template process ended before it was ready (its output is "
+                    "on this process's standard error)"
+                )
+            raise LaunchFailed(
+                f"{self.name} cannot be loaded: {ready.get('error')}\n{ready.get('traceback', '')}".rstrip()
+            )
         await self.aclose()
         raise LaunchFailed(f"{self.name}: its template did not load it within {START_SECONDS:g} s")
 
@@ -256,7 +274,9 @@ class Template:
             ours.close()
             raise TemplateGone(self.name)
         if "forked" in answer:
-            return SupervisedProcess(int(answer["forked"]), await anyio.abc.UNIXSocketStream.from_socket(ours), name)
+            return SupervisedProcess(
+                int(answer["forked"]), await anyio.abc.UNIXSocketStream.from_socket(ours), name
+            )
         ours.close()
         if "stale" in answer:
             raise TemplateStale(str(answer["stale"]))
@@ -311,7 +331,6 @@ class Template:
             except ProcessLookupError:
                 pass
             await process.wait()
-
 
 
 class TemplateHolder:

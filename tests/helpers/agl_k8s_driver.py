@@ -50,22 +50,37 @@ async def run_pod(job: dict[str, Any], agents_dir: str) -> None:
     """The Job's one container, as a local process; then the Job's condition as Kubernetes reports it."""
     (container,) = job["spec"]["template"]["spec"]["containers"]
     env = {**os.environ, "PYTHONPATH": agents_dir, **{e["name"]: str(e["value"]) for e in container["env"]}}
-    command = [sys.executable if container["command"][0] == "python" else container["command"][0], *container["command"][1:]]
+    command = [
+        sys.executable if container["command"][0] == "python" else container["command"][0],
+        *container["command"][1:],
+    ]
     process = await asyncio.create_subprocess_exec(*command, env=env)
     code = await process.wait()
     if code == 0:
         job["status"] = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
     else:
-        condition = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": f"exit {code}"}
+        condition = {
+            "type": "Failed",
+            "status": "True",
+            "reason": "BackoffLimitExceeded",
+            "message": f"exit {code}",
+        }
         job["status"] = {"failed": 1, "conditions": [condition]}
 
 
 async def main(server: str, key: str, agents_dir: str) -> dict[str, Any]:
-    config = OmegaConf.create({
-        "runner_type": "k8s",
-        "agl_server": {"url": server, "agent_url": None, "key": key},
-        "k8s_runner": {"namespace": "default", "ttl_after_finished": 1200, "max_jobs_per_minute": 100, "poll_interval": 5},
-    })
+    config = OmegaConf.create(
+        {
+            "runner_type": "k8s",
+            "agl_server": {"url": server, "agent_url": None, "key": key},
+            "k8s_runner": {
+                "namespace": "default",
+                "ttl_after_finished": 1200,
+                "max_jobs_per_minute": 100,
+                "poll_interval": 5,
+            },
+        }
+    )
     k8s.k8s_objects.Job = LocalJob  # type: ignore[misc]
     patched: list[str] = []
     names: list[str] = []
@@ -93,12 +108,14 @@ async def main(server: str, key: str, agents_dir: str) -> dict[str, Any]:
     jobs = []
     for job in LocalJob.created.values():
         (container,) = job["spec"]["template"]["spec"]["containers"]
-        jobs.append({
-            "name": job["metadata"]["name"],
-            "rollout_id": job["metadata"]["labels"]["agentlightning/rollout-id"],
-            "activeDeadlineSeconds": job["spec"].get("activeDeadlineSeconds"),
-            "env": {e["name"]: e["value"] for e in container["env"]},
-        })
+        jobs.append(
+            {
+                "name": job["metadata"]["name"],
+                "rollout_id": job["metadata"]["labels"]["agentlightning/rollout-id"],
+                "activeDeadlineSeconds": job["spec"].get("activeDeadlineSeconds"),
+                "env": {e["name"]: e["value"] for e in container["env"]},
+            }
+        )
     return {"jobs": jobs, "patched": sorted(patched), "k8s_job_names": sorted(set(names))}
 
 

@@ -48,7 +48,9 @@ class RewardAgent:
         import openai
 
         client = openai.OpenAI(
-            base_url=os.environ["AGL_OPENAI_BASE_URL"], api_key=os.environ.get("AGL_KEY") or "-", max_retries=0
+            base_url=os.environ["AGL_OPENAI_BASE_URL"],
+            api_key=os.environ.get("AGL_KEY") or "-",
+            max_retries=0,
         )
         _ask(client, os.environ.get("TASK_PROMPT", "Say yes."))
         _post_reward(float(os.environ["TASK_REWARD"]))
@@ -61,10 +63,14 @@ class AsyncRewardAgent:
         import openai
 
         client = openai.AsyncOpenAI(
-            base_url=os.environ["AGL_OPENAI_BASE_URL"], api_key=os.environ.get("AGL_KEY") or "-", max_retries=0
+            base_url=os.environ["AGL_OPENAI_BASE_URL"],
+            api_key=os.environ.get("AGL_KEY") or "-",
+            max_retries=0,
         )
         await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": os.environ.get("TASK_PROMPT", "Say yes.")}], max_tokens=4
+            model="m",
+            messages=[{"role": "user", "content": os.environ.get("TASK_PROMPT", "Say yes.")}],
+            max_tokens=4,
         )
         await client.close()
         _post_reward(float(os.environ["TASK_REWARD"]))
@@ -148,8 +154,9 @@ def _http(method: str, url: str, key: str | None, body: dict | None = None) -> i
     import urllib.request
 
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    request = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None,
-                                     headers=headers, method=method)
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode() if body is not None else None, headers=headers, method=method
+    )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=30) as response:
@@ -166,11 +173,18 @@ def _reward_file(value: float = 1.0) -> None:
 def _more(program: str, args: list[str]) -> int:
     if program == "fields":
         path = os.environ.get("TASK_FILE")
-        print(json.dumps({
-            "TASK": len(os.environ["TASK"]) if "TASK" in os.environ else None,
-            "TASK_FILE": os.path.getsize(path) if path else None,
-            "same": open(path, "rb").read() == json.dumps(json.load(sys.stdin)["text"]).encode()[1:-1] if path else None,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "TASK": len(os.environ["TASK"]) if "TASK" in os.environ else None,
+                    "TASK_FILE": os.path.getsize(path) if path else None,
+                    "same": open(path, "rb").read() == json.dumps(json.load(sys.stdin)["text"]).encode()[1:-1]
+                    if path
+                    else None,
+                }
+            ),
+            flush=True,
+        )
     elif program == "flood":
         chunk = b"x" * 1023 + b"\n"
         for _ in range(int(args[0]) // 1024):
@@ -202,7 +216,9 @@ def _more(program: str, args: list[str]) -> int:
             "peer_without_key": _http("POST", peer_events, None, reward),
             "list_with_own_key": _http("GET", f"{server}/api/rollouts?state_in=running", key),
             "own_without_key": _http("POST", os.environ["AGL_EVENT_URL"], None, reward),
-            "own": _http("POST", os.environ["AGL_EVENT_URL"], key, {"event_type": "reward", "data": {"value": 0.5}}),
+            "own": _http(
+                "POST", os.environ["AGL_EVENT_URL"], key, {"event_type": "reward", "data": {"value": 0.5}}
+            ),
             "env": sorted(os.environ),
         }
         print(json.dumps(seen), flush=True)

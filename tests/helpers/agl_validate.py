@@ -43,7 +43,8 @@ def check(name: str, body: Any, triplet: bool) -> str | None:
     for event in value if many else [value]:
         if isinstance(event, schemas.Event) and not triplet:
             data_model: type[BaseModel] | None = {
-                "model_request": schemas.ModelRequestData, "reward": schemas.RewardData
+                "model_request": schemas.ModelRequestData,
+                "reward": schemas.RewardData,
             }.get(event.event_type)
             if data_model is not None:
                 try:
@@ -61,7 +62,9 @@ def main() -> None:
         if (error := check(answer["model"], answer["body"], answer.get("triplet", False))) is not None
     ]
     transitions = {str(k): sorted(str(s) for s in v) for k, v in schemas.VALID_TRANSITIONS.items()}
-    json.dump({"errors": errors, "checked": len(request["answers"]), "valid_transitions": transitions}, sys.stdout)
+    json.dump(
+        {"errors": errors, "checked": len(request["answers"]), "valid_transitions": transitions}, sys.stdout
+    )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ class Chat:
         """Status and answer: the JSON body, or a stream's events (``"[DONE]"`` dropped)."""
         body = {"model": "tiny", **body}
         headers = {"Content-Type": "application/json"}
-        async with self.http.post(self.url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers) as resp:
+        async with self.http.post(
+            self.url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
+        ) as resp:
             raw = await resp.read()
             if resp.content_type == "text/event-stream":
                 blocks = raw.decode().split("\n\n")
@@ -100,7 +102,9 @@ class Chat:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The ids the model's chat template gives ``messages`` (with the generation prompt)."""
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -121,7 +125,10 @@ def streamed(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             for call in delta.get("tool_calls") or []:
                 name, arguments = entry["calls"].get(call["index"], ("", ""))
                 function = call.get("function") or {}
-                entry["calls"][call["index"]] = (name + (function.get("name") or ""), arguments + (function.get("arguments") or ""))
+                entry["calls"][call["index"]] = (
+                    name + (function.get("name") or ""),
+                    arguments + (function.get("arguments") or ""),
+                )
             entry["finish"] = choice["finish_reason"] or entry["finish"]
     return out
 
@@ -157,7 +164,12 @@ async def given_ids_stream(chat: Chat) -> None:
     assert status == 200
     assert events[0]["prompt_token_ids"] == ids
     assert streamed(events)[0]["ids"] == whole["choices"][0]["token_ids"]
-    lps = [e["logprob"] for ev in events for c in ev["choices"] for e in (c["logprobs"] or {}).get("content") or []]
+    lps = [
+        e["logprob"]
+        for ev in events
+        for c in ev["choices"]
+        for e in (c["logprobs"] or {}).get("content") or []
+    ]
     assert lps == [e["logprob"] for e in whole["choices"][0]["logprobs"]["content"]]
     assert events[-1]["usage"]["prompt_tokens"] == len(ids) and events[-1]["choices"] == []
     two = with_ids(ids, max_tokens=4, n=2, temperature=1.0, seed=3, ignore_eos=True, return_token_ids=True)
@@ -222,7 +234,9 @@ async def ids_and_the_context(chat: Chat) -> None:
         )
     status, answer = await chat.post(with_ids(ids[:MAX_MODEL_LEN], max_tokens=4))
     assert status == 400 and answer["error"]["param"] == "max_tokens"
-    assert answer["error"]["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    assert (
+        answer["error"]["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    )
     near = ids[: MAX_MODEL_LEN - 3]
     for body in (with_ids(near, max_tokens=20, ignore_eos=True), with_ids(near, ignore_eos=True)):
         status, answer = await chat.post(body)
@@ -278,7 +292,9 @@ class ChatFacts:
 
     @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
     @pytest.mark.parametrize("case", sorted(BAD_IDS))
-    async def test_malformed_prompt_ids_are_400_naming_the_field(self, chat: Chat, case: str, stream: bool) -> None:
+    async def test_malformed_prompt_ids_are_400_naming_the_field(
+        self, chat: Chat, case: str, stream: bool
+    ) -> None:
         await bad_ids_are_refused(chat, case, stream)
 
     async def test_prompt_ids_and_the_context_window(self, chat: Chat) -> None:

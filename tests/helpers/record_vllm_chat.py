@@ -105,8 +105,14 @@ def _compact(answer: dict[str, Any]) -> dict[str, Any]:
     if answer["status"] != 200:
         return answer
     choice = body["choices"][0]
-    return {"status": 200, "message": choice["message"], "finish_reason": choice["finish_reason"],
-            "usage": body["usage"], "keys": sorted(body), "choice_keys": sorted(choice)}
+    return {
+        "status": 200,
+        "message": choice["message"],
+        "finish_reason": choice["finish_reason"],
+        "usage": body["usage"],
+        "keys": sorted(body),
+        "choice_keys": sorted(choice),
+    }
 
 
 def _compact_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +154,10 @@ def main(url: str, out: str, label: str) -> None:
         },
     }
     record["render"] = {
-        name: {"request": {"model": "tiny", **body}, "answer": _post(client, "/v1/chat/completions/render", {"model": "tiny", **body})}
+        name: {
+            "request": {"model": "tiny", **body},
+            "answer": _post(client, "/v1/chat/completions/render", {"model": "tiny", **body}),
+        }
         for name, body in renders.items()
     }
     generated = []
@@ -162,18 +171,37 @@ def main(url: str, out: str, label: str) -> None:
         generated.append({"name": name, "request": request, "answer": answer, "stream": stream})
     record["generate"] = generated
     chats = {
-        "auto_json": {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 24, "seed": 1, "return_token_ids": True},
+        "auto_json": {
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "max_tokens": 24,
+            "seed": 1,
+            "return_token_ids": True,
+        },
         "required_json": {
-            "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "seed": 1,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 80,
+            "seed": 1,
             "return_token_ids": True,
         },
         "named_stream": {
-            "messages": MESSAGES, **CHAT_REQUESTS["named"], "max_tokens": 80, "seed": 2, "stream": True,
+            "messages": MESSAGES,
+            **CHAT_REQUESTS["named"],
+            "max_tokens": 80,
+            "seed": 2,
+            "stream": True,
             "return_token_ids": True,
         },
         "required_stream": {
-            "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "seed": 2,
-            "stream": True, "stream_options": {"include_usage": True},
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 80,
+            "seed": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         },
     }
     record["chat"] = {}
@@ -196,8 +224,13 @@ def main(url: str, out: str, label: str) -> None:
             full = _post(
                 client,
                 "/v1/chat/completions/derender",
-                {"model": "tiny", "generate_response": gen, "prompt_token_ids": prompt,
-                 "prompt_tokens": len(prompt), "chat_request": chat_request},
+                {
+                    "model": "tiny",
+                    "generate_response": gen,
+                    "prompt_token_ids": prompt,
+                    "prompt_tokens": len(prompt),
+                    "chat_request": chat_request,
+                },
             )
             state = None
             chunks = []
@@ -205,13 +238,22 @@ def main(url: str, out: str, label: str) -> None:
                 last = k == len(ids) - 1
                 chunk = {
                     "request_id": f"chatcmpl-{out_name}",
-                    "choices": [{"index": 0, "token_ids": [token], "finish_reason": finish if last else None}],
+                    "choices": [
+                        {"index": 0, "token_ids": [token], "finish_reason": finish if last else None}
+                    ],
                 }
                 answer = _post(
                     client,
                     "/v1/chat/completions/derender",
-                    {"model": "tiny", "stream": True, "generate_chunk": chunk, "stream_state": state,
-                     "prompt_token_ids": prompt, "prompt_tokens": len(prompt), "chat_request": chat_request},
+                    {
+                        "model": "tiny",
+                        "stream": True,
+                        "generate_chunk": chunk,
+                        "stream_state": state,
+                        "prompt_token_ids": prompt,
+                        "prompt_tokens": len(prompt),
+                        "chat_request": chat_request,
+                    },
                 )
                 if answer["status"] != 200:
                     chunks.append(answer)
@@ -220,8 +262,15 @@ def main(url: str, out: str, label: str) -> None:
                 chunks.append(answer["body"]["chunk"])
             record.setdefault("prompts", {})[req_name] = prompt
             cases.append(
-                {"output": out_name, "text": text, "token_ids": ids, "finish_reason": finish,
-                 "chat_request": req_name, "derender": _compact(full), "stream": [_compact_chunk(c) for c in chunks]}
+                {
+                    "output": out_name,
+                    "text": text,
+                    "token_ids": ids,
+                    "finish_reason": finish,
+                    "chat_request": req_name,
+                    "derender": _compact(full),
+                    "stream": [_compact_chunk(c) for c in chunks],
+                }
             )
     record["derender"] = cases
     with open(out, "w") as f:

@@ -21,7 +21,12 @@ import openai
 
 def _note(task: dict[str, Any], **seen: Any) -> None:
     with open(task["log"], "a", encoding="utf-8") as f:
-        f.write(json.dumps({"pid": os.getpid(), "split": task.get("split"), "data_id": task.get("data_id"), **seen}) + "\n")
+        f.write(
+            json.dumps(
+                {"pid": os.getpid(), "split": task.get("split"), "data_id": task.get("data_id"), **seen}
+            )
+            + "\n"
+        )
 
 
 def _first_to_create(path: str) -> bool:
@@ -59,7 +64,10 @@ async def multiturn_agent(task: dict[str, Any], llm: agl.LLM) -> float:
         reply = await client.chat.completions.create(model=llm.model, messages=messages, max_tokens=4)  # type: ignore[arg-type]
         answer = reply.choices[0].message.content or ""
         answers.append(answer)
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Again ({turn})."}]
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"Again ({turn})."},
+        ]
     await client.close()
     _note(task, kind="multiturn", sampling=llm.sampling_parameters, endpoint=llm.endpoint, answers=answers)
     return float(task["reward"])
@@ -76,6 +84,13 @@ class EmittingAgent(agl.LitAgent[dict[str, Any]]):
             os.kill(os.getpid(), signal.SIGKILL)  # the runner process dies mid-rollout
         base_url = llm.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
         answer = _chat(base_url, llm, [{"role": "user", "content": task["prompt"]}])
-        _note(task, kind="lit", mode=rollout.mode, sampling=llm.sampling_parameters, endpoint=base_url,
-              direct=llm.endpoint, answers=[answer])  # `direct`: what agents that skip get_base_url call
+        _note(
+            task,
+            kind="lit",
+            mode=rollout.mode,
+            sampling=llm.sampling_parameters,
+            endpoint=base_url,
+            direct=llm.endpoint,
+            answers=[answer],
+        )  # `direct`: what agents that skip get_base_url call
         agl.emit_reward(float(task["reward"]))

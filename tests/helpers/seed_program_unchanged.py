@@ -46,13 +46,20 @@ config = {
         "test_freq": -1,
     },
 }
-train = [{"prompt": "Say yes.", "reward": 0.25 + 0.5 * (i % 2), "split": "train", "log": args.log} for i in range(8)]
+train = [
+    {"prompt": "Say yes.", "reward": 0.25 + 0.5 * (i % 2), "split": "train", "log": args.log}
+    for i in range(8)
+]
 
 algorithm = agl.VERL(config)
 trainer = agl.Trainer(algorithm=algorithm, n_runners=2)
 trainer.fit(multiturn_agent, train_dataset=train)
-print(json.dumps({
-    "fit_returned": True,
-    "algorithm": f"{type(algorithm).__module__}.{type(algorithm).__name__}",
-    "same_class": type(algorithm) is VERL,
-}))
+print(
+    json.dumps(
+        {
+            "fit_returned": True,
+            "algorithm": f"{type(algorithm).__module__}.{type(algorithm).__name__}",
+            "same_class": type(algorithm) is VERL,
+        }
+    )
+)

@@ -48,7 +48,15 @@ def _log(file: Any, record: dict[str, Any]) -> None:
 async def main(directory: Path, run: int, mode: str, moment: str) -> None:
     logs = {name: (directory / f"{name}.jsonl").open("ab") for name in ("runs", "answers", "groups", "steps")}
     latest = directory / "checkpoints" / "latest_checkpointed_iteration.txt"
-    _log(logs["runs"], {"run": run, "mode": mode, "moment": moment, "resumed_from": int(latest.read_text()) if latest.exists() else 0})
+    _log(
+        logs["runs"],
+        {
+            "run": run,
+            "mode": mode,
+            "moment": moment,
+            "resumed_from": int(latest.read_text()) if latest.exists() else 0,
+        },
+    )
     kind, _, value = moment.partition(":")
     target = int(value) if value else 0
     answered: list[str] = []
@@ -89,7 +97,9 @@ async def main(directory: Path, run: int, mode: str, moment: str) -> None:
         def logged_take_stats(uids: Any) -> Any:
             # the step's groups: aglverl.verl_v1 leaves verl's padding rows out (tagged is_padding, keyed
             # pad{hex}_{i}_0), so every uid here is a dispatched group's
-            _log(logs["steps"], {"run": run, "step": int(algo.trainer.global_steps), "uids": sorted(set(uids))})
+            _log(
+                logs["steps"], {"run": run, "step": int(algo.trainer.global_steps), "uids": sorted(set(uids))}
+            )
             return take_stats(uids)
 
         producer.dispatch, producer.take_stats = logged_dispatch, logged_take_stats

@@ -60,7 +60,11 @@ async def main(directory: Path, run: int, mode: str) -> None:
         return reward
 
     def on_step(step: int, metrics: Any) -> None:
-        row = {"run": run, "step": step, **{k: v for k, v in metrics.items() if k.startswith(("step/", "training/"))}}
+        row = {
+            "run": run,
+            "step": step,
+            **{k: v for k, v in metrics.items() if k.startswith(("step/", "training/"))},
+        }
         steps.write(orjson.dumps(row) + b"\n")
         steps.flush()
 

@@ -62,10 +62,14 @@ async def multi_turn_agents(run: Any, count: int, turns: int) -> dict[str, list[
             for turn in range(1, turns):
                 prompt, response = calls[-1]
                 tool = [7, 8, 9 + turn]  # a tool result's ids
-                answer = await sdk.completions.create(model=llm.model, prompt=prompt + response + tool, max_tokens=3)
+                answer = await sdk.completions.create(
+                    model=llm.model, prompt=prompt + response + tool, max_tokens=3
+                )
                 choice = answer.choices[0].model_extra
                 calls.append((choice["prompt_token_ids"], choice["token_ids"]))
-            await agent.post_rollout(Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0))
+            await agent.post_rollout(
+                Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=1.0)
+            )
         await client.close()
     return seen
 
@@ -84,7 +88,10 @@ def assert_rows_are_the_engines_chains(
         assert data["input_ids"][i].tolist() == prompt + response
         assert data["loss_mask"][i].tolist() == mask
         owners = [
-            (rid, c) for rid, calls in seen.items() for c, (p, r) in enumerate(calls) if p + r == prompt + response
+            (rid, c)
+            for rid, calls in seen.items()
+            for c, (p, r) in enumerate(calls)
+            if p + r == prompt + response
         ]
         assert len(owners) == 1, key
         rid, last = owners[0]

@@ -52,7 +52,9 @@ class VllmOutput:
     def wait_for(self, text: str, count: int, timeout: float) -> int:
         """Block until ``count`` lines containing ``text`` have come (``TimeoutError`` after ``timeout`` s)."""
         with self._changed:
-            if not self._changed.wait_for(lambda: sum(text in line for line in self._lines) >= count, timeout):
+            if not self._changed.wait_for(
+                lambda: sum(text in line for line in self._lines) >= count, timeout
+            ):
                 raise TimeoutError(f"vLLM did not log {count} lines with {text!r} within {timeout:g}s")
             return count
 
