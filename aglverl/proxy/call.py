@@ -238,15 +238,16 @@ def splice(body: bytes, given: Mapping[str, Any], fill: Mapping[str, Any]) -> by
 def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """The end-to-end headers of ``headers``: hop-by-hop ones, ``Proxy-*`` and those named in ``Connection``
     removed, as well as ``drop``."""
-    out: CIMultiDict[str] = CIMultiDict(headers)  # copied in C; removals are by set intersection (hot path)
-    present = set(map(str.lower, headers.keys()))
-    remove = set(drop.intersection(present))
-    remove.update(name for name in present if name.startswith("proxy-"))
     named = headers.get("Connection")
     if named:
-        remove.update(token.strip() for token in named.split(","))
-    for name in remove:
-        out.popall(name, None)
+        drop = drop | {token.strip().lower() for token in named.split(",")}
+    # One pass that keeps what goes on (hot path: twice a call): cheaper than a copy and a popall per name.
+    out: CIMultiDict[str] = CIMultiDict()
+    add = out.add
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower not in drop and lower[:6] != "proxy-":
+            add(name, value)
     return out
 
 
