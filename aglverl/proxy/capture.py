@@ -204,7 +204,7 @@ class Capture:
 
     def _take_blocks(self, events: bytes) -> None:
         if events[:6] == b"data: " and events.find(b"\n") == len(events) - 2:  # one event: the usual read
-            self._dispatch([events[6:-2]])
+            self._take_one(events[6:-2])
             return
         datas = []
         for block in events.split(b"\n\n"):
@@ -233,6 +233,22 @@ class Capture:
             # Other SSE fields (event:, id:, retry:, comments) carry nothing the proxy records.
         self._dispatch(datas)
         return buf[start:]
+
+    def _take_one(self, data: bytes) -> None:
+        """Decode and take one event's data (what :meth:`_dispatch` does with one, without its lists: this is
+        the per-event path of a recorded stream)."""
+        if data == b"[DONE]":
+            self.done = True
+            return
+        try:
+            piece = self._decoders.one(data)
+        except msgspec.DecodeError:  # a ValidationError too: not an OpenAI-shaped event
+            self.broken = True
+            return
+        try:
+            self._take(piece)
+        except (AttributeError, TypeError):
+            self.broken = True
 
     def _dispatch(self, datas: list[bytes]) -> None:
         """Decode the events' data (those of one read at once) and take them in order."""

@@ -73,6 +73,8 @@ RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 STICKY_ROLLOUTS = 100_000
 #: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
 EJECT_AFTER_TIMEOUTS = 3
+#: Parsed backend URLs the pool keeps (backend x route x query string): cleared whole when full.
+URLS_KEPT = 1024
 #: Seconds a probe may take on top of ``connect_timeout``.
 PROBE_READ_TIMEOUT = 2.0
 
@@ -218,6 +220,9 @@ class Pool:
         self._backends: list[Backend] = []
         self._sticky: OrderedDict[str, Backend] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
+        #: The URL of each backend route sent to, parsed once (a call's try reuses it and what yarl and aiohttp
+        #: derive from it); bounded, as agents' query strings may make every target new.
+        self._urls: dict[str, URL] = {}
         self.set_backends(backends)
 
     @property
@@ -350,10 +355,16 @@ class Pool:
             method, target, body = call.method, call.target, call.body or None
         else:
             method, target, body = "POST", backend.dialect.continuation_target, continuation
+        where = backend.url + target
+        url = self._urls.get(where)
+        if url is None:
+            if len(self._urls) >= URLS_KEPT:
+                self._urls.clear()
+            url = self._urls[where] = URL(where, encoded=True)
         try:
             upstream = await self._session.request(
                 method,
-                URL(backend.url + target, encoded=True),
+                url,
                 headers=call.headers,
                 data=body,
                 allow_redirects=False,

@@ -244,6 +244,7 @@ class Relay:
         limit, size = self.config.max_response_bytes, 0
         content = upstream.content
         taker = capture if events else None  # what takes the ids of each piece of complete events
+        abort_marker = call.dialect.wire.abort_marker  # the backend's (this try's), looked for in each read
         reshape = call.reshape  # a call made from ids, answered as a completion: chat events again
         if reshape is not None:
             reshape.open(status, call.sse)
@@ -285,7 +286,7 @@ class Relay:
             if events:
                 if cut is not None:
                     chunk = cut.feed(chunk)
-                if may_abort(chunk, call.dialect.wire.abort_marker):
+                if may_abort(chunk, abort_marker):
                     chunk, head = self.resumer.take_abort(call, chunk)
                 if not chunk:
                     continue
