@@ -202,6 +202,8 @@ class Template:
         self.info: dict[str, Any] = {}
         #: Modules imported by :meth:`preload` (beyond what the template's agent imports itself).
         self.preloaded: set[str] = set()
+        #: How many :meth:`preload` requests it answered.
+        self.preloads = 0
         self._process: anyio.abc.Process | None = None
         self._control: anyio.abc.UNIXSocketStream | None = None
         self._reader: BufferedByteReceiveStream | None = None
@@ -311,6 +313,7 @@ class Template:
             answer = await _line(self._reader)
         if answer is None:
             raise TemplateGone(self.name)
+        self.preloads += 1
         if "module" in answer:
             return str(answer["module"])
         self.preloaded.update(names)
