@@ -207,7 +207,13 @@ class Template:
         self._process: anyio.abc.Process | None = None
         self._control: anyio.abc.UNIXSocketStream | None = None
         self._reader: BufferedByteReceiveStream | None = None
-        self._lock = anyio.Lock()
+        # requests are pipelined (see _ask): sent one at a time, answered in order, each caller taking its own
+        self._sending = anyio.Lock()
+        self._reading = anyio.Lock()
+        self._sent = 0
+        self._read = 0
+        self._answers: dict[int, dict[str, Any] | None] = {}
+        self._abandoned: set[int] = set()
         self._gone = anyio.Event()
 
     @property
@@ -272,16 +278,7 @@ class Template:
     async def _fork(self, request: Mapping[str, Any], fds: list[int], name: str) -> SupervisedProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            async with self._lock:
-                if not self.alive or self._control is None or self._reader is None:
-                    raise TemplateGone(self.name)
-                data = orjson.dumps(request) + b"\n"
-                try:
-                    await self._control.send_fds(data[:1], [*fds, theirs.fileno()])
-                    await self._control.send(data[1:])
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    raise TemplateGone(self.name) from None
-                answer = await _line(self._reader)
+            answer = await self._ask(orjson.dumps(request) + b"\n", [*fds, theirs.fileno()])
         except BaseException:
             ours.close()
             raise
@@ -299,18 +296,44 @@ class Template:
             raise TemplateThreaded(int(answer["threads"]))
         raise LaunchFailed(f"{self.name}'s template refused a fork: {answer.get('error', answer)}")
 
+    async def _ask(self, data: bytes, fds: Sequence[int]) -> dict[str, Any] | None:
+        """Send one request (its first byte carrying ``fds``) and return its answer (``None``: the template is gone).
+        Requests are pipelined: the next one is sent while the template still works on this one (a burst of
+        forks waits for no round trip between them); the template answers in order, and each caller takes its
+        own answer (one whose caller was cancelled is dropped). Raises :class:`TemplateGone` if it cannot send."""
+        async with self._sending:
+            if not self.alive or self._control is None or self._reader is None:
+                raise TemplateGone(self.name)
+            try:
+                if fds:
+                    await self._control.send_fds(data[:1], fds)
+                    await self._control.send(data[1:])
+                else:
+                    await self._control.send(data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                raise TemplateGone(self.name) from None
+            ticket, self._sent = self._sent, self._sent + 1
+        try:
+            async with self._reading:
+                reader = self._reader
+                while self._read <= ticket and reader is not None:
+                    line = await _line(reader)
+                    if self._read not in self._abandoned:
+                        self._answers[self._read] = line
+                    self._abandoned.discard(self._read)
+                    self._read += 1
+        finally:
+            answered = ticket in self._answers
+            answer = self._answers.pop(ticket, None)
+            if not answered and self._read <= ticket:
+                self._abandoned.add(ticket)  # cancelled before its answer came: whoever reads it drops it
+        return answer
+
     async def preload(self, names: Sequence[str]) -> str | None:
         """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once);
         returns the module whose import left a thread running (the template has exited then), else ``None``.
         Raises :class:`TemplateGone`."""
-        async with self._lock:
-            if not self.alive or self._control is None or self._reader is None:
-                raise TemplateGone(self.name)
-            try:
-                await self._control.send(orjson.dumps({"preload": list(names)}) + b"\n")
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                raise TemplateGone(self.name) from None
-            answer = await _line(self._reader)
+        answer = await self._ask(orjson.dumps({"preload": list(names)}) + b"\n", [])
         if answer is None:
             raise TemplateGone(self.name)
         self.preloads += 1
