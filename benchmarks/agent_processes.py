@@ -28,7 +28,8 @@ each started ``--starts`` times in a row. CPU seconds per rollout of each system
 ``getrusage`` once the runner has stopped: the agents, their supervisors and the fork server's templates, import
 included; the controller's and its agents' for Agent Lightning's) plus this process's own (the daemon, the proxy
 path), over the rollouts. The load average is recorded before and after each system. ``--repeat N`` runs every
-system N times, interleaved, and reports the medians (and each run). Prints one JSON object.
+system N times, interleaved, and reports the medians (and each run); ``--systems`` / ``--agents`` keep only the
+ones named. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -246,6 +247,8 @@ async def main(args: argparse.Namespace) -> None:
         runs += [("shell", "aglverl"), *([("shell", "against")] if args.against else [])]
     if args.systems:
         runs = [(a, s) for a, s in runs if s in args.systems]
+    if args.agents:
+        runs = [(a, s) for a, s in runs if a in args.agents]
     result: dict[str, Any] = {
         "machine": machine_info(),
         "command": " ".join(sys.argv),
@@ -292,15 +295,10 @@ def cli() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--starts", type=int, default=5, help="starts of each kind of process (start cost)")
     parser.add_argument("--agl-python", default=str(ROOT / ".venv-agl" / "bin" / "python"))
-    parser.add_argument(
-        "--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's"
-    )
-    parser.add_argument(
-        "--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)"
-    )
-    parser.add_argument(
-        "--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)"
-    )
+    parser.add_argument("--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's")
+    parser.add_argument("--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)")
+    parser.add_argument("--agents", nargs="*", help="only these agents (sdk, stdlib, shell)")
+    parser.add_argument("--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # the --against child: one agent, printed as JSON
     parser.add_argument(
         "--deadline", type=float, default=900.0, help="seconds a system gets for its rollouts"

@@ -120,6 +120,26 @@ async def test_an_agent_class_is_imported_once_and_each_attempt_is_a_fork_of_its
         assert record.result.final_reward == 0.75 and fork_server.starts == 3 and len(imports(tmp_path)) == 3
 
 
+async def test_attempts_starting_together_wait_for_one_preload_of_what_the_first_imported(
+    tmp_path: Path, agents: Path
+) -> None:
+    """What the first attempt imported as it ran is imported by the template once: the attempts that start
+    together after it (two workers, four rollouts) wait for that one preload, and each finds the module there."""
+    async with runner(tmp_path, {"agent_class": "probe_agent:Probe"}) as (daemon, run):
+        fork_server: Any = run.launcher
+        record, printed = await attempt(daemon, tmp_path)
+        assert record.state == "completed" and not printed["lazy_was_imported"]
+        ids = [await daemon.queue_task({"n": n}) for n in range(4)]
+        with anyio.fail_after(60):
+            await daemon.store.wait_terminal(ids)
+        template = fork_server._holder.current
+        assert fork_server.starts == 1 and template.preloads == 1
+        for rollout_id in ids:
+            assert daemon.store.record(rollout_id).state == "completed"
+            printed = json.loads((tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()[-1])
+            assert printed["lazy_was_imported"]
+
+
 async def test_a_python_script_command_is_forked_too(tmp_path: Path, agents: Path) -> None:
     """``python script.py args``: the template imports what the script imports at its top level; each attempt
     runs the script as ``__main__`` with its arguments in a fork."""

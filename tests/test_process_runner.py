@@ -183,6 +183,28 @@ async def test_an_exit_without_a_reward_gets_reward_fillna_value_when_set(tmp_pa
     assert record.state == "completed" and record.result.final_reward == 0.125
 
 
+async def test_consecutive_programs_get_their_own_reward_file_and_a_fifo_there_fails_its_attempt_alone(
+    tmp_path: Path,
+) -> None:
+    """One worker runs three programs in turn (the later ones on the spawner's spare supervisors): each one's
+    AGL_REWARD_FILE, read once its processes are gone, gives its own reward; a FIFO made there instead of a file
+    fails that attempt for want of a reward (nothing waits on it), and the next one runs."""
+    script = (
+        'if [ "$TASK_KIND" = fifo ]; then mkfifo "$AGL_REWARD_FILE"; '
+        'else printf "%s\\n" "$TASK_REWARD" > "$AGL_REWARD_FILE"; fi'
+    )
+    options = {"command": ["sh", "-c", script], "env_map": {"TASK_KIND": "input.kind", "TASK_REWARD": "input.reward"}}
+    async with running(tmp_path, options, concurrency=1) as (daemon, _, _mock):
+        ids = [
+            await daemon.queue_task({"kind": kind, "reward": reward})
+            for kind, reward in (("file", 0.25), ("fifo", 0.5), ("file", 0.75))
+        ]
+        first, fifo, last = [await finished(daemon, rollout_id) for rollout_id in ids]
+    assert (first.state, first.result.final_reward) == ("completed", 0.25)
+    assert fifo.state == "failed" and "exited 0 without a reward" in fifo.error
+    assert (last.state, last.result.final_reward) == ("completed", 0.75)
+
+
 async def test_no_more_than_concurrency_processes_run_at_once(tmp_path: Path) -> None:
     """Six rollouts, two processes at a time: each agent holds a connection to the test until released. While
     two are held, the runner runs two and four rollouts wait queued; releasing one starts exactly one more."""

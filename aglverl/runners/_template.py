@@ -13,7 +13,10 @@ without aglverl installed). One process of it is a **template**:
 - then, for each fork request (a JSON line and three descriptors: the attempt's stdin, its output, and its
   channel to the runner), it checks that the agent's files have not changed (else ``{"stale": path}`` and it
   exits: the runner starts a fresh template) and that it runs no thread (else ``{"threads": n}``: forking a
-  process with threads can deadlock the child), forks a **supervisor** and answers ``{"forked": pid}``;
+  process with threads can deadlock the child), forks a **supervisor** and answers ``{"forked": pid}``. A
+  request ``{"spare": true}`` comes with one descriptor (the channel): its supervisor sets itself up and waits
+  for its attempt on the channel (the request line, its first byte carrying the stdin and output), so that a
+  spawner starts an attempt with one message instead of a fork;
 - it is a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): a process orphaned by a supervisor that died
   (killed by its agent) is reparented to the template, which kills it;
 - it exits when the runner closes its control socket.
@@ -25,8 +28,9 @@ nothing imported again) or exec'ing the program (``bare``). Every process the ag
 supervisor's tree, even one that left the agent's process group or session (``setsid``, a double fork): when
 its parent dies it is reparented to the supervisor. The supervisor reports on the attempt's channel
 (newline-delimited JSON): ``{"started": pid}`` or ``{"failed": why}``, then ``{"exited": {"code"|"signal":
-n}}`` when the agent's process ends, then ``{"done": {"cpu_s": x, "strays": n}}`` once no process of the
-attempt is left. Whatever way the agent's process ends, what it left behind gets ``SIGTERM`` and, after the
+n}}`` when the agent's process ends, then ``{"done": {"cpu_s": x, "strays": n, "result": text}}`` once no
+process of the attempt is left (``result``: the first bytes of the request's ``result_file``, the reward file,
+read then: ``""`` when it is not a regular file; the runner needs no thread to read it). Whatever way the agent's process ends, what it left behind gets ``SIGTERM`` and, after the
 grace period, ``SIGKILL``. ``stop <grace>`` on the channel (or the channel closing: the runner is gone) does
 the same to the agent's process and everything it started. Waiting is ``select`` on the channel and on the
 ``SIGCHLD`` wake-up pipe, with the grace period's deadline as the only timeout.
@@ -46,6 +50,7 @@ import runpy
 import select
 import signal
 import socket
+import stat
 import sys
 import time
 import traceback
@@ -182,10 +187,21 @@ def _run_class(cls: type) -> None:
         asyncio.run(result)
 
 
+#: What nearly every agent imports at its first connection, whatever its HTTP client: the codec ``socket`` encodes
+#: a host name with for ``getaddrinfo`` (and the modules it needs). Imported by each Python template, so that no
+#: fork pays for it (~5 ms of CPU each) before the template has learned it from the first ones.
+_NETWORKED = ("encodings.idna",)
+
+
 def _prepare(kind: str, spec: list[str]):
     """What one attempt runs in its forked process, given its argv (``None`` for ``bare``: it execs)."""
     if kind == "bare":
         return None, []
+    for name in _NETWORKED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
     if kind == "class":
         (path,) = spec
         module, sep, name = path.partition(":")
@@ -267,6 +283,8 @@ def _changed(stamps: dict[str, tuple[int, int]]) -> str | None:
 #: import before the next forks (an SDK's lazy imports at its first call are then paid once).
 _KNOWN: set[str] = set()
 _REPORT_MAX = 5000
+#: How much of the result file a supervisor reads (``aglverl.runners.seam.RESULT_MAX``).
+_RESULT_MAX = 256
 
 
 def _report_imports(fd: int) -> None:
@@ -426,6 +444,7 @@ class _Supervisor:
         self.channel_open = True
         self.report = -1  # the agent's list of the modules it imported (read until its end)
         self.imported = b""
+        self.result_file: str | None = None  # read once the attempt's processes are gone
 
     def kill(self, sig: int) -> None:
         """``sig`` to the agent's process group and to every other process below this one."""
@@ -512,7 +531,9 @@ class _Supervisor:
             self.read_report()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.cpu += usage.ru_utime + usage.ru_stime
-        done = {"cpu_s": round(self.cpu, 6), "strays": self.strays, "left": left}
+        done: dict = {"cpu_s": round(self.cpu, 6), "strays": self.strays, "left": left}
+        if self.result_file:
+            done["result"] = _read_result(self.result_file)
         try:
             done["imported"] = json.loads(self.imported) if self.imported else []
         except ValueError:
@@ -529,6 +550,22 @@ class _Supervisor:
             return
         os.close(self.report)
         self.report = -1
+
+
+def _read_result(path: str) -> str:
+    """The first bytes of the regular file ``path`` (``""`` when there is none; never blocks on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, _RESULT_MAX).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _spawn_agent(supervisor: _Supervisor, request: dict, fds: list[int]) -> None:
@@ -584,6 +621,20 @@ def _spawn_agent(supervisor: _Supervisor, request: dict, fds: list[int]) -> None
     _send(supervisor.channel, {"started": pid})
 
 
+def _await_attempt(channel: socket.socket) -> tuple[dict, list[int], bytes] | None:
+    """A spare supervisor's attempt: its request (one JSON line whose first byte carries the attempt's stdin and
+    output), the descriptors, and what came after the line; ``None`` once the channel is closed."""
+    buffer = bytearray()
+    fds: list[int] = []
+    while b"\n" not in buffer:
+        if not _receive(channel, buffer, fds):
+            for fd in fds:
+                os.close(fd)
+            return None
+    end = buffer.index(b"\n")
+    return json.loads(bytes(buffer[:end])), fds, bytes(buffer[end + 1 :])
+
+
 def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None:
     """The forked supervisor of one attempt (see the module docstring). Never returns."""
     try:
@@ -596,9 +647,23 @@ def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None
                 signum, signal.SIG_IGN
             )  # only the runner (or the channel closing) ends the supervisor
         _subreaper()
-        channel = socket.socket(fileno=fds[2])
+        channel = socket.socket(fileno=fds[-1])
         channel.setblocking(True)
+        pending = b""
+        if request.get("spare"):  # forked ahead of its attempt: the attempt comes on the channel
+            attempt = _await_attempt(channel)
+            if attempt is None:
+                os._exit(0)  # the runner no longer needs it
+            request, received, pending = attempt
+            if len(received) != 2:
+                for fd in received:
+                    os.close(fd)
+                _send(channel, {"failed": "a spare supervisor got an attempt without its two descriptors"})
+                os._exit(0)
+            fds = [*received, fds[-1]]
         supervisor = _Supervisor(channel, float(request.get("grace", 5.0)))
+        supervisor.buffer = pending
+        supervisor.result_file = request.get("result_file")
         if run is None and not request.get("limits"):
             _spawn_agent(supervisor, request, fds)  # the cheap way, when nothing needs a fork to set up
             supervisor.run(wake)
@@ -728,10 +793,11 @@ def main(argv: list[str]) -> None:
                 gc.freeze()
                 _send(ctl, {"preloaded": count})
                 continue
-            mine, fds[:] = fds[:3], fds[3:]
+            need = 1 if request.get("spare") else 3  # a spare: its channel alone
+            mine, fds[:] = fds[:need], fds[need:]
             stale = _changed(stamps)
             threads = _threads()
-            if stale is not None or threads > 1 or len(mine) != 3:
+            if stale is not None or threads > 1 or len(mine) != need:
                 for fd in mine:
                     os.close(fd)
                 if stale is not None:

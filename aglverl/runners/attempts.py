@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import orjson
 from anyio.abc import TaskStatus
@@ -46,7 +47,7 @@ from .environment import agent_variables, file_stem
 from .forkserver import ForkServer
 from .logs import AgentLog
 from .options import ProcessOptions, resolve_env_map
-from .seam import AgentExit, AgentProcess, Launch, Launcher, LaunchFailed
+from .seam import RESULT_MAX, AgentExit, AgentProcess, Launch, Launcher, LaunchFailed
 from .spawn import Spawner
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class ProcessRunner:
         self.cpu_seconds = 0.0
         self._attempts: dict[tuple[str, str], _Attempt] = {}
         self._scratch: str | None = None
+        self._background: anyio.abc.TaskGroup | None = None  # where attempts' files are closed, off their workers
         daemon.store.on_attempt(self._changed)
         daemon.store.on_forget(self._forgotten)
 
@@ -135,12 +137,14 @@ class ProcessRunner:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.launcher.serve)
+                self._background = tg
                 async with anyio.create_task_group() as workers:
                     for n in range(self.concurrency):
                         workers.start_soon(self._worker, name=f"aglverl process runner {n}")
                     task_status.started()
                 tg.cancel_scope.cancel()  # the store closed: no more work
         finally:
+            self._background = None
             scratch, self._scratch = self._scratch, None
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(lambda: shutil.rmtree(scratch, ignore_errors=True))
@@ -195,9 +199,11 @@ class ProcessRunner:
         try:
             await self._end(attempt, task, slot)
         finally:
-            if attempt.files is not None:  # after the attempt's end is reported: it does not wait for this
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(_clean_up, *attempt.files)
+            if attempt.files is not None:  # after the attempt's end is reported; its worker claims the next meanwhile
+                if self._background is not None:
+                    self._background.start_soon(_clean_up_shielded, *attempt.files)
+                else:
+                    await _clean_up_shielded(*attempt.files)
 
     async def _end(self, attempt: _Attempt, task: Task, slot: Slot) -> None:
         rollouts = self.daemon.agent_lightning.rollouts
@@ -258,30 +264,26 @@ class ProcessRunner:
             _prepare_files, scratch, files, input_path, log, variables.notice
         )
         launch = Launch(
-            argv=tuple(options.argv()),
-            env=self.launcher.environment(variables.env),
-            cwd=options.cwd or os.getcwd(),
-            stdin=stdin,
-            output=-1,
-            name=slot.agl_id,
-            limits=options.limits,
-            grace=grace,
+            argv=tuple(options.argv()), env=self.launcher.environment(variables.env), cwd=options.cwd or os.getcwd(),
+            stdin=stdin, output=-1, name=slot.agl_id, limits=options.limits, grace=grace, result_file=reward_path,
         )
-        exit, timed_out, failure = await self._launch_and_wait(attempt, launch, log)
+        exit, timed_out, failure, result = await self._launch_and_wait(attempt, launch, log)
         if exit is None:
             return _Outcome(False, f"agent process for {slot.agl_id} could not start: {failure} ({where})")
-        return await self._outcome(slot, exit, timed_out, log, reward_path)
+        return await self._outcome(slot, exit, timed_out, log, reward_path, result)
 
     async def _launch_and_wait(
         self, attempt: _Attempt, launch: Launch, log: AgentLog
-    ) -> tuple[AgentExit | None, bool, str]:
+    ) -> tuple[AgentExit | None, bool, str, str | None]:
         """Start the process with its output piped to ``log``, wait for it up to the deadline (or until the
         attempt ends elsewhere: then stop it), then for every process of the attempt to be gone. Returns its exit
-        (``None``: it could not start), whether the deadline passed, and why it could not start."""
+        (``None``: it could not start), whether the deadline passed, why it could not start, and its result file
+        as the launcher read it (:attr:`AgentProcess.result`)."""
         read, write = os.pipe()
         timed_out = False
         exit: AgentExit | None = None
         failure = ""
+        result: str | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(log.pump, read)
             try:
@@ -293,8 +295,9 @@ class ProcessRunner:
                 os.close(launch.stdin)
             if process is not None:
                 exit, timed_out = await self._wait(attempt, process, launch.grace)
+                result = process.result
             tg.cancel_scope.deadline = anyio.current_time() + _OUTPUT_SECONDS
-        return exit, timed_out, failure
+        return exit, timed_out, failure, result
 
     async def _wait(self, attempt: _Attempt, process: AgentProcess, grace: float) -> tuple[AgentExit, bool]:
         self.running += 1
@@ -317,7 +320,7 @@ class ProcessRunner:
         return exit, deadline.cancelled_caught
 
     async def _outcome(
-        self, slot: Slot, exit: AgentExit, timed_out: bool, log: AgentLog, reward_path: str
+        self, slot: Slot, exit: AgentExit, timed_out: bool, log: AgentLog, reward_path: str, result: str | None
     ) -> _Outcome:
         where = f"its output: {log.path}"
         if timed_out:
@@ -343,8 +346,8 @@ class ProcessRunner:
             said = f"; its last line: {tail!r}" if tail else ""
             return _Outcome(False, f"agent process {how}{said} ({where})")
         reward = self.daemon.agent_lightning.rollouts.reward(slot)
-        if reward is None:
-            reward = await anyio.to_thread.run_sync(_reward_file, reward_path)
+        if reward is None:  # the reward file: as the launcher read it, else read here
+            reward = _reward(result) if result is not None else await anyio.to_thread.run_sync(_reward_file, reward_path)
         if reward is None:
             reward = self.options.reward_fillna_value
         if reward is None:
@@ -398,6 +401,12 @@ def _prepare_files(scratch: str, files: dict[str, bytes], stdin_path: str, log: 
     return os.open(stdin_path, os.O_RDONLY)
 
 
+async def _clean_up_shielded(log: AgentLog, scratch: str) -> None:
+    """:func:`_clean_up` in a worker thread, to its end even when cancelled."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(_clean_up, log, scratch)
+
+
 def _clean_up(log: AgentLog, scratch: str) -> None:
     try:
         log.close_blocking()
@@ -409,11 +418,15 @@ def _reward_file(path: str) -> float | None:
     """The number a program wrote to ``AGL_REWARD_FILE`` (``None``: no file, or not a finite number)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read(256).strip()
+            return _reward(f.read(RESULT_MAX))
     except OSError:
         return None
+
+
+def _reward(text: str) -> float | None:
+    """The number in a reward file's text (``None``: not a finite number)."""
     try:
-        value = float(text)
+        value = float(text.strip())
     except ValueError:
         return None
     return value if math.isfinite(value) else None

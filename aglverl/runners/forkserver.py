@@ -155,6 +155,7 @@ class ForkServer:
         #: forks (an SDK's lazy imports at its first call); ``_refused``: those whose import started a thread.
         self.learned: set[str] = set()
         self._refused: set[str] = set()
+        self._preloading = anyio.Lock()  # one preload at a time: the attempts that waited for it find it done
 
     @property
     def starts(self) -> int:
@@ -202,10 +203,13 @@ class ForkServer:
             if threads > 1:
                 self._spawn_from_now(template, threads)
                 raise TemplateThreaded(threads)
-            missing = self.learned - template.preloaded
-            if not missing:
+            if not self.learned - template.preloaded:
                 return template
-            culprit = await template.preload(sorted(missing))
+            async with self._preloading:
+                missing = self.learned - template.preloaded
+                if not missing or not template.alive:
+                    continue  # preloaded meanwhile (or the template died: the holder starts another)
+                culprit = await template.preload(sorted(missing))
             if culprit is None:
                 return template
             logger.info(

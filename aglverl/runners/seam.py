@@ -19,7 +19,10 @@ from typing import Protocol
 
 from anyio.abc import TaskStatus
 
-__all__ = ["AgentExit", "AgentProcess", "Launch", "LaunchFailed", "Launcher"]
+__all__ = ["RESULT_MAX", "AgentExit", "AgentProcess", "Launch", "LaunchFailed", "Launcher"]
+
+#: How much of :attr:`Launch.result_file` a launcher reads back.
+RESULT_MAX = 256
 
 
 class LaunchFailed(Exception):
@@ -36,7 +39,9 @@ class Launch:
     its standard input and for its standard output and error together (the launcher passes them on and never
     closes them: they are the caller's); ``limits``: resource limits (``{"as": bytes, "nofile": n, ...}``,
     ``RLIMIT_<NAME>`` lower-cased); ``grace``: seconds between ``SIGTERM`` and ``SIGKILL`` when the process
-    tree is ended; ``name``: for messages and logs.
+    tree is ended; ``name``: for messages and logs; ``result_file``: a file the launcher reads (its first
+    :data:`RESULT_MAX` bytes) once no process of the attempt is left, for :attr:`AgentProcess.result` (the
+    reward file: read where the processes were watched, the runner needs no thread of its own for it).
     """
 
     argv: tuple[str, ...]
@@ -47,6 +52,7 @@ class Launch:
     name: str
     limits: Mapping[str, int] = field(default_factory=dict)
     grace: float = 5.0
+    result_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,9 @@ class AgentProcess(Protocol):
 
     #: The agent's process id (what a process group, a log or ``ps`` names).
     pid: int
+    #: The text of :attr:`Launch.result_file` once :meth:`finished` returned: ``""`` when there is no such regular
+    #: file, ``None`` when the launcher does not read it (the runner reads it then).
+    result: str | None
 
     async def wait(self) -> AgentExit:
         """Return once the agent's process has exited. Cancellation only stops the wait."""

@@ -5,6 +5,11 @@ The program is exec'd by the attempt's process, forked from a supervisor that a 
 forks (:mod:`aglverl.runners._template`: ``python -I -S``, nothing imported). So even a spawned program runs under
 a supervisor that is a child subreaper: what it starts stays in the attempt's tree and is ended with it, even
 after ``setsid`` or a double fork.
+
+Once it has started a program, the spawner keeps :data:`SPARES` supervisors forked ahead (each set up and waiting
+for its attempt on its channel): an attempt then starts with one message to a spare and the spare's
+``posix_spawn``, with no fork and no wait for the template on its way, and a new spare is forked meanwhile.
+When none is ready (a burst of starts), an attempt's supervisor is forked for it as before.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from .environment import inherited
 from .seam import AgentProcess, Launch, LaunchFailed
 from .template import SupervisedProcess, Template, TemplateGone, TemplateHolder, fork_request
 
-__all__ = ["Spawner"]
+__all__ = ["SPARES", "Spawner"]
+
+#: How many supervisors a spawner keeps forked ahead of its attempts (once it has started one).
+SPARES = 2
 
 
 class Spawner:
@@ -34,6 +42,8 @@ class Spawner:
         self.env_allow = tuple(env_allow)
         self._holder = TemplateHolder(self._template)
         self._tg: anyio.abc.TaskGroup | None = None
+        self._spares: list[SupervisedProcess] = []
+        self._refilling = False
 
     def _template(self) -> Template:
         return Template(
@@ -56,6 +66,10 @@ class Spawner:
                 await anyio.sleep_forever()
             finally:
                 self._tg = None
+                with anyio.CancelScope(shield=True):
+                    spares, self._spares = self._spares, []
+                    for spare in spares:
+                        await spare.discard()
                 await self._holder.aclose()
                 tg.cancel_scope.cancel()
 
@@ -64,10 +78,47 @@ class Spawner:
         return {**inherited(self.env_allow), **agent}
 
     async def start(self, launch: Launch) -> AgentProcess:
-        """Fork a supervisor that execs ``launch.argv``; :class:`LaunchFailed` when the program cannot run."""
-        process = await self.fork(launch, exec_=True)
+        """Have a supervisor exec ``launch.argv`` (a spare one if ready, else one forked now); :class:`LaunchFailed`
+        when the program cannot run."""
+        process = await self._take_spare(launch)
+        if process is None:
+            process = await self.fork(launch, exec_=True)
         await process.started()
         return process
+
+    async def _take_spare(self, launch: Launch) -> SupervisedProcess | None:
+        """A spare supervisor given ``launch`` (``None`` when none is ready); more are forked meanwhile."""
+        process = None
+        while self._spares and process is None:
+            spare = self._spares.pop(0)
+            try:
+                await spare.assign(fork_request(launch, exec_=True), launch.stdin, launch.output, launch.name)
+                process = spare
+            except TemplateGone:
+                pass  # it died (killed from outside): the next one, or a fork
+        if not self._refilling and self._tg is not None:
+            self._refilling = True
+            self._tg.start_soon(self._refill, name="spawner: spare supervisors")
+        return process
+
+    async def _refill(self) -> None:
+        """Fork spare supervisors up to :data:`SPARES` (stops at the first failure: attempts then fork their own)."""
+        try:
+            while len(self._spares) < SPARES and self._tg is not None:
+                template = await self._holder.get(self._tg)
+                try:
+                    spare = await template.spare()
+                except TemplateGone:
+                    self._holder.forget(template)
+                    return
+                if self._tg is None:  # the spawner stopped meanwhile
+                    await spare.discard()
+                    return
+                self._spares.append(spare)
+        except LaunchFailed:
+            return
+        finally:
+            self._refilling = False
 
     async def fork(self, launch: Launch, *, exec_: bool) -> SupervisedProcess:
         if self._tg is None:

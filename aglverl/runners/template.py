@@ -4,11 +4,12 @@ one attempt's process as its supervisor reports it.
 
 Protocol, over Unix sockets, newline-delimited JSON. The control socket (the template's fd, given on its command
 line): the template says ``{"ready": ...}`` (or ``{"error": ...}`` and exits); a fork request is a JSON object
-(``env``, ``cwd``, ``argv``, ``exec``, ``limits``, ``grace``) whose first byte carries three descriptors (the
+(``env``, ``cwd``, ``argv``, ``exec``, ``limits``, ``grace``, ``result_file``) whose first byte carries three descriptors (the
 attempt's stdin, its output, the supervisor's end of the attempt's channel); the answer is ``{"forked": pid}``,
 ``{"stale": path}`` (the agent's file changed: the template has exited), ``{"threads": n}`` (it runs threads: it
 must not fork) or ``{"error": ...}``. The attempt's channel: the supervisor says ``{"started": pid}`` or
-``{"failed": why}``, ``{"exited": {"code"|"signal": n}}``, ``{"done": {"cpu_s": x, ...}}``; the runner may
+``{"failed": why}``, ``{"exited": {"code"|"signal": n}}``, ``{"done": {"cpu_s": x, "result": text, ...}}``
+(``result``: the request's ``result_file``'s first bytes, ``""`` without one); the runner may
 send ``stop <grace>``. Closing the control socket ends the template; closing a channel ends its attempt.
 """
 
@@ -92,6 +93,8 @@ class SupervisedProcess:
         self.strays = 0
         #: The modules the agent imported that its template had not (a forked agent's, once it is done).
         self.imported: list[str] = []
+        #: The launch's ``result_file`` as the supervisor read it once the attempt's processes were gone.
+        self.result: str | None = None
         #: Called once no process of the attempt is left (a fork server learns what to import from it).
         self.on_done: Callable[[SupervisedProcess], None] | None = None
         self._channel = channel
@@ -121,6 +124,8 @@ class SupervisedProcess:
             self.cpu_seconds = float(done.get("cpu_s") or 0.0)
             self.strays = int(done.get("strays") or 0)
             self.imported = [str(n) for n in done.get("imported") or ()]
+            result = done.get("result")
+            self.result = result if isinstance(result, str) else None
             left = int(done.get("left") or 0)
             if left:
                 logger.warning("%d process(es) of %s could not be killed (uninterruptible)", left, self.name)
@@ -140,6 +145,23 @@ class SupervisedProcess:
         await self._channel.aclose()
         return self.cpu_seconds
 
+    async def assign(self, request: Mapping[str, Any], stdin: int, output: int, name: str) -> None:
+        """Give a spare supervisor (:meth:`Template.spare`) its attempt: ``request`` (as :func:`fork_request`'s),
+        its stdin and output (this process's descriptors stay open: the caller's). :class:`TemplateGone` if the
+        spare is gone (it was not given the attempt)."""
+        data = orjson.dumps(request) + b"\n"
+        try:
+            await self._channel.send_fds(data[:1], [stdin, output])
+            await self._channel.send(data[1:])
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self._channel.aclose()
+            raise TemplateGone(f"the spare supervisor for {name}") from None
+        self.name = name
+
+    async def discard(self) -> None:
+        """Close a spare supervisor's channel, unused: it exits."""
+        await self._channel.aclose()
+
     async def stop(self, grace: float) -> None:
         """Ask the supervisor to end the attempt's processes (``SIGTERM``, ``SIGKILL`` after ``grace``)."""
         try:
@@ -157,6 +179,7 @@ def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = No
         "exec": exec_,
         "limits": dict(launch.limits),
         "grace": launch.grace,
+        "result_file": launch.result_file,
     }
 
 
@@ -185,10 +208,18 @@ class Template:
         self.info: dict[str, Any] = {}
         #: Modules imported by :meth:`preload` (beyond what the template's agent imports itself).
         self.preloaded: set[str] = set()
+        #: How many :meth:`preload` requests it answered.
+        self.preloads = 0
         self._process: anyio.abc.Process | None = None
         self._control: anyio.abc.UNIXSocketStream | None = None
         self._reader: BufferedByteReceiveStream | None = None
-        self._lock = anyio.Lock()
+        # requests are pipelined (see _ask): sent one at a time, answered in order, each caller taking its own
+        self._sending = anyio.Lock()
+        self._reading = anyio.Lock()
+        self._sent = 0
+        self._read = 0
+        self._answers: dict[int, dict[str, Any] | None] = {}
+        self._abandoned: set[int] = set()
         self._gone = anyio.Event()
 
     @property
@@ -253,18 +284,19 @@ class Template:
         """Fork an attempt (its supervisor and process); returns it once its supervisor runs (not yet its agent:
         :meth:`SupervisedProcess.started`). Raises :class:`TemplateGone`, :class:`TemplateStale`,
         :class:`TemplateThreaded`, or :class:`LaunchFailed`."""
+        return await self._fork(request, [stdin, output], name)
+
+    async def spare(self) -> SupervisedProcess:
+        """Fork a spare supervisor (``bare`` templates: it execs the program it is given): one that has set itself
+        up (its session, signals, subreaper) and waits on its channel for an attempt
+        (:meth:`SupervisedProcess.assign`), so that starting an attempt costs one message to it, not a fork.
+        Raises as :meth:`fork`."""
+        return await self._fork({"spare": True}, [], "a spare supervisor")
+
+    async def _fork(self, request: Mapping[str, Any], fds: list[int], name: str) -> SupervisedProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            async with self._lock:
-                if not self.alive or self._control is None or self._reader is None:
-                    raise TemplateGone(self.name)
-                data = orjson.dumps(request) + b"\n"
-                try:
-                    await self._control.send_fds(data[:1], [stdin, output, theirs.fileno()])
-                    await self._control.send(data[1:])
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    raise TemplateGone(self.name) from None
-                answer = await _line(self._reader)
+            answer = await self._ask(orjson.dumps(request) + b"\n", [*fds, theirs.fileno()])
         except BaseException:
             ours.close()
             raise
@@ -284,20 +316,47 @@ class Template:
             raise TemplateThreaded(int(answer["threads"]))
         raise LaunchFailed(f"{self.name}'s template refused a fork: {answer.get('error', answer)}")
 
+    async def _ask(self, data: bytes, fds: Sequence[int]) -> dict[str, Any] | None:
+        """Send one request (its first byte carrying ``fds``) and return its answer (``None``: the template is gone).
+        Requests are pipelined: the next one is sent while the template still works on this one (a burst of
+        forks waits for no round trip between them); the template answers in order, and each caller takes its
+        own answer (one whose caller was cancelled is dropped). Raises :class:`TemplateGone` if it cannot send."""
+        async with self._sending:
+            if not self.alive or self._control is None or self._reader is None:
+                raise TemplateGone(self.name)
+            try:
+                if fds:
+                    await self._control.send_fds(data[:1], fds)
+                    await self._control.send(data[1:])
+                else:
+                    await self._control.send(data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                raise TemplateGone(self.name) from None
+            ticket, self._sent = self._sent, self._sent + 1
+        try:
+            async with self._reading:
+                reader = self._reader
+                while self._read <= ticket and reader is not None:
+                    line = await _line(reader)
+                    if self._read not in self._abandoned:
+                        self._answers[self._read] = line
+                    self._abandoned.discard(self._read)
+                    self._read += 1
+        finally:
+            answered = ticket in self._answers
+            answer = self._answers.pop(ticket, None)
+            if not answered and self._read <= ticket:
+                self._abandoned.add(ticket)  # cancelled before its answer came: whoever reads it drops it
+        return answer
+
     async def preload(self, names: Sequence[str]) -> str | None:
         """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once);
         returns the module whose import left a thread running (the template has exited then), else ``None``.
         Raises :class:`TemplateGone`."""
-        async with self._lock:
-            if not self.alive or self._control is None or self._reader is None:
-                raise TemplateGone(self.name)
-            try:
-                await self._control.send(orjson.dumps({"preload": list(names)}) + b"\n")
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                raise TemplateGone(self.name) from None
-            answer = await _line(self._reader)
+        answer = await self._ask(orjson.dumps({"preload": list(names)}) + b"\n", [])
         if answer is None:
             raise TemplateGone(self.name)
+        self.preloads += 1
         if "module" in answer:
             return str(answer["module"])
         self.preloaded.update(names)
