@@ -295,10 +295,16 @@ def cli() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--starts", type=int, default=5, help="starts of each kind of process (start cost)")
     parser.add_argument("--agl-python", default=str(ROOT / ".venv-agl" / "bin" / "python"))
-    parser.add_argument("--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's")
-    parser.add_argument("--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)")
+    parser.add_argument(
+        "--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's"
+    )
+    parser.add_argument(
+        "--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)"
+    )
     parser.add_argument("--agents", nargs="*", help="only these agents (sdk, stdlib, shell)")
-    parser.add_argument("--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run every system this many times, interleaved (medians)"
+    )
     parser.add_argument("--only", help=argparse.SUPPRESS)  # the --against child: one agent, printed as JSON
     parser.add_argument(
         "--deadline", type=float, default=900.0, help="seconds a system gets for its rollouts"

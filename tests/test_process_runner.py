@@ -193,7 +193,10 @@ async def test_consecutive_programs_get_their_own_reward_file_and_a_fifo_there_f
         'if [ "$TASK_KIND" = fifo ]; then mkfifo "$AGL_REWARD_FILE"; '
         'else printf "%s\\n" "$TASK_REWARD" > "$AGL_REWARD_FILE"; fi'
     )
-    options = {"command": ["sh", "-c", script], "env_map": {"TASK_KIND": "input.kind", "TASK_REWARD": "input.reward"}}
+    options = {
+        "command": ["sh", "-c", script],
+        "env_map": {"TASK_KIND": "input.kind", "TASK_REWARD": "input.reward"},
+    }
     async with running(tmp_path, options, concurrency=1) as (daemon, _, _mock):
         ids = [
             await daemon.queue_task({"kind": kind, "reward": reward})

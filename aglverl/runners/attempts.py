@@ -123,7 +123,9 @@ class ProcessRunner:
         self.cpu_seconds = 0.0
         self._attempts: dict[tuple[str, str], _Attempt] = {}
         self._scratch: str | None = None
-        self._background: anyio.abc.TaskGroup | None = None  # where attempts' files are closed, off their workers
+        self._background: anyio.abc.TaskGroup | None = (
+            None  # where attempts' files are closed, off their workers
+        )
         daemon.store.on_attempt(self._changed)
         daemon.store.on_forget(self._forgotten)
 
@@ -199,7 +201,9 @@ class ProcessRunner:
         try:
             await self._end(attempt, task, slot)
         finally:
-            if attempt.files is not None:  # after the attempt's end is reported; its worker claims the next meanwhile
+            if (
+                attempt.files is not None
+            ):  # after the attempt's end is reported; its worker claims the next meanwhile
                 if self._background is not None:
                     self._background.start_soon(_clean_up_shielded, *attempt.files)
                 else:
@@ -264,8 +268,15 @@ class ProcessRunner:
             _prepare_files, scratch, files, input_path, log, variables.notice
         )
         launch = Launch(
-            argv=tuple(options.argv()), env=self.launcher.environment(variables.env), cwd=options.cwd or os.getcwd(),
-            stdin=stdin, output=-1, name=slot.agl_id, limits=options.limits, grace=grace, result_file=reward_path,
+            argv=tuple(options.argv()),
+            env=self.launcher.environment(variables.env),
+            cwd=options.cwd or os.getcwd(),
+            stdin=stdin,
+            output=-1,
+            name=slot.agl_id,
+            limits=options.limits,
+            grace=grace,
+            result_file=reward_path,
         )
         exit, timed_out, failure, result = await self._launch_and_wait(attempt, launch, log)
         if exit is None:
@@ -320,7 +331,13 @@ class ProcessRunner:
         return exit, deadline.cancelled_caught
 
     async def _outcome(
-        self, slot: Slot, exit: AgentExit, timed_out: bool, log: AgentLog, reward_path: str, result: str | None
+        self,
+        slot: Slot,
+        exit: AgentExit,
+        timed_out: bool,
+        log: AgentLog,
+        reward_path: str,
+        result: str | None,
     ) -> _Outcome:
         where = f"its output: {log.path}"
         if timed_out:
@@ -347,7 +364,11 @@ class ProcessRunner:
             return _Outcome(False, f"agent process {how}{said} ({where})")
         reward = self.daemon.agent_lightning.rollouts.reward(slot)
         if reward is None:  # the reward file: as the launcher read it, else read here
-            reward = _reward(result) if result is not None else await anyio.to_thread.run_sync(_reward_file, reward_path)
+            reward = (
+                _reward(result)
+                if result is not None
+                else await anyio.to_thread.run_sync(_reward_file, reward_path)
+            )
         if reward is None:
             reward = self.options.reward_fillna_value
         if reward is None:
