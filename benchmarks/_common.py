@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from subprocess import PIPE
 from typing import Any, TypeVar
@@ -225,6 +226,26 @@ class JsonChild:
                     return
                 self.process.kill()
                 await self.process.wait()
+
+
+async def run_queued(
+    daemon: Any, tasks: Sequence[Any], deadline: float
+) -> tuple[float, list[Any], list[float]]:
+    """Queue ``tasks`` on an :class:`~aglverl.AgentDaemon` and wait until every rollout has ended: the seconds
+    from the first queued to the last ended, the rollouts' records, and for each rollout that made a call the
+    seconds from its queueing to its first call."""
+    started = time.perf_counter()
+    ids = [await daemon.queue_task(task) for task in tasks]
+    with anyio.fail_after(deadline):
+        await daemon.store.wait_terminal(ids)
+    wall = time.perf_counter() - started
+    records = [daemon.store.record(r) for r in ids]
+    firsts = [
+        min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time
+        for r in records
+        if r.calls
+    ]
+    return wall, records, firsts
 
 
 def emit(obj: Any) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from _common import emit, machine_info, percentile, run_loop
+from _common import emit, machine_info, percentile, run_loop, run_queued
 from anyio.streams.text import TextReceiveStream
 
 import aglverl
@@ -165,24 +165,14 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
                 await tg.start(
                     runner.serve
                 )  # the fork server's template imports the agent here, before the clock
-            started = time.perf_counter()
-            ids = [await daemon.queue_task(task) for task in tasks]
-            with anyio.fail_after(args.deadline):
-                await daemon.store.wait_terminal(ids)
-            wall = time.perf_counter() - started
-            records = [daemon.store.record(r) for r in ids]
-            firsts = [
-                min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time
-                for r in records
-                if r.calls
-            ]
+            wall, records, firsts = await run_queued(daemon, tasks, args.deadline)
             if controller is not None:
                 controller.send_signal(signal.SIGTERM)
                 await controller.wait()
             tg.cancel_scope.cancel()  # the runner stops: its templates exit and are reaped (their CPU counted)
         own = _cpu(resource.RUSAGE_SELF) - own
     children = _cpu(resource.RUSAGE_CHILDREN) - children
-    n = len(ids)
+    n = len(records)
     return {
         "rollouts": n,
         "succeeded": sum(r.state == "completed" for r in records),

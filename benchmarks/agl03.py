@@ -46,7 +46,7 @@ os.environ.setdefault(
 import agentlightning as agl
 import anyio
 import openai
-from _common import emit, machine_info, percentile
+from _common import emit, machine_info, percentile, run_queued
 
 from aglverl import AgentDaemon, run_agents
 from aglverl.agent_lightning import AgentLightningSettings
@@ -97,17 +97,8 @@ async def _steps(daemon: AgentDaemon, args: argparse.Namespace) -> list[dict[str
     for step in range(args.steps):
         if step:
             await anyio.sleep(args.update)  # the trainer's update: nothing is queued meanwhile
-        started = time.perf_counter()
-        ids = [await daemon.queue_task(dict(TASK)) for _ in range(args.rollouts)]
-        with anyio.fail_after(args.deadline):
-            await daemon.store.wait_terminal(ids)
-        wall = time.perf_counter() - started
-        records = [daemon.store.record(r) for r in ids]
-        firsts = [
-            min(c.started_at for c in r.calls) - daemon.store.task(r.rollout_id).create_time
-            for r in records
-            if r.calls
-        ]
+        tasks = [dict(TASK) for _ in range(args.rollouts)]
+        wall, records, firsts = await run_queued(daemon, tasks, args.deadline)
         steps.append(
             {"wall_s": wall, "firsts": firsts, "completed": sum(r.state == "completed" for r in records)}
         )

@@ -176,12 +176,7 @@ class LightningStoreBridge:
             task_status.started()
 
     async def _worker(self) -> None:
-        store = self.daemon.store
-        while True:
-            task = await store.claim(math.inf)  # parked in the store until a task is queued: no polling
-            if task is None:
-                return  # the store closed
-            await self._attempt(task)
+        await self.daemon.store.work(self._attempt)  # until the store closes
 
     async def _attempt(self, task: Task) -> None:
         assert task.attempt_id is not None

@@ -156,12 +156,7 @@ class ProcessRunner:
         return tempfile.mkdtemp(prefix="aglverl-agents-")  # 0700: the attempts' inputs, rewards and fields
 
     async def _worker(self) -> None:
-        store = self.daemon.store
-        while True:
-            task = await store.claim(math.inf)  # parked in the store until a task is queued: no polling
-            if task is None:
-                return  # the store closed
-            await self._attempt(task)
+        await self.daemon.store.work(self._attempt)  # until the store closes
 
     # ------------------------------------------------------------------ attempts ending elsewhere
     def _changed(self, change: AttemptChange) -> None:

@@ -31,7 +31,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Unpack
 
 import anyio
@@ -284,6 +284,13 @@ class TaskStore:
             except BaseException:
                 self.release(task.rollout_id, attempt_id)
                 raise
+
+    async def work(self, attempt: Callable[[Task], Awaitable[None]]) -> None:
+        """Claim tasks as they are queued (parked in :meth:`claim`: no polling) and run ``attempt`` on each, one
+        at a time, until the store closes: the loop of an in-process worker (the built-in runner's, the Agent
+        Lightning bridge's)."""
+        while (task := await self.claim(math.inf)) is not None:
+            await attempt(task)
 
     async def _claim(self, wait: float) -> Task | None:
         task = self.try_claim()
