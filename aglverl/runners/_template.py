@@ -38,22 +38,18 @@ the same to the agent's process and everything it started. Waiting is ``select``
 
 from __future__ import annotations
 
-import ast
 import builtins
 import gc
 import importlib
-import importlib.util
 import json
 import os
 import resource
-import runpy
 import select
 import signal
 import socket
 import stat
 import sys
 import time
-import traceback
 
 _PR_SET_CHILD_SUBREAPER = 36
 #: After the SIGKILL, how long a supervisor waits for its processes before it reports the ones left (a process
@@ -97,9 +93,16 @@ def _threads() -> int:
         return threading.active_count()
 
 
-def _send(sock: socket.socket, message: dict) -> None:
+def _traceback():
+    """The ``traceback`` module, imported when something failed (a bare template starts without it)."""
+    import traceback
+
+    return traceback
+
+
+def _send(sock: socket.socket, *messages: dict) -> None:
     try:
-        sock.sendall((json.dumps(message) + "\n").encode())
+        sock.sendall("".join(json.dumps(message) + "\n" for message in messages).encode())
     except OSError:
         pass  # the runner is gone; what it would have read no longer matters
 
@@ -123,10 +126,12 @@ def _drain(fd: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- preparing
-def _imported_names(tree: ast.Module, agent_class: str | None = None) -> list[str]:
+def _imported_names(tree: ast.Module, agent_class: str | None = None) -> list[str]:  # noqa: F821 (imported inside)
     """Absolute module names the file imports at its top level (in ``if``, ``try``, ``with`` blocks too, but not
     in ``except`` handlers: fallbacks), and anywhere in the body of the class ``agent_class`` (its ``run()``'s
     imports), in order. Functions and other classes are left alone (a ``main()`` that imports a trainer)."""
+    import ast  # here, not at the top: a bare template (the spawner's) never needs it
+
     nodes: list[ast.AST] = []
     todo: list[ast.stmt] = list(tree.body)
     while todo:
@@ -153,6 +158,8 @@ def _preimport(source: str | None, skip: str | None = None, agent_class: str | N
     """Import what a file imports (failures are the attempt's to meet: ignored here)."""
     if not source:
         return
+    import ast
+
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -167,6 +174,8 @@ def _preimport(source: str | None, skip: str | None = None, agent_class: str | N
 
 
 def _source_of(module: str) -> str | None:
+    import importlib.util
+
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -197,6 +206,9 @@ def _prepare(kind: str, spec: list[str]):
     """What one attempt runs in its forked process, given its argv (``None`` for ``bare``: it execs)."""
     if kind == "bare":
         return None, []
+    import importlib.util  # a Python agent's template (a bare one, the spawner's, imports what it needs alone)
+    import runpy
+
     for name in _NETWORKED:
         try:
             importlib.import_module(name)
@@ -380,7 +392,7 @@ def _become_agent(request: dict, fds: list[int], close: list[int], run, err_w: i
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
     except BaseException:  # the agent's error goes to its log, its exit code says it failed
-        traceback.print_exc()
+        _traceback().print_exc()
         code = 1
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -445,6 +457,9 @@ class _Supervisor:
         self.report = -1  # the agent's list of the modules it imported (read until its end)
         self.imported = b""
         self.result_file: str | None = None  # read once the attempt's processes are gone
+        self.own_cpu = 0.0  # this process's CPU seconds when the attempt began
+        self.waits = False  # once done, it waits for another attempt (it says so)
+        self.unsent = False  # the agent's exit is not yet said
 
     def kill(self, sig: int) -> None:
         """``sig`` to the agent's process group and to every other process below this one."""
@@ -480,7 +495,7 @@ class _Supervisor:
                     if os.WIFSIGNALED(status)
                     else {"code": os.WEXITSTATUS(status)}
                 )
-                _send(self.channel, {"exited": self.exit})
+                self.unsent = True  # said at once if processes are left, else with "done" (one write)
             else:
                 self.strays += 1
 
@@ -500,11 +515,14 @@ class _Supervisor:
             if words and words[0] == b"stop":
                 self.stop(float(words[1]) if len(words) > 1 else self.grace)
 
-    def run(self, wake: int) -> None:
+    def run(self, wake: int) -> int:
         left = 0
         while True:
             if self.reap():
                 break
+            if self.unsent:
+                self.unsent = False
+                _send(self.channel, {"exited": self.exit})
             if self.exit is not None and self.deadline is None:
                 self.stop(self.grace)  # the agent ended: what it left behind goes too
             now = time.monotonic()
@@ -530,15 +548,19 @@ class _Supervisor:
         while self.report >= 0:  # the agent is gone: what it wrote is all there is
             self.read_report()
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.cpu += usage.ru_utime + usage.ru_stime
+        self.cpu += usage.ru_utime + usage.ru_stime - self.own_cpu
         done: dict = {"cpu_s": round(self.cpu, 6), "strays": self.strays, "left": left}
+        if self.waits and not left and self.channel_open:
+            done["waits"] = True
         if self.result_file:
             done["result"] = _read_result(self.result_file)
         try:
             done["imported"] = json.loads(self.imported) if self.imported else []
         except ValueError:
             pass
-        _send(self.channel, {"done": done})
+        said = [{"exited": self.exit}] if self.unsent else []
+        _send(self.channel, *said, {"done": done})
+        return left
 
     def read_report(self) -> None:
         try:
@@ -621,85 +643,106 @@ def _spawn_agent(supervisor: _Supervisor, request: dict, fds: list[int]) -> None
     _send(supervisor.channel, {"started": pid})
 
 
-def _await_attempt(channel: socket.socket) -> tuple[dict, list[int], bytes] | None:
-    """A spare supervisor's attempt: its request (one JSON line whose first byte carries the attempt's stdin and
-    output), the descriptors, and what came after the line; ``None`` once the channel is closed."""
-    buffer = bytearray()
+def _await_attempt(channel: socket.socket, pending: bytes = b"") -> tuple[dict, list[int], bytes] | None:
+    """A waiting supervisor's next attempt: its request (one JSON line whose first byte carries the attempt's stdin
+    and output), the descriptors, and what came after the line; ``None`` once the channel is closed. ``stop``
+    lines before it (sent for the attempt that just ended, after it ended) are skipped."""
+    buffer = bytearray(pending)
     fds: list[int] = []
-    while b"\n" not in buffer:
-        if not _receive(channel, buffer, fds):
-            for fd in fds:
-                os.close(fd)
-            return None
-    end = buffer.index(b"\n")
-    return json.loads(bytes(buffer[:end])), fds, bytes(buffer[end + 1 :])
+    while True:
+        while b"\n" not in buffer:
+            if not _receive(channel, buffer, fds):
+                for fd in fds:
+                    os.close(fd)
+                return None
+        end = buffer.index(b"\n")
+        line = bytes(buffer[:end])
+        del buffer[: end + 1]
+        if line.split(b" ", 1)[0] != b"stop":
+            return json.loads(line), fds, bytes(buffer)
+
+
+def _attempt(
+    channel: socket.socket, request: dict, fds: list[int], run, wake: int, wake_w: int, pending: bytes
+):
+    """Run one attempt to its end (see the module docstring); returns how many of its processes could not be
+    killed, and what the channel held after the attempt's own lines."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    supervisor = _Supervisor(channel, float(request.get("grace", 5.0)))
+    supervisor.own_cpu = usage.ru_utime + usage.ru_stime
+    supervisor.buffer = pending
+    supervisor.result_file = request.get("result_file")
+    supervisor.waits = run is None  # a bare supervisor waits for its next attempt once this one is done
+    _drain(wake)
+    if run is None and not request.get("limits"):
+        _spawn_agent(supervisor, request, fds)  # the cheap way, when nothing needs a fork to set up
+        return supervisor.run(wake), supervisor.buffer
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    report_r, report_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        _become_agent(request, fds, [wake, wake_w, err_r, report_r, fds[2]], run, err_w, report_w)
+    try:
+        os.setpgid(pid, pid)  # as the agent does: whichever runs first, its group exists before a kill
+    except OSError:
+        pass
+    os.close(err_w)
+    os.close(report_w)
+    os.set_blocking(report_r, False)
+    supervisor.report = report_r
+    for fd in fds[:2]:
+        os.close(fd)
+    supervisor.agent = pid
+    why = b""
+    while True:
+        chunk = os.read(err_r, 4096)  # empty once the program was exec'd or the agent runs (close-on-exec)
+        if not chunk:
+            break
+        why += chunk
+    os.close(err_r)
+    if why:
+        _send(channel, {"failed": why.decode(errors="replace")})
+    else:
+        _send(channel, {"started": pid})
+    return supervisor.run(wake), supervisor.buffer
 
 
 def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None:
-    """The forked supervisor of one attempt (see the module docstring). Never returns."""
+    """A forked supervisor (see the module docstring): of one attempt, or, for a bare template (a spawned
+    program), of one attempt at a time for as long as the runner keeps it. Never returns."""
     try:
         os.setsid()
         wake, wake_w = _wake_pipe()  # before closing the template's: a SIGCHLD always has a pipe to wake
         for fd in inherited:
             os.close(fd)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(
-                signum, signal.SIG_IGN
-            )  # only the runner (or the channel closing) ends the supervisor
+            # only the runner (or the channel closing) ends the supervisor
+            signal.signal(signum, signal.SIG_IGN)
         _subreaper()
         channel = socket.socket(fileno=fds[-1])
         channel.setblocking(True)
         pending = b""
-        if request.get("spare"):  # forked ahead of its attempt: the attempt comes on the channel
-            attempt = _await_attempt(channel)
-            if attempt is None:
-                os._exit(0)  # the runner no longer needs it
-            request, received, pending = attempt
-            if len(received) != 2:
-                for fd in received:
-                    os.close(fd)
-                _send(channel, {"failed": "a spare supervisor got an attempt without its two descriptors"})
-                os._exit(0)
-            fds = [*received, fds[-1]]
-        supervisor = _Supervisor(channel, float(request.get("grace", 5.0)))
-        supervisor.buffer = pending
-        supervisor.result_file = request.get("result_file")
-        if run is None and not request.get("limits"):
-            _spawn_agent(supervisor, request, fds)  # the cheap way, when nothing needs a fork to set up
-            supervisor.run(wake)
-            os._exit(0)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        report_r, report_w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:
-            _become_agent(request, fds, [wake, wake_w, err_r, report_r, fds[2]], run, err_w, report_w)
-        try:
-            os.setpgid(pid, pid)  # as the agent does: whichever runs first, its group exists before a kill
-        except OSError:
-            pass
-        os.close(err_w)
-        os.close(report_w)
-        os.set_blocking(report_r, False)
-        supervisor.report = report_r
-        for fd in fds[:2]:
-            os.close(fd)
-        supervisor.agent = pid
-        why = b""
+        waiting = bool(request.get("spare"))  # forked ahead of its attempt: the attempt comes on the channel
         while True:
-            chunk = os.read(
-                err_r, 4096
-            )  # empty once the program was exec'd or the agent runs (close-on-exec)
-            if not chunk:
-                break
-            why += chunk
-        os.close(err_r)
-        if why:
-            _send(channel, {"failed": why.decode(errors="replace")})
-        else:
-            _send(channel, {"started": pid})
-        supervisor.run(wake)
+            if waiting:
+                attempt = _await_attempt(channel, pending)
+                if attempt is None:
+                    os._exit(0)  # the runner no longer needs it
+                request, received, pending = attempt
+                if len(received) != 2:
+                    for fd in received:
+                        os.close(fd)
+                    _send(
+                        channel, {"failed": "a waiting supervisor got an attempt without its two descriptors"}
+                    )
+                    os._exit(0)
+                fds = [*received, fds[-1]]
+            left, pending = _attempt(channel, request, fds, run, wake, wake_w, pending)
+            if run is not None or left:
+                os._exit(0)
+            waiting = True  # all of the attempt's processes are gone: it may be given the next one
     except BaseException:  # a supervisor never returns into the template's loop
-        traceback.print_exc()
+        _traceback().print_exc()
         os._exit(70)
     os._exit(0)
 
@@ -749,6 +792,22 @@ def _reap_template(supervisors: set[int], reparented: bool) -> None:
                 pass
 
 
+#: How long a template whose runner is gone waits for its supervisors to exit (the waiting ones exit as their
+#: channels close, just before): their CPU time then reaches the runner's children's time.
+_LINGER_SECONDS = 0.5
+
+
+def _linger(wake: int, supervisors: set[int]) -> None:
+    deadline = time.monotonic() + _LINGER_SECONDS
+    while True:
+        _reap_template(supervisors, reparented=False)
+        left = deadline - time.monotonic()
+        if not supervisors or left <= 0:
+            return
+        select.select([wake], [], [], left)
+        _drain(wake)
+
+
 def main(argv: list[str]) -> None:
     ctl = socket.socket(fileno=int(argv[0]))
     ctl.setblocking(True)
@@ -757,7 +816,7 @@ def main(argv: list[str]) -> None:
     try:
         run, files = _prepare(kind, spec)
     except BaseException as exc:  # the agent cannot be loaded: say why, then stop
-        _send(ctl, {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]})
+        _send(ctl, {"error": f"{type(exc).__name__}: {exc}", "traceback": _traceback().format_exc()[-4000:]})
         os._exit(1)
     stamps = _own_files(files)
     _KNOWN.update(sys.modules)
@@ -778,8 +837,9 @@ def main(argv: list[str]) -> None:
             _reap_template(supervisors, reparented=False)
         if ctl not in ready:
             continue
-        if not _receive(ctl, buffer, fds):
-            os._exit(0)  # the runner closed the control socket
+        if not _receive(ctl, buffer, fds):  # the runner closed the control socket
+            _linger(wake, supervisors)
+            os._exit(0)
         while b"\n" in buffer:
             end = buffer.index(b"\n")
             request = json.loads(bytes(buffer[:end]))
@@ -814,7 +874,9 @@ def main(argv: list[str]) -> None:
                 stream.flush()
             pid = os.fork()
             if pid == 0:
-                _supervise(request, mine, [ctl.fileno(), wake, wake_w], run)
+                # the descriptors of requests not yet read (pipelined) are theirs: neither this supervisor nor
+                # its agent may hold them (an attempt's output stays open while anyone does)
+                _supervise(request, mine, [ctl.fileno(), wake, wake_w, *fds], run)
             for fd in mine:
                 os.close(fd)
             supervisors.add(pid)

@@ -6,15 +6,22 @@ forks (:mod:`aglverl.runners._template`: ``python -I -S``, nothing imported). So
 a supervisor that is a child subreaper: what it starts stays in the attempt's tree and is ended with it, even
 after ``setsid`` or a double fork.
 
-Once it has started a program, the spawner keeps :data:`SPARES` supervisors forked ahead (each set up and waiting
-for its attempt on its channel): an attempt then starts with one message to a spare and the spare's
-``posix_spawn``, with no fork and no wait for the template on its way, and a new spare is forked meanwhile.
-When none is ready (a burst of starts), an attempt's supervisor is forked for it as before.
+A supervisor outlives its attempt: once every process of the attempt is gone (none could not be killed), it says
+so and waits on the same channel for the next one, and the spawner keeps it (up to :data:`KEPT_MAX`). Each
+attempt starts with one message to a waiting supervisor and its ``posix_spawn``: in a steady run no process is
+forked but the programs themselves (a fork and an exit of a supervisor cost more CPU than ``sh -c true``).
+Before the first attempts end, the spawner keeps :data:`SPARES` supervisors forked ahead; when none is waiting
+(a burst of starts), an attempt's supervisor is forked for it. What one attempt did is not seen by the next:
+the supervisor's children are all gone, and each attempt has its own process group, environment, directory,
+streams and channel messages.
 """
 
 from __future__ import annotations
 
+import functools
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 
 import anyio
@@ -23,12 +30,22 @@ from anyio.abc import TaskStatus
 
 from .environment import inherited
 from .seam import AgentProcess, Launch, LaunchFailed
-from .template import SupervisedProcess, Template, TemplateGone, TemplateHolder, fork_request
+from .template import (
+    SupervisedProcess,
+    Template,
+    TemplateGone,
+    TemplateHolder,
+    compile_template,
+    fork_request,
+)
 
-__all__ = ["SPARES", "Spawner"]
+__all__ = ["KEPT_MAX", "SPARES", "Spawner"]
 
 #: How many supervisors a spawner keeps forked ahead of its attempts (once it has started one).
 SPARES = 2
+#: The most supervisors a spawner keeps waiting between attempts (one per attempt running at once, at most; a
+#: waiting one is a small Python process, its memory mostly shared with the template's).
+KEPT_MAX = 64
 
 
 class Spawner:
@@ -44,6 +61,9 @@ class Spawner:
         self._tg: anyio.abc.TaskGroup | None = None
         self._spares: list[SupervisedProcess] = []
         self._refilling = False
+        self._compiled: str | None = (
+            None  # the template's program, compiled once (its starts compile nothing)
+        )
 
     def _template(self) -> Template:
         return Template(
@@ -53,14 +73,19 @@ class Spawner:
             env=self.environment({}),
             cwd="/",
             name="the spawner",
+            compiled=self._compiled,
         )
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start the template, then hold it until cancelled (it is closed then; attempts keep running under their
         supervisors until the runner stops them)."""
+        folder = await anyio.to_thread.run_sync(
+            functools.partial(tempfile.mkdtemp, prefix="aglverl-spawner-")
+        )
         async with anyio.create_task_group() as tg:
             self._tg = tg
             try:
+                self._compiled = await anyio.to_thread.run_sync(compile_template, folder)
                 await self._holder.get(tg)
                 task_status.started()
                 await anyio.sleep_forever()
@@ -71,6 +96,10 @@ class Spawner:
                     for spare in spares:
                         await spare.discard()
                 await self._holder.aclose()
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(
+                        functools.partial(shutil.rmtree, folder, ignore_errors=True)
+                    )
                 tg.cancel_scope.cancel()
 
     def environment(self, agent: Mapping[str, str]) -> dict[str, str]:
@@ -83,14 +112,22 @@ class Spawner:
         process = await self._take_spare(launch)
         if process is None:
             process = await self.fork(launch, exec_=True)
+        process.on_idle = self._keep
         await process.started()
         return process
+
+    def _keep(self, supervisor: SupervisedProcess) -> bool:
+        """Keep a supervisor whose attempt is done for the next attempt (False: it is closed and exits)."""
+        if self._tg is None or len(self._spares) >= KEPT_MAX:
+            return False
+        self._spares.append(supervisor)
+        return True
 
     async def _take_spare(self, launch: Launch) -> SupervisedProcess | None:
         """A spare supervisor given ``launch`` (``None`` when none is ready); more are forked meanwhile."""
         process = None
         while self._spares and process is None:
-            spare = self._spares.pop(0)
+            spare = self._spares.pop()  # the one that waited least
             try:
                 await spare.assign(fork_request(launch, exec_=True), launch.stdin, launch.output, launch.name)
                 process = spare

@@ -9,14 +9,17 @@ attempt's stdin, its output, the supervisor's end of the attempt's channel); the
 ``{"stale": path}`` (the agent's file changed: the template has exited), ``{"threads": n}`` (it runs threads: it
 must not fork) or ``{"error": ...}``. The attempt's channel: the supervisor says ``{"started": pid}`` or
 ``{"failed": why}``, ``{"exited": {"code"|"signal": n}}``, ``{"done": {"cpu_s": x, "result": text, ...}}``
-(``result``: the request's ``result_file``'s first bytes, ``""`` without one); the runner may
-send ``stop <grace>``. Closing the control socket ends the template; closing a channel ends its attempt.
+(``result``: the request's ``result_file``'s first bytes, ``""`` without one; ``"waits": true`` from a bare
+template's supervisor once every process of the attempt is gone: it waits on the same channel for its next
+attempt, as a spare does); the runner may send ``stop <grace>``. Closing the control socket ends the template;
+closing a channel ends its attempt (and a waiting supervisor).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import py_compile
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -38,13 +41,15 @@ __all__ = [
     "TemplateHolder",
     "TemplateStale",
     "TemplateThreaded",
+    "compile_template",
     "fork_request",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: The template's program: this package's ``_template.py``, given to the agent's Python with ``-c``.
-SOURCE = Path(__file__).with_name("_template.py").read_text(encoding="utf-8")
+SOURCE_FILE = Path(__file__).with_name("_template.py")
+SOURCE = SOURCE_FILE.read_text(encoding="utf-8")
 #: How long a template may take to import its agent before it is given up (a model library can take a while).
 START_SECONDS = 300.0
 _LINE = 1 << 20
@@ -84,7 +89,13 @@ class SupervisedProcess:
     """One attempt's process, as its supervisor reports it on the attempt's channel (see the module docstring).
     :meth:`wait` and :meth:`finished` read the channel; :meth:`stop` writes to it."""
 
-    def __init__(self, supervisor: int, channel: anyio.abc.UNIXSocketStream, name: str) -> None:
+    def __init__(
+        self,
+        supervisor: int,
+        channel: anyio.abc.UNIXSocketStream,
+        name: str,
+        reader: BufferedByteReceiveStream | None = None,
+    ) -> None:
         self.supervisor = supervisor
         self.pid = 0
         self.name = name
@@ -97,9 +108,13 @@ class SupervisedProcess:
         self.result: str | None = None
         #: Called once no process of the attempt is left (a fork server learns what to import from it).
         self.on_done: Callable[[SupervisedProcess], None] | None = None
+        #: Given the supervisor once its attempt is done, when it waits for another (a spawned program's: no
+        #: fork for the next attempt); True when kept, else its channel is closed and it exits.
+        self.on_idle: Callable[[SupervisedProcess], bool] | None = None
         self._channel = channel
-        self._reader = BufferedByteReceiveStream(channel)
+        self._reader = reader or BufferedByteReceiveStream(channel)
         self._done = False
+        self._waits = False  # its supervisor said it waits for another attempt
 
     async def started(self) -> None:
         """The supervisor's first word: the agent runs (:attr:`pid` set), or :class:`LaunchFailed` saying why."""
@@ -126,6 +141,7 @@ class SupervisedProcess:
             self.imported = [str(n) for n in done.get("imported") or ()]
             result = done.get("result")
             self.result = result if isinstance(result, str) else None
+            self._waits = done.get("waits") is True
             left = int(done.get("left") or 0)
             if left:
                 logger.warning("%d process(es) of %s could not be killed (uninterruptible)", left, self.name)
@@ -142,8 +158,14 @@ class SupervisedProcess:
         """Return once no process of the attempt is left; the CPU seconds they used (their supervisor's too)."""
         while not self._done:
             self._take(await _line(self._reader))
-        await self._channel.aclose()
+        waits, self._waits = self._waits, False
+        if not (waits and self.on_idle is not None and self.on_idle(self._waiting())):
+            await self._channel.aclose()
         return self.cpu_seconds
+
+    def _waiting(self) -> SupervisedProcess:
+        """This attempt's supervisor, now waiting for its next attempt (as a spare: :meth:`assign`)."""
+        return SupervisedProcess(self.supervisor, self._channel, "a waiting supervisor", self._reader)
 
     async def assign(self, request: Mapping[str, Any], stdin: int, output: int, name: str) -> None:
         """Give a spare supervisor (:meth:`Template.spare`) its attempt: ``request`` (as :func:`fork_request`'s),
@@ -164,6 +186,8 @@ class SupervisedProcess:
 
     async def stop(self, grace: float) -> None:
         """Ask the supervisor to end the attempt's processes (``SIGTERM``, ``SIGKILL`` after ``grace``)."""
+        if self._done:
+            return  # they are gone (and the supervisor may be another attempt's by now)
         try:
             await self._channel.send(f"stop {grace:.3f}\n".encode())
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -183,6 +207,17 @@ def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = No
     }
 
 
+def compile_template(folder: str) -> str | None:
+    """The template's program compiled by this Python into ``folder`` (blocking: a file written), for a template
+    this Python runs (:attr:`Template.compiled`); ``None`` if it cannot be written (the source is run then)."""
+    target = os.path.join(folder, "aglverl_template.pyc")
+    try:
+        return py_compile.compile(str(SOURCE_FILE), cfile=target, doraise=True)
+    except (OSError, py_compile.PyCompileError) as exc:
+        logger.info("the template is run from its source: it cannot be compiled into %s (%s)", folder, exc)
+        return None
+
+
 class Template:
     """One template process: ``command`` (the Python and its flags), ``kind`` and ``spec`` (what it prepares),
     started in ``cwd`` with ``env``; what it prints (an import's warnings) goes to this process's standard
@@ -197,8 +232,12 @@ class Template:
         env: Mapping[str, str],
         cwd: str,
         name: str,
+        compiled: str | None = None,
     ) -> None:
         self.command = list(command)
+        #: The template's program compiled by this Python (:func:`compile_template`), run instead of the source
+        #: when given (its start then compiles nothing); only for a template run by this process's Python.
+        self.compiled = compiled
         self.kind = kind
         self.spec = list(spec)
         self.env = dict(env)
@@ -231,7 +270,8 @@ class Template:
         error (an import error's last lines) when it cannot prepare it. ``tg`` watches the process."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            argv = [*self.command, "-c", SOURCE, str(theirs.fileno()), self.kind, *self.spec]
+            program = [self.compiled] if self.compiled else ["-c", SOURCE]
+            argv = [*self.command, *program, str(theirs.fileno()), self.kind, *self.spec]
             try:
                 process = await anyio.open_process(
                     argv,
