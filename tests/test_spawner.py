@@ -19,8 +19,8 @@ pytestmark = pytest.mark.anyio
 
 
 @asynccontextmanager
-async def spawner() -> AsyncIterator[Spawner]:
-    launcher = Spawner(env_allow=["PATH"])
+async def spawner(ahead: int = 0) -> AsyncIterator[Spawner]:
+    launcher = Spawner(env_allow=["PATH"], ahead=ahead)
     async with anyio.create_task_group() as tg:
         await tg.start(launcher.serve)
         yield launcher
@@ -139,3 +139,18 @@ async def test_each_attempts_output_ends_with_its_own_processes_while_others_sta
             assert (await process.wait()).signal is not None
             assert await output(read) == "long\n"
             await process.finished()
+
+
+async def test_supervisors_forked_ahead_wait_before_the_first_attempts_and_are_kept_after_them() -> None:
+    async with spawner(ahead=3) as launcher:
+        assert launcher.waiting == 3
+        started = [await start(launcher, "echo $PPID") for _ in range(3)]
+        assert launcher.waiting <= 2  # taken (a refill may have forked spares meanwhile)
+        parents = set()
+        for process, read in started:
+            parents.add(int((await output(read)).strip()))
+            await process.wait()
+            await process.finished()
+        assert parents == {process.supervisor for process, _ in started}
+        assert len(parents) == 3
+        assert launcher.waiting >= 3

@@ -48,7 +48,7 @@ from .forkserver import ForkServer
 from .logs import AgentLog
 from .options import ProcessOptions, resolve_env_map
 from .seam import RESULT_MAX, AgentExit, AgentProcess, Launch, Launcher, LaunchFailed
-from .spawn import Spawner
+from .spawn import AHEAD_MAX, Spawner
 
 if TYPE_CHECKING:
     from ..daemon import AgentDaemon
@@ -114,8 +114,11 @@ class ProcessRunner:
         self.options = options
         self.concurrency = concurrency
         self.log_dir = Path(log_dir)
+        ahead = min(concurrency, AHEAD_MAX)  # supervisors forked before the first attempts (spawned programs)
         self.launcher: Launcher = launcher or (
-            ForkServer(options) if options.fork_server else Spawner(env_allow=options.env_allow)
+            ForkServer(options, ahead=ahead)
+            if options.fork_server
+            else Spawner(env_allow=options.env_allow, ahead=ahead)
         )
         self.running = 0
         self.peak = 0

@@ -141,10 +141,13 @@ class ForkServer:
     """The fork server launcher (see the module docstring): ``options`` say what the agent is; anything it cannot
     fork goes to ``spawner`` (made here if not given). Serve it with ``await tg.start(fork_server.serve)``."""
 
-    def __init__(self, options: ProcessOptions, *, spawner: Spawner | None = None) -> None:
+    def __init__(self, options: ProcessOptions, *, spawner: Spawner | None = None, ahead: int = 0) -> None:
         self.options = options
-        self.spawner = spawner or Spawner(env_allow=options.env_allow)
         self.agent = python_agent(options) if options.fork_server else None
+        # ``ahead``: the spawner's supervisors forked before the first attempts, when it runs them (not a Python agent)
+        self.spawner = spawner or Spawner(
+            env_allow=options.env_allow, ahead=ahead if self.agent is None else 0
+        )
         #: Why this agent's attempts are spawned rather than forked (``None`` while they are forked).
         self.off: str | None = (
             None if self.agent is not None else "not a Python agent, or the fork server is off"

@@ -39,10 +39,12 @@ from .template import (
     fork_request,
 )
 
-__all__ = ["KEPT_MAX", "SPARES", "Spawner"]
+__all__ = ["AHEAD_MAX", "KEPT_MAX", "SPARES", "Spawner"]
 
-#: How many supervisors a spawner keeps forked ahead of its attempts (once it has started one).
+#: How many supervisors a spawner keeps forked ahead of its attempts when none is waiting (once it has started one).
 SPARES = 2
+#: The most supervisors a spawner forks before its first attempts (``ahead``: a runner asks for its concurrency).
+AHEAD_MAX = 16
 #: The most supervisors a spawner keeps waiting between attempts (one per attempt running at once, at most; a
 #: waiting one is a small Python process, its memory mostly shared with the template's).
 KEPT_MAX = 64
@@ -51,12 +53,15 @@ KEPT_MAX = 64
 class Spawner:
     """The plain spawn launcher (see the module docstring).
 
-    ``env_allow``: the runner's variables each agent gets (:func:`~aglverl.runners.environment.inherited`). Serve
-    it with ``await tg.start(spawner.serve)``.
+    ``env_allow``: the runner's variables each agent gets (:func:`~aglverl.runners.environment.inherited`);
+    ``ahead``: how many supervisors to fork once the template runs, before any attempt (at most
+    :data:`AHEAD_MAX`: the first attempts then start with one message each, none waits for a fork). Serve it
+    with ``await tg.start(spawner.serve)``.
     """
 
-    def __init__(self, *, env_allow: Sequence[str]) -> None:
+    def __init__(self, *, env_allow: Sequence[str], ahead: int = 0) -> None:
         self.env_allow = tuple(env_allow)
+        self.ahead = max(0, min(ahead, AHEAD_MAX))
         self._holder = TemplateHolder(self._template)
         self._tg: anyio.abc.TaskGroup | None = None
         self._spares: list[SupervisedProcess] = []
@@ -64,6 +69,11 @@ class Spawner:
         self._compiled: str | None = (
             None  # the template's program, compiled once (its starts compile nothing)
         )
+
+    @property
+    def waiting(self) -> int:
+        """How many supervisors wait for an attempt (forked ahead, or kept from an attempt that ended)."""
+        return len(self._spares)
 
     def _template(self) -> Template:
         return Template(
@@ -87,6 +97,9 @@ class Spawner:
             try:
                 self._compiled = await anyio.to_thread.run_sync(compile_template, folder)
                 await self._holder.get(tg)
+                if self.ahead:  # before it says it can start: its first attempts find them waiting
+                    self._refilling = True
+                    await self._refill(self.ahead)
                 task_status.started()
                 await anyio.sleep_forever()
             finally:
@@ -138,10 +151,10 @@ class Spawner:
             self._tg.start_soon(self._refill, name="spawner: spare supervisors")
         return process
 
-    async def _refill(self) -> None:
-        """Fork spare supervisors up to :data:`SPARES` (stops at the first failure: attempts then fork their own)."""
+    async def _refill(self, spares: int = SPARES) -> None:
+        """Fork spare supervisors up to ``spares`` (stops at the first failure: attempts then fork their own)."""
         try:
-            while len(self._spares) < SPARES and self._tg is not None:
+            while len(self._spares) < spares and self._tg is not None:
                 template = await self._holder.get(self._tg)
                 try:
                     spare = await template.spare()
