@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from aglverl import AgentDaemon
@@ -180,3 +182,60 @@ async def test_an_agent_whose_import_starts_a_thread_is_spawned_and_the_option_t
         assert type(run.launcher).__name__ == "Spawner"
     assert imports(tmp_path) == [p["pid"] for p in printed]  # each attempt imported it itself
     assert all(not p["lazy_was_imported"] for p in printed)
+
+
+async def test_a_spare_forked_before_the_agent_changed_refuses_its_attempt_as_stale(
+    tmp_path: Path, agents: Path
+) -> None:
+    """A Python template's spare supervisors (forked ahead of their attempts) check the agent's files before
+    they fork it: one forked before a change says so instead of running the old code, and the fork server
+    starts a new template whose attempt runs the new code."""
+    from aglverl.runners.seam import Launch
+    from aglverl.runners.template import Template, TemplateStale, fork_request
+
+    template = Template(
+        [sys.executable],
+        "class",
+        ["probe_agent:Probe"],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+        name="the probe",
+    )
+    async with anyio.create_task_group() as tg:
+        await template.start(tg)
+        spare = await template.spare()
+        source = agents / "probe_agent.py"
+        stamp = source.stat()
+        os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+        read, write = os.pipe()
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        launch = Launch(
+            argv=("-c", "probe_agent:Probe"),
+            env=dict(os.environ),
+            cwd=str(tmp_path),
+            stdin=stdin,
+            output=write,
+            name="an attempt",
+        )
+        try:
+            await spare.assign(fork_request(launch, exec_=False), stdin, write, launch.name)
+            with pytest.raises(TemplateStale, match=r"probe_agent\.py"):
+                await spare.started()
+        finally:
+            for fd in (read, write, stdin):
+                os.close(fd)
+        await template.aclose()
+        tg.cancel_scope.cancel()
+
+    options = {"agent_class": "probe_agent:Probe"}
+    async with runner(tmp_path, options) as (daemon, run):
+        fork_server: Any = run.launcher
+        assert len(fork_server._spares) == 2  # forked ahead: the runner's concurrency
+        record, _ = await attempt(daemon, tmp_path)
+        assert record.result.final_reward == 0.25 and fork_server.starts == 1
+        await anyio.lowlevel.checkpoint()
+        source.write_text(source.read_text().replace("REWARD = 0.25", "REWARD = 0.5"))
+        stamp = source.stat()
+        os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+        record, _ = await attempt(daemon, tmp_path)
+        assert record.result.final_reward == 0.5 and fork_server.starts == 2

@@ -280,6 +280,10 @@ def _own_files(extra: list) -> dict[str, tuple[int, int]]:
     return stamps
 
 
+#: The agent's own files as the template imported them (its forks check them too: a spare, before its attempt).
+_STAMPS: dict[str, tuple[int, int]] = {}
+
+
 def _changed(stamps: dict[str, tuple[int, int]]) -> str | None:
     for path, stamp in stamps.items():
         try:
@@ -737,6 +741,12 @@ def _supervise(request: dict, fds: list[int], inherited: list[int], run) -> None
                     )
                     os._exit(0)
                 fds = [*received, fds[-1]]
+                stale = _changed(_STAMPS) if run is not None else None
+                if stale is not None:  # a spare forked before the agent's file changed: it must not run it
+                    for fd in received:
+                        os.close(fd)
+                    _send(channel, {"failed": f"{stale} changed", "stale": stale})
+                    os._exit(0)
             left, pending = _attempt(channel, request, fds, run, wake, wake_w, pending)
             if run is not None or left:
                 os._exit(0)
@@ -754,6 +764,8 @@ def _receive(ctl: socket.socket, buffer: bytearray, fds: list[int]) -> bool:
         data, ancillary, _, _ = ctl.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4))
     except InterruptedError:
         return True
+    except ConnectionError:  # reset by the runner (it closed with data unread): closed all the same
+        return False
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             usable = len(payload) - len(payload) % 4
@@ -818,7 +830,8 @@ def main(argv: list[str]) -> None:
     except BaseException as exc:  # the agent cannot be loaded: say why, then stop
         _send(ctl, {"error": f"{type(exc).__name__}: {exc}", "traceback": _traceback().format_exc()[-4000:]})
         os._exit(1)
-    stamps = _own_files(files)
+    stamps = _STAMPS
+    stamps.update(_own_files(files))
     _KNOWN.update(sys.modules)
     gc.freeze()  # what is imported now stays out of the collector's reach: forks do not copy it by collecting
     wake, wake_w = _wake_pipe()
@@ -849,7 +862,8 @@ def main(argv: list[str]) -> None:
                 if culprit is not None:
                     _send(ctl, {"threads": _threads(), "module": culprit})
                     os._exit(0)  # a thread runs here now: this template must not fork again
-                stamps = _own_files(files)
+                for path, stamp in _own_files(files).items():  # the files it brought in; not a new look at
+                    stamps.setdefault(path, stamp)  # those it had: a change made meanwhile stays a change
                 gc.freeze()
                 _send(ctl, {"preloaded": count})
                 continue

@@ -37,6 +37,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -44,7 +45,7 @@ from anyio.abc import TaskStatus
 
 from .options import ProcessOptions
 from .seam import AgentProcess, Launch, LaunchFailed
-from .spawn import Spawner
+from .spawn import AHEAD_MAX, SPARES, Spawner
 from .template import (
     SupervisedProcess,
     Template,
@@ -144,7 +145,7 @@ class ForkServer:
     def __init__(self, options: ProcessOptions, *, spawner: Spawner | None = None, ahead: int = 0) -> None:
         self.options = options
         self.agent = python_agent(options) if options.fork_server else None
-        # ``ahead``: the spawner's supervisors forked before the first attempts, when it runs them (not a Python agent)
+        # ``ahead``: supervisors forked before the first attempts (the spawner's when it runs them: not a Python agent)
         self.spawner = spawner or Spawner(
             env_allow=options.env_allow, ahead=ahead if self.agent is None else 0
         )
@@ -159,6 +160,10 @@ class ForkServer:
         self.learned: set[str] = set()
         self._refused: set[str] = set()
         self._preloading = anyio.Lock()  # one preload at a time: the attempts that waited for it find it done
+        # supervisors forked ahead of their attempts, each with its template and how many preloads it had then
+        self._spares: list[tuple[Template, int, SupervisedProcess]] = []
+        self._refilling = False
+        self.ahead = max(0, min(ahead, AHEAD_MAX))
 
     @property
     def starts(self) -> int:
@@ -187,6 +192,9 @@ class ForkServer:
                 if self.agent is not None:
                     try:
                         await self._ready(tg)
+                        if self.ahead:  # before it says it can start: the first attempts find them waiting
+                            self._refilling = True
+                            await self._refill(self.ahead)
                     except LaunchFailed as exc:
                         logger.warning("%s", exc)
                     except (TemplateThreaded, TemplateGone):
@@ -195,6 +203,7 @@ class ForkServer:
                 await anyio.sleep_forever()
             finally:
                 self._tg = None
+                await self._drop_spares()
                 await self._holder.aclose()
                 tg.cancel_scope.cancel()
 
@@ -253,16 +262,17 @@ class ForkServer:
                 return await self.spawner.start(launch)
             except TemplateGone:
                 continue
+            request = fork_request(launch, exec_=False, argv=self.agent.argv)
             try:
-                process = await template.fork(
-                    fork_request(launch, exec_=False, argv=self.agent.argv),
-                    launch.stdin,
-                    launch.output,
-                    launch.name,
-                )
+                process = await self._take_spare(template, request, launch)
+                if process is None:
+                    process = await template.fork(request, launch.stdin, launch.output, launch.name)
+                process.on_done = self._learn
+                await process.started()
             except TemplateStale as exc:
                 logger.info("aglverl's fork server: %s changed; a new template imports it", exc)
                 self._holder.forget(template)
+                await self._drop_spares()
                 continue
             except TemplateGone:
                 self._holder.forget(template)
@@ -270,12 +280,57 @@ class ForkServer:
             except TemplateThreaded as exc:
                 self._spawn_from_now(template, exc.args[0])
                 return await self.spawner.start(launch)
-            process.on_done = self._learn
-            await process.started()
             return process
         raise LaunchFailed(
             f"the template of {self.options.what} keeps dying or changing (its output is on standard error)"
         )
+
+    async def _take_spare(
+        self, template: Template, request: Mapping[str, Any], launch: Launch
+    ) -> SupervisedProcess | None:
+        """A spare supervisor of ``template`` as it is now (its preloads done) given the attempt, or ``None``;
+        spares of another template or of fewer preloads are closed; more are forked meanwhile."""
+        process = None
+        while self._spares and process is None:
+            owner, preloads, spare = self._spares.pop()
+            if owner is not template or preloads != template.preloads:
+                await spare.discard()
+                continue
+            try:
+                await spare.assign(request, launch.stdin, launch.output, launch.name)
+                process = spare
+            except TemplateGone:
+                pass  # it died (killed from outside): the next one, or a fork
+        if not self._refilling and self._tg is not None:
+            self._refilling = True
+            self._tg.start_soon(self._refill, SPARES, name="fork server: spare supervisors")
+        return process
+
+    async def _refill(self, count: int) -> None:
+        """Fork spare supervisors of the current template up to ``count`` (stops at the first failure: attempts
+        then have theirs forked)."""
+        try:
+            while len(self._spares) < count and self._tg is not None:
+                template = self._holder.current
+                if template is None or not template.alive:
+                    return
+                preloads = template.preloads
+                try:
+                    spare = await template.spare()
+                except (TemplateGone, TemplateStale, TemplateThreaded, LaunchFailed):
+                    return
+                if self._tg is None or template is not self._holder.current:
+                    await spare.discard()
+                    return
+                self._spares.append((template, preloads, spare))
+        finally:
+            self._refilling = False
+
+    async def _drop_spares(self) -> None:
+        with anyio.CancelScope(shield=True):
+            spares, self._spares = self._spares, []
+            for _, _, spare in spares:
+                await spare.discard()
 
     async def stop(self, process: AgentProcess, grace: float) -> None:
         assert isinstance(process, SupervisedProcess)

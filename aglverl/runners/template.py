@@ -125,6 +125,8 @@ class SupervisedProcess:
         await self.finished()
         if message is None:
             raise LaunchFailed(f"the supervisor of {self.name}'s process ended before it started")
+        if "stale" in message:  # a spare of a template whose agent changed since: a new template runs it
+            raise TemplateStale(str(message["stale"]))
         raise LaunchFailed(str(message.get("failed") or message))
 
     def _take(self, message: dict[str, Any] | None) -> None:
@@ -327,10 +329,12 @@ class Template:
         return await self._fork(request, [stdin, output], name)
 
     async def spare(self) -> SupervisedProcess:
-        """Fork a spare supervisor (``bare`` templates: it execs the program it is given): one that has set itself
-        up (its session, signals, subreaper) and waits on its channel for an attempt
-        (:meth:`SupervisedProcess.assign`), so that starting an attempt costs one message to it, not a fork.
-        Raises as :meth:`fork`."""
+        """Fork a spare supervisor: one that has set itself up (its session, signals, subreaper) and waits on its
+        channel for an attempt (:meth:`SupervisedProcess.assign`), so that starting an attempt costs one message to
+        it, not a fork of the template and a round trip through it. A bare template's spare execs the program it
+        is given; a Python template's forks the agent as the template imported it (then: its own files checked
+        first, :class:`TemplateStale` from :meth:`SupervisedProcess.started` if one changed since). Raises as
+        :meth:`fork`."""
         return await self._fork({"spare": True}, [], "a spare supervisor")
 
     async def _fork(self, request: Mapping[str, Any], fds: list[int], name: str) -> SupervisedProcess:
