@@ -8,9 +8,10 @@
   ends an attempt's process. Its two implementations: :mod:`.forkserver` (:class:`ForkServer`: a Python agent
   imported once by a template process, each attempt a fork of it, in milliseconds) and :mod:`.spawn`
   (:class:`Spawner`: a new program, or a new Python, per attempt). A container launcher would be one more class.
-- :mod:`.template` and :mod:`._template` — the template process and the per-attempt supervisor (a child subreaper:
-  every process an agent starts is ended with its attempt, ``SIGTERM`` first, ``SIGKILL`` after the grace
-  period, even one that left its process group), the runner's side and the template's (stdlib only).
+- :mod:`.template` and :mod:`._template` — the template process and the supervisor of an attempt (a child
+  subreaper: every process an agent starts is ended with its attempt, ``SIGTERM`` first, ``SIGKILL`` after the
+  grace period, even one that left its process group; forked ahead of its attempt, and for a spawned program
+  kept for the next one once nothing of the last is left), the runner's side and the template's (stdlib only).
 - :mod:`.options` — :class:`ProcessOptions` (the ``aglverl.processes`` section), :func:`resolve_env_map`,
   :func:`default_concurrency`; :mod:`.environment` — the attempt's variables (fields too large for the
   environment go by file), the allow-list of the runner's variables, file names from ids; :mod:`.logs` — the

@@ -21,7 +21,7 @@ without aglverl installed). One process of it is a **template**:
   (killed by its agent) is reparented to the template, which kills it;
 - it exits when the runner closes its control socket.
 
-A **supervisor** (one per attempt) starts a session of its own, becomes a child subreaper, and forks the
+A **supervisor** (of one attempt at a time) starts a session of its own, becomes a child subreaper, and forks the
 agent's process: in a process group of its own, with the attempt's environment, working directory, standard
 streams and resource limits, running the agent in place (``class`` and the Python kinds: no new interpreter,
 nothing imported again) or exec'ing the program (``bare``). Every process the agent starts stays in the
@@ -33,7 +33,11 @@ process of the attempt is left (``result``: the first bytes of the request's ``r
 read then: ``""`` when it is not a regular file; the runner needs no thread to read it). Whatever way the agent's process ends, what it left behind gets ``SIGTERM`` and, after the
 grace period, ``SIGKILL``. ``stop <grace>`` on the channel (or the channel closing: the runner is gone) does
 the same to the agent's process and everything it started. Waiting is ``select`` on the channel and on the
-``SIGCHLD`` wake-up pipe, with the grace period's deadline as the only timeout.
+``SIGCHLD`` wake-up pipe, with the grace period's deadline as the only timeout. Once done, a bare template's
+supervisor (a spawned program's) says ``"waits": true`` in its ``done`` and waits on the same channel for its
+next attempt, as a spare does (the runner keeps it, or closes the channel: it exits); a Python template's
+supervisor exits, and so does one that could not kill all of its attempt's processes. A spare of a Python template checks the agent's files before it forks the agent (``{"failed": ...,
+"stale": path}`` when one changed since it was forked).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ An attempt's process ends:
 - at its deadline (``timeout_seconds``), or when its attempt ends elsewhere: ``DELETE`` through the Agent
   Lightning API, a step's or group's deadline, its proxy shard lost (the attempt is void and retried), its
   rollout completed by another attempt, or forgotten. Then it and every process it started get ``SIGTERM`` and,
-  after ``kill_grace_seconds``, ``SIGKILL`` (:mod:`aglverl.runners._template`: a supervisor per attempt, a child
+  after ``kill_grace_seconds``, ``SIGKILL`` (:mod:`aglverl.runners._template`: each attempt under a supervisor, a child
   subreaper, so children that left the process group are ended too);
 - when the runner is cancelled (the same, for every running attempt; cancellation waits for them).
 """
@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 __all__ = ["ProcessRunner"]
 
 logger = logging.getLogger(__name__)
+
+#: Up to how many bytes an attempt's files are written on the event loop (a mkdir and a few small files in the
+#: local temporary folder: less than a thread hop costs); larger inputs are written by a worker thread.
+_FILES_ON_LOOP = 64 << 10
 
 #: How long the runner waits for an attempt's output to end once its processes are gone (a descendant it could
 #: not kill may hold the pipe).
@@ -262,9 +266,11 @@ class ProcessRunner:
         input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
         variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
         files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
-        stdin = await anyio.to_thread.run_sync(
-            _prepare_files, scratch, files, input_path, log, variables.notice
-        )
+        log.notice = variables.notice
+        if sum(map(len, files.values())) <= _FILES_ON_LOOP:  # a few small files in the local temporary folder
+            stdin = _write_files(scratch, files, input_path)
+        else:
+            stdin = await anyio.to_thread.run_sync(_write_files, scratch, files, input_path)
         launch = Launch(
             argv=tuple(options.argv()),
             env=self.launcher.environment(variables.env),
@@ -404,11 +410,10 @@ class ProcessRunner:
         }
 
 
-def _prepare_files(scratch: str, files: dict[str, bytes], stdin_path: str, log: AgentLog, notice: str) -> int:
-    """In one worker thread: the attempt's private directory (0700) and files (0600), its log (``notice`` first);
-    returns a descriptor of its input for its standard input."""
+def _write_files(scratch: str, files: dict[str, bytes], stdin_path: str) -> int:
+    """The attempt's private directory (0700) and files (0600); returns a descriptor of its input for its standard
+    input."""
     os.mkdir(scratch, 0o700)
-    log.open_blocking(notice)
     for path, data in files.items():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

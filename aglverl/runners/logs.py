@@ -3,6 +3,7 @@ from a pipe and written to the attempt's log file up to a cap."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import IO
@@ -11,6 +12,8 @@ import anyio
 import anyio.to_thread
 
 __all__ = ["AgentLog"]
+
+logger = logging.getLogger(__name__)
 
 #: How much of the latest output is kept in memory, for the last line a failure's message quotes.
 _TAIL_BYTES = 4096
@@ -22,8 +25,9 @@ class AgentLog:
     dropped, and a last line says how much), the latest few KiB kept for :meth:`last_line`. Lines aglverl
     writes itself (:meth:`open`'s notice, the drop count) are not counted against the cap.
 
-    :meth:`open`, then :meth:`pump` the read end of the pipe the processes write to (it returns at the end of
-    their output: every write end closed), then :meth:`close`.
+    :meth:`pump` the read end of the pipe the processes write to (it opens the file first, in a worker thread,
+    with :attr:`notice` first, unless :meth:`open` did; it returns at the end of their output: every write end
+    closed), then :meth:`close`.
     """
 
     def __init__(self, path: Path, max_bytes: int) -> None:
@@ -33,6 +37,8 @@ class AgentLog:
         self.dropped = 0
         self._tail = bytearray()
         self._file: IO[bytes] | None = None
+        #: aglverl's own lines, written first when :meth:`pump` opens the file.
+        self.notice = ""
 
     async def open(self, notice: str = "") -> None:
         """Create (or empty) the file; write ``notice`` (aglverl's own lines) first."""
@@ -43,10 +49,17 @@ class AgentLog:
         self._file = _create(self.path, notice.encode())
 
     async def pump(self, fd: int) -> None:
-        """Copy the pipe ``fd`` into the log until its end (then close ``fd``). Cancellation stops the copy (what
-        was read is written) and closes ``fd``."""
+        """Copy the pipe ``fd`` into the log until its end (then close ``fd``), the file opened first if it is not
+        (meanwhile the processes' output waits in the pipe; a file that cannot be made is said in this process's
+        log, and the output is read and dropped). Cancellation stops the copy (what was read is written) and
+        closes ``fd``."""
         os.set_blocking(fd, False)
         try:
+            if self._file is None:
+                try:
+                    await anyio.to_thread.run_sync(self.open_blocking, self.notice)
+                except OSError as exc:
+                    logger.warning("the log of an agent's process cannot be written: %s", exc)
             while True:
                 await anyio.wait_readable(fd)
                 try:
