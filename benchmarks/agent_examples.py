@@ -1,12 +1,13 @@
 """The agents-as-processes examples against the demo, interleaved: do they learn like it, and at what pace?
 
-    .venv/bin/python benchmarks/agent_examples.py                 # 1 round of 25 steps each (~15 min on 2 cores)
+    .venv/bin/python benchmarks/agent_examples.py                 # 1 round, each its default steps (~6 min on 2 cores)
     .venv/bin/python benchmarks/agent_examples.py --rounds 2 --steps 25
 
 Each round runs, one after the other, ``aglverl demo`` (in-process ``openai`` agents), ``examples/agl_agent.py``
 (an Agent Lightning agent class, a forked process per rollout) and ``examples/command_agent.py`` (a shell script
 with curl and jq, a process per rollout), the same task and training (GRPO, 16 prompts x 8 answers a step, the
-tiny model), each as a user runs it with ``--steps``. From each run's ``metrics.jsonl``: the median step time
+tiny model; ``command_agent.py`` with half the prompts a step), each as a user runs it: its own default steps
+(25, 25, 30), or ``--steps`` for all. From each run's ``metrics.jsonl``: the median step time
 (``timing_s/step``, the first step left out: it compiles and warms up), the median time of its rollouts
 (``timing_s/gen``), the first step whose reward reached 0.9, the final reward; and the load average around it
 (the machine may be shared). Prints one JSON object, with each example's median step over the demo's of the
@@ -32,22 +33,22 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def _runs(steps: int, out: Path) -> dict[str, list[str]]:
+def _runs(steps: int | None, out: Path) -> dict[str, list[str]]:
+    """Each run's command: as written (its own default steps), or ``--steps steps`` for every one."""
+    given = ["--steps", str(steps)] if steps is not None else []
     return {
-        "demo": [str(BIN / "aglverl"), "demo", "--steps", str(steps), "--out", str(out / "demo")],
+        "demo": [str(BIN / "aglverl"), "demo", *given, "--out", str(out / "demo")],
         "agl_agent": [
             sys.executable,
             str(ROOT / "examples" / "agl_agent.py"),
-            "--steps",
-            str(steps),
+            *given,
             "--out",
             str(out / "agl_agent"),
         ],
         "command_agent": [
             sys.executable,
             str(ROOT / "examples" / "command_agent.py"),
-            "--steps",
-            str(steps),
+            *given,
             "--out",
             str(out / "command_agent"),
         ],
@@ -80,7 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps for every run (default: each its own, as written)"
+    )
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     result: dict[str, Any] = {
