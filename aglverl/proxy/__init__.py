@@ -91,11 +91,12 @@ made as soon as a request's head is in, at the socket, before aiohttp reads it (
 what the socket does not judge, the handler does the same way. The proxy's ``overload`` setting
 (``OverloadPolicy(refuse=False)``) turns the refusals off (the lag is still measured).
 
-Resource handling: one pooled :class:`aiohttp.ClientSession` per :meth:`LLMProxy.serve`; its idle keep-alive
-(4 s) is shorter than the backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about
-to close. Cancelling ``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds,
-cancels the rest (each cancelled upstream request closes its connection), then closes the server and the
-session: no task, socket or connection is left.
+Resource handling: one :class:`~aglverl.proxy.upstream.Upstream` (the proxy's own HTTP/1.1 client, its
+connections kept per backend) per :meth:`LLMProxy.serve`; its idle keep-alive (4 s) is shorter than the
+backends' (uvicorn's 5 s) so the pool never reuses a connection the server is about to close. Cancelling
+``serve`` stops accepting, lets in-flight calls finish for ``shutdown_grace`` seconds, cancels the rest (each
+cancelled upstream request closes its connection), then closes the server and the upstream connections: no
+task, socket or connection is left.
 
 Error handling: errors the proxy produces itself are OpenAI-shaped JSON, ``{"error": {"message", "type",
 "param": null, "code"}}``, with a message naming what was wrong. An agent that disconnects cancels its upstream
@@ -137,7 +138,9 @@ import circle):
   :class:`~aglverl.store.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
   the proxy reaches the store), turns into token-in sessions, every call counted once.
 - :mod:`~aglverl.proxy.pool` — :class:`~aglverl.proxy.pool.Pool`: backends: picking, ejection, probes, sending
-  a try, the upstream session.
+  a try, the upstream client; :mod:`~aglverl.proxy.upstream` — that client: HTTP/1.1 to the backends,
+  keep-alive connections, each response's head and body parsed from the socket's reads (aiohttp's client cost
+  a third of a relayed call).
 - :mod:`~aglverl.proxy.gate` — :class:`~aglverl.proxy.gate.Gate`: pause / hold / resume, the weight version,
   the calls in flight and the drain, every wait at the gate.
 - :mod:`~aglverl.proxy.control` — :class:`~aglverl.proxy.control.ProxyControl`, what the daemon needs of a proxy:

@@ -1,7 +1,7 @@
 """The backend pool: which backend a call goes to, how a try is sent, and when a backend is left alone.
 
-:class:`Pool` holds the backends, the rollouts' sticky backends, the upstream connection pool (one
-:class:`aiohttp.ClientSession` while serving) and the probes of ejected backends. Its interface:
+:class:`Pool` holds the backends, the rollouts' sticky backends, the upstream connections (one
+:class:`~aglverl.proxy.upstream.Upstream` while serving) and the probes of ejected backends. Its interface:
 
 - :meth:`Pool.pick` — every call of a rollout goes to the backend its first call went to while that backend is
   healthy (vLLM's prefix cache then holds the conversation; the last ``STICKY_ROLLOUTS`` rollouts are
@@ -12,7 +12,7 @@
   also ejects the backend. ``request_timeout`` before the head is a 504
   (:class:`~aglverl.proxy.call.ProxyError`), and a backend that outlives it ``EJECT_AFTER_TIMEOUTS`` calls in
   a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); anything else that is not
-  HTTP a 502. Cancelled, the request is dropped with its connection (aiohttp closes it).
+  HTTP a 502. Cancelled, the request is dropped with its connection.
 - :meth:`Pool.keep` keeps a retryable 5xx/429 answer (bounded) in case no retry does better and notes a 429's
   ``Retry-After``; :func:`read_bounded` reads a whole body under ``max_response_bytes``. The retry loop
   itself is the relay's (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is
@@ -26,8 +26,8 @@
   (in :attr:`Pool.probes`, the serving task group) sleeps until that deadline and probes its dialect's health
   route (``GET /health``); a 200 puts it back, anything else renews the ejection; a removed backend's probe
   stops.
-- Life cycle: :meth:`Pool.open` makes the session (idle keep-alive below the backends' own), :meth:`Pool.close`
-  closes it with its connections.
+- Life cycle: :meth:`Pool.open` makes the upstream client (idle keep-alive below the backends' own),
+  :meth:`Pool.close` closes it with its connections.
 
 Holds the config (timeouts, keep-alive, ``eject_seconds``, read at each use) and the meters (``ejections``).
 """
@@ -43,8 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import anyio
+import orjson
 from anyio.abc import TaskGroup
 from multidict import CIMultiDict
 from yarl import URL
@@ -63,6 +63,7 @@ from .dialect import DEFAULT, Dialect, detect
 from .headers import RESPONSE_DROP
 from .meters import Meters
 from .sse import EventCut, payloads
+from .upstream import Response, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,6 @@ RETRY_STATUSES: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 STICKY_ROLLOUTS = 100_000
 #: Consecutive calls that outlive ``request_timeout`` after which a backend is ejected (and probed).
 EJECT_AFTER_TIMEOUTS = 3
-#: Parsed backend URLs the pool keeps (backend x route x query string): cleared whole when full.
-URLS_KEPT = 1024
 #: Seconds a probe may take on top of ``connect_timeout``.
 PROBE_READ_TIMEOUT = 2.0
 
@@ -147,13 +146,13 @@ def _retry_after(value: str | None) -> float:
         return 0.0
 
 
-async def read_bounded(upstream: aiohttp.ClientResponse, limit: int, what: str) -> bytes:
+async def read_bounded(upstream: Response, limit: int, what: str) -> bytes:
     """The whole body of ``upstream``, refused with a 502 naming ``what`` once it passes ``limit`` bytes,
     whether the backend declared its length or sent it in chunks (``read()`` would take any size)."""
     if (upstream.content_length or 0) > limit:
         raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
     parts, size = [], 0
-    while chunk := await upstream.content.readany():
+    while chunk := await upstream.readany():
         size += len(chunk)
         if size > limit:
             raise ProxyError(502, f"{what} exceeds max_response_bytes={limit}")
@@ -169,23 +168,23 @@ class BoundedEvents:
 
     def __init__(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: Response,
         backend: str,
         what: str,
         limit: int,
         timed_out: Callable[[], str],
     ) -> None:
-        self.content = upstream.content
+        self.upstream = upstream
         self.backend, self.what, self.limit, self.timed_out = backend, what, limit, timed_out
         self._cut = EventCut()
         self._size = 0
 
     async def next(self) -> list[bytes] | None:
         try:
-            chunk = await self.content.readany()
+            chunk = await self.upstream.readany()
         except TimeoutError:
             raise ProxyError(504, self.timed_out()) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except (UpstreamError, OSError) as exc:
             raise ProxyError(502, f"backend {self.backend} broke off the {self.what}: {exc!r}") from exc
         if not chunk:
             rest = self._cut.rest()
@@ -219,10 +218,7 @@ class Pool:
         self.probes: TaskGroup | None = None
         self._backends: list[Backend] = []
         self._sticky: OrderedDict[str, Backend] = OrderedDict()
-        self._session: aiohttp.ClientSession | None = None
-        #: The URL of each backend route sent to, parsed once (a call's try reuses it and what yarl and aiohttp
-        #: derive from it); bounded, as agents' query strings may make every target new.
-        self._urls: dict[str, URL] = {}
+        self._upstream: Upstream | None = None
         self.set_backends(backends)
 
     @property
@@ -256,41 +252,31 @@ class Pool:
     # ------------------------------------------------------------------ life cycle
     @property
     def is_open(self) -> bool:
-        """Whether the upstream session exists (between :meth:`open` and :meth:`close`)."""
-        return self._session is not None
+        """Whether the upstream client exists (between :meth:`open` and :meth:`close`)."""
+        return self._upstream is not None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        """The upstream session (the pool must be open)."""
-        assert self._session is not None, "the pool is not open"
-        return self._session
+    def upstream(self) -> Upstream:
+        """The upstream client (the pool must be open)."""
+        assert self._upstream is not None, "the pool is not open"
+        return self._upstream
 
     def open(self) -> None:
-        """Make the upstream session: connections pooled per backend, idle ones kept ``upstream_keepalive``."""
-        self._session = self._make_session()
+        """Make the upstream client: connections kept per backend, idle ones ``upstream_keepalive``; no cap on
+        them (concurrency is bounded by the agents, and a cap would queue calls invisibly); bodies relayed byte
+        for byte (captured calls ask for identity), no cookie kept, nothing but the backends contacted."""
+        config = self.config
+        self._upstream = Upstream(
+            keepalive=config.upstream_keepalive,
+            connect_timeout=config.connect_timeout,
+            request_timeout=config.request_timeout,  # each try, body included
+        )
 
     async def close(self) -> None:
-        """Close the session and its connections (idempotent)."""
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    def _make_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # concurrency is bounded by the agents, and a pool cap would queue calls invisibly
-            keepalive_timeout=self.config.upstream_keepalive,
-        )
-        return aiohttp.ClientSession(
-            connector=connector,
-            # request_timeout bounds each upstream try, body included; aiohttp arms one timer per request anyway.
-            timeout=aiohttp.ClientTimeout(
-                total=self.config.request_timeout, sock_connect=self.config.connect_timeout
-            ),
-            auto_decompress=False,  # bodies are relayed byte for byte; captured calls ask for identity
-            skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),  # forward the agent's, add none
-            cookie_jar=aiohttp.DummyCookieJar(),  # a backend's cookie must not leak from one agent to another
-            trust_env=False,  # nothing but the configured backends is ever contacted
-        )
+        """Close the upstream client and its connections (idempotent)."""
+        upstream, self._upstream = self._upstream, None
+        if upstream is not None:
+            await upstream.close()
 
     def timed_out(self, call: Call) -> str:
         """Note a call that outlived ``request_timeout`` and describe it.
@@ -339,15 +325,13 @@ class Pool:
                 self._sticky.popitem(last=False)
         return best
 
-    async def send(
-        self, backend: Backend, call: Call, continuation: bytes | None = None
-    ) -> aiohttp.ClientResponse:
+    async def send(self, backend: Backend, call: Call, continuation: bytes | None = None) -> Response:
         """Send the request to ``backend`` and return its response head; :class:`Unreachable` if none came.
 
         ``continuation``: send this body to the backend dialect's continuation route instead (an aborted
         generation's continuation).
         """
-        assert self._session is not None
+        assert self._upstream is not None
         call.backend = backend.url
         call.dialect = backend.dialect
         if continuation is None:
@@ -355,38 +339,30 @@ class Pool:
             method, target, body = call.method, call.target, call.body or None
         else:
             method, target, body = "POST", backend.dialect.continuation_target, continuation
-        where = backend.url + target
-        url = self._urls.get(where)
-        if url is None:
-            if len(self._urls) >= URLS_KEPT:
-                self._urls.clear()
-            url = self._urls[where] = URL(where, encoded=True)
         try:
-            upstream = await self._session.request(
-                method,
-                url,
-                headers=call.headers,
-                data=body,
-                allow_redirects=False,
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            self._eject(backend, exc)
-            raise Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            # Typically a pooled connection the server closed just as it was reused: worth another try.
-            raise Unreachable(
-                f"backend {backend.url} closed the connection without answering: {exc!r}"
-            ) from exc
-        except TimeoutError:  # request_timeout (aiohttp's total timeout) before the response head
+            upstream = await self._upstream.request(method, backend.url, target, call.headers.items(), body)
+        except TimeoutError:  # request_timeout before the response head (an OSError too: caught first)
             raise ProxyError(504, self.timed_out(call)) from None
-        except aiohttp.ClientError as exc:  # e.g. a malformed response head: the backend is not speaking HTTP
-            raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc!r}") from exc
+        except UpstreamError as exc:
+            if exc.kind == "connect":
+                self._eject(backend, exc)
+                raise Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
+            if exc.kind == "head":  # the backend is not speaking HTTP
+                raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc}") from exc
+            # Typically a kept connection the server closed just as it was reused: worth another try.
+            raise Unreachable(
+                f"backend {backend.url} closed the connection without answering: {exc}"
+            ) from exc
+        except OSError as exc:  # a write or read error on the connection before a head
+            raise Unreachable(
+                f"backend {backend.url} closed the connection without answering: {exc}"
+            ) from exc
         backend.timeouts = 0
         if backend.ejected:
             self._restore(backend)
         return upstream
 
-    async def keep(self, backend: Backend, upstream: aiohttp.ClientResponse) -> Held:
+    async def keep(self, backend: Backend, upstream: Response) -> Held:
         """Keep a retryable answer (bounded) and free its connection; note a 429's ``Retry-After``."""
         try:
             if upstream.status == 429:
@@ -396,7 +372,7 @@ class Pool:
             if length is not None and length <= ERROR_BODY_LIMIT:
                 try:
                     body = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError):
+                except (UpstreamError, OSError, TimeoutError):
                     body = b""
             headers = forward_headers(upstream.headers, RESPONSE_DROP)
             if not body:
@@ -439,9 +415,11 @@ class Pool:
         try:
             auth = self.config.backend_auth  # a backend with a key asks it for its listing too (vLLM's /v1/*)
             headers = {"Authorization": auth} if auth is not None else None
-            async with self.session.get(URL(backend.url + target, encoded=True), headers=headers) as response:
-                listing = await response.json(content_type=None)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            _, raw = await self.upstream.fetch(
+                "GET", backend.url, target, headers.items() if headers else None
+            )
+            listing = orjson.loads(raw)
+        except (UpstreamError, OSError, TimeoutError, ValueError) as exc:
             raise Unreachable(repr(exc)) from exc
         finally:
             backend.reading = None
@@ -489,14 +467,12 @@ class Pool:
             backend.probing = False
 
     async def _probe_once(self, backend: Backend) -> bool:
-        session = self._session
-        if session is None:
+        upstream = self._upstream
+        if upstream is None:
             return False
         try:
             with anyio.fail_after(self.config.connect_timeout + PROBE_READ_TIMEOUT):
-                probe = URL(backend.url + backend.dialect.health_path)
-                async with session.get(probe, allow_redirects=False) as response:
-                    await response.read()
-                    return response.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
+                status, _ = await upstream.fetch("GET", backend.url, backend.dialect.health_path)
+                return status == 200
+        except (UpstreamError, OSError, TimeoutError, ValueError):
             return False

@@ -30,7 +30,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 import anyio
 import orjson
 from aiohttp import web
@@ -56,6 +55,7 @@ from .recorder import Recorder
 from .respond import Responder
 from .resume import Resumer, resume_blocker
 from .sse import EventCut, may_abort
+from .upstream import Response, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +137,11 @@ class Relay:
         raise ProxyError(502, f"{failure.message} (after {tries} {'try' if tries == 1 else 'tries'})")
 
     @staticmethod
-    async def _refusal(upstream: aiohttp.ClientResponse) -> bytes:
+    async def _refusal(upstream: Response) -> bytes:
         """The start of a refusal's body (bounded); closes ``upstream``."""
         try:
-            return await upstream.content.read(ERROR_BODY_LIMIT)
-        except (aiohttp.ClientError, OSError, TimeoutError):
+            return (await upstream.readany())[:ERROR_BODY_LIMIT]
+        except (UpstreamError, OSError, TimeoutError):
             return b""
         finally:
             upstream.close()
@@ -157,9 +157,7 @@ class Relay:
         await self.responder.send_whole(request, call, response)
         return response
 
-    async def _relay(
-        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse
-    ) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, call: Call, upstream: Response) -> web.StreamResponse:
         """Relay the backend's answer to the agent, capturing token ids on the way; closes ``upstream``."""
         try:
             headers = forward_headers(upstream.headers, RESPONSE_DROP)
@@ -182,7 +180,7 @@ class Relay:
             upstream.close()  # a no-op once the body was read to the end; otherwise drops the connection
 
     async def _relay_whole(
-        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+        self, request: web.Request, call: Call, upstream: Response, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
         length = upstream.content_length or 0
         if length > self.config.max_response_bytes:
@@ -194,7 +192,7 @@ class Relay:
             body = await upstream.read()
         except TimeoutError:
             raise ProxyError(504, self.pool.timed_out(call)) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        except (UpstreamError, OSError) as exc:
             # Nothing has reached the agent yet, so this is as retryable as a refused connection.
             raise Unreachable(f"backend {call.backend} broke off the response: {exc!r}") from exc
         call.upstream_end = time.monotonic()
@@ -219,7 +217,7 @@ class Relay:
         return response
 
     async def _relay_stream(
-        self, request: web.Request, call: Call, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+        self, request: web.Request, call: Call, upstream: Response, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
         status = upstream.status
         translator = call.translator
@@ -242,7 +240,6 @@ class Relay:
         head: dict[str, Any] | None = None  # the aborting event's id, object, created and model
         refusal = bytearray()  # the start of an error body, to say what was refused
         limit, size = self.config.max_response_bytes, 0
-        content = upstream.content
         taker = capture if events else None  # what takes the ids of each piece of complete events
         abort_marker = call.dialect.wire.abort_marker  # the backend's (this try's), looked for in each read
         reshape = call.reshape  # a call made from ids, answered as a completion: chat events again
@@ -250,11 +247,11 @@ class Relay:
             reshape.open(status, call.sse)
         while True:
             try:
-                chunk = await content.readany()
+                chunk = await upstream.readany()
             except TimeoutError:
                 await self.responder.end_broken(call, 504, self.pool.timed_out(call))
                 return response
-            except (aiohttp.ClientError, OSError) as exc:
+            except (UpstreamError, OSError) as exc:
                 await self.responder.end_broken(
                     call, 502, f"backend {call.backend} broke off the response: {exc!r}"
                 )

@@ -37,7 +37,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -54,11 +53,11 @@ from .sse import (
     DONE_EVENT,
     EVENT_END,
     choices_of,
-    drain,
     event_json,
     json_object,
     sse_event,
 )
+from .upstream import Response, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +289,7 @@ class Resumer:
                 raw = await read_bounded(upstream, self.config.max_response_bytes, "backend continuation")
             except TimeoutError:
                 raise ProxyError(504, self.pool.timed_out(call)) from None
-            except (aiohttp.ClientError, OSError) as exc:
+            except (UpstreamError, OSError) as exc:
                 raise ProxyError(502, f"backend {call.backend} broke off the continuation: {exc!r}") from exc
             finally:
                 upstream.close()
@@ -340,7 +339,7 @@ class Resumer:
                 status, version = upstream.status, call.dialect.weight_version(upstream.headers)
             except TimeoutError:
                 raise ProxyError(504, self.pool.timed_out(call)) from None
-            except (aiohttp.ClientError, OSError) as exc:
+            except (UpstreamError, OSError) as exc:
                 raise ProxyError(
                     502, f"backend {call.backend} broke off the call made again: {exc!r}"
                 ) from exc
@@ -362,7 +361,7 @@ class Resumer:
             self.meters.regenerated.inc()
             return raw
 
-    async def _continuation(self, call: Call, state: Resumption) -> aiohttp.ClientResponse:
+    async def _continuation(self, call: Call, state: Resumption) -> Response:
         """Send the next continuation of ``state`` and return its response head (status < 400).
 
         It goes once the proxy is neither paused nor held, to the rollout's backend (whose prefix cache holds
@@ -404,8 +403,8 @@ class Resumer:
                 continue
             if upstream.status >= 400:
                 try:
-                    body = await upstream.content.read(ERROR_BODY_LIMIT)
-                except (aiohttp.ClientError, OSError, TimeoutError):
+                    body = (await upstream.readany())[:ERROR_BODY_LIMIT]
+                except (UpstreamError, OSError, TimeoutError):
                     body = b""
                 finally:
                     upstream.close()
@@ -516,7 +515,7 @@ class Resumer:
         return True
 
     async def _relay_continuation(
-        self, call: Call, response: web.StreamResponse, upstream: aiohttp.ClientResponse, state: Resumption
+        self, call: Call, response: web.StreamResponse, upstream: Response, state: Resumption
     ) -> bool | None:
         """Relay one continuation's stream in the call's chunk shape: ``True`` if it was aborted too (its
         tokens went out), ``False`` once it ended, ``None`` if the agent left; :class:`ProxyError` if it broke."""
@@ -529,7 +528,6 @@ class Resumer:
             self.config.max_response_bytes,
             lambda: self.pool.timed_out(call),
         )
-        content = upstream.content
         while (payloads := await reads.next()) is not None:
             out: list[bytes] = []
             aborted = False
@@ -553,7 +551,7 @@ class Resumer:
             if out and not await self.responder.forward(call, response, b"".join(out), call.capture):
                 return None
             if aborted:
-                await drain(content)
+                await upstream.drain()
                 return True
         return False
 

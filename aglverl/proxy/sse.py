@@ -4,8 +4,7 @@ writing events (the relay, the resumption and the API translators all read and w
 Pure functions on bytes, no state beyond :class:`EventCut`'s unfinished tail. Events end with a blank line,
 LF or CR LF; an event's ``data`` is its ``data:`` lines joined. :func:`may_abort` and :func:`_may_end_stream`
 are cheap looks (a substring search where the word can be) that decide whether a chunk is worth parsing: a
-``True`` may be wrong (the word was text), a ``False`` never is. :func:`drain` reads what is left of a body so
-that its connection goes back to the pool.
+``True`` may be wrong (the word was text), a ``False`` never is.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import aiohttp
 import orjson
 
 
@@ -103,12 +101,3 @@ def sse_event(obj: Any, name: str | None = None) -> bytes:
     """One SSE event whose data is ``obj`` as JSON, named ``name`` (an ``event:`` line) when given."""
     data = b"data: " + orjson.dumps(obj) + b"\n\n"
     return data if name is None else b"event: " + name.encode() + b"\n" + data
-
-
-async def drain(content: aiohttp.StreamReader) -> None:
-    """Read what is left of a body, so that its connection goes back to the pool; errors end the reading."""
-    try:
-        while await content.readany():
-            pass
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        pass

@@ -70,11 +70,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import aiohttp
 import anyio
 import orjson
 from aiohttp import web
-from yarl import URL
 
 from ..engine.chat_template import ChatTemplate, ChatTemplateError
 from .call import JSON, Call, ProxyError, Unreachable, error_message
@@ -83,6 +81,7 @@ from .meters import Meters
 from .pool import Backend, Pool, read_bounded
 from .relay import Refused, Relay
 from .session import MISSES, Match, Plan, Sessions, Turn, conversation_shape
+from .upstream import UpstreamError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -305,13 +304,17 @@ class _RemoteRenderer:
         headers = {"Content-Type": JSON}
         if self.config.backend_auth is not None:
             headers["Authorization"] = self.config.backend_auth
-        target = URL(self.backend.url + dialect.render_target, encoded=True)
         body = dialect.render_body(request, messages, gen)
         try:
-            async with self.pool.session.post(target, data=body, headers=headers) as upstream:
+            upstream = await self.pool.upstream.request(
+                "POST", self.backend.url, dialect.render_target, headers.items(), body
+            )
+            try:
                 raw = await read_bounded(upstream, self.config.max_response_bytes, "backend render")
-                status = upstream.status
-        except (aiohttp.ClientError, OSError, TimeoutError, ProxyError) as exc:
+            finally:
+                upstream.close()
+            status = upstream.status
+        except (UpstreamError, OSError, TimeoutError, ProxyError) as exc:
             logger.debug("render on %s failed: %r", self.backend.url, exc)
             raise _Fallback("render_error") from None
         if status >= 400:
