@@ -30,6 +30,7 @@ class RawServer:
         self.requests: list[bytes] = []
         self.connections = 0
         self.closed = asyncio.Event()
+        self.answered = asyncio.Event()  # set once an answer was written whole
         self.url = ""
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -50,6 +51,7 @@ class RawServer:
                     writer.write(piece)
                     await writer.drain()
                     await asyncio.sleep(0.001)  # pieces arrive as separate reads
+                self.answered.set()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -262,3 +264,20 @@ async def test_a_large_body_read_slowly_arrives_whole() -> None:
             got += piece
             await anyio.sleep(0.001)
         assert bytes(got) == body
+
+
+async def test_a_connection_whose_last_read_passed_the_high_water_mark_reads_again_for_the_next_request() -> (
+    None
+):
+    from aglverl.proxy.upstream import HIGH_WATER
+
+    body = b"x" * (HIGH_WATER + 1)  # left unread until it has all arrived
+    async with RawServer(lambda _: whole(body)).running() as server, client() as upstream:
+        response = await upstream.request("GET", server.url, "/")
+        with anyio.fail_after(5):
+            await server.answered.wait()
+        assert await response.read() == body
+        with anyio.fail_after(5):
+            again = await upstream.request("GET", server.url, "/")
+            assert await again.read() == body
+    assert server.connections == 1

@@ -551,8 +551,8 @@ class Upstream:
         conn.response = response
         response._deadline = self.loop.call_at(self.loop.time() + self.request_timeout, response._expire)
         assert conn.transport is not None
-        conn.transport.write(message)
         try:
+            conn.transport.write(message)
             while response._phase == _HEAD and response._error is None:
                 await response._wait()
         except BaseException:
