@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, MultiMapping
 
 from ..store import LLMCall
 from .api import Translator
@@ -235,7 +235,7 @@ def splice(body: bytes, given: Mapping[str, Any], fill: dict[str, Any]) -> bytes
     return body[:i] + added + (b"," if given else b"") + body[i:]
 
 
-def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+def forward_headers(headers: MultiMapping[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """The end-to-end headers of ``headers``: hop-by-hop ones, ``Proxy-*`` and those named in ``Connection``
     removed, as well as ``drop``."""
     named = headers.get("Connection")

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import orjson
-from multidict import CIMultiDictProxy
+from multidict import MultiMapping
 
 from .capture import VLLM_WIRE, AnswerWire, Capture
 
@@ -170,7 +170,7 @@ class Dialect(Protocol):
     def request_fields(self, kind: Kind, logprobs: bool) -> Mapping[str, Any]: ...
     def capture(self, kind: Kind, answers: bool = False) -> Capture: ...
     def response_ids(self, choice: Mapping[str, Any]) -> list[int] | None: ...
-    def weight_version(self, headers: CIMultiDictProxy[str]) -> int | None: ...
+    def weight_version(self, headers: MultiMapping[str]) -> int | None: ...
     def context_refusal(self, status: int, message: str) -> bool: ...
     def continuation(
         self,
@@ -259,7 +259,7 @@ class VLLMDialect:
         ids = choice.get(self.wire.response_ids)
         return ids if type(ids) is list else None
 
-    def weight_version(self, headers: CIMultiDictProxy[str]) -> int | None:
+    def weight_version(self, headers: MultiMapping[str]) -> int | None:
         """The weight version the backend reports for an answer, if it reports a valid one."""
         value = headers.get(WEIGHT_VERSION_HEADER)
         if value is None or not value.isdigit():

@@ -453,11 +453,11 @@ class Response:
                         return
                     self._pending = data[pos:]
                     break
-                size = data[pos:eol].partition(b";")[0].strip()
-                if not size or not _HEX.issuperset(size):
+                digits = data[pos:eol].partition(b";")[0].strip()
+                if not digits or not _HEX.issuperset(digits):
                     self._fail(UpstreamError("body", f"a malformed chunk size: {data[pos:eol][:40]!r}"))
                     return
-                left = int(size, 16)
+                left = int(digits, 16)
                 pos = eol + 2
                 state = _DATA if left else _TRAILER
             elif state == _DATA_END:
