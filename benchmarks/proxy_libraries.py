@@ -1,4 +1,4 @@
-"""What the proxy's hand-written retry loop and metrics registry cost next to the maintained libraries.
+"""What the proxy's hand-written retry loop, metrics registry and HTTP client cost next to the maintained libraries.
 
 Run: ``PYTHONPATH=<dir with stamina> python benchmarks/proxy_libraries.py``. Prints ONE JSON object on stdout.
 
@@ -10,6 +10,12 @@ Run: ``PYTHONPATH=<dir with stamina> python benchmarks/proxy_libraries.py``. Pri
   (and ``tenacity.AsyncRetrying``, which stamina wraps), each around the same awaited no-op try, on one asyncio
   loop; and a call whose first try fails once (``wait_initial=0``: the machinery, not the backoff).
 
+- Client: the proxy's HTTP/1.1 client to its backends (:class:`~aglverl.proxy.upstream.Upstream`) and
+  ``aiohttp.ClientSession`` (as the proxy used it: no cookies, nothing decompressed), each making ``CLIENT_CALLS``
+  calls in a row to a :class:`~aglverl.testing.MockVLLM` in a child process (so that this process's CPU clock
+  counts the client only): a JSON answer of 256 tokens with their ids and log-probs (25 kB, what a recorded call
+  gets), and streams of 64 SSE events (per event); in turn, ``CLIENT_ROUNDS`` rounds, the median.
+
 Libraries that are not importable are reported as such.
 """
 
@@ -19,6 +25,8 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
+import statistics
+import sys
 import time
 import timeit
 from collections.abc import Awaitable, Callable
@@ -30,6 +38,19 @@ from aglverl.metrics import LATENCY_BUCKETS, Registry
 from aglverl.proxy import RetryPolicy
 
 CALLS = 20_000
+#: Calls each client makes per round, and the rounds (in turn).
+CLIENT_CALLS = 500
+CLIENT_ROUNDS = 3
+#: The mock backend, in a child process: prints its URL, serves until its stdin closes.
+_MOCK = """
+import asyncio, sys
+from aglverl.testing import MockVLLM
+async def main():
+    async with MockVLLM(completion_tokens=256, record_requests=False) as mock:
+        print(mock.url, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+asyncio.run(main())
+"""
 
 
 class _Unreachable(Exception):
@@ -204,17 +225,84 @@ async def retry() -> dict[str, Any]:
     return out
 
 
+async def client() -> dict[str, Any]:
+    import aiohttp
+    import orjson
+
+    from aglverl.proxy.upstream import Upstream
+
+    mock = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _MOCK, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    assert mock.stdout is not None and mock.stdin is not None
+    url = (await mock.stdout.readline()).decode().strip()
+    target = "/v1/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    asked = {"model": "mock", "messages": [{"role": "user", "content": "Tell me a story."}]}
+    whole = orjson.dumps({**asked, "max_tokens": 256, "logprobs": True, "return_token_ids": True})
+    stream = orjson.dumps({**asked, "max_tokens": 64, "stream": True})
+    upstream = Upstream(keepalive=30.0, connect_timeout=5.0, request_timeout=60.0)
+    session = aiohttp.ClientSession(
+        auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",)
+    )
+
+    async def ours(body: bytes) -> int:
+        response = await upstream.request("POST", url, target, headers.items(), body)
+        size = 0
+        while data := await response.readany():
+            size += len(data)
+        return size
+
+    async def theirs(body: bytes) -> int:
+        async with session.post(url + target, data=body, headers=headers) as response:
+            size = 0
+            while data := await response.content.readany():
+                size += len(data)
+            return size
+
+    runs: dict[str, dict[str, list[float]]] = {"upstream": {}, "aiohttp": {}}
+    try:
+        for _ in range(CLIENT_ROUNDS):
+            for name, run in (("upstream", ours), ("aiohttp", theirs)):
+                for kind, body, units in (("json", whole, 1), ("stream", stream, 64)):
+                    for _ in range(10):  # warm: connections made, paths taken once
+                        await run(body)
+                    cpu = time.thread_time()
+                    for _ in range(CLIENT_CALLS):
+                        await run(body)
+                    per = (time.thread_time() - cpu) / (CLIENT_CALLS * units) * 1e6
+                    runs[name].setdefault(kind, []).append(per)
+    finally:
+        await session.close()
+        await upstream.close()
+        mock.stdin.close()
+        await mock.wait()
+    out: dict[str, Any] = {
+        "calls_per_round": CLIENT_CALLS,
+        "rounds": CLIENT_ROUNDS,
+        "aiohttp_version": importlib.metadata.version("aiohttp"),
+    }
+    for name, kinds in runs.items():
+        out[name] = {
+            "us_cpu_per_json_call": round(statistics.median(kinds["json"]), 1),
+            "us_cpu_per_sse_event": round(statistics.median(kinds["stream"]), 2),
+        }
+    return out
+
+
 def main() -> None:
-    global CALLS
+    global CALLS, CLIENT_CALLS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a hundredth of the calls (a smoke run)")
     if parser.parse_args().quick:
         CALLS //= 100
+        CLIENT_CALLS //= 50
     started = time.monotonic()
     result = {
-        "benchmark": "the proxy's retry loop and metrics registry vs maintained libraries (per-call cost)",
+        "benchmark": "the proxy's retry loop, metrics registry and HTTP client vs maintained libraries (per-call cost)",
         "metrics": metrics(),
         "retry": run_loop(retry),
+        "client": run_loop(client),
         "run_seconds": round(time.monotonic() - started, 1),
     }
     print(json.dumps(result, indent=2))
