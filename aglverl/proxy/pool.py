@@ -415,9 +415,7 @@ class Pool:
         try:
             auth = self.config.backend_auth  # a backend with a key asks it for its listing too (vLLM's /v1/*)
             headers = {"Authorization": auth} if auth is not None else None
-            _, raw = await self.upstream.fetch(
-                "GET", backend.url, target, headers.items() if headers else None
-            )
+            _, raw = await self.upstream.get(backend.url, target, headers.items() if headers else None)
             listing = orjson.loads(raw)
         except (UpstreamError, OSError, TimeoutError, ValueError) as exc:
             raise Unreachable(repr(exc)) from exc
@@ -472,7 +470,7 @@ class Pool:
             return False
         try:
             with anyio.fail_after(self.config.connect_timeout + PROBE_READ_TIMEOUT):
-                status, _ = await upstream.fetch("GET", backend.url, backend.dialect.health_path)
+                status, _ = await upstream.get(backend.url, backend.dialect.health_path)
                 return status == 200
         except (UpstreamError, OSError, TimeoutError, ValueError):
             return False

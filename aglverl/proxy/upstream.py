@@ -232,16 +232,7 @@ class Response:
 
     def close(self) -> None:
         """Done with this response: a body not yet whole closes its connection (nothing more is read)."""
-        if self._phase != _DONE:
-            self._phase = _DONE
-            if self._error is None:
-                self._error = UpstreamError("body", "the response was closed before its end")
-            self._disarm()
-            conn, self._conn = self._conn, None
-            if conn is not None:
-                conn.response = None
-                conn.close()
-                self._upstream._gone(conn)
+        self._fail(UpstreamError("body", "the response was closed before its end"))  # a no-op once it ended
         self._chunks.clear()
 
     async def __aenter__(self) -> Response:
@@ -446,12 +437,8 @@ class Response:
                 if not left:
                     state = _DATA_END
             elif state == _SIZE:
-                eol = data.find(b"\r\n", pos)
+                eol = self._line_end(data, pos, MAX_CHUNK_LINE, "a chunk-size line")
                 if eol < 0:
-                    if end - pos > MAX_CHUNK_LINE:
-                        self._fail(UpstreamError("body", "a chunk-size line too long"))
-                        return
-                    self._pending = data[pos:]
                     break
                 digits = data[pos:eol].partition(b";")[0].strip()
                 if not digits or not _HEX.issuperset(digits):
@@ -470,12 +457,8 @@ class Response:
                 pos += 2
                 state = _SIZE
             else:  # trailers, skipped, up to an empty line
-                eol = data.find(b"\r\n", pos)
+                eol = self._line_end(data, pos, MAX_HEAD, "a trailer line")
                 if eol < 0:
-                    if end - pos > MAX_HEAD:
-                        self._fail(UpstreamError("body", "trailers too long"))
-                        return
-                    self._pending = data[pos:]
                     break
                 if eol == pos:
                     if eol + 2 < end:
@@ -491,6 +474,17 @@ class Response:
         self._chunk_state, self._chunk_left = state, left
         if out:
             self._push(out[0] if len(out) == 1 else b"".join(out))
+
+    def _line_end(self, data: bytes, pos: int, limit: int, what: str) -> int:
+        """Where the line at ``pos`` ends (its CR); -1 when it has not all arrived: kept for the next read, or
+        the body failed when it already runs past ``limit`` bytes."""
+        eol = data.find(b"\r\n", pos)
+        if eol < 0:
+            if len(data) - pos > limit:
+                self._fail(UpstreamError("body", f"{what} too long"))
+            else:
+                self._pending = data[pos:]
+        return eol
 
 
 class Upstream:
@@ -562,16 +556,11 @@ class Upstream:
             raise response._error
         return response
 
-    async def fetch(
-        self,
-        method: str,
-        backend: str,
-        target: str,
-        headers: Iterable[tuple[str, str]] | None = None,
-        body: bytes | None = None,
+    async def get(
+        self, backend: str, target: str, headers: Iterable[tuple[str, str]] | None = None
     ) -> tuple[int, bytes]:
-        """A whole request: its status and body (for small answers: listings, probes, renders)."""
-        response = await self.request(method, backend, target, headers, body)
+        """A whole ``GET``: its status and body (small answers: a model listing, a health probe)."""
+        response = await self.request("GET", backend, target, headers)
         try:
             return response.status, await response.read()
         finally:
