@@ -417,6 +417,7 @@ NOT_DEFAULTS: dict[str, Any] = {
     "request_logprobs": True,
     "sampling_mismatch": "mask",
     "token_in": False,
+    "own_http_server": False,
     "overload": OverloadPolicy(refuse=False),
 }
 

@@ -123,8 +123,10 @@ import circle):
 - :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: auth, the attempt against the
   store, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag, the 429), path and
   body limits, translation, the capture request, sampling reconciliation, the gate's wait;
-  :mod:`~aglverl.proxy.shed` — the :class:`~aglverl.proxy.shed.Shedder` in front of aiohttp's protocol: the same
-  overload decision as soon as a request's head is in.
+  :mod:`~aglverl.proxy.shed` — the :class:`~aglverl.proxy.shed.Shedder`, each agent connection's protocol in
+  front of aiohttp's: the same overload decision as soon as a request's head is in, and the attributed calls it
+  can read for certain read and answered by :mod:`~aglverl.proxy.inbound` (the proxy's own HTTP/1.1, in place of
+  aiohttp's server, ``own_http_server``).
 - :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
   (JSON, SSE), disconnects, broken streams.
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued

@@ -49,6 +49,7 @@ from .config import (
 )
 from .control import APPLIED, Applied
 from .gate import Gate
+from .inbound import Inbound
 from .meters import Meters
 from .overload import Overload
 from .pool import Pool
@@ -92,7 +93,9 @@ class LLMProxy:
     ``token_in`` (default on): a recorded chat call whose messages extend an earlier call's messages + answer
     is generated from that call's exact ids (:mod:`~aglverl.proxy.tokenin`); off, every call is relayed as
     text (and multi-turn rows drift wherever the chat template re-renders the history differently).
-    :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
+    ``own_http_server`` (default on): the agents' attributed calls are read and answered by the proxy's own
+    HTTP/1.1 code (:mod:`~aglverl.proxy.inbound`), everything else by aiohttp's server; off, aiohttp's serves
+    every call (from the next :meth:`serve`). :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
 
     Each setting is also a read-only attribute (``proxy.pause_timeout``); :meth:`reconfigure` hands every part
     a new config at once (assigning an attribute raises ``AttributeError`` saying so). The proxy implements
@@ -114,6 +117,7 @@ class LLMProxy:
     upstream_keepalive = _Setting[float]()
     request_logprobs = _Setting[bool]()
     sampling_mismatch = _Setting[SamplingMismatch]()
+    own_http_server = _Setting[bool]()
 
     def __init__(
         self,
@@ -373,12 +377,15 @@ class LLMProxy:
         if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
         overload, gate, meters = self._admission.overload, self._gate, self._meters
+        # the agents' attributed calls read and answered by the proxy's own HTTP code, not aiohttp's server
+        config = self._config
+        inbound = Inbound(self._handle, config.max_body_bytes) if config.own_http_server else None
         http = HttpListener(
             self._make_app(),
             self._config.host,
             self._config.port,
             shutdown_timeout=_CLOSE_TIMEOUT,
-            protocol=lambda inner: Shedder(inner, overload, gate, meters),  # new calls shed at the socket
+            protocol=lambda inner: Shedder(inner, overload, gate, meters, inbound),  # shed at the socket
         )
         self._pool.open()
         self._closing = False

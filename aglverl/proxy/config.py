@@ -109,6 +109,7 @@ class ProxyConfig:
     request_logprobs: bool = False
     sampling_mismatch: SamplingMismatch = "refuse"
     token_in: bool = True
+    own_http_server: bool = True
     overload: OverloadPolicy = field(default_factory=OverloadPolicy)
     auth: bytes | None = field(init=False, repr=False, compare=False)
     backend_auth: str | None = field(init=False, repr=False, compare=False)
@@ -198,6 +199,7 @@ class ProxyPolicySettings(TypedDict, total=False):
     request_logprobs: bool
     sampling_mismatch: SamplingMismatch
     token_in: bool
+    own_http_server: bool
     overload: OverloadPolicy
 
 
