@@ -20,7 +20,9 @@ end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ import anyio
 import orjson
 import pytest
 
+import aglverl.proxy.app as proxy_app
+from aglverl._net import HttpListener
 from aglverl.metrics import Registry
 from aglverl.models import Rollout
 from aglverl.proxy import LLMProxy, RetryPolicy
@@ -862,3 +866,31 @@ async def test_shutdown_cancels_a_call_read_here_after_its_grace_and_closes_ever
     assert_answered(answered, mock, chat())
     assert left == (b"", b"")  # both closed; the waiting one got no answer
     assert [(c.status, c.error) for c in calls] == [("ok", None), ("failed", "proxy shutting down")]
+
+
+async def test_a_connection_read_here_stays_open_in_use_past_the_keepalive_and_closes_once_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aiohttp arms its idle timer as a connection opens and pushes it back only for requests it serves itself:
+    a connection whose calls are all read here must not be closed by it while in use. Its idle close is the
+    same keep-alive, counted from its last answer. (The listener is given a short keep-alive: aiohttp's
+    default is an hour.)"""
+    keepalive = 0.4
+    monkeypatch.setattr(
+        proxy_app, "HttpListener", functools.partial(HttpListener, keepalive_timeout=keepalive)
+    )
+    body = chat()
+    async with MockVLLM() as mock, proxied(mock) as (proxy, store):
+        rid, aid = claim(store)
+        async with Agent.connect(proxy.url) as agent:
+            started = time.monotonic()
+            answers = []
+            while time.monotonic() - started < 3 * keepalive:  # in use for three times the keep-alive
+                answers.append(await agent.answer_after(request(route(rid, aid), body)))
+                await anyio.sleep(keepalive / 4)
+            assert len(answers) >= 4 and None not in answers, answers
+            for answer in answers:
+                assert answer is not None
+                assert_answered(answer, mock, body)
+                assert not answer.by_aiohttp
+            assert await agent.rest() == b""  # idle: closed by the proxy within WAIT

@@ -30,7 +30,8 @@ default): on a connection aiohttp has had nothing of, a request that :meth:`Inbo
 ``max_body_bytes``, clean headers) has its body read here and the proxy's handler run on it in a task of its own;
 what arrives meanwhile waits its turn (pipelined requests are answered in order), reading pauses past 64 KiB of
 it, the agent leaving cancels the call (as aiohttp cancels a handler), ``Connection: close`` closes after the
-answer, and a connection idle :data:`KEEPALIVE` seconds after its last answer is closed. The first request this
+answer, and a connection idle for aiohttp's keep-alive (:data:`KEEPALIVE`, an hour, unless configured) since its
+last answer, or since it opened, is closed. The first request this
 does not take goes to aiohttp, which then has the connection to its end.
 """
 
@@ -61,8 +62,9 @@ _ATTEMPT = b"/attempt/"
 _V1 = b"/v1/"
 #: What aiohttp's protocol must have for the shedder to know it holds no request (else nothing is shed here).
 _IDLE_FIELDS = ("_request_in_progress", "_messages")
-#: Seconds a connection whose calls were read here is kept idle (aiohttp's default keep-alive).
-KEEPALIVE = 75.0
+#: Seconds a connection whose calls are read here is kept idle, unless aiohttp's protocol says otherwise (its
+#: ``keepalive_timeout``: the same bound for every connection, whoever reads its calls).
+KEEPALIVE = 3630.0
 
 
 class _Refusals:
@@ -104,6 +106,7 @@ class Shedder(asyncio.Protocol):
         "_idle",
         "_inbound",
         "_inner",
+        "_keepalive",
         "_lost",
         "_meters",
         "_overload",
@@ -142,12 +145,25 @@ class Shedder(asyncio.Protocol):
         self._write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None  # closes a connection idle since its last answer here
-        self._answered_at = 0.0  # when the last call read here was answered (time.monotonic())
+        self._answered_at = 0.0  # when the last call read here was answered, or the connection opened
+        self._keepalive = KEEPALIVE  # aiohttp's keep-alive, once the connection is made
 
     # ------------------------------------------------------------------ asyncio.Protocol, handed on
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport
-        self._inner.connection_made(transport)
+        inner = self._inner
+        inner.connection_made(transport)
+        if self._serve is not None and not self._lost:
+            # Until aiohttp has a request of this connection, its idle close is this protocol's: aiohttp's own
+            # timer (armed as the connection opens, and pushed back only by requests it serves) would otherwise
+            # close a connection whose calls are read here, however busy, once its keep-alive ran out.
+            self._keepalive = float(getattr(inner, "_keepalive_timeout", KEEPALIVE))
+            handle = getattr(inner, "_keepalive_handle", None)
+            if handle is not None:
+                handle.cancel()
+                inner._keepalive_handle = None
+            self._answered_at = time.monotonic()
+            self._idle = asyncio.get_running_loop().call_later(self._keepalive, self._idle_check)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._task is not None:
@@ -296,15 +312,15 @@ class Shedder(asyncio.Protocol):
             self.data_received(data)
         self._answered_at = time.monotonic()
         if self._idle is None and not transport.is_closing():
-            self._idle = asyncio.get_running_loop().call_later(KEEPALIVE, self._idle_check)
+            self._idle = asyncio.get_running_loop().call_later(self._keepalive, self._idle_check)
 
     def _idle_check(self) -> None:
-        """Close the connection once it has been idle :data:`KEEPALIVE` seconds since its last answer here (one
-        timer per connection, looked at when it fires rather than re-armed per call)."""
+        """Close the connection once it has been idle for the keep-alive since its last answer here, or since it
+        opened (one timer per connection, looked at when it fires rather than re-armed per call)."""
         self._idle = None
         if self._task is not None or self._remaining or self._head or self._handed:
             return  # busy (its end arms the timer again), or aiohttp's to close
-        left = self._answered_at + KEEPALIVE - time.monotonic()
+        left = self._answered_at + self._keepalive - time.monotonic()
         if left > 0:
             self._idle = asyncio.get_running_loop().call_later(left, self._idle_check)
         else:
