@@ -95,7 +95,8 @@ class LLMProxy:
     text (and multi-turn rows drift wherever the chat template re-renders the history differently).
     ``own_http_server`` (default on): the agents' attributed calls are read and answered by the proxy's own
     HTTP/1.1 code (:mod:`~aglverl.proxy.inbound`), everything else by aiohttp's server; off, aiohttp's serves
-    every call (from the next :meth:`serve`). :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
+    every call (from the next :meth:`serve`). :attr:`activity` is the timeline of when at least one call was in
+    flight (the backends were busy).
 
     Each setting is also a read-only attribute (``proxy.pause_timeout``); :meth:`reconfigure` hands every part
     a new config at once (assigning an attribute raises ``AttributeError`` saying so). The proxy implements
