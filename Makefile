@@ -84,7 +84,7 @@ test-agl: venv venv-agl
 #   release they work with, in every install step (aglverl's side would otherwise bring 1.45 first).
 # - litellm refuses a keyless proxy unless LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY is set: aglverl's
 #   VERL never starts Agent Lightning's LiteLLM proxy (aglverl's proxy records the token ids), and sets it for
-#   a user's own LLMProxy (aglverl.agent_lightning.verl).
+#   a user's own LLMProxy (aglverl.agl03.verl).
 GVENV := .venv-agl03
 GBIN  := $(GVENV)/bin
 AGL03 := agentlightning==0.3.0 agentops==0.4.21

@@ -34,7 +34,8 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._net import refuse_open_address
-from .agent_lightning import AgentLightningAPI, AgentLightningSettings
+from .agl10.api import AgentLightningAPI
+from .agl10.config import AgentLightningSettings
 from .metrics import Registry
 from .models import LLM, Mode, NamedResources, Rollout
 from .proxy import LLMProxy, ProxyConfig
@@ -73,7 +74,7 @@ class DaemonConfig:
       objects that exist at start out of the cyclic collector's reach.
     - ``proxy_shards``: 1 (the proxy in this process) or N / ``"per_node"`` (proxy shards on Ray).
     - ``agent_lightning``: what Agent Lightning v1.0's API on the task server should know of the run
-      (:class:`~aglverl.agent_lightning.AgentLightningSettings`; ``None``: its defaults, the trainer owning the
+      (:class:`~aglverl.agl10.config.AgentLightningSettings`; ``None``: its defaults, the trainer owning the
       models and the gate, and refusing rollouts from outside, when the daemon has a producer).
     - ``allow_unauthenticated``: serve on a ``host`` that is not a loopback address without a ``token`` (else a
       ``ValueError``: anyone who reaches it could queue work, post rewards and read every rollout).
@@ -251,7 +252,7 @@ class AgentDaemon:
     - ``max_failed_groups``: with a producer, stop after this many training groups in a row whose every
       rollout failed (default 0: never).
     - ``agent_lightning``: what Agent Lightning v1.0's API on the task server (:attr:`agent_lightning`) should
-      know of the run (:class:`~aglverl.agent_lightning.AgentLightningSettings`: the rollouts' controller config,
+      know of the run (:class:`~aglverl.agl10.config.AgentLightningSettings`: the rollouts' controller config,
       the reward of an attempt without a reward event, whether a trainer owns the models and the gate, whether
       ``POST /api/rollouts`` queues work, the bounds on what the API keeps).
     - ``allow_unauthenticated``: serve on a ``host`` that is not loopback without a ``token`` (refused otherwise).
@@ -341,7 +342,7 @@ class AgentDaemon:
                 max_failed_groups=config.max_failed_groups,
             )
         self._stack: AsyncExitStack | None = None
-        #: Agent Lightning v1.0's routes on the task server (:mod:`aglverl.agent_lightning`).
+        #: Agent Lightning v1.0's routes on the task server (:mod:`aglverl.agl10`).
         self.agent_lightning = AgentLightningAPI(
             self,
             token=config.token,

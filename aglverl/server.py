@@ -217,7 +217,7 @@ class TaskServer:
 
     def add_routes(self, routes: Sequence[BaseRoute]) -> None:
         """Serve more routes beside the task routes (another API on the same address, e.g.
-        :mod:`aglverl.agent_lightning`'s); they do their own authentication. Call before :meth:`serve`."""
+        :mod:`aglverl.agl10`'s); they do their own authentication. Call before :meth:`serve`."""
         self._starlette.router.routes.extend(routes)
 
     @property

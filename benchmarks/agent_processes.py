@@ -53,8 +53,8 @@ from anyio.streams.text import TextReceiveStream
 
 import aglverl
 from aglverl import AgentDaemon
-from aglverl.agent_lightning import AgentLightningSettings
-from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig
+from aglverl.agl10.config import AgentLightningSettings
+from aglverl.agl10.wire import RolloutConfig, RolloutLocalConfig
 from aglverl.process_runner import ProcessOptions, ProcessRunner  # the old tree's too (--against)
 from aglverl.testing.mock_vllm import MockVLLM
 

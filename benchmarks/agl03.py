@@ -49,9 +49,9 @@ import openai
 from _common import emit, machine_info, percentile, run_queued
 
 from aglverl import AgentDaemon, run_agents
-from aglverl.agent_lightning import AgentLightningSettings
-from aglverl.agent_lightning.lightning_store import DequeueBell, LightningStoreBridge
-from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig
+from aglverl.agl03.store_bridge import DequeueBell, LightningStoreBridge
+from aglverl.agl10.config import AgentLightningSettings
+from aglverl.agl10.wire import RolloutConfig, RolloutLocalConfig
 from aglverl.models import LLM
 from aglverl.process_runner import ProcessOptions, ProcessRunner
 from aglverl.testing.mock_vllm import MockVLLM

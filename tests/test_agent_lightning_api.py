@@ -22,8 +22,8 @@ import pytest
 from conftest import agl_python
 
 from aglverl import AgentDaemon, BatchConfig
-from aglverl.agent_lightning import AgentLightningSettings
-from aglverl.agent_lightning.wire import RolloutConfig, RolloutK8sConfig
+from aglverl.agl10.config import AgentLightningSettings
+from aglverl.agl10.wire import RolloutConfig, RolloutK8sConfig
 from aglverl.testing.mock_vllm import MockVLLM
 
 pytestmark = [pytest.mark.anyio, pytest.mark.agl]

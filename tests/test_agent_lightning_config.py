@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from aglverl.agent_lightning.config import map_section
+from aglverl.agl10.config import map_section
 from aglverl.algorithm import AsyncVERL, ConfigError
 
 BASE: dict[str, Any] = {

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from aglverl import AgentDaemon, BatchConfig
-from aglverl.agent_lightning import AgentLightningSettings
+from aglverl.agl10.config import AgentLightningSettings
 from aglverl.algorithm import AsyncVERL, ConfigError
 from aglverl.testing.mock_vllm import MockVLLM
 

@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 from aglverl import Rollout
-from aglverl.agent_lightning.rollouts import AgentLightningRollouts, Conflict, triplet_events
-from aglverl.agent_lightning.wire import RolloutCreate, StatusPatch
+from aglverl.agl10.rollouts import AgentLightningRollouts, Conflict, triplet_events
+from aglverl.agl10.wire import RolloutCreate, StatusPatch
 from aglverl.store import AttemptChange, LLMCall, TaskStore
 
 pytestmark = pytest.mark.anyio

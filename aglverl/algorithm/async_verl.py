@@ -14,8 +14,12 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from ..agent_lightning.config import AgentLightningSettings, map_section, rollout_config_for
-from ..agent_lightning.verl_config import refuse_verl_keys
+from ..agl10.config import (
+    AgentLightningSettings,
+    map_section,
+    refuse_verl_keys,
+    rollout_config_for,
+)
 from ..client import AgentFn, check_agent, run_agents
 from .config import compose_config, daemon_config, nest_overrides, run_config, user_set
 from .runtime import (
@@ -58,9 +62,9 @@ class AsyncVERL:
     ) -> None:
         if agent is not None:
             check_agent(agent)
-        # Agent Lightning's section (and its two verl keys) in aglverl's terms (aglverl.agent_lightning.config)
+        # Agent Lightning's section (and its two verl keys) in aglverl's terms (aglverl.agl10.config)
         nested = nest_overrides(dict(config or {}))
-        refuse_verl_keys(nested)  # agl.VERL's (0.2/0.3) section is aglverl.agent_lightning.VERL's
+        refuse_verl_keys(nested)  # agl.VERL's (0.2/0.3) section is aglverl.agl03.VERL's
         overrides, job_template = map_section(nested)
         self.config, self.options = compose_config(overrides)
         self._overrides = overrides

@@ -34,7 +34,7 @@ def redirect_verl() -> type:
             f"aglverl fit runs Agent Lightning 0.2/0.3 programs, and agentlightning cannot be imported here "
             f"({exc}); `make venv-agl03` builds .venv-agl03 with it: run .venv-agl03/bin/aglverl fit ..."
         ) from exc
-    from ..agent_lightning.verl import VERL
+    from ..agl03.verl import VERL
 
     agentlightning.VERL = VERL
     algorithm_package.VERL = VERL

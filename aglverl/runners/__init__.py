@@ -25,7 +25,7 @@ paths), the same endpoints and key in the variables the SDKs read (``OPENAI_BASE
 (the served model's name), the task input as JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
 input's fields named by ``env_map`` (Agent Lightning's ``local.env_map``), and of the runner's own environment
 only the variables ``env_allow`` names (no secrets by default). The ``{id}`` is the attempt's Agent Lightning
-rollout id (:mod:`aglverl.agent_lightning.rollouts`: attempt ``k > 1`` of rollout ``R`` is ``R-retry-<k-1>``).
+rollout id (:mod:`aglverl.agl10.rollouts`: attempt ``k > 1`` of rollout ``R`` is ``R-retry-<k-1>``).
 
 The reward: the value of the attempt's last ``reward`` event, or a number written to ``AGL_REWARD_FILE``, or
 ``reward_fillna_value`` when set. The processes' standard output and error go to ``<log_dir>/<id>.log`` (the id

@@ -38,8 +38,8 @@ import anyio.to_thread
 import orjson
 from anyio.abc import TaskStatus
 
-from ..agent_lightning.rollouts import CONTROLLER_GRACE_SECONDS, Slot
-from ..agent_lightning.wire import DEFAULT_ATTEMPT_ID
+from ..agl10.rollouts import CONTROLLER_GRACE_SECONDS, Slot
+from ..agl10.wire import DEFAULT_ATTEMPT_ID
 from ..models import Task
 from ..store import TERMINAL, AttemptChange, StoreError
 from .checks import check_agent

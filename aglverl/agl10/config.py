@@ -45,7 +45,13 @@ from urllib.parse import urlsplit
 from ..config_errors import ConfigError, unknown_key_message
 from .wire import RolloutConfig, RolloutK8sConfig, RolloutLocalConfig
 
-__all__ = ["SECTION_DEFAULTS", "AgentLightningSettings", "map_section", "rollout_config_for"]
+__all__ = [
+    "SECTION_DEFAULTS",
+    "AgentLightningSettings",
+    "map_section",
+    "refuse_verl_keys",
+    "rollout_config_for",
+]
 
 #: Agent Lightning 1.0.2's ``agentlightning:`` section, its defaults (``verl/config.yaml``).
 SECTION_DEFAULTS: dict[str, Any] = {
@@ -333,3 +339,25 @@ def _job_template(path: Any) -> str | None:
         raise _error(
             f"agentlightning.k8s.job_template_path: cannot read {os.fspath(path)!r}: {exc.strerror}"
         ) from None
+
+
+#: Keys only ``agl.VERL``'s section has (Agent Lightning 1.0's has a ``trace_aggregator`` too, without these).
+_VERL_ONLY_KEYS = (("port",), ("trace_aggregator", "debug"), ("trace_aggregator", "mismatch_log_dir"))
+
+
+def refuse_verl_keys(overrides: Mapping[str, Any]) -> None:
+    """For ``AsyncVERL``, which reads Agent Lightning 1.0's section: a key only ``agl.VERL``'s section has is a
+    :class:`~aglverl.config_errors.ConfigError` saying which entry point trains such a config."""
+    section = overrides.get("agentlightning")
+    for path in _VERL_ONLY_KEYS:
+        node: Any = section
+        for part in path:
+            node = node.get(part) if isinstance(node, Mapping) else None
+            if node is None:
+                break
+        else:
+            raise ConfigError(
+                f"agentlightning.{'.'.join(path)} is a key of agl.VERL's section (Agent Lightning 0.2/0.3), not of "
+                "Agent Lightning 1.0's, which AsyncVERL reads: train an agl.VERL config with "
+                "aglverl.agent_lightning.VERL inside agl.Trainer.fit (or `aglverl fit SCRIPT`)"
+            )

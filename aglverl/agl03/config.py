@@ -2,9 +2,9 @@
 
 ``agl.VERL(config)`` takes verl's overrides plus this section (0.3's ``agentlightning/verl/config.yaml``; 0.2 has
 ``port`` alone). :func:`map_verl_section` takes it out of the overrides and writes what each key means in
-aglverl's terms, so :class:`aglverl.agent_lightning.VERL` trains the config as it is. Agent Lightning 1.0's
+aglverl's terms, so :class:`aglverl.agl03.VERL` trains the config as it is. Agent Lightning 1.0's
 section of the same name (``agl_base_url``, ``rollout_timeout_seconds``, ...) is another section:
-:class:`~aglverl.algorithm.AsyncVERL` reads that one (:mod:`.config`); which one a config holds is decided by the
+:class:`~aglverl.algorithm.AsyncVERL` reads that one (:mod:`aglverl.agl10.config`); which one a config holds is decided by the
 entry point that constructs the run, and a 1.0 key given to ``VERL`` (or a 0.3 key to ``AsyncVERL``) is an error
 that says so.
 
@@ -40,10 +40,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..agl10.config import _check_keys, _get, _merged, _put
 from ..config_errors import ConfigError
-from .config import _check_keys, _get, _merged, _put
 
-__all__ = ["VERL_SECTION_DEFAULTS", "map_verl_section", "refuse_verl_keys"]
+__all__ = ["VERL_SECTION_DEFAULTS", "map_verl_section"]
 
 #: Agent Lightning 0.3.0's ``agentlightning:`` section, its defaults (``agentlightning/verl/config.yaml``).
 VERL_SECTION_DEFAULTS: dict[str, Any] = {
@@ -71,28 +71,6 @@ _SECTION_1_0_KEYS = frozenset(
         "async_rollout",
     }
 )
-
-
-#: Keys only ``agl.VERL``'s section has (Agent Lightning 1.0's has a ``trace_aggregator`` too, without these).
-_VERL_ONLY_KEYS = (("port",), ("trace_aggregator", "debug"), ("trace_aggregator", "mismatch_log_dir"))
-
-
-def refuse_verl_keys(overrides: Mapping[str, Any]) -> None:
-    """For ``AsyncVERL``, which reads Agent Lightning 1.0's section: a key only ``agl.VERL``'s section has is a
-    :class:`~aglverl.config_errors.ConfigError` saying which entry point trains such a config."""
-    section = overrides.get("agentlightning")
-    for path in _VERL_ONLY_KEYS:
-        node: Any = section
-        for part in path:
-            node = node.get(part) if isinstance(node, Mapping) else None
-            if node is None:
-                break
-        else:
-            raise ConfigError(
-                f"agentlightning.{'.'.join(path)} is a key of agl.VERL's section (Agent Lightning 0.2/0.3), not of "
-                "Agent Lightning 1.0's, which AsyncVERL reads: train an agl.VERL config with "
-                "aglverl.agent_lightning.VERL inside agl.Trainer.fit (or `aglverl fit SCRIPT`)"
-            )
 
 
 def map_verl_section(overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -86,7 +86,7 @@ class AgentLightningAPI:
     """Agent Lightning's routes over a daemon's store, proxy and gate (see the module docstring).
 
     Made by :class:`~aglverl.daemon.AgentDaemon`, which mounts :meth:`routes` on its task server and serves
-    :meth:`serve` in its task group. ``settings`` (:class:`~aglverl.agent_lightning.config.AgentLightningSettings`)
+    :meth:`serve` in its task group. ``settings`` (:class:`~aglverl.agl10.config.AgentLightningSettings`)
     carries what an ``agentlightning:`` config section says: the config of the rollouts the run queues, the
     reward of an attempt without a reward event, and whether a trainer owns models and gate.
     """

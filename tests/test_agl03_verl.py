@@ -222,7 +222,7 @@ def test_aglverl_fit_runs_the_unchanged_program_whose_async_multiturn_agent_trai
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {
         "fit_returned": True,
-        "algorithm": "aglverl.agent_lightning.verl.VERL",
+        "algorithm": "aglverl.agl03.verl.VERL",
         "same_class": True,
     }
     steps = [json.loads(line)["data"] for line in metrics.read_text().splitlines()]

@@ -11,10 +11,10 @@ A program written for ``agl.VERL`` changes one line (or none, under ``aglverl fi
     trainer.fit(my_agent, train_dataset=train, val_dataset=val)
 
 :class:`VERL` is an ``agl.Algorithm``. It takes ``agl.VERL``'s config (verl's overrides, and the 0.2/0.3
-``agentlightning:`` section mapped by :mod:`.verl_config`), checked at construction by
+``agentlightning:`` section mapped by :mod:`.config`), checked at construction by
 :class:`~aglverl.algorithm.AsyncVERL`, which does the training: verl's V1 trainer, aglverl's daemon and proxy.
 Inside ``Trainer.fit`` (its store, execution strategy, forked runners and tracer), :meth:`VERL.run` starts the
-run and a :class:`~.lightning_store.LightningStoreBridge`: every aglverl rollout attempt becomes a rollout in the
+run and a :class:`~.store_bridge.LightningStoreBridge`: every aglverl rollout attempt becomes a rollout in the
 Trainer's store, whose ``main_llm`` is aglverl's proxy URL of that attempt, and its end (the reward the agent
 returned or emitted; or its failure) comes back to aglverl. ``fit`` returns when training ends, and the runners
 stop with it (the Trainer's stop event). The Trainer awaits ``run`` (:meth:`VERL.is_async`); called with no
@@ -36,8 +36,8 @@ from ..algorithm import AsyncVERL
 from ..algorithm.config import nest_overrides
 from ..algorithm.samples import rollouts_per_step
 from ..config_errors import ConfigError
-from .lightning_store import DequeueBell, LightningStoreBridge
-from .verl_config import map_verl_section
+from .config import map_verl_section
+from .store_bridge import DequeueBell, LightningStoreBridge
 
 __all__ = ["VERL"]
 

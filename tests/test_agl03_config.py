@@ -1,5 +1,5 @@
 """Agent Lightning 0.2/0.3's ``agentlightning:`` section (``agl.VERL``'s config) mapped onto aglverl's keys by
-:func:`aglverl.agent_lightning.verl_config.map_verl_section`: each key mapped, or refused naming it and why."""
+:func:`aglverl.agl03.config.map_verl_section`: each key mapped, or refused naming it and why."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from aglverl.agent_lightning.verl_config import map_verl_section
+from aglverl.agl03.config import map_verl_section
 from aglverl.config_errors import ConfigError
 
 
