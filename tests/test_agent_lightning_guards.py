@@ -233,7 +233,7 @@ async def test_events_are_bounded_in_bytes_per_rollout_and_in_total_with_a_413_n
     settings = AgentLightningSettings(max_event_bytes_per_rollout=10_000, max_event_bytes=25_000)
     async with serving(agent_lightning=settings, max_attempts=1) as (daemon, client):
         await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": f"r{i}"} for i in range(4)])
-        event = {"event_type": "trace", "data": {"blob": "x" * 4_000}}  # about 4 KB as posted
+        event = {"event_type": "trace", "data": {"blob": "x" * 4_000}}  # about 4 KB of data
         answers = [await client.post("/api/rollouts/r0/attempt/0/events", json=event) for _ in range(3)]
         assert [a.status_code for a in answers] == [200, 200, 413]
         assert (

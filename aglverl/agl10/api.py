@@ -204,7 +204,11 @@ class AgentLightningAPI:
         return None
 
     async def _body(self, request: Request) -> Any:
-        return _json(await read_body(request, self.max_body_bytes))
+        body = await read_body(request, self.max_body_bytes)
+        try:
+            return orjson.loads(body) if body else None
+        except orjson.JSONDecodeError as exc:
+            raise Refused(400, f"request body is not valid JSON: {exc}") from None
 
     @staticmethod
     def _parse(adapter: Any, data: Any, what: str) -> Any:
@@ -281,13 +285,10 @@ class AgentLightningAPI:
         return Response(status_code=204)
 
     async def post_event(self, request: Request) -> Response:
-        body = await read_body(request, self.max_body_bytes)
-        event = self._parse(EventCreate, _json(body), "event")
+        event = self._parse(EventCreate, await self._body(request), "event")
         params = request.path_params
         return json_response(
-            self.rollouts.add_event(
-                params["rollout_id"], params["attempt_id"], event.event_type, event.data, size=len(body)
-            )
+            self.rollouts.add_event(params["rollout_id"], params["attempt_id"], event.event_type, event.data)
         )
 
     async def get_events(self, request: Request) -> Response:
@@ -357,13 +358,6 @@ class AgentLightningAPI:
             reason=reason,
             inflight=int(getattr(proxy, "in_flight", 0)),
         )
-
-
-def _json(body: bytes) -> Any:
-    try:
-        return orjson.loads(body) if body else None
-    except orjson.JSONDecodeError as exc:
-        raise Refused(400, f"request body is not valid JSON: {exc}") from None
 
 
 def _presented_keys(request: Request) -> list[str]:

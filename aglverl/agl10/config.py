@@ -90,8 +90,8 @@ class AgentLightningSettings:
       ``terminal_grace_seconds`` after a page of the terminal cursor last listed them, and at most
       ``max_finished_rollouts`` of them (the oldest go first, read or not);
     - the events agents post: at most ``max_events_per_rollout`` events and ``max_event_bytes_per_rollout`` bytes
-      (as posted) per rollout, ``max_event_bytes`` for all rollouts together (a post past one is refused with a
-      413 naming it).
+      (their data as JSON, how they are kept) per rollout, ``max_event_bytes`` for all rollouts together (a post
+      past one is refused with a 413 naming it).
     """
 
     rollout_config: RolloutConfig = field(default_factory=RolloutConfig)

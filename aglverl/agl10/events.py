@@ -1,17 +1,20 @@
-"""The events of Agent Lightning's rollouts: the bounds on those agents post (:class:`EventBudget`), what a
-``reward`` event's value must be (:func:`reward_value`, :func:`reward_problem`), and the events made from what
-aglverl recorded (:func:`model_request_events`) and their ``format=triplet`` trim (:func:`triplet_events`)."""
+"""The events of Agent Lightning's rollouts: those agents post as they are kept (:class:`PostedEvent`) and the
+bounds on them (:class:`EventBudget`), what a ``reward`` event's value must be (:func:`reward_value`,
+:func:`reward_problem`), and the events made from what aglverl recorded (:func:`model_request_events`) and their
+``format=triplet`` trim (:func:`triplet_events`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from ..models import check_reward
 from ..store import LLMCall
 from .errors import TooMany
-from .slot import Slot
 from .wire import Event
 
 __all__ = [
@@ -19,6 +22,8 @@ __all__ = [
     "MAX_EVENT_BYTES",
     "MAX_EVENT_BYTES_PER_ROLLOUT",
     "EventBudget",
+    "PostedEvent",
+    "RolloutEvents",
     "model_request_events",
     "reward_problem",
     "reward_value",
@@ -27,17 +32,61 @@ __all__ = [
 
 #: Events one rollout keeps (posted ones, all attempt labels together); a post past it is refused.
 MAX_EVENTS_PER_ROLLOUT = 10_000
-#: Bytes (as posted) of the events one rollout keeps: an agent's traces, not a place for data sets.
+#: Bytes (their data as JSON) of the events one rollout keeps: an agent's traces, not a place for data sets.
 MAX_EVENT_BYTES_PER_ROLLOUT = 16 * 2**20
-#: Bytes (as posted) of the events all rollouts keep together: parsed, they take one to a few times that in
-#: memory, which a 24 GiB machine with a trainer on it can spare.
+#: Bytes (their data as JSON) of the events all rollouts keep together: kept as those bytes, about what they take
+#: in memory, which a 24 GiB machine with a trainer on it can spare.
 MAX_EVENT_BYTES = 512 * 2**20
 
 
+@dataclass(slots=True, frozen=True)
+class PostedEvent:
+    """An event an agent posted, as a rollout keeps it: its data as JSON bytes, parsed again when read (parsed,
+    data of many small keys takes ten times or more its bytes in memory)."""
+
+    event_type: str
+    timestamp: float
+    data: bytes
+
+    @property
+    def size(self) -> int:
+        """What it counts against the bounds: the bytes of its data."""
+        return len(self.data)
+
+    def parsed(self) -> dict[str, Any]:
+        return orjson.loads(self.data)  # type: ignore[no-any-return]
+
+    def wire(self, agl_id: str, label: str) -> Event:
+        """As Agent Lightning's API shows it."""
+        return Event(
+            event_type=self.event_type,
+            rollout_id=agl_id,
+            attempt_id=label,
+            timestamp=self.timestamp,
+            data=self.parsed(),
+        )
+
+
+class RolloutEvents:
+    """The events agents posted to one rollout, by attempt label, and their count and bytes (all labels together
+    count against the bounds)."""
+
+    __slots__ = ("by_label", "count", "size")
+
+    def __init__(self) -> None:
+        self.by_label: dict[str, list[PostedEvent]] = {}
+        self.count = 0
+        self.size = 0
+
+    def of(self, label: str) -> list[PostedEvent]:
+        """Those posted under ``label``, oldest first."""
+        return self.by_label.get(label, [])
+
+
 class EventBudget:
-    """The bounds on the events agents post: per rollout a count (``per_rollout``) and bytes as posted
-    (``bytes_per_rollout``), and bytes over all rollouts held (``bytes_total``). Bytes are counted as posted (the
-    request body), the unit a caller can check against."""
+    """The bounds on the events agents post: per rollout a count (``per_rollout``) and bytes (``bytes_per_rollout``),
+    and bytes over all rollouts held (``bytes_total``). Bytes are those of each event's data as JSON
+    (:attr:`PostedEvent.size`): what the event takes in memory, and about what it took to post."""
 
     def __init__(self, *, per_rollout: int, bytes_per_rollout: int, bytes_total: int) -> None:
         self.per_rollout = per_rollout
@@ -46,34 +95,34 @@ class EventBudget:
         #: Bytes of the posted events held now.
         self.held = 0
 
-    def admit(self, slot: Slot, size: int) -> None:
-        """Count an event of ``size`` bytes against ``slot`` and the total; past a bound, :class:`TooMany` (413)
-        naming it, and nothing is counted."""
-        where = f"rollout {slot.agl_id}"
-        if slot.event_count >= self.per_rollout:
+    def add(self, events: RolloutEvents, label: str, event: PostedEvent, *, where: str) -> None:
+        """Keep ``event`` among ``events`` (those of the rollout ``where`` names) under ``label``; past a bound,
+        :class:`TooMany` (413) naming it, and nothing is kept or counted."""
+        size = event.size
+        if events.count >= self.per_rollout:
             raise TooMany(
-                f"{where} already has {slot.event_count:,} events, the most one rollout keeps "
+                f"{where} already has {events.count:,} events, the most one rollout keeps "
                 f"({self.per_rollout:,}); this one was not stored"
             )
-        if slot.event_bytes + size > self.bytes_per_rollout:
+        if events.size + size > self.bytes_per_rollout:
             raise TooMany(
-                f"{where}'s events would take {slot.event_bytes + size:,} bytes, past the "
-                f"{self.bytes_per_rollout:,} bytes one rollout keeps (max_event_bytes_per_rollout); this one "
-                f"({size:,} bytes) was not stored"
+                f"{where}'s events would take {events.size + size:,} bytes, past the {self.bytes_per_rollout:,} "
+                f"bytes one rollout keeps (max_event_bytes_per_rollout); this one ({size:,} bytes) was not stored"
             )
         if self.held + size > self.bytes_total:
             raise TooMany(
                 f"the events of all rollouts would take {self.held + size:,} bytes, past the {self.bytes_total:,} "
                 f"bytes the daemon keeps (max_event_bytes); this one ({size:,} bytes, {where}) was not stored"
             )
-        slot.event_count += 1
-        slot.event_bytes += size
+        events.by_label.setdefault(label, []).append(event)
+        events.count += 1
+        events.size += size
         self.held += size
 
-    def release(self, slot: Slot) -> None:
-        """The slot's events are gone (its rollout was forgotten)."""
-        self.held -= slot.event_bytes
-        slot.event_bytes = 0
+    def release(self, events: RolloutEvents) -> None:
+        """The rollout's events are gone (it was forgotten)."""
+        self.held -= events.size
+        events.size = 0
 
 
 def _number(value: Any) -> float | None:

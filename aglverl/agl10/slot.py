@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 from .errors import InvalidId
-from .wire import DEFAULT_ATTEMPT_ID, Event
+from .events import RolloutEvents
+from .wire import DEFAULT_ATTEMPT_ID
 
 __all__ = ["ROLLOUT_ID_MAX", "Slot", "check_rollout_id", "retry_id"]
 
@@ -59,9 +60,7 @@ class Slot:
     error_message: str | None = None
     position: int | None = None  # in the terminal cursor, once terminal
     read: bool = False  # a page of the terminal cursor has listed it
-    events: dict[str, list[Event]] = field(default_factory=dict)  # posted ones, by attempt label
-    event_count: int = 0
-    event_bytes: int = 0  # of the posted events, as posted
+    events: RolloutEvents = field(default_factory=RolloutEvents)  # those agents posted
     #: Why a reward event of this attempt was refused (its value was not finite as float32): the attempt fails.
     refused_reward: str | None = None
     #: The key of the agent process aglverl's runner started for it (its event and proxy paths need it).
