@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import random
 import re
 import traceback
@@ -33,7 +32,17 @@ import anyio
 import orjson
 from pydantic import ValidationError
 
-from .models import INSTANCE_HEADER, LLM, ProxyLLM, ResourcesUpdate, Rollout, Task, TaskIfAny, dumps
+from .models import (
+    INSTANCE_HEADER,
+    LLM,
+    ProxyLLM,
+    ResourcesUpdate,
+    Rollout,
+    Task,
+    TaskIfAny,
+    check_reward,
+    dumps,
+)
 
 __all__ = ["AgentClient", "AgentFn", "AgentResultError", "TaskServerError", "check_agent", "run_agents"]
 
@@ -41,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: What an agent function may return, said once (:func:`run_agents`, :class:`~aglverl.algorithm.AsyncVERL`):
 #: a reward, that is a real number given as anything ``float()`` takes through ``__float__`` (``float``,
-#: ``int``, ``bool`` as 1.0 / 0.0, numpy and torch scalars, ``Fraction``, ``Decimal``) whose value is finite;
+#: ``int``, ``bool`` as 1.0 / 0.0, numpy and torch scalars, ``Fraction``, ``Decimal``) whose value is finite as
+#: float32 (:func:`~aglverl.models.check_reward`: 1e39 is not);
 #: or a :class:`~aglverl.models.Rollout`, posted as it is with the task's ids. Anything else (``None``, a
 #: string, NaN) fails the rollout with :class:`AgentResultError` saying what came back.
 AgentResult = float | int | bool | Rollout | None
@@ -234,6 +244,8 @@ def _to_rollout(task: Task, result: AgentResult) -> Rollout:
     is (ids filled in), a reward becomes the rollout's final reward; anything else raises
     :class:`AgentResultError` (the rollout then fails with that reason, as if the agent had raised it)."""
     if isinstance(result, Rollout):
+        if result.final_reward is not None:  # set after construction, it was never validated
+            _checked(result.final_reward)
         # the agent function is never told its rollout's ids: they are the task's, whatever it put there
         return result.model_copy(update={"rollout_id": task.rollout_id, "attempt_id": task.attempt_id})
     if result is None:
@@ -246,9 +258,14 @@ def _to_rollout(task: Task, result: AgentResult) -> Rollout:
         raise AgentResultError(
             f"the agent returned {result!r} ({type(result).__name__}): return a float reward or a Rollout"
         )
-    if not math.isfinite(reward):
-        raise AgentResultError(f"the agent returned the reward {reward}: a reward must be a finite number")
-    return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=reward)
+    return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=_checked(reward))
+
+
+def _checked(reward: float) -> float:
+    try:
+        return check_reward(reward, "the agent returned the reward")
+    except ValueError as exc:
+        raise AgentResultError(str(exc)) from None
 
 
 def _failure(task: Task, exc: BaseException) -> Rollout:

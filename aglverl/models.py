@@ -5,16 +5,18 @@ Field-for-field compatible with Agent Lightning 0.1 clients (``Task``, ``TaskIfA
 old clients ignore them when reading and omit them when writing.
 
 Inbound models (what agents post) reject unknown fields and non-finite numbers: a typo in a field name is an
-error that names the field, never silently dropped data.
+error that names the field, never silently dropped data. A reward must be finite as float32 (:func:`check_reward`):
+training rows keep rewards as float32, where 1e39 is infinity.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import orjson
 from annotated_types import Ge, Lt
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator
 
 __all__ = [
     "DECLARABLE_TERMINATIONS",
@@ -34,6 +36,7 @@ __all__ = [
     "TerminationReason",
     "TokenIds",
     "Triplet",
+    "check_reward",
     "checked_token_ids",
     "dumps",
 ]
@@ -110,14 +113,38 @@ def checked_token_ids(value: Any, vocab_size: int | None = None) -> list[int] | 
     return value if min(value) >= 0 and max(value) < bound else None
 
 
+#: The largest float32 (training rows keep rewards as float32).
+FLOAT32_MAX = 3.4028234663852886e38
+#: The smallest magnitude float32 rounds to infinity: halfway between its largest value and 2**128 (the tie goes
+#: to the even neighbour, which is infinity).
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def check_reward(value: float, what: str = "the reward") -> float:
+    """``value`` when it is a reward training can use: finite as float32, the type rows keep rewards in (1e39 or
+    ``exp(100)`` is finite as a Python float and infinity there, and one infinite score ends a GRPO step).
+    Otherwise a ``ValueError`` naming ``what`` and the value."""
+    if math.isfinite(value) and abs(value) < _FLOAT32_OVERFLOW:
+        return value
+    raise ValueError(
+        f"{what} {value!r}: not a finite float32 number (training rows keep rewards as float32, whose largest "
+        f"value is {FLOAT32_MAX:.8g})"
+    )
+
+
 def _not_bool(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("a reward must be a number, not a boolean")
     return value
 
 
-#: A finite number; JSON ``true``/``false`` are refused rather than read as 1.0/0.0.
-Reward = Annotated[float, BeforeValidator(_not_bool)]
+def _float32(value: float) -> float:
+    return check_reward(value)
+
+
+#: A number finite as float32 (:func:`check_reward`); JSON ``true``/``false`` are refused rather than read as
+#: 1.0/0.0.
+Reward = Annotated[float, BeforeValidator(_not_bool), AfterValidator(_float32)]
 
 
 class TokenIds(BaseModel):

@@ -166,10 +166,9 @@ async def test_the_terminal_cursor_is_exact_across_three_restarts_with_readers_b
     assert read[:2] == ["r0-0", "r0-1"] and read[2:5] == ["r1-0", "r1-1", "r0-2"]
 
 
-async def test_ended_api_rollouts_and_their_events_are_bounded() -> None:
-    """Finding 7: a rollout keeps at most ``max_events_per_rollout`` events (413 past it); ended rollouts
-    created through the API are dropped once a cursor reader has passed them, and the oldest beyond
-    ``max_finished_rollouts`` whether read or not."""
+async def test_ended_api_rollouts_past_the_bound_go_oldest_first_and_event_counts_are_bounded() -> None:
+    """Finding 7 of issue 39: a rollout keeps at most ``max_events_per_rollout`` events (413 past it); past
+    ``max_finished_rollouts`` the oldest ended rollouts created through the API go, read or not."""
     settings = AgentLightningSettings(max_finished_rollouts=3, max_events_per_rollout=4)
     async with serving(agent_lightning=settings, max_attempts=1) as (daemon, client):
         await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": f"r{i}"} for i in range(6)])
@@ -183,11 +182,122 @@ async def test_ended_api_rollouts_and_their_events_are_bounded() -> None:
         await client.post(
             "/api/rollouts", json=[{"input": {}, "rollout_id": "r6"}]
         )  # new work: the bound applies
-        assert [r for r in daemon.store.rollout_ids()] == ["r2", "r3", "r4", "r5", "r6"]
+        assert daemon.store.rollout_ids() == ["r2", "r3", "r4", "r5", "r6"]
         assert (await client.get("/api/rollouts/r0")).status_code == 404
-        page = (await client.get("/api/rollouts/terminal", params={"after": 0})).json()
-        assert [i["rollout_id"] for i in page["items"]] == ["r2", "r3", "r4"]
-        await client.get(
-            "/api/rollouts/terminal", params={"after": page["next_after"]}
-        )  # the reader moved past
-        assert daemon.store.rollout_ids() == ["r5", "r6"]
+
+
+async def _page(client: httpx.AsyncClient, after: int, limit: int = 1000) -> tuple[list[str], int]:
+    answer = await client.get("/api/rollouts/terminal", params={"after": after, "limit": limit})
+    assert answer.status_code == 200, answer.text
+    page = answer.json()
+    return [item["rollout_id"] for item in page["items"]], page["next_after"]
+
+
+async def test_reading_the_terminal_cursor_deletes_nothing_whatever_after_a_caller_sends() -> None:
+    """Issue 50: ``GET /api/rollouts/terminal?after=N`` evicted every ended API rollout before ``N``, read or not:
+    one wrong cursor wiped results before their consumer had them. Now a reader's ``after`` decides nothing:
+    a second reader, from the start, sees the same pages as the first, and every rollout is still held."""
+    async with serving(max_attempts=1) as (daemon, client):
+        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": f"r{i}"} for i in range(4)])
+        for i in range(4):
+            await client.patch(f"/api/rollouts/r{i}", json={"status": {"state": "failed"}})
+        assert await _page(client, 1000) == ([], 1000)  # a wrong cursor: nothing listed, nothing dropped
+        first = [await _page(client, after, limit=2) for after in (0, 2, 4)]
+        assert first == [(["r0", "r1"], 2), (["r2", "r3"], 4), ([], 4)]
+        second = [await _page(client, after, limit=2) for after in (0, 2, 4)]
+        assert second == first
+        assert daemon.store.rollout_ids() == ["r0", "r1", "r2", "r3"]
+        assert [(await client.get(f"/api/rollouts/r{i}")).status_code for i in range(4)] == [200] * 4
+
+
+async def test_ended_api_rollouts_go_once_their_grace_after_a_listing_passed_or_when_deleted() -> None:
+    """With ``terminal_grace_seconds: 0`` a listed rollout goes at the next request that drops any (one never
+    listed stays, whatever cursor a caller sends); ``DELETE``, Agent Lightning's acknowledgement, drops one at
+    once."""
+    settings = AgentLightningSettings(terminal_grace_seconds=0.0)
+    async with serving(agent_lightning=settings, max_attempts=1) as (daemon, client):
+        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": f"r{i}"} for i in range(4)])
+        for i in range(3):
+            await client.patch(f"/api/rollouts/r{i}", json={"status": {"state": "failed"}})
+        assert (await client.delete("/api/rollouts/r2")).status_code == 204
+        assert await _page(client, 0, limit=1) == (["r0"], 1)
+        assert await _page(client, 5) == ([], 5)  # r0's grace has passed; r1 was never listed
+        assert daemon.store.rollout_ids() == ["r1", "r3"]
+        assert await _page(client, 0) == (["r1"], 3)
+
+
+async def test_events_are_bounded_in_bytes_per_rollout_and_in_total_with_a_413_naming_the_limit() -> None:
+    """Issue 50: events were bounded by count only (24 events of 8 MB grew the trainer by 206 MB). Bytes as
+    posted are bounded per rollout and for all rollouts together; a refused event is not stored, and a rollout
+    that goes gives its bytes back."""
+    settings = AgentLightningSettings(max_event_bytes_per_rollout=10_000, max_event_bytes=25_000)
+    async with serving(agent_lightning=settings, max_attempts=1) as (daemon, client):
+        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": f"r{i}"} for i in range(4)])
+        event = {"event_type": "trace", "data": {"blob": "x" * 4_000}}  # about 4 KB of data
+        answers = [await client.post("/api/rollouts/r0/attempt/0/events", json=event) for _ in range(3)]
+        assert [a.status_code for a in answers] == [200, 200, 413]
+        assert (
+            "past the 10,000 bytes one rollout keeps (max_event_bytes_per_rollout)"
+            in answers[2].json()["detail"]
+        )
+        for rollout_id in ("r1", "r2"):
+            for _ in range(2):
+                assert (
+                    await client.post(f"/api/rollouts/{rollout_id}/attempt/0/events", json=event)
+                ).is_success
+        refused = await client.post("/api/rollouts/r3/attempt/0/events", json=event)
+        assert refused.status_code == 413
+        assert "past the 25,000 bytes the daemon keeps (max_event_bytes)" in refused.json()["detail"]
+        stored = (await client.get("/api/rollouts/r0/events")).json()
+        assert len(stored) == 2 and (await client.get("/api/rollouts/r3/events")).json() == []
+        budget = daemon.agent_lightning.rollouts.budget
+        held = budget.held
+        await client.delete("/api/rollouts/r0")
+        assert budget.held == held * 2 // 3  # r0's two events of six
+        assert (await client.post("/api/rollouts/r3/attempt/0/events", json=event)).status_code == 200
+
+
+async def test_a_reward_event_after_the_rollout_ended_is_409_and_changes_nothing() -> None:
+    """Issue 50: a reward posted after the rollout ended was answered 200 and kept among the events while the
+    stored result kept the old reward. Now: 409 naming the state; the events and the result are unchanged."""
+    async with serving(max_attempts=1) as (daemon, client):
+        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r"}])
+        await client.patch("/api/rollouts/r", json={"status": {"state": "running"}})
+        reward = {"event_type": "reward", "data": {"value": 0.25}}
+        assert (await client.post("/api/rollouts/r/attempt/0/events", json=reward)).status_code == 200
+        await client.patch("/api/rollouts/r", json={"status": {"state": "succeeded"}})
+        late = await client.post(
+            "/api/rollouts/r/attempt/0/events", json={"event_type": "reward", "data": {"value": 9}}
+        )
+        assert late.status_code == 409
+        assert "rollout r is succeeded: a reward posted after its end is refused" in late.json()["detail"]
+        events = (await client.get("/api/rollouts/r/events", params={"event_type": "reward"})).json()
+        assert [e["data"]["value"] for e in events] == [0.25]
+        assert daemon.store.record("r").result.final_reward == 0.25  # type: ignore[union-attr]
+        trace = await client.post(
+            "/api/rollouts/r/attempt/0/events", json={"event_type": "trace", "data": {}}
+        )
+        assert trace.status_code == 200  # other events on a finished rollout stay allowed (Agent Lightning's)
+
+
+@pytest.mark.parametrize("value", ["1e39", "-1e39", "1" + "0" * 40, "3.4028236e38"])
+async def test_a_reward_event_not_finite_as_float32_is_refused_and_fails_the_attempt(value: str) -> None:
+    """Issue 50: 1e39 is finite as a Python float and infinite in the float32 rows; its GRPO step raised and the
+    run ended. The reward event is refused (422 naming the value), and the attempt fails naming it, even when the
+    controller reports success."""
+    async with serving(max_attempts=1) as (daemon, client):
+        await client.post("/api/rollouts", json=[{"input": {}, "rollout_id": "r"}])
+        await client.patch("/api/rollouts/r", json={"status": {"state": "running"}})
+        body = b'{"event_type": "reward", "data": {"value": ' + value.encode() + b"}}"
+        answer = await client.post(
+            "/api/rollouts/r/attempt/0/events", content=body, headers={"content-type": "application/json"}
+        )
+        assert answer.status_code == 422
+        shown = repr(float(value))
+        assert f"the reward event's value {shown}: not a finite float32 number" in answer.json()["detail"]
+        assert (await client.get("/api/rollouts/r/events", params={"event_type": "reward"})).json() == []
+        ended = await client.patch("/api/rollouts/r", json={"status": {"state": "succeeded"}})
+        assert ended.json()["status"]["state"] == "failed"
+        assert shown in ended.json()["status"]["error_message"]
+        record = daemon.store.record("r")
+        assert record.state == "failed" and shown in (record.error or "")

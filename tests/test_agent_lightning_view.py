@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from aglverl import Rollout
-from aglverl.agl10.rollouts import AgentLightningRollouts, Conflict, triplet_events
+from aglverl.agl10.events import triplet_events
+from aglverl.agl10.rollouts import AgentLightningRollouts, Conflict
 from aglverl.agl10.wire import RolloutCreate, StatusPatch
 from aglverl.store import AttemptChange, LLMCall, TaskStore
 
@@ -166,3 +167,31 @@ async def test_recorded_calls_are_model_request_events_and_trim_to_triplets(stor
     assert trimmed[0].data["response_log_probs"] == [-0.5, -0.5]
     assert trimmed[-1].data == {"value": 1, "source": "agent"}
     assert view.detail("m").attempts == ["0"]
+
+
+async def test_an_ended_api_rollout_goes_a_grace_after_a_page_last_listed_every_attempt(
+    store: TaskStore,
+) -> None:
+    """Reading never deletes: an ended rollout created through the API goes ``terminal_grace_seconds`` after a
+    page of the cursor last listed it (each listing starts the grace again), and only once every attempt it had
+    was listed; ``clock`` is the retention's."""
+    now = [0.0]
+    view = AgentLightningRollouts(store, terminal_grace_seconds=10.0, clock=lambda: now[0])
+    view.create([RolloutCreate(input={}, rollout_id="a"), RolloutCreate(input={}, rollout_id="b")])
+    for agl_id in ("a", "b"):
+        await view.patch(agl_id, StatusPatch(state="running"))
+        await view.patch(agl_id, StatusPatch(state="failed", error_message="exit 1"))  # b, a retried
+    await view.patch("a-retry-1", StatusPatch(state="running"))
+    await view.patch("a-retry-1", StatusPatch(state="failed"))
+    assert [i.rollout_id for i in view.terminal_page(0, 10).items] == ["a", "b", "a-retry-1"]
+    await view.patch("b-retry-1", StatusPatch(state="running"))
+    await view.patch("b-retry-1", StatusPatch(state="failed"))
+    now[0] = 9.0
+    assert [i.rollout_id for i in view.terminal_page(2, 1).items] == ["a-retry-1"]  # a listed again
+    now[0] = 15.0
+    assert view.evict() == 0 and store.knows("a") and store.knows("b")  # b's last attempt never listed
+    now[0] = 19.0
+    assert view.evict() == 1 and not store.knows("a") and store.knows("b")
+    assert [i.rollout_id for i in view.terminal_page(0, 10).items] == ["b", "b-retry-1"]
+    now[0] = 29.0
+    assert view.evict() == 1 and not store.knows("b")

@@ -233,3 +233,23 @@ def test_aglverl_fit_runs_the_unchanged_program_whose_async_multiturn_agent_trai
         assert step["batch/n_calls"] == 12 and step["batch/n_calls_merged"] == 8
     seen = _seen(log)
     assert len(seen) == 8 and all(len(s["answers"]) == 3 and "/rollout/" in s["endpoint"] for s in seen)
+
+
+def test_a_reward_not_finite_as_float32_returned_or_emitted_fails_its_rollout_and_training_goes_on(
+    shared_ray: None, tmp_path: Path
+) -> None:
+    """Issue 50: 1e39 is a finite Python float and infinity in the float32 rows, where GRPO raised and the run
+    ended. Returned by an ``@agl.rollout`` function or reported with ``agl.emit_reward`` (found in its spans by
+    the bridge), it fails that rollout with an error naming the value, and both steps train."""
+    train = _rows(tmp_path / "seen.jsonl", 12)
+    train[0]["huge_once"] = str(tmp_path / "returned")  # one of its two rollouts returns 1e39
+    train[1].update(huge_once=str(tmp_path / "emitted"), emit=True)  # one emits -1e39
+    algo = VERL(_config(max_attempts=1))
+    ended: list[Any] = []
+    algo.algorithm.on_serving.append(lambda daemon: daemon.store.on_attempt(ended.append))
+    steps = _fit(algo, seed_agents.reporting_agent, train)
+    assert len(steps) == 2
+    errors = [c.error or "" for c in ended if c.kind == "ended" and c.state == "failed"]
+    returned = [e for e in errors if "reward 1e+39: not a finite float32 number" in e]
+    emitted = [e for e in errors if "reward -1e+39: not a finite float32 number" in e]
+    assert len(returned) == 1 and len(emitted) == 1, errors

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import socket
 from typing import Any
 
@@ -11,7 +12,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aglverl import LLM, AgentDaemon, run_agents
+from aglverl import LLM, AgentDaemon, Rollout, run_agents
 from aglverl.client import check_agent
 
 pytestmark = pytest.mark.anyio
@@ -72,6 +73,17 @@ async def test_agents_that_cannot_be_awaited_with_task_and_llm_are_refused_befor
     check_agent(Agent())  # an object whose __call__ is async is an agent
 
 
+async def _results(agent: Any, inputs: list[str]) -> list[Rollout | None]:
+    """The rollouts ``agent`` (two loops of :func:`run_agents`) made of one task per input, in their order."""
+    async with AgentDaemon(max_attempts=1) as daemon, anyio.create_task_group() as tg:
+        ids = [await daemon.queue_task(task_input) for task_input in inputs]
+        tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=2))
+        with anyio.fail_after(20):
+            results = [await daemon.wait_for_rollout(rollout_id) for rollout_id in ids]
+        tg.cancel_scope.cancel()
+    return results
+
+
 async def test_an_agent_that_returns_a_bool_or_a_numpy_scalar_gets_that_reward() -> None:
     """A reward is any finite real number an agent returns: ``answer == "yes"`` is 1.0 or 0.0, as numpy's bool
     and float are (the old check refused Python's bool and took numpy's)."""
@@ -81,13 +93,8 @@ async def test_an_agent_that_returns_a_bool_or_a_numpy_scalar_gets_that_reward()
             task_input
         ]
 
-    async with AgentDaemon(max_attempts=1) as daemon, anyio.create_task_group() as tg:
-        kinds = ["bool", "false", "numpy_bool", "numpy"]
-        ids = [await daemon.queue_task(kind) for kind in kinds]
-        tg.start_soon(lambda: run_agents(daemon.server_url, judge, concurrency=2))
-        with anyio.fail_after(20):
-            results = [await daemon.wait_for_rollout(rollout_id) for rollout_id in ids]
-        tg.cancel_scope.cancel()
+    kinds = ["bool", "false", "numpy_bool", "numpy"]
+    results = await _results(judge, kinds)
     rewards = {
         kind: (r.status, r.final_reward) for kind, r in zip(kinds, results, strict=True) if r is not None
     }
@@ -97,6 +104,28 @@ async def test_an_agent_that_returns_a_bool_or_a_numpy_scalar_gets_that_reward()
         "numpy_bool": ("succeeded", 1.0),
         "numpy": ("succeeded", 0.25),
     }
+
+
+async def test_an_agent_returning_a_reward_not_finite_as_float32_fails_its_attempt_naming_it() -> None:
+    """Issue 50: ``exp(100)`` (or 1e39) is a finite Python float and infinity in the float32 rows, where one
+    such score ended the run's GRPO step. Returned as a number or in a :class:`Rollout` it fails its attempt,
+    naming the value; the largest float32 is still a reward."""
+
+    async def agent(task_input: Any, llm: LLM) -> Any:
+        if task_input == "rollout":
+            rollout = Rollout(rollout_id="x", final_reward=0.5)
+            rollout.final_reward = 1e39  # assigned after construction: never validated there
+            return rollout
+        return {"exp": math.exp(100), "numpy": np.float64(-1e39), "max": 3.4028235e38}[task_input]
+
+    kinds = ["exp", "numpy", "rollout", "max"]
+    exp, numpy, rollout, largest = await _results(agent, kinds)
+    shown = {"exp": repr(math.exp(100)), "numpy": "-1e+39", "rollout": "1e+39"}
+    for kind, result in zip(kinds, (exp, numpy, rollout), strict=False):
+        assert result is not None and result.status == "failed", kind
+        error = result.metadata["error"]
+        assert f"the agent returned the reward {shown[kind]}: not a finite float32 number" in error, error
+    assert largest is not None and (largest.status, largest.final_reward) == ("succeeded", 3.4028235e38)
 
 
 def _logged(agent: Any) -> Any:

@@ -6,7 +6,9 @@ AsyncVERL end to end on CPU (verl's V1 trainer, the toy task); one Ray session f
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,6 +20,7 @@ import ray
 from aglverl import LLM
 from aglverl.algorithm import AsyncVERL, compose_config, verl_runtime
 from aglverl.cli.demo import one_word_agent
+from aglverl.store import AttemptChange
 from aglverl.store.journal import read_records
 from aglverl.trajectory.groups import AgentsFailing
 
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.anyio
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TRAIN = [{"prompt": "Say yes.", "word": "yes", "id": i} for i in range(12)]
+HELPERS = Path(__file__).parent / "helpers"
 
 
 class ModelBehaviorError(Exception):
@@ -133,3 +137,40 @@ async def test_an_agent_that_forgets_its_reward_stops_the_run_saying_so(shared_r
     assert caught.value.errors[0][0] == (
         "aglverl.client.AgentResultError: the agent returned None: return a float reward or a Rollout"
     )
+
+
+async def test_an_agent_process_cannot_stop_training_with_a_huge_reward_a_frozen_supervisor_or_a_late_reward(
+    shared_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 50's acceptance: two steps with the built-in runner (Agent Lightning agent classes, forked) in which
+    one agent writes 1e39 to its reward file, one stops its supervisor with SIGSTOP, and one posts a reward after
+    ending its own rollout. Both steps train; the three attempts fail or are refused, each with its reason; the
+    run's shutdown takes less than 30 s. (tests/helpers/hostile_agents.py: one attempt of each kind misbehaves.)"""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")]))
+    kinds = ["huge", "freeze", "late", "good"]
+    processes = {
+        "agent_class": "hostile_agents:HostileAgent",
+        "env_map": {"TASK_KIND": "input.kind", "HOSTILE_DIR": str(tmp_path)},
+        "timeout_seconds": 15,
+        "kill_grace_seconds": 2,
+        "log_dir": str(tmp_path / "logs"),
+    }
+    algo = AsyncVERL(_config("sync", 2, agents=4, processes=processes))
+    ended: list[AttemptChange] = []
+    algo.on_serving.append(lambda daemon: daemon.store.on_attempt(ended.append))
+    steps: list[int] = []
+    algo.on_step.append(lambda step, metrics: steps.append(step))
+    stopping: list[float] = []
+    algo.on_stopping.append(lambda daemon: stopping.append(time.monotonic()))
+    await algo.run([{**task, "kind": kind} for task, kind in zip(TRAIN, kinds, strict=False)], None)
+    shutdown = time.monotonic() - stopping[0]
+    assert steps == [1, 2]
+    errors = [c.error or "" for c in ended if c.kind == "ended" and c.state == "failed"]
+    assert any("AGL_REWARD_FILE held the reward 1e+39: not a finite float32 number" in e for e in errors), (
+        errors
+    )
+    assert any("supervisor" in e for e in errors), errors  # the runner ended the frozen one (runners' fix)
+    logs = "\n".join(p.read_text() for p in (tmp_path / "logs").iterdir())
+    assert "late reward: 409 rollout" in logs and "a reward posted after its end is refused" in logs, logs
+    assert "reward events kept: [0.5]" in logs
+    assert shutdown < 30, shutdown

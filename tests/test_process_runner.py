@@ -208,6 +208,26 @@ async def test_consecutive_programs_get_their_own_reward_file_and_a_fifo_there_f
     assert (last.state, last.result.final_reward) == ("completed", 0.75)
 
 
+async def test_a_reward_file_not_finite_as_float32_fails_its_attempt_naming_the_value(tmp_path: Path) -> None:
+    """Issue 50: a reward of 1e39 (finite as a Python float, infinite in the rows' float32) was trained on, and its
+    GRPO step raised. Written to AGL_REWARD_FILE, it (or inf, or nan) fails its attempt naming the value; the
+    largest float32 still trains."""
+    options = {
+        "command": ["sh", "-c", 'printf "%s\\n" "$TASK_REWARD" > "$AGL_REWARD_FILE"'],
+        "env_map": {"TASK_REWARD": "input.reward"},
+    }
+    written = ["1e39", "-1e39", "inf", "nan", "3.4028235e38"]
+    async with running(tmp_path, options, concurrency=2) as (daemon, _, _mock):
+        ids = [await daemon.queue_task({"reward": value}) for value in written]
+        records = [await finished(daemon, rollout_id) for rollout_id in ids]
+    for value, record in zip(written[:-1], records, strict=False):
+        assert record.state == "failed", value
+        assert (
+            f"AGL_REWARD_FILE held the reward {float(value)!r}: not a finite float32 number" in record.error
+        )
+    assert (records[-1].state, records[-1].result.final_reward) == ("completed", 3.4028235e38)
+
+
 async def test_no_more_than_concurrency_processes_run_at_once(tmp_path: Path) -> None:
     """Six rollouts, two processes at a time: each agent holds a connection to the test until released. While
     two are held, the runner runs two and four rollouts wait queued; releasing one starts exactly one more."""

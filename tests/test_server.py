@@ -154,6 +154,18 @@ BAD_POSTS = [
         "field 'metadata': Value error, metadata['termination_reason'] must be one of",
     ),
     (b'{"rollout_id": "R", "pad": "' + b"x" * (70 << 10) + b'"}', 413, "exceeds the limit"),
+    # issue 50: finite as a Python float, infinite as the float32 the rows keep rewards in
+    (
+        b'{"rollout_id": "R", "final_reward": 1e39}',
+        422,
+        "field 'final_reward': Value error, the reward 1e+39: not a finite float32 number",
+    ),
+    (
+        b'{"rollout_id": "R", "triplets": [{"prompt": {"token_ids": [1]}, "response": {"token_ids": [2]}, '
+        b'"reward": -3.5e38}]}',
+        422,
+        "field 'triplets.0.reward': Value error, the reward -3.5e+38: not a finite float32 number",
+    ),
 ]
 
 

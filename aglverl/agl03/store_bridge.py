@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -46,7 +45,7 @@ import agentlightning as agl
 import anyio
 from agentlightning.emitter.reward import find_final_reward
 
-from ..models import ProxyLLM, Rollout, Task
+from ..models import ProxyLLM, Rollout, Task, check_reward
 from ..store import StoreError
 
 __all__ = ["LONG_POLL_SECONDS", "DequeueBell", "LightningStoreBridge"]
@@ -281,11 +280,15 @@ class LightningStoreBridge:
             reward = find_final_reward(spans)
             if reward is None:
                 reward = self.reward_fillna_value
-            if reward is not None and math.isfinite(reward):
-                return Rollout(
-                    rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=float(reward)
-                )
-            error = f"Agent Lightning rollout {ended.rollout_id} reported the reward {reward!r}"
+            error = f"Agent Lightning rollout {ended.rollout_id} reported no reward"
+            if reward is not None:
+                try:  # a reward emitted or returned: finite as float32, else the attempt fails naming it
+                    final = check_reward(
+                        float(reward), f"Agent Lightning rollout {ended.rollout_id}'s reward"
+                    )
+                    return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=final)
+                except ValueError as exc:
+                    error = str(exc)
         else:
             attempt = await self.store.get_latest_attempt(ended.rollout_id)
             how = attempt.status if attempt is not None else ended.status

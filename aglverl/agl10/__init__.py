@@ -6,7 +6,9 @@ task server as they talk to Agent Lightning's server, at the same one base URL:
 - :mod:`.api` — :class:`AgentLightningAPI`: the routes (rollouts, the terminal cursor, events, models, the
   proxy's pause / resume / state), mounted on every :class:`~aglverl.daemon.AgentDaemon`'s task server;
 - :mod:`.rollouts` — :class:`AgentLightningRollouts`: Agent Lightning's rollouts as a view of aglverl's store
-  (one Agent Lightning rollout per aglverl attempt: how retries appear, the state machine, the cursor);
+  (one Agent Lightning rollout per aglverl attempt: how retries appear, the state machine), holding its parts:
+  :mod:`.slot` (one rollout), :mod:`.cursor` (the terminal cursor; how long ended API rollouts are kept),
+  :mod:`.events` (the bounds on posted events; the events made from aglverl's records), :mod:`.errors`;
 - :mod:`.hop` — :class:`ProxyHop`: Agent Lightning's proxy path relayed to aglverl's LLM proxy;
 - :mod:`.config` — the ``agentlightning:`` config section mapped onto aglverl's keys
   (:func:`map_section`), and :class:`AgentLightningSettings`;

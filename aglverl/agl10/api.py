@@ -4,9 +4,11 @@ Routes (Agent Lightning's paths, bodies and answers: :mod:`.wire`; errors are ``
 
 - ``POST /api/rollouts`` (a list of ``RolloutCreate``; 201; a known ``rollout_id`` is returned unchanged),
   ``GET /api/rollouts?state_in=...&limit=500``, ``GET /api/rollouts/terminal?after=&limit=`` (the append-only
-  cursor), ``GET|PATCH|DELETE /api/rollouts/{id}`` (the state machine: any other transition is a 409);
-- ``POST /api/rollouts/{id}/attempt/{attempt}/events``, ``GET /api/rollouts/{id}/events?event_type=&format=triplet``
-  (``model_request`` events are the calls aglverl's proxy recorded);
+  cursor: reading it deletes nothing), ``GET|PATCH|DELETE /api/rollouts/{id}`` (the state machine: any other transition is a 409);
+- ``POST /api/rollouts/{id}/attempt/{attempt}/events`` (bounded in count and bytes: 413; a ``reward`` whose value is
+  not finite as float32 is a 422 and fails the attempt; a ``reward`` for an ended rollout a 409),
+  ``GET /api/rollouts/{id}/events?event_type=&format=triplet`` (``model_request`` events are the calls aglverl's
+  proxy recorded);
 - ``POST /api/models`` / ``DELETE /api/models`` (the proxy's backends), ``POST /proxy/pause``,
   ``POST /proxy/resume``, ``GET /proxy/state`` (aglverl's gate: a pause holds new calls until the resume);
 - the proxy path, ``/proxy/rollout/{id}/attempt/{attempt}/mode/{mode}/openai/v1/...`` (:mod:`.hop`).
@@ -101,7 +103,10 @@ class AgentLightningAPI:
             default_config=settings.rollout_config,
             reward_fillna_value=settings.reward_fillna_value,
             max_finished_rollouts=settings.max_finished_rollouts,
+            terminal_grace_seconds=settings.terminal_grace_seconds,
             max_events_per_rollout=settings.max_events_per_rollout,
+            max_event_bytes_per_rollout=settings.max_event_bytes_per_rollout,
+            max_event_bytes=settings.max_event_bytes,
         )
         self.hop = ProxyHop(
             daemon.store,

@@ -43,6 +43,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..config_errors import ConfigError, unknown_key_message
+from .cursor import MAX_FINISHED_ROLLOUTS, TERMINAL_GRACE_SECONDS
+from .events import MAX_EVENT_BYTES, MAX_EVENT_BYTES_PER_ROLLOUT, MAX_EVENTS_PER_ROLLOUT
 from .wire import RolloutConfig, RolloutK8sConfig, RolloutLocalConfig
 
 __all__ = [
@@ -84,17 +86,23 @@ class AgentLightningSettings:
     - ``accept_rollouts``: whether ``POST /api/rollouts`` queues work (a daemon without a trainer: ``aglverl
       serve``); a trainer's daemon refuses it with a 403 unless its config allows it (``aglverl.
       accept_outside_rollouts``): the run's agents would run whatever input a caller sends;
-    - ``max_finished_rollouts``: how many ended rollouts created through the API are kept (the oldest go first;
-      those a cursor reader has passed go at once); ``max_events_per_rollout``: how many events one rollout
-      keeps (a post past it is refused with a 413).
+    - ended rollouts created through the API are kept until a caller deletes them, or for
+      ``terminal_grace_seconds`` after a page of the terminal cursor last listed them, and at most
+      ``max_finished_rollouts`` of them (the oldest go first, read or not);
+    - the events agents post: at most ``max_events_per_rollout`` events and ``max_event_bytes_per_rollout`` bytes
+      (their data as JSON, how they are kept) per rollout, ``max_event_bytes`` for all rollouts together (a post
+      past one is refused with a 413 naming it).
     """
 
     rollout_config: RolloutConfig = field(default_factory=RolloutConfig)
     reward_fillna_value: float | None = None
     trainer_owns_gate: bool = False
     accept_rollouts: bool = True
-    max_finished_rollouts: int = 10_000
-    max_events_per_rollout: int = 10_000
+    max_finished_rollouts: int = MAX_FINISHED_ROLLOUTS
+    terminal_grace_seconds: float = TERMINAL_GRACE_SECONDS
+    max_events_per_rollout: int = MAX_EVENTS_PER_ROLLOUT
+    max_event_bytes_per_rollout: int = MAX_EVENT_BYTES_PER_ROLLOUT
+    max_event_bytes: int = MAX_EVENT_BYTES
 
 
 def rollout_config_for(processes: Any, job_template: str | None = None) -> RolloutConfig:

@@ -45,8 +45,9 @@ from ..proxy.api import APIS, Translator
 from ..proxy.call import ProxyError
 from ..proxy.headers import HOP_BY_HOP
 from ..store import TaskStore
+from .errors import Conflict, NotFound
 from .http import Refused, read_body
-from .rollouts import AgentLightningRollouts, Conflict, NotFound
+from .rollouts import AgentLightningRollouts
 
 __all__ = ["ProxyHop"]
 

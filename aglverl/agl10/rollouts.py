@@ -19,6 +19,11 @@ the store the same way (``PATCH succeeded`` posts the attempt's result with the 
 every path that can end an attempt (a controller, the built-in runner, an aglverl agent, a lease running out, a
 step's deadline) shows up here once. Every transition into a terminal state is appended to the terminal cursor.
 
+The view holds its parts: the terminal cursor and the retention of the ended rollouts created through the API
+(:mod:`.cursor`: reading a page never deletes; such a rollout goes when a caller deletes it, a grace period after
+a page last listed it, or past a bound, the oldest first), the bounds on posted events (:mod:`.events`, which
+also makes the ``model_request`` events from aglverl's records), and each rollout's :class:`~.slot.Slot`.
+
 Durability: with the daemon's journal, the cursor's positions and the configs of rollouts created through the
 API are journaled (``agl_*`` records, compacted to what is still held), so a daemon restarted on its journal (a
 resumed ``AsyncVERL`` run) continues the cursor where it stopped: a reader's ``next_after`` from before the
@@ -30,20 +35,31 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import secrets
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import quote
 
-from ..models import Rollout
-from ..store import TERMINAL, AttemptChange, LLMCall, StoreError, TaskStore
+import orjson
+
+from ..models import Rollout, check_reward
+from ..store import TERMINAL, AttemptChange, LLMCall, TaskStore
+from .cursor import MAX_FINISHED_ROLLOUTS, TERMINAL_GRACE_SECONDS, Retention, TerminalCursor
+from .errors import BadReward, Conflict, NotFound, TooMany
+from .events import (
+    MAX_EVENT_BYTES,
+    MAX_EVENT_BYTES_PER_ROLLOUT,
+    MAX_EVENTS_PER_ROLLOUT,
+    EventBudget,
+    PostedEvent,
+    model_request_events,
+    reward_problem,
+    reward_value,
+    triplet_events,
+)
+from .slot import ROLLOUT_ID_MAX, Slot, check_rollout_id, retry_id
 from .wire import (
-    DEFAULT_ATTEMPT_ID,
     TERMINAL_STATES,
     VALID_TRANSITIONS,
     AglRollout,
@@ -61,12 +77,16 @@ from .wire import (
 __all__ = [
     "CONTROLLER_GRACE_SECONDS",
     "MAX_EVENTS_PER_ROLLOUT",
+    "MAX_EVENT_BYTES",
+    "MAX_EVENT_BYTES_PER_ROLLOUT",
     "MAX_FINISHED_ROLLOUTS",
     "ROLLOUT_ID_MAX",
+    "TERMINAL_GRACE_SECONDS",
     "AgentLightningRollouts",
+    "BadReward",
     "Conflict",
-    "InvalidId",
     "NotFound",
+    "Slot",
     "TooMany",
     "check_rollout_id",
     "retry_id",
@@ -80,110 +100,17 @@ logger = logging.getLogger(__name__)
 CONTROLLER_GRACE_SECONDS = 60.0
 
 
-#: The longest rollout id a caller may choose.
-ROLLOUT_ID_MAX = 128
-#: Rollouts created through ``POST /api/rollouts`` that have ended and are kept (oldest dropped first past it).
-MAX_FINISHED_ROLLOUTS = 10_000
-#: Events one rollout keeps (posted ones, all attempt labels together); a post past it is refused.
-MAX_EVENTS_PER_ROLLOUT = 10_000
-
-_ROLLOUT_ID = re.compile(rf"[A-Za-z0-9_~][A-Za-z0-9._~-]{{0,{ROLLOUT_ID_MAX - 1}}}")
-_RETRY_FORM = re.compile(r"-retry-[0-9]+$")
-
-
-class NotFound(StoreError):
-    status = 404
-
-
-class InvalidId(StoreError):
-    """A rollout id a caller chose that aglverl refuses (see :func:`check_rollout_id`)."""
-
-    status = 422
-
-
-class TooMany(StoreError):
-    """A rollout that already holds as many events as it may."""
-
-    status = 413
-
-
-class Conflict(StoreError):
-    """A transition the state machine does not allow, or a change to a rollout that is not this API's."""
-
-    status = 409
-
-
-def retry_id(rollout_id: str, index: int) -> str:
-    """The Agent Lightning rollout id of attempt ``index + 1`` of aglverl rollout ``rollout_id``."""
-    return rollout_id if index == 0 else f"{rollout_id}-retry-{index}"
-
-
-def check_rollout_id(rollout_id: str) -> str:
-    """A rollout id a caller chose, as it may be: 1 to :data:`ROLLOUT_ID_MAX` characters, URL-safe (letters,
-    digits, ``.``, ``_``, ``~``, ``-``: no ``/``, no space, nothing to escape), not starting with ``.`` or ``-``,
-    and not of the form ``<id>-retry-<k>`` that aglverl's retries take. :class:`InvalidId` (422) otherwise."""
-    if not _ROLLOUT_ID.fullmatch(rollout_id):
-        raise InvalidId(
-            f"rollout_id {rollout_id[:200]!r} is not allowed: it must be 1-{ROLLOUT_ID_MAX} characters of letters, "
-            "digits, '.', '_', '~' and '-', not starting with '.' or '-' (it names URLs and files)"
-        )
-    if _RETRY_FORM.search(rollout_id):
-        raise InvalidId(
-            f"rollout_id {rollout_id!r} is not allowed: ids ending in '-retry-<k>' are aglverl's retries' "
-            "(attempt k+1 of rollout R is R-retry-k)"
-        )
-    return rollout_id
-
-
-@dataclass(slots=True, eq=False)
-class Slot:
-    """One Agent Lightning rollout: attempt ``index + 1`` of aglverl rollout ``rollout_id``."""
-
-    agl_id: str
-    rollout_id: str
-    index: int
-    created_at: float
-    updated_at: float
-    state: str = "queuing"
-    version: int = 1
-    attempt_id: str | None = None  # aglverl's, once claimed
-    resources_id: str | None = None  # what the claimed attempt's task names (its proxy shard's, with shards)
-    last_attempt_id: str | None = None
-    k8s_job_name: str | None = None
-    error_message: str | None = None
-    position: int | None = None  # in the terminal cursor, once terminal
-    events: dict[str, list[Event]] = field(default_factory=dict)  # posted ones, by attempt label
-    event_count: int = 0
-    #: The key of the agent process aglverl's runner started for it (its event and proxy paths need it).
-    key: str | None = None
-
-    @property
-    def label(self) -> str:
-        """The attempt label whose events count: the last one a controller named, else ``"0"``."""
-        return self.last_attempt_id or DEFAULT_ATTEMPT_ID
-
-    @property
-    def url_id(self) -> str:
-        """The id as a URL path segment (escaped: ids journaled before ids were checked may need it)."""
-        return quote(self.agl_id, safe="")
-
-
-def reward_value(data: Mapping[str, Any]) -> float | None:
-    """The reward a ``reward`` event's data carries: a finite number (not a boolean), else ``None``."""
-    value = data.get("value")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
 class AgentLightningRollouts:
     """The view (see the module docstring). Built on the store it follows; every method runs on its loop.
 
     ``default_config`` is the ``config`` of rollouts aglverl queued itself (a trainer's), what Agent Lightning's
     controllers read (``agentlightning.local`` / ``k8s`` / ``rollout_timeout_seconds``); rollouts created
     through ``POST /api/rollouts`` carry their own. ``reward_fillna_value``: the reward of an attempt that ended
-    well without a reward event (``None``: such an attempt fails).
+    well without a reward event (``None``: such an attempt fails). The bounds: on the ended rollouts created
+    through the API (:class:`~aglverl.agl10.cursor.Retention`: ``max_finished_rollouts``,
+    ``terminal_grace_seconds``; ``clock`` its seconds), and on the events agents post
+    (:class:`~aglverl.agl10.events.EventBudget`: ``max_events_per_rollout``, ``max_event_bytes_per_rollout``,
+    ``max_event_bytes``).
     """
 
     def __init__(
@@ -193,20 +120,31 @@ class AgentLightningRollouts:
         default_config: RolloutConfig | None = None,
         reward_fillna_value: float | None = None,
         max_finished_rollouts: int = MAX_FINISHED_ROLLOUTS,
+        terminal_grace_seconds: float = TERMINAL_GRACE_SECONDS,
         max_events_per_rollout: int = MAX_EVENTS_PER_ROLLOUT,
+        max_event_bytes_per_rollout: int = MAX_EVENT_BYTES_PER_ROLLOUT,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.default_config = default_config or RolloutConfig()
         self.reward_fillna_value = reward_fillna_value
-        self.max_finished_rollouts = max_finished_rollouts
-        self.max_events_per_rollout = max_events_per_rollout
         self._slots: dict[str, Slot] = {}
         self._keys: dict[str, str] = {}  # attempt key -> the Agent Lightning id it opens
-        self._finished_api: OrderedDict[str, None] = OrderedDict()  # API rollouts ended, oldest first
         self._of: dict[str, list[Slot]] = {}  # aglverl rollout id -> its slots, oldest first
         self._configs: dict[str, RolloutConfig] = {}  # rollouts created through the API
-        self._terminal: list[str | None] = []  # the cursor: Agent Lightning ids, None once forgotten
-        self._recovered: dict[str, tuple[int, str]] = {}  # journaled positions not yet matched to a slot
+        #: The terminal cursor (its ids are Agent Lightning's).
+        self.cursor = TerminalCursor()
+        #: When the ended rollouts created through the API go.
+        self.retention = Retention(
+            limit=max_finished_rollouts, grace_seconds=terminal_grace_seconds, clock=clock
+        )
+        #: The bounds on the events agents post.
+        self.budget = EventBudget(
+            per_rollout=max_events_per_rollout,
+            bytes_per_rollout=max_event_bytes_per_rollout,
+            bytes_total=max_event_bytes,
+        )
         store.on_attempt(self._changed)
         store.on_forget(self._forgotten)
 
@@ -216,7 +154,7 @@ class AgentLightningRollouts:
         slot = Slot(retry_id(rollout_id, index), rollout_id, index, now, now)
         self._slots[slot.agl_id] = slot
         self._of.setdefault(rollout_id, []).append(slot)
-        recovered = self._recovered.pop(slot.agl_id, None)
+        recovered = self.cursor.recovered(slot.agl_id)
         if recovered is not None:  # ended before a restart: same place in the cursor, same state
             slot.position, slot.state = recovered
         return slot
@@ -234,8 +172,7 @@ class AgentLightningRollouts:
         if error is not None:
             slot.error_message = error
         if state in TERMINAL_STATES:
-            slot.position = len(self._terminal)
-            self._terminal.append(slot.agl_id)
+            slot.position = self.cursor.append(slot.agl_id)
             self.store.journal_write(
                 {"kind": "agl_terminal", "position": slot.position, "agl_id": slot.agl_id, "state": state}
             )
@@ -281,7 +218,7 @@ class AgentLightningRollouts:
                         slot, "failed", f"superseded: attempt {change.attempt_id}'s result was accepted"
                     )
         if change.state in TERMINAL and change.rollout_id in self._configs:
-            self._finished_api[change.rollout_id] = None  # evicted later, outside the store's method
+            self.retention.ended(change.rollout_id)  # dropped later, outside the store's method
 
     def _forgotten(self, rollout_ids: Sequence[str]) -> None:
         for rollout_id in rollout_ids:
@@ -290,9 +227,10 @@ class AgentLightningRollouts:
                 if slot.key is not None:
                     self._keys.pop(slot.key, None)
                 if slot.position is not None:
-                    self._terminal[slot.position] = None
+                    self.cursor.clear(slot.position)
+                self.budget.release(slot.events)
             self._configs.pop(rollout_id, None)
-            self._finished_api.pop(rollout_id, None)
+            self.retention.forget(rollout_id)
 
     def sync(self) -> None:
         """Take in every rollout the store holds that the view has not seen (a journal's, at start); drop the
@@ -300,15 +238,13 @@ class AgentLightningRollouts:
         for rollout_id in self.store.rollout_ids():
             if rollout_id not in self._of:
                 self._sync_one(rollout_id)
-        for position, _ in self._recovered.values():
-            self._terminal[position] = None
-        self._recovered.clear()
+        self.cursor.drop_recovered()
         ended = [r for r in self._configs if self.store.knows(r) and self.store.state(r) in TERMINAL]
         last = {r: max((s.position or 0 for s in self._of.get(r, ())), default=0) for r in ended}
         for rollout_id in sorted(
             ended, key=last.__getitem__
-        ):  # in the order they ended, as evict() reads them
-            self._finished_api.setdefault(rollout_id, None)
+        ):  # in the order they ended, as the retention keeps them
+            self.retention.ended(rollout_id)
 
     def _sync_one(self, rollout_id: str) -> None:
         """A rollout's slots as its state says: its earlier attempts ended (failed, or as journaled), its last
@@ -341,36 +277,16 @@ class AgentLightningRollouts:
     # ------------------------------------------------------------------ the journal
     def restore(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Take the cursor and the API's rollout configs back from a journal's records (before :meth:`sync`)."""
-        total = 0
+        records = list(records)
+        self.cursor.restore(records)
         for r in records:
-            kind = r.get("kind")
-            if kind == "agl_terminal":
-                position = int(r["position"])
-                self._recovered[str(r["agl_id"])] = (position, str(r["state"]))
-                total = max(total, position + 1)
-            elif kind == "agl_cursor":
-                total = max(total, int(r["total"]))
-            elif kind == "agl_config":
+            if r.get("kind") == "agl_config":
                 self._configs[str(r["rollout_id"])] = RolloutConfig.model_validate(r["config"])
-        self._terminal = [None] * total
-        for agl_id, (position, _) in self._recovered.items():
-            self._terminal[position] = agl_id
 
     def live_records(self) -> Iterator[dict[str, Any]]:
-        """What rebuilds the cursor and the configs (the journal's compaction keeps these): the positions of the
-        rollouts in the view, and those read back from the journal that no rollout has claimed yet (the journal
-        is compacted when it opens, before :meth:`sync`: without them a second restart would lose them)."""
-        yield {"kind": "agl_cursor", "total": len(self._terminal)}
-        for slot in self._slots.values():
-            if slot.position is not None:
-                yield {
-                    "kind": "agl_terminal",
-                    "position": slot.position,
-                    "agl_id": slot.agl_id,
-                    "state": slot.state,
-                }
-        for agl_id, (position, state) in self._recovered.items():
-            yield {"kind": "agl_terminal", "position": position, "agl_id": agl_id, "state": state}
+        """What rebuilds the cursor and the configs (the journal's compaction keeps these)."""
+        ended = ((s.position, s.agl_id, s.state) for s in self._slots.values() if s.position is not None)
+        yield from self.cursor.records(ended)
         for rollout_id, config in self._configs.items():
             yield {"kind": "agl_config", "rollout_id": rollout_id, "config": config.model_dump(mode="json")}
 
@@ -438,24 +354,25 @@ class AgentLightningRollouts:
 
     def _labels(self, slot: Slot) -> list[str]:
         """Attempt labels with events, by their first event's time."""
-        firsts = {label: events[0].timestamp for label, events in slot.events.items() if events}
+        firsts = {label: events[0].timestamp for label, events in slot.events.by_label.items() if events}
         calls = self._calls(slot)
         if calls:
             firsts[slot.label] = min(firsts.get(slot.label, math.inf), calls[0].started_at)
         return sorted(firsts, key=firsts.__getitem__)
 
     def terminal_page(self, after: int, limit: int) -> TerminalPage:
-        """``GET /api/rollouts/terminal``: the cursor from ``after``, rollouts forgotten or deleted skipped. A
-        reader asking for the page after a position has read what is before it: the rollouts created through
-        the API that ended before it are dropped (:meth:`evict`)."""
+        """``GET /api/rollouts/terminal``: the cursor from ``after``, rollouts forgotten or deleted skipped. The
+        page changes nothing but when the rollouts it lists may go (:meth:`_listed`): a second reader sees the
+        same pages as the first, whatever ``after`` either sends."""
         after, limit = max(after, 0), max(limit, 1)
-        self.evict(read_before=after)
-        ids = self._terminal[after : after + limit]
+        self.evict()
+        ids = self.cursor.page(after, limit)
         items = []
         for agl_id in ids:
             slot = self._slots.get(agl_id) if agl_id is not None else None
             if slot is None or not self.store.knows(slot.rollout_id):
                 continue
+            self._listed(slot)
             task = self.store.task(slot.rollout_id)
             items.append(
                 TerminalItem(
@@ -465,24 +382,41 @@ class AgentLightningRollouts:
                     is_train=_is_train(task.mode, task.metadata),
                 )
             )
-        return TerminalPage(items=items, next_after=after + len(ids), total_terminal=len(self._terminal))
+        return TerminalPage(items=items, next_after=after + len(ids), total_terminal=len(self.cursor))
+
+    def _listed(self, slot: Slot) -> None:
+        """A page listed the slot: once every attempt of an ended API rollout was listed, its grace starts."""
+        slot.read = True
+        rollout_id = slot.rollout_id
+        if rollout_id in self.retention and all(
+            s.read for s in self._of.get(rollout_id, ()) if s.position is not None
+        ):
+            self.retention.read(rollout_id)
 
     # ------------------------------------------------------------------ events
     def add_event(self, agl_id: str, label: str, event_type: str, data: dict[str, Any]) -> Event:
-        """Append an event under an attempt label (any state: Agent Lightning's algorithms post trace events
-        on finished rollouts too)."""
+        """Append an event under an attempt label, in any state (Agent Lightning's algorithms post trace events
+        on finished rollouts too), within the bounds (:class:`TooMany`, 413); its data is kept as JSON bytes.
+
+        A ``reward`` event is refused for a rollout that has ended (:class:`Conflict`, 409: the reward it ended
+        with stands), and when its value is a number not finite as float32 (:class:`BadReward`, 422: training
+        keeps rewards as float32; the attempt then fails, naming the value). A refused event is not stored."""
         slot = self.slot(agl_id)
-        if slot.event_count >= self.max_events_per_rollout:
-            raise TooMany(
-                f"rollout {agl_id} already has {slot.event_count:,} events, the most one rollout keeps "
-                f"({self.max_events_per_rollout:,}); this one was not stored"
-            )
-        event = Event(
-            event_type=event_type, rollout_id=agl_id, attempt_id=label, timestamp=time.time(), data=data
-        )
-        slot.events.setdefault(label, []).append(event)
-        slot.event_count += 1
-        return event
+        if event_type == "reward":
+            if slot.state in TERMINAL_STATES:
+                raise Conflict(
+                    f"rollout {agl_id} is {slot.state}: a reward posted after its end is refused and nothing "
+                    "was changed (the reward it ended with stands)"
+                )
+            problem = reward_problem(data)
+            if problem is not None:
+                slot.refused_reward = f"{problem}; posted to rollout {agl_id}, the attempt fails"
+                raise BadReward(slot.refused_reward)
+        now = time.time()
+        # a copy: the bytes orjson returns keep its whole write buffer (16 KiB for an event of 1 KiB, measured)
+        kept = PostedEvent(event_type, now, memoryview(orjson.dumps(data)).tobytes())
+        self.budget.add(slot.events, label, kept, where=f"rollout {agl_id}")
+        return Event(event_type=event_type, rollout_id=agl_id, attempt_id=label, timestamp=now, data=data)
 
     # ------------------------------------------------------------------ the keys of aglverl's agents
     def grant_key(self, slot: Slot) -> str:
@@ -510,24 +444,12 @@ class AgentLightningRollouts:
         return slot is not None and slot.key is not None
 
     # ------------------------------------------------------------------ bounds
-    def evict(self, *, read_before: int | None = None) -> int:
-        """Drop ended rollouts created through the API from the store and the view: those a reader of the cursor
-        has passed (every one of their positions before ``read_before``), and the oldest past
-        :attr:`max_finished_rollouts`. Returns how many. (Rollouts the trainer queued go when it hands their
-        step over.)"""
-        gone: list[str] = []
-        for rollout_id in self._finished_api:
-            over = len(self._finished_api) - len(gone) > self.max_finished_rollouts
-            positions = [s.position for s in self._of.get(rollout_id, ())]
-            read = read_before is not None and all(p is not None and p < read_before for p in positions)
-            if not (over or read):
-                break  # ended in order: the ones after it are neither older nor read
-            gone.append(rollout_id)
-        gone = [r for r in gone if self.store.knows(r) and self.store.state(r) in TERMINAL]
+    def evict(self) -> int:
+        """Drop the ended rollouts created through the API that :attr:`retention` says may go, from the store and
+        the view; returns how many. (Rollouts the trainer queued go when it hands their step over.)"""
+        gone = [r for r in self.retention.due() if self.store.knows(r) and self.store.state(r) in TERMINAL]
         if gone:
-            self.store.forget(gone)
-        for rollout_id in gone:
-            self._finished_api.pop(rollout_id, None)
+            self.store.forget(gone)  # the view follows (_forgotten)
         return len(gone)
 
     def _calls(self, slot: Slot) -> list[LLMCall]:
@@ -540,9 +462,9 @@ class AgentLightningRollouts:
         and one ``model_request`` per LLM call aglverl's proxy recorded for the attempt, in time order."""
         slot = self.slot(agl_id)
         label = slot.label
-        events = list(slot.events.get(label, ()))
+        events = [posted.wire(agl_id, label) for posted in slot.events.of(label)]
         events += model_request_events(agl_id, label, self._calls(slot))
-        if not slot.events.get(label) and slot.state == "succeeded" and slot.attempt_id is not None:
+        if not slot.events.of(label) and slot.state == "succeeded" and slot.attempt_id is not None:
             events += self._result_reward(slot, label)  # the agent's reward events went with a restart
         events.sort(key=lambda e: e.timestamp)
         if event_type is not None:
@@ -566,8 +488,8 @@ class AgentLightningRollouts:
 
     def reward(self, slot: Slot, label: str | None = None) -> float | None:
         """The value of the last valid ``reward`` event under ``label`` (default: the slot's)."""
-        for event in reversed(slot.events.get(label or slot.label, ())):
-            if event.event_type == "reward" and (value := reward_value(event.data)) is not None:
+        for event in reversed(slot.events.of(label or slot.label)):
+            if event.event_type == "reward" and (value := reward_value(event.parsed())) is not None:
                 return value
         return None
 
@@ -621,7 +543,8 @@ class AgentLightningRollouts:
         self, slot: Slot, *, succeeded: bool, error: str | None = None, reward: float | None = None
     ) -> None:
         """End a ``running`` rollout's attempt: succeeded (with ``reward``, else its reward event's value, else
-        ``reward_fillna_value``; with none of them the attempt fails) or failed with ``error``. A failed
+        ``reward_fillna_value``; with none of them the attempt fails) or failed with ``error``. A reward refused
+        at its door (:meth:`add_event`), or one not finite as float32, fails it too, naming the value. A failed
         attempt is retried while the store's ``max_attempts`` allows (the retry is a new rollout)."""
         if slot.state != "running" or slot.attempt_id is None:
             raise Conflict(
@@ -629,19 +552,9 @@ class AgentLightningRollouts:
                 f"{'succeeded' if succeeded else 'failed'}"
             )
         if succeeded:
-            if reward is None:
-                reward = self.reward(slot)
-            if reward is None:
-                reward = self.reward_fillna_value
-            if reward is not None:
-                result = Rollout(rollout_id=slot.rollout_id, attempt_id=slot.attempt_id, final_reward=reward)
-                await self.store.accept_result(result)
-                await self.store.commit()
+            error = slot.refused_reward or await self._succeed(slot, reward)
+            if error is None:
                 return
-            error = (
-                'the agent finished without a reward event (POST {"event_type": "reward", "data": '
-                '{"value": <number>}} to its AGL_EVENT_URL; or set agentlightning.reward_fillna_value)'
-            )
         failure = Rollout(
             rollout_id=slot.rollout_id,
             attempt_id=slot.attempt_id,
@@ -650,6 +563,26 @@ class AgentLightningRollouts:
         )
         await self.store.accept_result(failure)
         await self.store.commit()
+
+    async def _succeed(self, slot: Slot, reward: float | None) -> str | None:
+        """Post the attempt's result with its reward (see :meth:`finish`); else why it fails."""
+        if reward is None:
+            reward = self.reward(slot)
+        if reward is None:
+            reward = self.reward_fillna_value
+        if reward is None:
+            return (
+                'the agent finished without a reward event (POST {"event_type": "reward", "data": '
+                '{"value": <number>}} to its AGL_EVENT_URL; or set agentlightning.reward_fillna_value)'
+            )
+        try:
+            reward = check_reward(reward, f"rollout {slot.agl_id}'s reward")
+        except ValueError as exc:
+            return str(exc)
+        result = Rollout(rollout_id=slot.rollout_id, attempt_id=slot.attempt_id, final_reward=reward)
+        await self.store.accept_result(result)
+        await self.store.commit()
+        return None
 
     async def patch(self, agl_id: str, patch: StatusPatch) -> AglRollout:
         """``PATCH /api/rollouts/{id}``: the state machine (409 otherwise), each transition done in the store."""
@@ -726,119 +659,3 @@ def _fits_metadata(metadata: Mapping[str, Any]) -> bool:
     return all(
         metadata.get(k) is None or type(metadata.get(k)) is int for k in ("batch_idx", "sample_idx_in_batch")
     )
-
-
-def model_request_events(agl_id: str, label: str, calls: Sequence[LLMCall]) -> list[Event]:
-    """One ``model_request`` event per LLM call aglverl's proxy recorded (its choices together), shaped as Agent
-    Lightning's gateway records them: ``response`` carries ``prompt_token_ids`` and each choice's ``token_ids``,
-    ``finish_reason`` and ``logprobs.content``. ``request`` has the call's path and sampling parameters: aglverl
-    records token ids, not request bodies."""
-    by_call: dict[int, list[LLMCall]] = {}
-    for call in calls:
-        by_call.setdefault(call.seq, []).append(call)
-    events = []
-    for choices in by_call.values():
-        first = choices[0]
-        ok = first.status == "ok"
-        response: dict[str, Any] = {
-            "prompt_token_ids": first.prompt_token_ids or [],
-            "choices": [
-                {
-                    "index": c.choice_index,
-                    "token_ids": c.response_token_ids or [],
-                    "finish_reason": c.finish_reason,
-                    "logprobs": {"content": [{"logprob": x} for x in c.logprobs]}
-                    if c.logprobs is not None
-                    else None,
-                }
-                for c in choices
-            ],
-        }
-        if not ok:
-            response["error"] = {"message": first.error}
-        prompt, completion = (
-            len(first.prompt_token_ids or ()),
-            sum(len(c.response_token_ids or ()) for c in choices),
-        )
-        data = {
-            "model": first.model,
-            "model_version": first.weight_version,
-            "request": {"path": first.path, **(first.sampling or {})},
-            "response": response,
-            "server": {"model": first.model, "endpoint": first.backend, "version": first.weight_version},
-            "latency_ms": first.latency * 1000.0,
-            "http_status": 200 if ok else None,
-            "status": "ok" if ok else "error",
-            "retry_count": 0,
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-            },
-            "finish_reason": first.finish_reason,
-        }
-        stamp = first.started_at + first.latency
-        events.append(
-            Event(event_type="model_request", rollout_id=agl_id, attempt_id=label, timestamp=stamp, data=data)
-        )
-    return events
-
-
-def triplet_events(events: Sequence[Event]) -> list[Event]:
-    """``format=triplet``: a ``model_request`` keeps its prompt and response ids, the response's log-probs and
-    the server; a ``reward`` its value (and ``source`` / ``reason``); other events pass as they are. Of
-    ``model_request`` events with the same prompt ids only the last is kept."""
-    trimmed = []
-    for event in events:
-        if event.event_type == "model_request":
-            trimmed.append(event.model_copy(update={"data": _trim_request(event.data)}))
-        elif event.event_type == "reward":
-            extra = {k: event.data[k] for k in ("source", "reason") if k in event.data}
-            trimmed.append(event.model_copy(update={"data": {"value": event.data.get("value"), **extra}}))
-        else:
-            trimmed.append(event)
-    last: dict[tuple[int, ...], int] = {}
-    keep = set()
-    for i, event in enumerate(trimmed):
-        if event.event_type != "model_request":
-            continue
-        prompt = event.data.get("prompt_token_ids")
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            last[tuple(prompt)] = i
-        else:
-            keep.add(i)
-    keep.update(last.values())
-    return [e for i, e in enumerate(trimmed) if e.event_type != "model_request" or i in keep]
-
-
-def _trim_request(data: Mapping[str, Any]) -> dict[str, Any]:
-    response = data.get("response")
-    prompt: list[int] = []
-    ids: list[int] = []
-    logprobs: list[float] | None = None
-    if isinstance(response, Mapping):
-        prompt = list(response.get("prompt_token_ids") or [])
-        choices = response.get("choices") or []
-        if choices and isinstance(choices[0], Mapping):
-            ids = list(choices[0].get("token_ids") or [])
-            content = (choices[0].get("logprobs") or {}).get("content")
-            if isinstance(content, list):
-                values = [item.get("logprob") for item in content if isinstance(item, Mapping)]
-                numbers = [
-                    float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
-                ]
-                good = len(numbers) == len(content) and all(math.isfinite(v) for v in numbers)
-                logprobs = numbers if good else None
-    server = data.get("server") or {}
-    out: dict[str, Any] = {
-        "prompt_token_ids": prompt,
-        "response_token_ids": ids,
-        "response_log_probs": logprobs,
-        "server": {"model": server.get("model"), "version": server.get("version")},
-    }
-    for key in ("http_status", "status"):
-        if key in data:
-            out[key] = data[key]
-    if isinstance(response, Mapping) and "error" in response:
-        out["error"] = response["error"]
-    return out

@@ -21,7 +21,6 @@ An attempt's process ends:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import shutil
@@ -40,7 +39,7 @@ from anyio.abc import TaskStatus
 
 from ..agl10.rollouts import CONTROLLER_GRACE_SECONDS, Slot
 from ..agl10.wire import DEFAULT_ATTEMPT_ID
-from ..models import Task
+from ..models import Task, check_reward
 from ..store import TERMINAL, AttemptChange, StoreError
 from .checks import check_agent
 from .environment import agent_variables, file_stem
@@ -373,6 +372,10 @@ class ProcessRunner:
                 if result is not None
                 else await anyio.to_thread.run_sync(_reward_file, reward_path)
             )
+            try:  # training keeps it as float32: 1e39 (finite here) would be infinite there
+                reward = None if reward is None else check_reward(reward, "AGL_REWARD_FILE held the reward")
+            except ValueError as exc:
+                return _Outcome(False, f"{exc} ({where})")
         if reward is None:
             reward = self.options.reward_fillna_value
         if reward is None:
@@ -439,7 +442,7 @@ def _clean_up(log: AgentLog, scratch: str) -> None:
 
 
 def _reward_file(path: str) -> float | None:
-    """The number a program wrote to ``AGL_REWARD_FILE`` (``None``: no file, or not a finite number)."""
+    """The number a program wrote to ``AGL_REWARD_FILE`` (``None``: no file, or not a number)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return _reward(f.read(RESULT_MAX))
@@ -448,12 +451,11 @@ def _reward_file(path: str) -> float | None:
 
 
 def _reward(text: str) -> float | None:
-    """The number in a reward file's text (``None``: not a finite number)."""
+    """The number in a reward file's text, finite or not (``None``: not a number)."""
     try:
-        value = float(text.strip())
+        return float(text.strip())
     except ValueError:
         return None
-    return value if math.isfinite(value) else None
 
 
 def _signal_name(number: int | None) -> str:

@@ -7,12 +7,14 @@ threads.
   Agent Lightning server verbs, forgetting handed-over rollouts; it holds the parts below.
 - :mod:`.config` — :class:`~aglverl.store.config.StoreConfig`, the store's settings as one frozen value.
 - :mod:`.entry` — one rollout as the store holds it, its snapshot, and its journal records (written and replayed).
-- :mod:`.leases` — the lease deadlines, the clock a trainer can stop, the reaper's wait; :mod:`.waiters` — agents
-  parked in a long-poll, handed queued tasks oldest first.
+- :mod:`.leases` — the claims' lease deadlines over the store's rollouts, the clock a trainer can stop, the
+  reaper's wait and the leases it finds expired; :mod:`.waiters` — agents parked in a long-poll, handed queued
+  tasks oldest first.
 - :mod:`.resources` — the published resources versions.
 - :mod:`.meters` — the store's Prometheus series (:class:`~aglverl.store.meters.StoreMeters`, the store's
   ``meters``).
-- :mod:`.takes` — taking attempts' recorded calls from their proxy shards, one take per attempt.
+- :mod:`.takes` — taking attempts' recorded calls from their proxy shards, one take per attempt, and settling a
+  failed rollout once its last attempt's are taken.
 - :mod:`.records` — what the store hands out: :class:`~aglverl.store.records.LLMCall`,
   :class:`~aglverl.store.records.RolloutRecord`; :mod:`.errors` — what it refuses, with HTTP statuses;
   :mod:`.ports` — what it calls out to (its journal; proxy shards pinning attempts).

@@ -1,9 +1,10 @@
-"""The claims' lease deadlines: a heap of ``(deadline, seq, rollout_id, attempt_id)``, a clock that a trainer can
-stop (:meth:`Leases.freeze`), and the reaper's wait for the earliest deadline (:meth:`Leases.wait_due`).
+"""The claims' lease deadlines: each claimed rollout's (``Entry.lease_deadline``, set by :meth:`Leases.set`), a heap
+of ``(deadline, seq, rollout_id, attempt_id)`` to find the next one due, a clock that a trainer can stop
+(:meth:`Leases.freeze`), and the reaper's wait for the earliest deadline (:meth:`Leases.wait_due`).
 
-The heap may hold stale entries (a lease extended by a heartbeat, a claim that finished): the store decides
-which are current when one comes due, and :meth:`Leases.push` drops the stale ones once they outnumber the live
-claims. Single loop, no locks; only :meth:`Leases.wait_due` awaits.
+The heap may hold stale entries (a lease extended by a heartbeat, a claim that finished): an entry is current
+while it is its rollout's claim's deadline (:meth:`Leases.expired` skips the others), and the stale ones are
+dropped once they outnumber the live claims. Single loop, no locks; only :meth:`Leases.wait_due` awaits.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 
 import anyio
+
+from .entry import Entry
 
 __all__ = ["LeaseItem", "Leases"]
 
@@ -25,9 +28,11 @@ LeaseItem = tuple[float, int, str, str]
 
 
 class Leases:
-    """Lease deadlines (monotonic seconds) and the clock they count on."""
+    """Lease deadlines (monotonic seconds) of the claims of the rollouts in ``entries`` (the store's own
+    mapping), and the clock they count on."""
 
-    def __init__(self) -> None:
+    def __init__(self, entries: Mapping[str, Entry]) -> None:
+        self._entries = entries
         self._heap: list[LeaseItem] = []
         self._seq = 0
         self._rearm = anyio.Event()
@@ -42,26 +47,36 @@ class Leases:
         renewed during a freeze counts from the freeze, so a thaw gives it exactly its length)."""
         return time.monotonic() if self._frozen_at is None else self._frozen_at
 
-    def push(
-        self,
-        deadline: float,
-        rollout_id: str,
-        attempt_id: str,
-        live: int,
-        current: Callable[[LeaseItem], bool],
-    ) -> None:
-        """Add a deadline; wake the reaper when it is the earliest. ``live``: the claims running now;
-        ``current(item)``: whether a heap entry is still a claim's deadline (used to drop stale ones)."""
+    def set(self, entry: Entry, deadline: float, *, live: int) -> None:
+        """Make ``deadline`` the claimed rollout's lease (its current attempt's); wake the reaper when it is the
+        earliest. ``live``: the claims running now (past twice as many stale heap entries, they are dropped)."""
+        entry.lease_deadline = deadline
         self._seq += 1
         if len(self._heap) > 2 * live + _SLACK:
-            self._heap = [item for item in self._heap if current(item)]
+            self._heap = [item for item in self._heap if self._current(item)]
             heapq.heapify(self._heap)
         earliest = self._heap[0][0] if self._heap else math.inf
-        heapq.heappush(self._heap, (deadline, self._seq, rollout_id, attempt_id))
+        heapq.heappush(self._heap, (deadline, self._seq, entry.rollout_id, entry.attempt_id or ""))
         if deadline < earliest:
             self._rearm.set()
 
-    def due(self, now: float) -> Iterator[LeaseItem]:
+    def _current(self, item: LeaseItem) -> bool:
+        """Whether a heap entry is still its claim's deadline (not finished, superseded or extended)."""
+        entry = self._entries.get(item[2])
+        return (
+            entry is not None
+            and entry.state == "claimed"
+            and entry.attempt_id == item[3]
+            and entry.lease_deadline == item[0]
+        )
+
+    def expired(self, now: float) -> Iterator[Entry]:
+        """The claimed rollouts whose lease ran out at or before ``now`` (none while frozen), earliest first."""
+        for item in self._due(now):
+            if self._current(item):
+                yield self._entries[item[2]]
+
+    def _due(self, now: float) -> Iterator[LeaseItem]:
         """Pop the entries whose deadline is at or before ``now`` (none while frozen), earliest first."""
         if self._frozen_at is not None:
             return
@@ -83,14 +98,17 @@ class Leases:
         if self._frozen_at is None:
             self._frozen_at = time.monotonic()
 
-    def thaw(self) -> float:
-        """Restart the clock; returns how long it was stopped (0 if it was running). The caller moves the
-        running leases on by that much."""
+    def thaw(self, *, live: int) -> float:
+        """Restart the clock; returns how long it was stopped (0 if it was running). Every claimed lease keeps
+        the time it had left when the clock stopped (``live``: the claims running now)."""
         if self._frozen_at is None:
             return 0.0
         frozen = time.monotonic() - self._frozen_at
         self._frozen_at = None
         self._rearm.set()
+        for entry in self._entries.values():
+            if entry.state == "claimed" and math.isfinite(entry.lease_deadline):
+                self.set(entry, entry.lease_deadline + frozen, live=live)
         return frozen
 
     @property

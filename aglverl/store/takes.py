@@ -1,18 +1,24 @@
 """Taking attempts' recorded calls from their proxy shards into the store's rollouts, one take per attempt.
 
 With proxy shards (:class:`~aglverl.store.ports.AttemptPinning`) an attempt's LLM calls are recorded in the
-shard's process; the store takes them when the attempt's result comes in, or when its rollout failed.
-:class:`Takes` asks the shard once per attempt: a take of an attempt already being taken waits for that one.
+shard's process; the store takes them when the attempt's result comes in, or when its rollout failed
+(:meth:`Takes.settle`). :class:`Takes` asks the shard once per attempt: a take of an attempt already being taken
+waits for that one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import anyio
 
 from .entry import Entry
+from .errors import AttemptLost
 from .ports import AttemptPinning
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Takes"]
 
@@ -46,3 +52,30 @@ class Takes:
         finally:
             del self._pending[key]
             done.set()
+
+    async def settle(
+        self,
+        pinning: AttemptPinning,
+        entry: Entry,
+        kept: str,
+        journal: Callable[[Mapping[str, Any]], None],
+    ) -> None:
+        """A failed rollout's last attempt (``kept``): its records taken from its shard (none, whatever the take
+        ran into: the rollout stays failed), its pins dropped, its end journaled; then its waiters hear of it.
+        Run in the store's task group, which cancels it only when the store stops."""
+        try:
+            await self.take(pinning, entry.rollout_id, kept)
+        except AttemptLost:
+            entry.calls = {}
+        except Exception:
+            logger.exception(
+                "the records of failed rollout %s could not be taken from its shard", entry.rollout_id
+            )
+            entry.calls = {}
+        finally:
+            entry.settling = False
+            if entry.lost and kept in entry.lost:
+                entry.calls = {}
+            pinning.unpin(entry.rollout_id, entry.attempts)
+            journal(entry.failed_record())
+            entry.notify()

@@ -43,14 +43,13 @@ from .config import StoreConfig, StoreSettings
 from .entry import Entry, Group
 from .errors import (
     AlreadyFinished,
-    AttemptLost,
     NotQueued,
     StepEnded,
     StoreClosed,
     UnknownAttempt,
     UnknownRollout,
 )
-from .leases import LeaseItem, Leases
+from .leases import Leases
 from .meters import StoreMeters
 from .ports import AttemptPinning, Journal
 from .records import (
@@ -111,7 +110,7 @@ class TaskStore:
         self._entries: dict[str, Entry] = {}
         self._queue: deque[str] = deque()
         self._waiters = Waiters()
-        self._leases = Leases()
+        self._leases = Leases(self._entries)
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._resources = ResourceVersions(self._journal)
         self._closed = False
@@ -319,20 +318,7 @@ class TaskStore:
 
     # ------------------------------------------------------------------ leases
     def _set_lease(self, entry: Entry, deadline: float) -> None:
-        entry.lease_deadline = deadline
-        self._leases.push(
-            deadline, entry.rollout_id, entry.attempt_id or "", self._claimed_count, self._lease_current
-        )
-
-    def _lease_current(self, item: LeaseItem) -> bool:
-        """Whether a lease-heap entry is still its claim's deadline (not finished, superseded or extended)."""
-        entry = self._entries.get(item[2])
-        return (
-            entry is not None
-            and entry.state == "claimed"
-            and entry.attempt_id == item[3]
-            and entry.lease_deadline == item[0]
-        )
+        self._leases.set(entry, deadline, live=self._claimed_count)
 
     def heartbeat(
         self, rollout_id: str, attempt_id: str | None = None, *, seconds: float | None = None
@@ -361,22 +347,15 @@ class TaskStore:
     def thaw_leases(self) -> float:
         """Restart the lease clock: every claimed lease keeps the time it had left when the clock stopped (a
         lease started or renewed during the freeze: ``lease_seconds``); returns how long it was stopped."""
-        frozen = self._leases.thaw()
-        if frozen:
-            for entry in self._entries.values():
-                if entry.state == "claimed" and math.isfinite(entry.lease_deadline):
-                    self._set_lease(entry, entry.lease_deadline + frozen)
-        return frozen
+        return self._leases.thaw(live=self._claimed_count)
 
     @property
     def leases_frozen(self) -> bool:
         return self._leases.frozen
 
     def _expire_due(self, now: float) -> None:
-        for item in self._leases.due(now):
-            if self._lease_current(item):  # else finished, superseded by a newer attempt, or extended
-                entry = self._entries[item[2]]
-                self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
+        for entry in self._leases.expired(now):
+            self._retry_or_fail(entry, "lease_expired", f"lease expired after {self.lease_seconds:g}s")
 
     def _retry_or_fail(self, entry: Entry, reason: RetryReason, message: str) -> None:
         """Requeue after a failed attempt; after the last allowed one, fail the rollout for ``reason``."""
@@ -513,32 +492,12 @@ class TaskStore:
         if self.pinning is not None:
             if state == "failed" and kept and self._tg is not None:
                 entry.settling = True
-                self._tg.start_soon(self._settle, entry, kept)
+                self._tg.start_soon(self._takes.settle, self.pinning, entry, kept, self._journal)
                 return
             self.pinning.unpin(entry.rollout_id, entry.attempts)
         if state == "failed":
             self._journal(entry.failed_record())
         entry.notify()
-
-    async def _settle(self, entry: Entry, kept: str) -> None:
-        """A failed rollout's last attempt's records, taken from its shard; then its waiters hear of it."""
-        assert self.pinning is not None
-        try:
-            await self._takes.take(self.pinning, entry.rollout_id, kept)
-        except AttemptLost:
-            entry.calls = {}
-        except Exception:  # the rollout stays failed, without calls, whatever the take ran into
-            logger.exception(
-                "the records of failed rollout %s could not be taken from its shard", entry.rollout_id
-            )
-            entry.calls = {}
-        finally:
-            entry.settling = False
-            if entry.lost and kept in entry.lost:
-                entry.calls = {}
-            self.pinning.unpin(entry.rollout_id, entry.attempts)
-            self._journal(entry.failed_record())
-            entry.notify()
 
     def fail(
         self,

@@ -35,6 +35,7 @@ verl's phases) stay in :mod:`aglverl.verl_v1.hooks`.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -48,9 +49,15 @@ from ..models import TERMINATION_REASONS, TerminationReason
 if TYPE_CHECKING:
     from verl import DataProto
 
+logger = logging.getLogger(__name__)
+
+#: The key of a :func:`compute_advantage` result's ``meta_info`` that counts the rows it dropped (a step metric).
+ROWS_DROPPED = "advantage/n_rows_dropped"
+
 __all__ = [
     "FAILURE_REASONS",
     "REASON_BITS",
+    "ROWS_DROPPED",
     "RowPlan",
     "SignalConfig",
     "compute_advantage",
@@ -408,11 +415,39 @@ def grpo_advantages(
     normalised score is multiplied by ``advantage_weights`` and spread over ``response_mask``. Returns
     float32 ``[B, R]``, always finite.
 
-    Raises ``ValueError`` naming the argument whose length is not ``B``, ``group_weights`` that are not
-    positive and finite, ``advantage_weights`` or scores that are not finite, an ``epsilon`` that is not
-    positive, and advantages that would not be finite in float32 (scores or weights far too large, a
-    non-finite ``response_mask``).
+    One row's numbers never stop the step: a row whose score is not finite is dropped (out of its group's mean
+    and std, advantage 0), and so is a row whose advantage would not be finite in float32; a warning names
+    them (:func:`compute_advantage` counts them in the step's metrics). Raises ``ValueError`` naming the
+    argument whose length is not ``B``, ``group_weights`` that are not positive and finite,
+    ``advantage_weights`` that are not finite, and an ``epsilon`` that is not positive (aglverl's own inputs,
+    never an agent's).
     """
+    advantages, dropped = _grpo(
+        token_level_rewards,
+        response_mask,
+        index,
+        group_weights,
+        advantage_weights,
+        members=members,
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        epsilon=epsilon,
+    )
+    _warn_dropped(dropped)
+    return advantages
+
+
+def _grpo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    group_weights: torch.Tensor | None,
+    advantage_weights: torch.Tensor | None,
+    *,
+    members: np.ndarray | None,
+    norm_adv_by_std_in_grpo: bool,
+    epsilon: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`grpo_advantages` and the rows it dropped (bool ``[B]``)."""
     n_rows = token_level_rewards.shape[0]
     for name, value in (("response_mask", response_mask), ("index", index), ("members", members)):
         if value is not None and len(value) != n_rows:
@@ -422,36 +457,49 @@ def grpo_advantages(
     scores = token_level_rewards.sum(dim=-1).double()
     weights = _row_weights(group_weights, n_rows, "group_weights")
     loss_weights = _row_weights(advantage_weights, n_rows, "advantage_weights")
-    _check_rows(torch.isfinite(scores), "token_level_rewards must be finite")
     _check_rows(torch.isfinite(loss_weights), "advantage_weights must be finite")
     _check_rows(torch.isfinite(weights) & (weights > 0), "group_weights must be positive and finite")
     if not n_rows:
-        return torch.zeros_like(token_level_rewards, dtype=torch.float32)
+        return torch.zeros_like(token_level_rewards, dtype=torch.float32), torch.zeros(0, dtype=torch.bool)
+    dropped = ~torch.isfinite(scores)
+    scores = torch.where(dropped, 0.0, scores)
+    weights = torch.where(dropped, 0.0, weights)  # out of their group's mean and std
     group_of = np.unique(index, return_inverse=True)[1].reshape(-1)
     group = torch.from_numpy(group_of)
     n_groups = int(group.max()) + 1
     total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, weights)
     mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, weights * scores) / total
+    n_members = torch.from_numpy(_n_members(group_of, members, n_groups, (~dropped).numpy())).double()
+    alone = n_members <= 1  # or none left: its mean (0/0) is never used
+    mean = torch.where(alone, 0.0, mean)
     spread = torch.zeros(n_groups, dtype=torch.float64).index_add_(
         0, group, weights * (scores - mean[group]) ** 2
     )
-    n_members = torch.from_numpy(_n_members(group_of, members, n_groups)).double()
-    alone = n_members <= 1
     # Bessel's correction counts members: with fractional weights, "total - 1" may be 0 (a rollout's k rows
     # at 1/k each, no members named) and the variance NaN or infinite.
     bessel = n_members / torch.where(alone, 1.0, n_members - 1.0)
-    std = torch.where(alone, 1.0, torch.sqrt(spread / total * bessel))
-    mean = torch.where(alone, 0.0, mean)
+    std = torch.where(alone, 1.0, torch.sqrt(spread / torch.where(alone, 1.0, total) * bessel))
     advantages = scores - mean[group]
     if norm_adv_by_std_in_grpo:
         advantages = advantages / (std[group] + epsilon)
     advantages = ((advantages * loss_weights).unsqueeze(-1) * response_mask).to(torch.float32)
-    _check_rows(
-        torch.isfinite(advantages).all(dim=-1),
-        "advantages would not be finite (scores or weights too large for float32, or a non-finite "
-        "response_mask)",
-    )
-    return advantages
+    dropped |= ~torch.isfinite(advantages).all(dim=-1)  # too large for float32 (or a non-finite mask)
+    return advantages.masked_fill_(dropped.unsqueeze(-1), 0.0), dropped
+
+
+def _warn_dropped(dropped: torch.Tensor) -> int:
+    """Log the rows the advantage step dropped (a warning naming the first few); returns how many."""
+    n = int(dropped.sum())
+    if n:
+        rows = torch.nonzero(dropped).reshape(-1)[:5].tolist()
+        logger.warning(
+            "the advantage step dropped %d row(s) (rows %s%s): a reward or advantage that is not finite; they "
+            "train with advantage 0, outside their group's mean and std",
+            n,
+            rows,
+            ", ..." if n > len(rows) else "",
+        )
+    return n
 
 
 def per_rollout_weights(members: Sequence[str] | np.ndarray) -> torch.Tensor:
@@ -462,12 +510,13 @@ def per_rollout_weights(members: Sequence[str] | np.ndarray) -> torch.Tensor:
     return torch.from_numpy((1.0 / counts)[member.reshape(-1)].astype(np.float32))
 
 
-def _n_members(group: np.ndarray, members: np.ndarray | None, n_groups: int) -> np.ndarray:
-    """How many distinct members each group has (every row one when ``members`` is ``None``)."""
+def _n_members(group: np.ndarray, members: np.ndarray | None, n_groups: int, kept: np.ndarray) -> np.ndarray:
+    """How many distinct members each group has among its ``kept`` rows (every row one when ``members`` is
+    ``None``)."""
     if members is None:
-        return np.bincount(group, minlength=n_groups)
+        return np.bincount(group[kept], minlength=n_groups)
     member = np.unique(members.astype(str), return_inverse=True)[1].reshape(-1)
-    pairs = np.unique(group * (int(member.max()) + 1) + member)
+    pairs = np.unique((group * (int(member.max()) + 1) + member)[kept])
     return np.bincount(pairs // (int(member.max()) + 1), minlength=n_groups)
 
 
@@ -504,13 +553,17 @@ def compute_advantage(
     under ``AsyncVERL``: verl's estimators cannot weight group members), whose advantages are then multiplied
     by ``advantage_weights``. A batch without the weight tensors (not built by aglverl) gets verl's result
     unchanged.
+
+    One row's reward never stops the step: a row whose rewards or advantage are not finite is dropped (GRPO:
+    out of its group's mean and std; verl's estimators: its reward read as 0), its advantage and return 0, with
+    a warning; ``meta_info[ROWS_DROPPED]`` counts them (a step metric).
     """
     estimator = str(getattr(adv_estimator, "value", adv_estimator))
     batch = data.batch
     group_weights = batch["group_weights"] if "group_weights" in batch.keys() else None
     advantage_weights = batch["advantage_weights"] if "advantage_weights" in batch.keys() else None
     if estimator in ("grpo", "grpo_vectorized"):
-        advantages = grpo_advantages(
+        advantages, dropped = _grpo(
             batch["token_level_rewards"],
             batch["response_mask"],
             data.non_tensor_batch["uid"],
@@ -518,12 +571,35 @@ def compute_advantage(
             advantage_weights,
             members=data.non_tensor_batch.get("rollout_id_list"),
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            epsilon=GRPO_EPSILON,
         )
         batch["advantages"] = advantages
         batch["returns"] = advantages.clone()
-        return data
+    else:
+        data, dropped = _verl_advantage(
+            data, adv_estimator, gamma, lam, num_repeat, norm_adv_by_std_in_grpo, config
+        )
+    data.meta_info[ROWS_DROPPED] = _warn_dropped(dropped)
+    return data
+
+
+def _verl_advantage(
+    data: DataProto,
+    adv_estimator: Any,
+    gamma: float,
+    lam: float,
+    num_repeat: int,
+    norm_adv_by_std_in_grpo: bool,
+    config: Any,
+) -> tuple[DataProto, torch.Tensor]:
+    """verl's own estimator (rows whose rewards are not finite read as 0), then ``advantage_weights``; the rows
+    dropped (bool ``[B]``) have advantage and return 0."""
     from verl.trainer.ppo.ray_trainer import compute_advantage as verl_compute_advantage
 
+    rewards = data.batch["token_level_rewards"]
+    unusable = ~torch.isfinite(rewards).all(dim=-1)
+    if bool(unusable.any()):
+        data.batch["token_level_rewards"] = rewards.masked_fill(unusable.unsqueeze(-1), 0.0)
     data = verl_compute_advantage(
         data,
         adv_estimator=adv_estimator,
@@ -533,9 +609,15 @@ def compute_advantage(
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
         config=config,
     )
-    if advantage_weights is not None:
-        data.batch["advantages"] = data.batch["advantages"] * advantage_weights.unsqueeze(-1)
-    return data
+    batch = data.batch
+    if "advantage_weights" in batch.keys():
+        batch["advantages"] = batch["advantages"] * batch["advantage_weights"].unsqueeze(-1)
+    dropped = unusable | ~torch.isfinite(batch["advantages"]).all(dim=-1)
+    if "returns" in batch.keys():
+        dropped |= ~torch.isfinite(batch["returns"]).all(dim=-1)
+        batch["returns"] = batch["returns"].masked_fill(dropped.unsqueeze(-1), 0.0)
+    batch["advantages"] = batch["advantages"].masked_fill(dropped.unsqueeze(-1), 0.0)
+    return data, dropped
 
 
 # ---------------------------------------------------------------------------------------------- log-probs

@@ -359,7 +359,7 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
     from verl.workers.utils.padding import response_to_nested
 
-    from ..trajectory.signals import compute_advantage, per_rollout_weights
+    from ..trajectory.signals import ROWS_DROPPED, compute_advantage, per_rollout_weights
 
     config = trainer.config
     algorithm = config.algorithm
@@ -409,6 +409,7 @@ def _advantages(trainer: Any, batch: Any, metrics: dict[str, Any]) -> Any:
         norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
         config=algorithm,
     )
+    metrics[ROWS_DROPPED] = float(data.meta_info.get(ROWS_DROPPED, 0))  # rows whose reward was not finite
     out = ["advantages", "returns"]
     if algorithm.use_kl_in_reward:
         out.append("token_level_rewards")

@@ -94,3 +94,18 @@ class EmittingAgent(agl.LitAgent[dict[str, Any]]):
             answers=[answer],
         )  # `direct`: what agents that skip get_base_url call
         agl.emit_reward(float(task["reward"]))
+
+
+@agl.rollout
+def reporting_agent(task: dict[str, Any], llm: agl.LLM) -> float | None:
+    """One chat call, then the row's reward returned, or, when the row says ``emit``, reported with
+    ``agl.emit_reward`` (returning nothing): the two ways a 0.3 agent reports it. A row's ``huge_once`` (a path
+    whose existence marks it done) makes its first rollout report 1e39 instead (-1e39 when emitted)."""
+    _chat(llm.endpoint, llm, [{"role": "user", "content": task["prompt"]}])
+    reward = float(task["reward"])
+    if task.get("huge_once") and _first_to_create(task["huge_once"]):
+        reward = -1e39 if task.get("emit") else 1e39
+    if task.get("emit"):
+        agl.emit_reward(reward)
+        return None
+    return reward
