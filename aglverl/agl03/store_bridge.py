@@ -22,8 +22,13 @@ in the store's claim, an event: no polling), and for each one:
    it while ``aglverl.max_attempts`` allows.
 
 While an attempt is bridged, aglverl's lease is held (the queue wait in Agent Lightning's store is not the agent's
-time); Agent Lightning's store times out the rollout ``lease_seconds`` after a runner started it (a runner
-killed mid-rollout included), on its next health check.
+time). Its deadline is Agent Lightning's: ``lease_seconds`` after a runner started it. The bridge keeps that
+deadline itself (a timer armed on the attempt's start, read from the store): a runner killed mid-rollout, or
+stuck in its agent, has its attempt ended ``timeout`` at the deadline (``update_attempt``, what Agent
+Lightning's own health check writes), whatever else the store is doing; that health check runs only inside
+other store calls (at most every 10 s), so with every runner dead or stuck it would never run. The attempt's
+resources entry is removed from the store when it ends (a collection-based store, 0.3's in-memory one
+included: its ``collections``), so the store holds one per attempt in flight, not one per attempt ever run.
 
 :class:`DequeueBell` removes the runners' idle sleep: Agent Lightning's ``LitAgentRunner`` asks the store for a
 rollout and, when there is none, sleeps ``poll_interval`` (5 s) before asking again, so the first rollouts of a
@@ -39,6 +44,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -57,7 +63,7 @@ logger = logging.getLogger(__name__)
 #: its poll interval and asks again); below the runner's HTTP client's 30 s request timeout.
 LONG_POLL_SECONDS = 10.0
 #: aglverl's lease on an attempt while Agent Lightning's store holds it (queued behind other rollouts, then run
-#: with Agent Lightning's own timeout): a week; the rollout's own deadline is Agent Lightning's.
+#: with Agent Lightning's own timeout, which the bridge keeps): a week.
 _BRIDGED_LEASE_SECONDS = 7 * 24 * 3600.0
 
 
@@ -215,9 +221,16 @@ class LightningStoreBridge:
             self.finished += 1
 
     async def _run(self, task: Task) -> Rollout:
+        resources = await self.store.add_resources({"main_llm": self._llm(task)})
+        try:
+            return await self._run_with(task, resources.resources_id)
+        finally:
+            with anyio.CancelScope(shield=True):  # the entry goes with its attempt, however that ended
+                await _drop_resources(self.store, resources)
+
+    async def _run_with(self, task: Task, resources_id: str) -> Rollout:
         assert task.attempt_id is not None
         is_train = (task.mode or "train") == "train"
-        resources = await self.store.add_resources({"main_llm": self._llm(task)})
         metadata = {
             "data_id": task.metadata.get("data_id", task.rollout_id),
             "is_train": is_train,
@@ -227,7 +240,7 @@ class LightningStoreBridge:
         queued = await self.store.enqueue_rollout(
             input=_with_data_id(task.input, metadata["data_id"]),
             mode="train" if is_train else "val",
-            resources_id=resources.resources_id,
+            resources_id=resources_id,
             config=agl.RolloutConfig(timeout_seconds=self.daemon.store.lease_seconds, max_attempts=1),
             metadata=metadata,
         )
@@ -258,11 +271,20 @@ class LightningStoreBridge:
         )
 
     async def _wait(self, agl_id: str) -> agl.Rollout:
-        """The Agent Lightning rollout once it ended: woken by the in-memory store's completion event, which it
-        sets whichever thread ends the rollout (a runner's update through its server, a timeout found by its
-        health check). Agent Lightning's own ``wait_for_rollouts`` waits each rollout in a thread of the
-        loop's default executor, 10 s at a time (6 threads on 2 cores for a step's dozens of rollouts, and
-        up to 10 s more at shutdown); it is the fallback for other stores."""
+        """The Agent Lightning rollout once it ended, its deadline kept meanwhile (:meth:`_keep_deadline`).
+
+        Woken by the in-memory store's completion event, which it sets whichever thread ends the rollout (a
+        runner's update through its server, a timeout). Agent Lightning's own ``wait_for_rollouts`` waits each
+        rollout in a thread of the loop's default executor, 10 s at a time (6 threads on 2 cores for a step's
+        dozens of rollouts, and up to 10 s more at shutdown); it is the fallback for other stores.
+        Cancellation leaves the rollout to Agent Lightning."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._keep_deadline, agl_id)
+            ended = await self._ended(agl_id)
+            tg.cancel_scope.cancel()
+        return ended
+
+    async def _ended(self, agl_id: str) -> agl.Rollout:
         ended = _completion_event(self.store, agl_id)
         while True:
             if ended is not None:
@@ -274,6 +296,38 @@ class LightningStoreBridge:
             if done:
                 return done[0]
             # a store whose wait gave up early (a remote store's request timeout): wait again
+
+    async def _keep_deadline(self, agl_id: str) -> None:
+        """End the rollout's attempt ``timeout`` once it has run ``lease_seconds`` (its ``RolloutConfig``'s
+        timeout) and still has not ended, as Agent Lightning's health check would if anything ran it.
+
+        A timer, never a poll: armed ``lease_seconds`` ahead while the rollout is queued (an attempt that starts
+        meanwhile cannot be due before it fires), then at the running attempt's own deadline (its start, in the
+        store's wall-clock time, plus the timeout). Returns once the attempt ended (the completion event wakes
+        :meth:`_ended`) or was ended here; cancelled when the rollout ends first."""
+        timeout = self.daemon.store.lease_seconds
+        due = time.time() + timeout
+        while True:
+            await anyio.sleep(max(0.0, due - time.time()))
+            attempt = await self.store.get_latest_attempt(agl_id)
+            if attempt is None:  # still queued: the agent's time has not started
+                due = time.time() + timeout
+                continue
+            if attempt.status not in _UNDECIDED:
+                return
+            due = attempt.start_time + timeout
+            if time.time() < due:
+                continue
+            logger.warning(
+                "Agent Lightning rollout %s (attempt %s on worker %s) ran past its %.0f s timeout with no word "
+                "from its runner: ended as timed out",
+                agl_id,
+                attempt.attempt_id,
+                attempt.worker_id,
+                timeout,
+            )
+            await self.store.update_attempt(agl_id, attempt.attempt_id, status="timeout")
+            return
 
     async def _result(self, task: Task, ended: agl.Rollout) -> Rollout:
         if ended.status == "succeeded":
@@ -295,12 +349,31 @@ class LightningStoreBridge:
         )
 
 
+#: Attempt statuses whose attempt may still end well (a runner that stops reporting is ``unresponsive``, and
+#: ``running`` again when it reports).
+_UNDECIDED = frozenset({"preparing", "running", "unresponsive"})
+
 #: What an Agent Lightning attempt's status says about the agent.
 _WHY: Mapping[str, str] = {
     "failed": ": the agent raised (its runner logged the traceback)",
     "timeout": ": it ran past aglverl.lease_seconds",
     "unresponsive": ": its runner stopped reporting",
 }
+
+
+async def _drop_resources(store: Any, resources: Any) -> None:
+    """Remove a resources entry from a collection-based store (0.3's in-memory and MongoDB stores: their
+    ``collections``); a store without collections keeps it. A runner that reads it afterwards finds no
+    resources: its rollout has ended already."""
+    inner = getattr(store, "store", None) or store
+    collections = getattr(inner, "collections", None)
+    if collections is None or not hasattr(collections, "atomic"):
+        return
+    try:
+        async with collections.atomic(mode="rw", labels=["resources"]) as locked:
+            await locked.resources.delete([resources])
+    except Exception as exc:  # gone already, or a store that refuses: the entry stays, nothing else changes
+        logger.debug("resources %s not removed from the store: %r", resources.resources_id, exc)
 
 
 def _completion_event(store: Any, rollout_id: str) -> Any:
