@@ -19,7 +19,9 @@ in the store's claim, an event: no polling), and for each one:
    to aglverl's store: succeeded, with the last reward span of its latest attempt (what the agent returned,
    else its last ``emit_reward``; none: ``reward_fillna_value``, 0.0 as in ``agl.VERL``); or failed, naming
    the attempt's status (``failed``: the agent raised; ``timeout``: it ran past the lease), so aglverl retries
-   it while ``aglverl.max_attempts`` allows.
+   it while ``aglverl.max_attempts`` allows. With the Trainer's adapter choosing agents (``agent_match``,
+   :mod:`.adapter`), a result that succeeded names the calls that train: those whose LLM spans the adapter
+   kept, tied by response id.
 
 While an attempt is bridged, aglverl's lease is held (the queue wait in Agent Lightning's store is not the agent's
 time). Its deadline is Agent Lightning's: ``lease_seconds`` after a runner started it. The bridge keeps that
@@ -45,15 +47,17 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import agentlightning as agl
 import anyio
+import anyio.to_thread
 from agentlightning.emitter.reward import find_final_reward
 
-from ..models import ProxyLLM, Rollout, Task
+from ..models import TRAINED_CALLS_KEY, ProxyLLM, Rollout, Task
 from ..store import StoreError
+from .adapter import CallSelector
 
 __all__ = ["LONG_POLL_SECONDS", "DequeueBell", "LightningStoreBridge"]
 
@@ -150,7 +154,8 @@ class LightningStoreBridge:
     ``daemon``: the running :class:`~aglverl.daemon.AgentDaemon`; ``store``: Agent Lightning's store (the one
     ``Trainer.fit`` hands the algorithm); ``concurrency``: attempts bridged at once (a step's rollouts, so every
     one is in Agent Lightning's queue before a runner could go idle); ``reward_fillna_value``: the reward of a
-    rollout that reported none; ``bell``: the long-poll to ring when a rollout is queued.
+    rollout that reported none; ``bell``: the long-poll to ring when a rollout is queued; ``selector``: the
+    Trainer's adapter's choice of calls (:mod:`.adapter`), named in each result that succeeded.
     Serve it with ``await tg.start(bridge.serve)``; cancelling it leaves bridged rollouts to Agent Lightning.
     """
 
@@ -162,6 +167,7 @@ class LightningStoreBridge:
         concurrency: int,
         reward_fillna_value: float | None = 0.0,
         bell: DequeueBell | None = None,
+        selector: CallSelector | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -170,6 +176,12 @@ class LightningStoreBridge:
         self.concurrency = concurrency
         self.reward_fillna_value = reward_fillna_value
         self.bell = bell
+        #: The Trainer's adapter's choice of calls (``agent_match``); ``None``: every recorded call trains.
+        self.selector = selector
+        #: Calls the adapter kept (by their response ids), kept LLM spans without one, and rollouts that left no
+        #: span (so, with a selector, trained nothing).
+        self.calls_selected = self.spans_untied = self.rollouts_untraced = 0
+        self._warned: set[str] = set()
         #: Agent Lightning rollout id -> the aglverl (rollout id, attempt id) it runs.
         self.attempts: dict[str, tuple[str, str]] = {}
         self.finished = 0
@@ -329,6 +341,40 @@ class LightningStoreBridge:
             await self.store.update_attempt(agl_id, attempt.attempt_id, status="timeout")
             return
 
+    async def _trained_calls(self, agl_id: str, spans: Sequence[Any]) -> dict[str, Any]:
+        """The result's metadata naming the calls that train (:data:`~aglverl.models.TRAINED_CALLS_KEY`), when
+        the Trainer's adapter chooses them (``agent_match``); empty when every call trains."""
+        if self.selector is None:
+            return {}
+        selection = await anyio.to_thread.run_sync(self.selector.select, spans)
+        self.calls_selected += len(selection.trained)
+        self.spans_untied += selection.untied
+        if not spans:
+            self.rollouts_untraced += 1
+            self._warn_once(
+                "untraced",
+                "Agent Lightning rollout %s left no spans in the store: with %s none of its calls trains (is "
+                "the tracer running? an opentelemetry exporter that loses spans? counted in the bridge's "
+                "rollouts_untraced)",
+                agl_id,
+                self.selector.describe(),
+            )
+        if selection.untied:
+            self._warn_once(
+                "untied",
+                "Agent Lightning rollout %s: %d LLM call spans the adapter kept name no response id "
+                "(gen_ai.response.id), so no recorded call can be tied to them and they train nothing (counted "
+                "in the bridge's spans_untied)",
+                agl_id,
+                selection.untied,
+            )
+        return {TRAINED_CALLS_KEY: sorted(selection.trained)}
+
+    def _warn_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message, *args)
+
     async def _result(self, task: Task, ended: agl.Rollout) -> Rollout:
         if ended.status == "succeeded":
             spans = await self.store.query_spans(ended.rollout_id, attempt_id="latest")
@@ -337,7 +383,10 @@ class LightningStoreBridge:
                 reward = self.reward_fillna_value
             if reward is not None and math.isfinite(reward):
                 return Rollout(
-                    rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=float(reward)
+                    rollout_id=task.rollout_id,
+                    attempt_id=task.attempt_id,
+                    final_reward=float(reward),
+                    metadata=await self._trained_calls(ended.rollout_id, spans),
                 )
             error = f"Agent Lightning rollout {ended.rollout_id} reported the reward {reward!r}"
         else:

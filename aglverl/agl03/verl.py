@@ -36,6 +36,7 @@ from ..algorithm import AsyncVERL
 from ..algorithm.config import nest_overrides
 from ..algorithm.samples import rollouts_per_step
 from ..config_errors import ConfigError
+from .adapter import CallSelector, call_selector
 from .config import map_verl_section
 from .store_bridge import DequeueBell, LightningStoreBridge
 
@@ -89,6 +90,16 @@ class VERL(agl.Algorithm):
         self.bell: DequeueBell | None = None
         #: The last step's metrics, once :meth:`run` has returned.
         self.metrics: dict[str, float] = {}
+        #: The Trainer's adapter's choice of calls (``agent_match``), set when ``fit`` starts; ``None``: every
+        #: recorded call trains.
+        self.selector: CallSelector | None = None
+
+    def set_adapter(self, adapter: Any) -> None:
+        """The Trainer's adapter (``Trainer(adapter=...)``), handed over when ``fit`` starts, before anything is
+        started: its choice of agents (``agent_match``) is honoured (:mod:`.adapter`); an adapter that cannot be
+        is a :class:`~aglverl.config_errors.ConfigError` naming it."""
+        self.selector = call_selector(adapter)
+        super().set_adapter(adapter)
 
     def is_async(self) -> bool:
         """The Trainer awaits :meth:`run` (its event loop hosts the training)."""
@@ -147,7 +158,9 @@ class VERL(agl.Algorithm):
         async def bridge_when_serving(*, task_status: anyio.abc.TaskStatus[None]) -> None:
             task_status.started()
             await serving.wait()
-            self.bridge = LightningStoreBridge(daemon_box[0], store, concurrency=concurrency, bell=bell)
+            self.bridge = LightningStoreBridge(
+                daemon_box[0], store, concurrency=concurrency, bell=bell, selector=self.selector
+            )
             await self.bridge.serve()
 
         algorithm.on_serving.append(on_serving)

@@ -303,6 +303,9 @@ class AgentApi(Protocol):
     #: The header its SDKs send their key in, when not ``Authorization`` (Anthropic's ``x-api-key``): accepted
     #: as the proxy's token, and never forwarded to a backend.
     credential_header: ClassVar[str | None]
+    #: The answer's id as the agent gets it (``resp_...``, ``msg_...``): what the proxy records as the call's
+    #: ``response_id`` (an agent's trace names its calls by it).
+    id: str
 
     def __init__(self, exchange: Exchange) -> None: ...
 
