@@ -379,7 +379,8 @@ def test_openai_agents_example_continuing_responses_by_id_trains_two_steps_witho
 ) -> None:
     """``aglverl fit --rollout embedded examples/agl03/openai_agents_calculator.py fast``: an openai-agents agent on
     the Responses API calls its tool, the SDK continues the run by ``previous_response_id`` and a follow-up
-    question continues it again; 2 steps train and no rollout fails."""
+    question continues it again; 2 steps train, no rollout fails, and the calls that continued a conversation by
+    id were merged into its row (``batch/n_calls_merged`` of the last step)."""
     refused = anyio.run(_proxy_continues_stored_responses)
     if refused is not None:
         pytest.skip(f"the proxy does not continue stored responses here ({refused})")
@@ -389,5 +390,8 @@ def test_openai_agents_example_continuing_responses_by_id_trains_two_steps_witho
     monkeypatch.setenv("AGL_SERVER_PORT", str(_free_port()))  # the Trainer's store server; else 4747
     script = str(EXAMPLES / "openai_agents_calculator.py")
     assert main(["fit", "--rollout", "embedded", script, "fast"]) == 0
-    final = re.search(r"rollouts failed: (\d+), rows: (\d+)", capsys.readouterr().out)
-    assert final is not None and int(final.group(1)) == 0 and int(final.group(2)) > 0
+    out = capsys.readouterr().out
+    final = re.search(r"rollouts failed: (\d+), rows: (\d+), calls continuing a conversation: (\d+)", out)
+    assert final is not None, out[-2000:]
+    failed, rows, continued = map(int, final.groups())
+    assert failed == 0 and rows > 0 and continued > 0  # the calls after the tool's output: one row each time

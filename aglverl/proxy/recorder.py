@@ -53,10 +53,12 @@ def _stop_limit(
 
 
 def _response_id(call: Call) -> str | None:
-    """The id of the answer the agent got: its API's own (a Responses or Messages call, translated), else the
-    backend's chat or completion ``id``, which the proxy passes on unchanged."""
-    if call.translator is not None:
-        return call.translator.api.id
+    """The id of the answer the agent got: its API's own (a Responses or Messages call, translated; see
+    :class:`~aglverl.proxy.api.translator.AgentApi`), else the backend's chat or completion ``id``, which the
+    proxy passes on unchanged."""
+    own = getattr(call.translator.api, "id", None) if call.translator is not None else None
+    if isinstance(own, str):
+        return own
     return call.capture.response_id if call.capture is not None else None
 
 

@@ -11,57 +11,47 @@ response (``previous_response_id=result.last_response_id``). Written for ``agl.V
 The Responses API keeps each response (``store`` is true unless the caller says otherwise) so that a later call
 can continue it by id, sending only what is new (a tool's output, the next question); aglverl's proxy keeps them
 per rollout attempt, and a continued conversation trains as one sequence. The agent must call its tool first
-(``tool_choice="required"``: the engine's constrained decoding makes even the built-in tiny model write a
-well-formed call; the SDK then lets the model answer), and the reward is 1 when its last answer holds the
-result. On this machine (``--rollout embedded``: the built-in tiny model, random weights) the reward stays near 0;
-the ``fast`` config trains 2 steps. The questions are made at start.
+(``tool_choice="required"``, one call at a time: the engine's constrained decoding makes even the built-in tiny
+model write a well-formed call, its arguments among the tool's; the SDK then lets the model answer), and the
+reward is 1 when its last answer holds the result (an answer cut at ``max_tokens`` is an incomplete response,
+which the SDK raises: it scores 0). On this machine (``--rollout embedded``: the built-in tiny model, random
+weights) the reward stays near 0; the ``fast`` config trains 2 steps. The questions are made at start.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import operator
 import random
 import re
 from copy import deepcopy
-from typing import Any
+from typing import Any, Literal
 
 import agentlightning as agl
 from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-from agents.exceptions import MaxTurnsExceeded
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from openai import AsyncOpenAI
 
-set_tracing_disabled(
-    True
-)  # the SDK would send its own traces to OpenAI; Agent Lightning's tracer records the calls
+# The SDK would send its own traces to OpenAI; Agent Lightning's tracer records the calls.
+set_tracing_disabled(True)
 
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def _evaluate(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    raise ValueError("only integers with + - * are supported")
+Digit = Literal[2, 3, 4, 5, 6, 7, 8, 9]
+Operation = Literal["+", "-", "*"]
+_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
 @function_tool
-def calculate(expression: str) -> str:
-    """Evaluate an arithmetic expression of integers with +, - and *."""
-    try:
-        return str(_evaluate(ast.parse(expression, mode="eval").body))
-    except (SyntaxError, ValueError, RecursionError) as exc:
-        return f"error: {exc}"
+def calculate(a: Digit, operation: Operation, b: Digit) -> str:
+    """Apply an arithmetic operation to two numbers."""
+    return str(_OPERATIONS[operation](a, b))
 
 
 def make_questions(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 9)
-        rows.append({"question": f"What is {a} * {c} + {b}?", "answer": a * c + b})
+        a, b, op = rng.randint(2, 9), rng.randint(2, 9), rng.choice(sorted(_OPERATIONS))
+        rows.append({"question": f"What is {a} {op} {b}?", "answer": _OPERATIONS[op](a, b)})
     return rows
 
 
@@ -75,6 +65,7 @@ async def calculator_agent(task: dict[str, Any], llm: agl.LLM) -> float:
         model=OpenAIResponsesModel(model=llm.model, openai_client=client),
         model_settings=ModelSettings(
             tool_choice="required",
+            parallel_tool_calls=False,  # one call, then the answer
             temperature=llm.sampling_parameters.get("temperature"),
             max_tokens=llm.sampling_parameters.get("max_tokens"),
         ),
@@ -84,7 +75,7 @@ async def calculator_agent(task: dict[str, Any], llm: agl.LLM) -> float:
         follow_up = await Runner.run(
             agent, "Give only the final number.", previous_response_id=first.last_response_id, max_turns=4
         )
-    except MaxTurnsExceeded:
+    except (MaxTurnsExceeded, ModelBehaviorError):  # no answer within its turns, or one cut at max_tokens
         return 0.0
     finally:
         await client.close()
@@ -129,7 +120,7 @@ CONFIG: dict[str, Any] = {
 def config_fast() -> dict[str, Any]:
     """Fitted to a CPU and the built-in tiny model: 2 steps of 2 questions x 2 rollouts, short answers."""
     config = deepcopy(CONFIG)
-    config["data"].update(train_batch_size=2, max_prompt_length=1024, max_response_length=24)
+    config["data"].update(train_batch_size=2, max_prompt_length=1024, max_response_length=96)
     config["agentlightning"]["trace_aggregator"].update(
         trajectory_max_prompt_length=1024, trajectory_max_response_length=256
     )
@@ -155,7 +146,8 @@ def main() -> None:
     metrics = getattr(algorithm, "metrics", {})  # aglverl's VERL keeps the last step's metrics
     print(
         f"final training reward: {metrics.get('training/reward', float('nan')):.3f}, "
-        f"rollouts failed: {metrics.get('step/n_failed', 0):.0f}, rows: {metrics.get('step/n_rows', 0):.0f}"
+        f"rollouts failed: {metrics.get('step/n_failed', 0):.0f}, rows: {metrics.get('step/n_rows', 0):.0f}, "
+        f"calls continuing a conversation: {metrics.get('batch/n_calls_merged', 0):.0f}"
     )
 
 
