@@ -9,6 +9,7 @@ missing there, as it would in .venv-agl03 itself. Needs PyPI (the ``agl03`` tier
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -25,6 +26,11 @@ FRAMEWORK = ["agent-framework-lab==1.0.0b261022", "agent-framework-core==1.23.0"
 def _run(*command: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
+
+
+def _canonical(name: str) -> str:
+    """A distribution's name as pip compares names (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _conflicts(python: str) -> set[str]:
@@ -63,9 +69,14 @@ def test_a_framework_added_with_the_constraints_file_adds_packages_and_moves_non
     added = _run(python, "-m", "pip", "install", "-q", "-c", str(constraints), *FRAMEWORK)
     assert added.returncode == 0, added.stdout[-2000:] + added.stderr[-2000:]
 
-    assert (
-        _conflicts(python) == before
-    )  # nothing new: packaging, tensordict, psutil, litellm, openai as they were
+    # nothing new: packaging, tensordict, psutil, litellm, openai as they were
+    assert _conflicts(python) == before
+    purelib = _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    new = {_canonical(p.name.split("-")[0]) for p in Path(purelib).glob("*.dist-info")}
+    # added beside (nothing, where .venv-agl03 has them already); nothing the recipe installed is moved
+    assert new <= {"agent-framework-lab", "agent-framework-core"} and not new & {
+        _canonical(n) for n in pinned
+    }
     check = (
         "import agent_framework, agentlightning, tensordict; from aglverl.agl03.verl import VERL; "
         "from importlib.metadata import version; "
