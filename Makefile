@@ -107,7 +107,14 @@ $(GVENV)/.installed: pyproject.toml
 	$(GBIN)/pip install --quiet torch==2.13.0 -r $(GVENV)/agl03-requirements.txt $(AGL03_OTEL)
 	touch $@
 
-venv-agl03: $(GVENV)/.installed
+# What the recipe solved, pinned: every distribution in .venv-agl03 at its version (aglverl, editable, apart). A
+# framework added later with `pip install -c .venv-agl03/constraints.txt FRAMEWORK` can only add packages: one
+# that would move a pinned one (packaging below 25 for agentops, an older litellm, another openai) is refused by
+# pip instead of re-resolving agentlightning's dependencies. Written once, from the venv as the recipe left it.
+$(GVENV)/constraints.txt: $(GVENV)/.installed
+	$(GBIN)/pip freeze --exclude-editable > $@
+
+venv-agl03: $(GVENV)/.installed $(GVENV)/constraints.txt
 
 # LITELLM_LOCAL_MODEL_COST_MAP: litellm (imported by agentlightning) otherwise fetches its model price list from
 # the network at import, three tries with backoff (~6 s) on a machine that cannot reach it.

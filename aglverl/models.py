@@ -24,6 +24,7 @@ __all__ = [
     "LLM",
     "TERMINATION_KEY",
     "TERMINATION_REASONS",
+    "TRAINED_CALLS_KEY",
     "GenericResponse",
     "NamedResources",
     "PromptTemplate",
@@ -72,6 +73,10 @@ TERMINATION_KEY = "termination_reason"
 DECLARABLE_TERMINATIONS: frozenset[str] = frozenset(
     {"finished", "agent_error", "truncated", "max_turns", "context_exceeded"}
 )
+#: The ``Rollout.metadata`` key under which a result names the calls of its attempt that train: a list of the
+#: answers' ids (each recorded call's ``response_id``). The attempt's other calls stay recorded and counted but
+#: train no row. Absent: every call trains. Agent Lightning 0.2/0.3's ``agent_match`` (aglverl.agl03) sets it.
+TRAINED_CALLS_KEY = "trained_response_ids"
 
 
 def dumps(obj: Any) -> bytes:
@@ -191,7 +196,8 @@ class Rollout(_Inbound):
     reports that the agent could not finish (the error goes in ``metadata["error"]``): the task is retried
     with a new attempt while attempts remain. ``metadata["termination_reason"]`` (optional) says why a
     delivered result ended, e.g. ``"max_turns"`` (see :data:`DECLARABLE_TERMINATIONS`); any other value is
-    refused (422) naming the key.
+    refused (422) naming the key. ``metadata["trained_response_ids"]`` (optional, :data:`TRAINED_CALLS_KEY`): the
+    ids of the answers whose calls train; the attempt's other recorded calls are counted, not trained.
     """
 
     rollout_id: str
@@ -211,7 +217,18 @@ class Rollout(_Inbound):
         if declared is not None and declared not in DECLARABLE_TERMINATIONS:
             allowed = ", ".join(sorted(DECLARABLE_TERMINATIONS))
             raise ValueError(f"metadata[{TERMINATION_KEY!r}] must be one of {allowed}; got {declared!r}")
+        trained = metadata.get(TRAINED_CALLS_KEY)
+        if trained is not None and not (
+            isinstance(trained, list) and all(isinstance(i, str) for i in trained)
+        ):
+            raise ValueError(f"metadata[{TRAINED_CALLS_KEY!r}] must be a list of response ids (strings)")
         return metadata
+
+    @property
+    def trained_calls(self) -> frozenset[str] | None:
+        """The response ids of the calls that train (``metadata[TRAINED_CALLS_KEY]``); ``None``: every call."""
+        trained = self.metadata.get(TRAINED_CALLS_KEY)
+        return None if trained is None else frozenset(trained)
 
     @property
     def declared_termination(self) -> TerminationReason | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 pytestmark = pytest.mark.agl03
@@ -253,3 +255,163 @@ def test_a_reward_not_finite_as_float32_returned_or_emitted_fails_its_rollout_an
     returned = [e for e in errors if "reward 1e+39: not a finite float32 number" in e]
     emitted = [e for e in errors if "reward -1e+39: not a finite float32 number" in e]
     assert len(returned) == 1 and len(emitted) == 1, errors
+
+
+# ---------------------------------------------------------------------------------------------- agent_match
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "agl03"
+
+
+def _example(name: str) -> Any:
+    """``examples/agl03/<name>.py`` as a module (its classes and data makers, its ``main`` not run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"agl03_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_agent_match_trains_exactly_the_matching_agents_calls_and_counts_the_others(
+    shared_ray: None, tmp_path: Path, tiny_model: Path
+) -> None:
+    """The LangGraph example's three agents under ``Trainer(adapter={"agent_match": "write"})``: each call is tied
+    to its agent by the LLM span's response id. Checked against what the calls themselves are (the journal's
+    record of every call, its prompt decoded): every trained call is a writer's (``write_query`` /
+    ``rewrite_query``), every recorded call left out a checker's, none lost; each step's ``batch/n_calls`` and
+    ``batch/n_calls_unselected`` count them."""
+    from transformers import AutoTokenizer
+
+    from aglverl.models import TRAINED_CALLS_KEY
+    from aglverl.store.journal import read_records
+
+    sql = _example("langgraph_sql_agents")
+    config = sql.config_fast()
+    config["actor_rollout_ref"]["rollout"]["name"] = "aglverl"  # the embedded engine, as --rollout embedded
+    config["aglverl"] = {"journal": str(tmp_path / "journal")}
+    config["trainer"]["logger"] = []
+    sql.make_database(tmp_path / "shop.sqlite")
+    algo = VERL(config)
+    steps: list[dict[str, float]] = []
+    algo.algorithm.on_step.append(lambda step, metrics: steps.append(dict(metrics)))
+    trainer = agl.Trainer(algorithm=algo, n_runners=2, port=_free_port(), adapter={"agent_match": "write"})
+    trainer.fit(sql.LitSQLAgent(str(tmp_path / "shop.sqlite")), train_dataset=sql.make_questions(8))
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    results = [r for r in read_records(tmp_path / "journal") if r["kind"] == "result"]
+    assert len(results) == 8  # 2 steps of 2 questions x 2 rollouts
+    trained_agents, other_agents = [], []
+    for result in results:
+        trained = set(result["result"]["metadata"][TRAINED_CALLS_KEY])
+        calls = {c["response_id"]: c for c in result["calls"]}
+        assert trained and trained <= set(calls)  # every kept span is one recorded call
+        for response_id, call in calls.items():
+            prompt = tokenizer.decode(call["prompt_token_ids"])
+            agent = "check" if "You check a SQLite query" in prompt else "write"
+            assert ("You write one SQLite query" in prompt or "You rewrite a SQLite query" in prompt) == (
+                agent == "write"
+            )
+            (trained_agents if response_id in trained else other_agents).append(agent)
+    assert set(trained_agents) == {"write"} and set(other_agents) == {"check"}
+    assert len(steps) == 2
+    assert sum(s["batch/n_calls"] for s in steps) == len(trained_agents)
+    assert sum(s["batch/n_calls_unselected"] for s in steps) == len(other_agents)
+    assert algo.bridge is not None and algo.bridge.calls_selected == len(trained_agents)
+    assert algo.bridge.spans_untied == 0 and algo.bridge.rollouts_untraced == 0
+
+
+def test_an_adapter_that_cannot_be_honoured_is_refused_when_fit_starts_before_anything_runs(
+    tmp_path: Path,
+) -> None:
+    """A trace adapter of the user's own (not ``TracerTraceToTriplet``'s choice of calls) is refused naming it
+    when ``fit`` hands it to ``VERL``, before the daemon or Ray starts; so is an ``agent_match`` that is not a
+    regular expression. ``LlmProxyTraceToTriplet`` (every call) and the default adapter choose nothing."""
+    from aglverl.agl03.adapter import call_selector
+
+    class OwnTriplets(agl.TracerTraceToTriplet):
+        def adapt(self, source: Any) -> Any:
+            return []
+
+    with pytest.raises(ConfigError, match=r"Trainer\(adapter=OwnTriplets\(\.\.\.\)\) cannot be honoured"):
+        call_selector(OwnTriplets())
+    with pytest.raises(ConfigError, match=r"agent_match must be a regular expression, got '\(write'"):
+        call_selector(agl.TracerTraceToTriplet(agent_match="(write"))
+    assert call_selector(agl.TracerTraceToTriplet()) is None
+    assert call_selector(agl.LlmProxyTraceToTriplet()) is None
+    assert call_selector(agl.TracerTraceToTriplet(agent_match="write")) is not None
+    algo = VERL(_config())
+    trainer = agl.Trainer(algorithm=algo, n_runners=1, port=_free_port(), adapter=OwnTriplets())
+    with pytest.raises(ConfigError, match=r"OwnTriplets"):
+        trainer.fit(seed_agents.function_agent, train_dataset=_rows(tmp_path / "seen.jsonl", 4))
+    assert algo.algorithm.daemon is None and not (tmp_path / "seen.jsonl").exists()  # nothing ran
+
+
+def test_langgraph_example_trains_two_steps_under_aglverl_fit_with_the_embedded_engine(
+    shared_ray: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aglverl fit --rollout embedded examples/agl03/langgraph_sql_agents.py fast --active-agent write``: the
+    program as written (its config names vLLM) trains its 2 steps; its last line counts the writers' calls that
+    trained and the checker's that did not."""
+    from aglverl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGL_SERVER_PORT", str(_free_port()))  # the Trainer's store server; else 4747
+    script = str(EXAMPLES / "langgraph_sql_agents.py")
+    assert main(["fit", "--rollout", "embedded", script, "fast", "--active-agent", "write"]) == 0
+    out = capsys.readouterr().out
+    assert "Adapter agent match acknowledged: write" in out
+    final = re.search(r"calls trained: (\d+), calls of other agents: (\d+)", out)
+    assert final is not None and int(final.group(1)) > 0 and int(final.group(2)) > 0, out[-2000:]
+
+
+async def _proxy_continues_stored_responses() -> str | None:
+    """``None`` when aglverl's proxy continues a Responses conversation by ``previous_response_id``, else the
+    error it answers (the stored responses of issue 49's first deliverable, built apart from this branch)."""
+    import openai
+
+    from aglverl.proxy import LLMProxy
+    from aglverl.store import TaskStore
+    from aglverl.testing.mock_vllm import MockVLLM
+
+    store = TaskStore()
+    async with MockVLLM(completion_tokens=2) as mock, anyio.create_task_group() as tg:
+        proxy = LLMProxy(store, backends=[mock.url])
+        await tg.start(proxy.serve)
+        store.enqueue({"q": "?"})
+        task = store.try_claim()
+        assert task is not None and task.attempt_id is not None
+        url = proxy.llm_resource("mock").get_base_url(task.rollout_id, task.attempt_id)
+        async with openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            first = await client.responses.create(model="mock", input="Say yes.", max_output_tokens=2)
+            try:
+                await client.responses.create(
+                    model="mock", input="Again.", previous_response_id=first.id, max_output_tokens=2
+                )
+            except openai.APIStatusError as exc:
+                return f"{exc.status_code}: {exc.message}"
+            finally:
+                tg.cancel_scope.cancel()
+    return None
+
+
+def test_openai_agents_example_continuing_responses_by_id_trains_two_steps_without_a_failed_rollout(
+    shared_ray: None, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aglverl fit --rollout embedded examples/agl03/openai_agents_calculator.py fast``: an openai-agents agent on
+    the Responses API calls its tool, the SDK continues the run by ``previous_response_id`` and a follow-up
+    question continues it again; 2 steps train, no rollout fails, and the calls that continued a conversation by
+    id were merged into its row (``batch/n_calls_merged`` of the last step)."""
+    refused = anyio.run(_proxy_continues_stored_responses)
+    if refused is not None:
+        pytest.skip(f"the proxy does not continue stored responses here ({refused})")
+    from aglverl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGL_SERVER_PORT", str(_free_port()))  # the Trainer's store server; else 4747
+    script = str(EXAMPLES / "openai_agents_calculator.py")
+    assert main(["fit", "--rollout", "embedded", script, "fast"]) == 0
+    out = capsys.readouterr().out
+    final = re.search(r"rollouts failed: (\d+), rows: (\d+), calls continuing a conversation: (\d+)", out)
+    assert final is not None, out[-2000:]
+    failed, rows, continued = map(int, final.groups())
+    assert failed == 0 and rows > 0 and continued > 0  # the calls after the tool's output: one row each time

@@ -66,6 +66,26 @@ def test_user_overrides_beat_the_cpu_defaults() -> None:
     assert config.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
 
 
+def test_rollout_engine_that_cannot_be_imported_is_refused_at_construction_naming_the_key_and_the_fix() -> (
+    None
+):
+    """``rollout.name: sglang`` (and ``vllm`` where vLLM is not installed) is refused when ``AsyncVERL`` is
+    constructed, before Ray starts, naming the key, what to install and the embedded engine's two ways in."""
+    import importlib.util
+
+    engines = [("sglang", "SGLang", "sglang")]
+    if importlib.util.find_spec("vllm") is None:
+        engines.append(("vllm", "vLLM", "make venv-vllm"))
+    for name, label, install in engines:
+        with pytest.raises(ConfigError) as refused:
+            AsyncVERL({**SMALL, "actor_rollout_ref.rollout.name": name})
+        message = str(refused.value)
+        assert message.startswith(f"actor_rollout_ref.rollout.name: {name} needs {label}")
+        assert install in message and "actor_rollout_ref.rollout.name: aglverl" in message
+        assert "aglverl fit --rollout embedded SCRIPT" in message
+    AsyncVERL({**SMALL, "actor_rollout_ref.rollout.name": "aglverl"})  # the embedded engine needs nothing
+
+
 def test_rollout_name_vllm_alone_selects_verls_vllm_rollout_with_its_cpu_defaults() -> None:
     from aglverl.algorithm import VLLM_CPU_ROLLOUT
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -258,3 +260,80 @@ def test_fit_without_agentlightning_says_what_to_install(
 
     assert main(["fit", str(script)]) == 2
     assert "make venv-agl03" in capsys.readouterr().err
+
+
+def _fit_command(tmp_path: Path, program: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``aglverl fit [ARGS] train.py`` as a user runs it (``program``: the script's text), in ``tmp_path``."""
+    script = tmp_path / "train.py"
+    script.write_text(program)
+    aglverl = Path(sys.executable).with_name("aglverl")
+    return subprocess.run(
+        [str(aglverl), "fit", *args, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.agl03
+def test_fit_lets_the_programs_own_exception_surface_with_its_traceback_and_exit_code(tmp_path: Path) -> None:
+    """A ``FileNotFoundError`` raised inside the program (its dataset is missing) is the program's: its traceback
+    and exit code 1, as ``python train.py`` gives, not aglverl's "no such script"; its ``SystemExit`` code is the
+    command's."""
+    missing = "def load():\n    return open('data/train.jsonl')\n\n\nload()\n"
+    done = _fit_command(tmp_path, missing)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback (most recent call last)" in done.stderr
+    assert f'File "{tmp_path / "train.py"}", line 2, in load' in done.stderr
+    assert "FileNotFoundError: [Errno 2] No such file or directory: 'data/train.jsonl'" in done.stderr
+    assert "aglverl fit:" not in done.stderr
+    (tmp_path / "exits.py").write_text("raise SystemExit(3)\n")
+    from aglverl.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", str(tmp_path / "exits.py")])
+    assert exited.value.code == 3
+
+
+#: A program whose config names verl's vLLM rollout, as every ``agl.VERL`` example does; it constructs its
+#: algorithm and stops there.
+_VLLM_PROGRAM = """\
+import agentlightning as agl
+
+algorithm = agl.VERL({
+    "data": {"train_batch_size": 2, "max_prompt_length": 64, "max_response_length": 4},
+    "actor_rollout_ref": {"rollout": {"name": "vllm", "n": 2, "gpu_memory_utilization": 0.8},
+                          "actor": {"ppo_mini_batch_size": 2}, "model": {"path": "tiny"}},
+})
+print("constructed", algorithm.config.actor_rollout_ref.rollout.name)
+"""
+
+
+@pytest.mark.agl03
+def test_fit_refuses_a_rollout_engine_that_cannot_be_imported_before_ray_and_rollout_embedded_replaces_it(
+    tmp_path: Path, tiny_model: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rollout.name: vllm`` where vLLM cannot be imported: the program's ``VERL(config)`` raises, naming the
+    key and the fix, before Ray starts (seconds after start, not minutes later in a Ray worker);
+    ``aglverl fit --rollout embedded`` constructs the same program with the embedded engine, saying so."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    started = time.monotonic()
+    done = _fit_command(tmp_path, _VLLM_PROGRAM)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "ConfigError: actor_rollout_ref.rollout.name: vllm needs vLLM" in done.stderr
+    assert "`aglverl fit --rollout embedded SCRIPT`" in done.stderr
+    assert "constructed" not in done.stdout and "Ray" not in done.stderr  # refused before anything started
+    print(f"refused {elapsed:.1f} s after start")
+    from aglverl.cli import main
+
+    capsys.readouterr()
+    assert main(["fit", "--rollout", "embedded", str(tmp_path / "train.py")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "constructed aglverl"
+    assert "training with aglverl's embedded engine" in caplog.text
+    assert "in place of 'vllm', which the program's config names" in caplog.text

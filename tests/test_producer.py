@@ -14,7 +14,8 @@ import pytest
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout, SignalConfig, Triplet, run_agents
 from aglverl.client import AgentClient
-from aglverl.store import TaskStore
+from aglverl.models import TRAINED_CALLS_KEY
+from aglverl.store import LLMCall, TaskStore
 from aglverl.testing import MockVLLM
 from aglverl.trajectory.groups import (
     AgentsFailing,
@@ -111,6 +112,40 @@ async def test_a_groups_rows_reach_the_sink_once_all_its_rollouts_finished() -> 
         assert (stats.n_rollouts, stats.n_completed, stats.reward_sum, stats.n_rows) == (3, 3, 1.5, 3)
         assert not stats.uniform
         assert producer.version == 1
+
+
+async def test_only_the_calls_a_result_names_train_and_the_others_are_counted() -> None:
+    """A result naming the response ids of the calls that train (``TRAINED_CALLS_KEY``, what ``agent_match``
+    sets): the attempt's other recorded calls make no row and are counted in ``batch/n_calls_unselected``; a
+    result naming none trains every call."""
+    async with producing(trajectory="per_call") as (store, producer, sink):
+        producer.dispatch([Prompt("p1", {}, 3)], resources_id=None)
+        while (task := store.try_claim()) is not None:
+            session, attempt = task.metadata["session"], task.attempt_id or ""
+            calls = [
+                LLMCall(
+                    task.rollout_id,
+                    attempt,
+                    seq,
+                    "/v1/chat/completions",
+                    "b",
+                    0.0,
+                    prompt_token_ids=[1, 2],
+                    response_token_ids=[3 + seq],
+                    response_id=f"{agent}-{session}",
+                )
+                for seq, agent in enumerate(["write", "check", "write"])
+            ]
+            assert store.record_calls(task.rollout_id, attempt, calls)
+            named = {TRAINED_CALLS_KEY: [f"write-{session}"]} if session < 2 else {}
+            store.submit_result(
+                Rollout(rollout_id=task.rollout_id, attempt_id=attempt, final_reward=1.0, metadata=named)
+            )
+        (group,) = await sink.wait_for(1)
+        counts = group.stats.counts
+        assert counts["batch/n_calls"] == 2 + 2 + 3  # the named calls of sessions 0 and 1, every call of 2
+        assert counts["batch/n_calls_unselected"] == 1 + 1
+        assert sorted(group.rows.n_calls.tolist()) == [1] * 7
 
 
 async def test_a_sampler_waiting_for_groups_wakes_when_one_finishes_and_not_before() -> None:

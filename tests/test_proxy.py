@@ -137,6 +137,28 @@ async def test_openai_sdk_stream_through_proxy_matches_direct_call_and_records_m
     assert call.status == "ok" and call.finish_reason == "length"
 
 
+async def test_each_call_is_recorded_with_the_id_of_the_answer_the_agent_got() -> None:
+    """The id an agent's trace names a call by: a chat answer's ``id`` (each choice's record carries it), a
+    stream's, and a Responses answer's own ``resp_...`` (the proxy's translation, not the backend's id)."""
+    store = TaskStore()
+    async with MockVLLM() as mock:
+        proxy = make_proxy(store, [mock.url])
+        async with serving(proxy):
+            rid, aid = claim(store)
+            async with sdk(base_url(proxy, rid, aid)) as client:
+                whole = await client.chat.completions.create(model="mock", messages=CHAT, max_tokens=3, n=2)
+                chunks = [
+                    c
+                    async for c in await client.chat.completions.create(
+                        model="mock", messages=CHAT, max_tokens=3, stream=True
+                    )
+                ]
+                response = await client.responses.create(model="mock", input="Say yes.", max_output_tokens=3)
+            calls = finish(store, rid, aid)
+    assert [c.response_id for c in calls] == [whole.id, whole.id, chunks[0].id, response.id]
+    assert len({whole.id, chunks[0].id, response.id}) == 3 and response.id.startswith("resp_")
+
+
 async def test_openai_sdk_completions_through_proxy_record_per_choice_prompts_and_logprobs() -> None:
     store = TaskStore()
     async with MockVLLM() as mock:

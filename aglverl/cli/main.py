@@ -14,8 +14,9 @@ cleanly on Ctrl-C or SIGTERM. Every command runs on uvloop where it is installed
 
 - ``aglverl demo`` runs the embedded end-to-end training (verl's trainer on CPU, the tiny model, agents on the
   toy task); its last stdout line is a JSON summary (see :mod:`aglverl.cli.demo`).
-- ``aglverl fit SCRIPT [ARGS...]`` runs an Agent Lightning 0.2/0.3 program as it is, ``agl.VERL`` resolving to
-  aglverl's ``VERL`` (see :mod:`aglverl.cli.fit`; needs agentlightning 0.3: ``make venv-agl03``).
+- ``aglverl fit [--rollout embedded] SCRIPT [ARGS...]`` runs an Agent Lightning 0.2/0.3 program as it is,
+  ``agl.VERL`` resolving to aglverl's ``VERL`` (see :mod:`aglverl.cli.fit`; needs agentlightning 0.3:
+  ``make venv-agl03``); the program's own errors surface with their traceback, as under ``python SCRIPT``.
 """
 
 from __future__ import annotations
@@ -337,9 +338,18 @@ async def _demo(args: argparse.Namespace) -> None:
 
 
 def _fit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .fit import ROLLOUTS
+
     p = sub.add_parser(
         "fit",
         help="run an Agent Lightning 0.2/0.3 program unchanged, agl.VERL resolving to aglverl's VERL",
+    )
+    p.add_argument(
+        "--rollout",
+        choices=sorted(ROLLOUTS),
+        default=None,
+        help="embedded: train with aglverl's embedded engine (CPU) in place of the engine the program's config "
+        "names (actor_rollout_ref.rollout.name: vllm on a machine without vLLM)",
     )
     p.add_argument("script", help="the program (run as `python SCRIPT ARGS...` would run it)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the program's own arguments")
@@ -347,17 +357,13 @@ def _fit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from .fit import run_script
+    """Run the program; only what ``aglverl fit`` refuses before it runs is reported here (exit 2): the
+    program's own exceptions propagate with their traceback, as under ``python SCRIPT``."""
+    from .fit import FitError, run_script
 
     try:
-        run_script(args.script, args.args)
-    except (FileNotFoundError, ModuleNotFoundError) as exc:
-        if (
-            isinstance(exc, ModuleNotFoundError)
-            and exc.name != "agentlightning"
-            and "aglverl fit" not in str(exc)
-        ):
-            raise  # the script's own missing import: its traceback is the message
+        run_script(args.script, args.args, rollout=args.rollout)
+    except FitError as exc:
         print(f"aglverl fit: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -94,7 +94,12 @@ class _Decoders:
         )
         piece = msgspec.defstruct(
             "_Piece",
-            [("model", Any, None), ("prompt_token_ids", Any, None), ("choices", list[choice] | None, None)],  # type: ignore[valid-type]
+            [
+                ("id", Any, None),
+                ("model", Any, None),
+                ("prompt_token_ids", Any, None),
+                ("choices", list[choice] | None, None),  # type: ignore[valid-type]
+            ],
             rename=rename,
             gc=False,
         )
@@ -158,6 +163,7 @@ class Capture:
         "kind",
         "model",
         "prompt_ids",
+        "response_id",
         "wire",
     )
 
@@ -172,6 +178,8 @@ class Capture:
         self.answers = answers
         self.prompt_ids: list[int] | None = None
         self.model: str | None = None
+        #: The answer's ``id`` (its first piece's), as the agent gets it: what ties a call to the agent's trace.
+        self.response_id: str | None = None
         self.choices: dict[Any, ChoiceCapture] = {}
         self.done = False
         self.broken = False
@@ -300,6 +308,8 @@ class Capture:
     def _take(self, piece: Any) -> None:
         if self.model is None:
             self.model = piece.model if isinstance(piece.model, str) else None
+        if self.response_id is None and isinstance(piece.id, str):
+            self.response_id = piece.id
         if self.prompt_ids is None:
             self.prompt_ids = piece.prompt_token_ids
         chat = self.kind == "chat"

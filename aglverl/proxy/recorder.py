@@ -52,6 +52,16 @@ def _stop_limit(
     return "context"
 
 
+def _response_id(call: Call) -> str | None:
+    """The id of the answer the agent got: its API's own (a Responses or Messages call, translated; see
+    :class:`~aglverl.proxy.api.translator.AgentApi`), else the backend's chat or completion ``id``, which the
+    proxy passes on unchanged."""
+    own = getattr(call.translator.api, "id", None) if call.translator is not None else None
+    if isinstance(own, str):
+        return own
+    return call.capture.response_id if call.capture is not None else None
+
+
 class Recorder:
     """Records and counts calls (see the module docstring)."""
 
@@ -163,6 +173,7 @@ class Recorder:
             ),
             "sampling": call.sampling,
             "off_policy": call.off_policy,
+            "response_id": _response_id(call),
         }
         vocab = self.store.vocab_size
         choices = capture.result() if capture is not None else []

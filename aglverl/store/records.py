@@ -60,7 +60,9 @@ class LLMCall:
     weight update and the proxy continued it under the new weights. Both are the backend's own report
     (``X-Weight-Version``) when it sends one, else the proxy's version when the call (or its continuation) was
     sent. ``weight_version_end`` left ``None`` (records journaled before it existed) becomes
-    ``weight_version``.
+    ``weight_version``. ``response_id`` is the answer's ``id`` as the agent got it (the backend's
+    ``chatcmpl-...``, or the ``resp_...`` / ``msg_...`` of a translated API; every choice of a call has its
+    call's; ``None``: the answer had none): what an agent's trace names the call by.
     """
 
     rollout_id: str | None
@@ -83,6 +85,7 @@ class LLMCall:
     sampling: dict[str, float] | None = None
     off_policy: bool = False
     weight_version_end: int | None = None
+    response_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.weight_version_end is None:

@@ -463,10 +463,18 @@ class TrajectoryProducer:
     def _build(self, group: _Group, records: list[RolloutRecord], timed_out: int) -> FinishedGroup:
         prompt = group.prompt
         now = self.weight_version()  # a call whose version was not recorded (a posted triplet): the one now
-        rollouts = [finished_rollout(r, trajectory_of(r), prompt.uid, version_now=now) for r in records]
+        trajectories = [trajectory_of(r) for r in records]
+        rollouts = [
+            finished_rollout(r, t, prompt.uid, version_now=now)
+            for r, t in zip(records, trajectories, strict=True)
+        ]
         rows = build_rows(rollouts, self.batch_config, self._build_signal)
         self.width_warning.note(rows)
-        counts = rows.metrics
+        # recorded calls their results left out of training (agent_match: another agent's), beside batch/n_calls
+        counts = {
+            **rows.metrics,
+            "batch/n_calls_unselected": float(sum(t.n_unselected for t in trajectories)),
+        }
         n_completed = sum(r.state == "completed" for r in records)
         reward_sum = sum(
             (r.reward if r.reward is not None else self.batch_config.reward_fill_value or 0.0)

@@ -105,6 +105,8 @@ class Trajectory(NamedTuple):
     ``versions`` holds each turn's first token's version, ``end_versions`` its last token's: they differ
     for a turn whose generation was aborted by a weight update and continued under the new weights (verl's
     ``min_global_steps`` / ``max_global_steps`` of a row are the min of the one and the max of the other).
+    ``n_unselected``: recorded calls the result left out of training (not named by its
+    :data:`~aglverl.models.TRAINED_CALLS_KEY`: another agent's, under ``agent_match``).
     """
 
     turns: list[Turn]
@@ -115,6 +117,7 @@ class Trajectory(NamedTuple):
     versions: list[int | None]
     off_policy: list[bool]
     end_versions: list[int | None]
+    n_unselected: int = 0
 
 
 def trajectory_of(record: RolloutRecord) -> Trajectory:
@@ -122,8 +125,9 @@ def trajectory_of(record: RolloutRecord) -> Trajectory:
 
     Client-posted triplets win (their ``response.logprobs``, if the agent sent a list of finite numbers, one
     per response id, are the engine's logprobs); otherwise the proxy's recorded calls of the winning attempt
-    (a failed rollout: its last attempt), in call order. Calls that failed or came back without token ids
-    cannot be trained on: they are skipped and counted.
+    (a failed rollout: its last attempt), in call order; only those the result names, when it names the calls
+    that train (:attr:`~aglverl.models.Rollout.trained_calls`: the others are counted in ``n_unselected``). Calls
+    that failed or came back without token ids cannot be trained on: they are skipped and counted.
     """
     result = record.result
     if result is not None and result.triplets:
@@ -132,17 +136,20 @@ def trajectory_of(record: RolloutRecord) -> Trajectory:
         logprobs = [_posted_logprobs(t) for t in result.triplets]
         n = len(turns)
         return Trajectory(turns, rewards, logprobs, "client", 0, [None] * n, [False] * n, [None] * n)
-    usable: list[LLMCall] = [c for c in record.calls if c.status == "ok" and c.has_token_ids]
+    trained = result.trained_calls if result is not None else None
+    calls = record.calls if trained is None else [c for c in record.calls if c.response_id in trained]
+    usable: list[LLMCall] = [c for c in calls if c.status == "ok" and c.has_token_ids]
     proxied: list[Turn] = [(c.prompt_token_ids or [], c.response_token_ids or []) for c in usable]
     return Trajectory(
         proxied,
         None,
         [c.logprobs for c in usable],
         "proxy" if usable else "none",
-        len(record.calls) - len(usable),
+        len(calls) - len(usable),
         [c.weight_version for c in usable],
         [c.off_policy for c in usable],
         [c.last_weight_version for c in usable],
+        len(record.calls) - len(calls),
     )
 
 

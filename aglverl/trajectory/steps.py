@@ -305,7 +305,7 @@ class RolloutCollector:
     def _build(self, records: Sequence[RolloutRecord]) -> tuple[Any, dict[str, float]]:
         finished: list[FinishedRollout] = []
         sources = {"client": 0, "proxy": 0, "none": 0}
-        skipped = 0
+        skipped = unselected = 0
         rewards = []
         for record in records:
             trajectory = trajectory_of(record)
@@ -313,6 +313,7 @@ class RolloutCollector:
             if rollout.completed:
                 sources[trajectory.source] += 1
                 skipped += trajectory.n_skipped
+                unselected += trajectory.n_unselected
                 if rollout.reward is not None:
                     rewards.append(rollout.reward)
             finished.append(rollout)
@@ -327,6 +328,7 @@ class RolloutCollector:
                 "step/n_rollouts_with_proxy_triplets": float(sources["proxy"]),
                 "step/n_rollouts_without_calls": float(sources["none"]),
                 "step/n_calls_unusable": float(skipped),
+                "step/n_calls_unselected": float(unselected),
             }
         )
         return data, metrics

@@ -294,7 +294,9 @@ class AgentApi(Protocol):
     """An API an agent speaks, over chat completions: one instance per call, made on that call's
     :class:`Exchange`. It reads the request and renders the answer; the :class:`Translator` holding it does
     the rest. Everything the proxy needs of it is declared here, in its module: registered in
-    :data:`aglverl.proxy.api.APIS` by its :attr:`routes`."""
+    :data:`aglverl.proxy.api.APIS` by its :attr:`routes`. An API whose answers carry an id of their own
+    (``resp_...``, ``msg_...``) has it as the instance's ``id``: the proxy records it as the call's
+    ``response_id`` (what an agent's trace names the call by); without one, the backend's id is recorded."""
 
     #: The API's name, in messages.
     name: ClassVar[str]
