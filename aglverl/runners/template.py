@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import py_compile
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -34,22 +33,32 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from .seam import AgentExit, Launch, LaunchFailed
 
 __all__ = [
-    "SOURCE",
+    "BOOTSTRAP",
     "SupervisedProcess",
     "Template",
     "TemplateGone",
     "TemplateHolder",
     "TemplateStale",
     "TemplateThreaded",
-    "compile_template",
     "fork_request",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The template's program: this package's ``_template.py``, given to the agent's Python with ``-c``.
-SOURCE_FILE = Path(__file__).with_name("_template.py")
-SOURCE = SOURCE_FILE.read_text(encoding="utf-8")
+#: The template's program (:mod:`aglverl.runners._template`, stdlib only), as the agent's Python loads it: the
+#: package from its folder under a private name (nothing of aglverl imported, no agent module can shadow it;
+#: its compiled files are those ``__pycache__`` keeps), then its ``main`` with the command line's arguments.
+TEMPLATE_DIR = Path(__file__).with_name("_template")
+BOOTSTRAP = (
+    "import sys\n"
+    "from importlib.util import module_from_spec, spec_from_file_location\n"
+    f"spec = spec_from_file_location('_aglverl_template', {str(TEMPLATE_DIR / '__init__.py')!r}, "
+    f"submodule_search_locations=[{str(TEMPLATE_DIR)!r}])\n"
+    "package = sys.modules[spec.name] = module_from_spec(spec)\n"
+    "spec.loader.exec_module(package)\n"
+    "from _aglverl_template.main import main\n"
+    "main(sys.argv[1:])\n"
+)
 #: How long a template may take to import its agent before it is given up (a model library can take a while).
 START_SECONDS = 300.0
 _LINE = 1 << 20
@@ -209,17 +218,6 @@ def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = No
     }
 
 
-def compile_template(folder: str) -> str | None:
-    """The template's program compiled by this Python into ``folder`` (blocking: a file written), for a template
-    this Python runs (:attr:`Template.compiled`); ``None`` if it cannot be written (the source is run then)."""
-    target = os.path.join(folder, "aglverl_template.pyc")
-    try:
-        return py_compile.compile(str(SOURCE_FILE), cfile=target, doraise=True)
-    except (OSError, py_compile.PyCompileError) as exc:
-        logger.info("the template is run from its source: it cannot be compiled into %s (%s)", folder, exc)
-        return None
-
-
 class Template:
     """One template process: ``command`` (the Python and its flags), ``kind`` and ``spec`` (what it prepares),
     started in ``cwd`` with ``env``; what it prints (an import's warnings) goes to this process's standard
@@ -234,12 +232,8 @@ class Template:
         env: Mapping[str, str],
         cwd: str,
         name: str,
-        compiled: str | None = None,
     ) -> None:
         self.command = list(command)
-        #: The template's program compiled by this Python (:func:`compile_template`), run instead of the source
-        #: when given (its start then compiles nothing); only for a template run by this process's Python.
-        self.compiled = compiled
         self.kind = kind
         self.spec = list(spec)
         self.env = dict(env)
@@ -272,8 +266,7 @@ class Template:
         error (an import error's last lines) when it cannot prepare it. ``tg`` watches the process."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            program = [self.compiled] if self.compiled else ["-c", SOURCE]
-            argv = [*self.command, *program, str(theirs.fileno()), self.kind, *self.spec]
+            argv = [*self.command, "-c", BOOTSTRAP, str(theirs.fileno()), self.kind, *self.spec]
             try:
                 process = await anyio.open_process(
                     argv,
