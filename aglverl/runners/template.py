@@ -46,16 +46,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: The template's program (:mod:`aglverl.runners._template`, stdlib only), as the agent's Python loads it: the
-#: package from its folder under a private name (nothing of aglverl imported, no agent module can shadow it;
-#: its compiled files are those ``__pycache__`` keeps), then its ``main`` with the command line's arguments.
+#: package's folder registered under a private name (nothing of aglverl imported, no agent module can shadow
+#: it; nothing imported but what the template uses: no ``importlib.util``), then its ``main`` with the command
+#: line's arguments. Its compiled files are those ``__pycache__`` keeps.
 TEMPLATE_DIR = Path(__file__).with_name("_template")
 BOOTSTRAP = (
     "import sys\n"
-    "from importlib.util import module_from_spec, spec_from_file_location\n"
-    f"spec = spec_from_file_location('_aglverl_template', {str(TEMPLATE_DIR / '__init__.py')!r}, "
-    f"submodule_search_locations=[{str(TEMPLATE_DIR)!r}])\n"
-    "package = sys.modules[spec.name] = module_from_spec(spec)\n"
-    "spec.loader.exec_module(package)\n"
+    "package = type(sys)('_aglverl_template', 'aglverl.runners._template, loaded by its folder')\n"
+    f"package.__path__ = [{str(TEMPLATE_DIR)!r}]\n"
+    "sys.modules[package.__name__] = package\n"
     "from _aglverl_template.main import main\n"
     "main(sys.argv[1:])\n"
 )

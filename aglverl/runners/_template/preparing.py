@@ -9,13 +9,9 @@ import builtins
 import importlib
 import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import ast
 
 
-def _imported_names(tree: ast.Module, agent_class: str | None = None) -> list[str]:
+def _imported_names(tree: ast.Module, agent_class: str | None = None) -> list[str]:  # noqa: F821 (imported inside)
     """Absolute module names the file imports at its top level (in ``if``, ``try``, ``with`` blocks too, but not
     in ``except`` handlers: fallbacks), and anywhere in the body of the class ``agent_class`` (its ``run()``'s
     imports), in order. Functions and other classes are left alone (a ``main()`` that imports a trainer)."""
