@@ -12,7 +12,9 @@
   subreaper: every process an agent starts is ended with its attempt, ``SIGTERM`` first, ``SIGKILL`` after the
   grace period, even one that left its process group; forked ahead of its attempt, and for a spawned program
   kept for the next one once nothing of the last is left), the runner's side and the template's (a package of
-  its own, stdlib only, which the agent's Python loads from its folder).
+  its own, stdlib only, which the agent's Python loads from its folder); :mod:`.supervised` — an attempt's
+  process as its supervisor reports it, every wait for its answers bounded: a supervisor its agent stopped or
+  traced is ended by the runner, with every process of the attempt.
 - :mod:`.options` — :class:`ProcessOptions` (the ``aglverl.processes`` section), :func:`resolve_env_map`,
   :func:`default_concurrency`; :mod:`.environment` — the attempt's variables (fields too large for the
   environment go by file), the allow-list of the runner's variables, file names from ids; :mod:`.logs` — the

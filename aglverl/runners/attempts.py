@@ -49,6 +49,8 @@ from .logs import AgentLog
 from .options import ProcessOptions, resolve_env_map
 from .seam import RESULT_MAX, AgentExit, AgentProcess, Launch, Launcher, LaunchFailed
 from .spawn import AHEAD_MAX, Spawner
+from .supervised import ANSWER_MARGIN_SECONDS
+from .template import START_SECONDS
 
 if TYPE_CHECKING:
     from ..daemon import AgentDaemon
@@ -248,9 +250,7 @@ class ProcessRunner:
         slot.last_attempt_id = DEFAULT_ATTEMPT_ID
         grace = options.kill_grace_seconds
         self.daemon.store.heartbeat(
-            task.rollout_id,
-            task.attempt_id,
-            seconds=options.timeout_seconds + grace + CONTROLLER_GRACE_SECONDS,
+            task.rollout_id, task.attempt_id, seconds=START_SECONDS + self._lease_seconds(grace)
         )
         stem = file_stem(slot.agl_id)
         log = AgentLog(self.log_dir / f"{stem}.log", options.log_max_bytes)
@@ -315,9 +315,13 @@ class ProcessRunner:
         return exit, timed_out, failure, result
 
     async def _wait(self, attempt: _Attempt, process: AgentProcess, grace: float) -> tuple[AgentExit, bool]:
+        """Wait for the process up to the attempt's deadline (stop it past it, or when the attempt ends
+        elsewhere, or when cancelled), then for every process of the attempt to be gone. Bounded past the
+        deadline: a launcher's waits after a stop are (the grace period and a margin), shielded here."""
         self.running += 1
         self.peak = max(self.peak, self.running)
         exit: AgentExit | None = None
+        self._renew(attempt, grace)
         deadline = anyio.move_on_after(self.options.timeout_seconds)
         try:
             with anyio.CancelScope() as attempt.scope, deadline:
@@ -331,8 +335,25 @@ class ProcessRunner:
                     await self.launcher.stop(process, grace)
                     exit = await process.wait()
                 self.cpu_seconds += await process.finished() or 0.0
+        if process.lost is not None:
+            exit = AgentExit(why=process.lost)
         assert exit is not None
         return exit, deadline.cancelled_caught
+
+    def _lease_seconds(self, grace: float) -> float:
+        """An attempt's lease once its process runs: its deadline, the grace period, the bound on its
+        supervisor's answers after a stop, and Agent Lightning's controller grace. The runner ends the process
+        itself by then: the lease only ends an attempt whose worker is stuck."""
+        return self.options.timeout_seconds + 2 * grace + ANSWER_MARGIN_SECONDS + CONTROLLER_GRACE_SECONDS
+
+    def _renew(self, attempt: _Attempt, grace: float) -> None:
+        """The attempt's lease from now, its process running (the lease taken before its start also covered a
+        template's start: :data:`~aglverl.runners.template.START_SECONDS`)."""
+        task = attempt.task
+        try:
+            self.daemon.store.heartbeat(task.rollout_id, task.attempt_id, seconds=self._lease_seconds(grace))
+        except StoreError:
+            pass  # it ended meanwhile: the store's change ends the process (its attempt.end)
 
     async def _outcome(
         self,
@@ -344,6 +365,11 @@ class ProcessRunner:
         result: str | None,
     ) -> _Outcome:
         where = f"its output: {log.path}"
+        if exit.why is not None:
+            after = f" past its deadline of {self.options.timeout_seconds:g} s" if timed_out else ""
+            return _Outcome(
+                False, f"agent process {slot.agl_id} lost{after}: its supervisor {exit.why} ({where})"
+            )
         if timed_out:
             grace = self.options.kill_grace_seconds
             return _Outcome(

@@ -46,15 +46,8 @@ from anyio.abc import TaskStatus
 from .options import ProcessOptions
 from .seam import AgentProcess, Launch, LaunchFailed
 from .spawn import AHEAD_MAX, SPARES, Spawner
-from .template import (
-    SupervisedProcess,
-    Template,
-    TemplateGone,
-    TemplateHolder,
-    TemplateStale,
-    TemplateThreaded,
-    fork_request,
-)
+from .supervised import SupervisedProcess, TemplateGone, TemplateStale
+from .template import Template, TemplateHolder, TemplateThreaded, fork_request
 
 __all__ = ["ForkServer", "PythonAgent", "python_agent"]
 

@@ -27,13 +27,8 @@ from anyio.abc import TaskStatus
 
 from .environment import inherited
 from .seam import AgentProcess, Launch, LaunchFailed
-from .template import (
-    SupervisedProcess,
-    Template,
-    TemplateGone,
-    TemplateHolder,
-    fork_request,
-)
+from .supervised import SupervisedProcess, TemplateGone
+from .template import Template, TemplateHolder, fork_request
 
 __all__ = ["AHEAD_MAX", "KEPT_MAX", "SPARES", "Spawner"]
 

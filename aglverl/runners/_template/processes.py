@@ -31,9 +31,10 @@ def threads() -> int:
         return threading.active_count()
 
 
-def children() -> dict[int, list[int]]:
-    """Each process's children, from /proc's parent links (the kernel here may not list them per process)."""
-    found: dict[int, list[int]] = {}
+def table() -> dict[int, tuple[bytes, int, int, int]]:
+    """Each process's state (``b"R"``, ``b"T"``, ``b"Z"``...), parent, process group and session, from
+    ``/proc/<pid>/stat``."""
+    found: dict[int, tuple[bytes, int, int, int]] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -47,8 +48,16 @@ def children() -> dict[int, list[int]]:
         except OSError:
             continue
         fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            found.setdefault(int(fields[1]), []).append(int(entry))
+        if len(fields) > 3:
+            found[int(entry)] = (fields[0], int(fields[1]), int(fields[2]), int(fields[3]))
+    return found
+
+
+def children() -> dict[int, list[int]]:
+    """Each process's children, from /proc's parent links (the kernel here may not list them per process)."""
+    found: dict[int, list[int]] = {}
+    for pid, (_, parent, _, _) in table().items():
+        found.setdefault(parent, []).append(pid)
     return found
 
 

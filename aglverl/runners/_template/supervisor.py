@@ -19,8 +19,9 @@ from .processes import descendants, subreaper
 from .wire import drain, receive, send, traceback, wake_pipe
 
 #: After the SIGKILL, how long a supervisor waits for its processes before it reports the ones left (a process
-#: in uninterruptible sleep cannot be killed until it wakes).
-_KILL_WAIT_SECONDS = 30.0
+#: in uninterruptible sleep cannot be killed until it wakes): less than the runner waits for its answers past the
+#: grace period (``aglverl.runners.supervised.ANSWER_MARGIN_SECONDS``).
+_KILL_WAIT_SECONDS = 5.0
 #: How much of the result file a supervisor reads (``aglverl.runners.seam.RESULT_MAX``).
 _RESULT_MAX = 256
 
