@@ -239,3 +239,40 @@ async def test_a_spare_forked_before_the_agent_changed_refuses_its_attempt_as_st
         os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
         record, _ = await attempt(daemon, tmp_path)
         assert record.result.final_reward == 0.5 and fork_server.starts == 2
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "spawned"])
+async def test_each_attempt_draws_its_own_numbers_from_the_global_generators_and_gets_a_seed_of_its_own(
+    tmp_path: Path, agents: Path, monkeypatch: pytest.MonkeyPatch, forked: bool
+) -> None:
+    """Issue 50, finding 3. Four attempts of an agent that imports numpy and torch at its top (the template
+    imports them; each attempt is a fork of it): each draws its own number from Python's ``random``, numpy's
+    global generator and torch's, as four spawned ones do. Each gets ``AGL_SEED`` (its log's first line says
+    it), four different ones, and generators seeded from it differ too. What stays shared under the fork
+    server, as the README says: generator objects the agent's module made at import."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # numpy's and torch's imports then start no thread
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    options = {
+        "agent_class": "random_agents:Draws",
+        "fork_server": forked,
+        "env_allow": ["PATH", "PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"],
+    }
+    async with runner(tmp_path, options) as (daemon, run):
+        ids = [await daemon.queue_task({"n": n}) for n in range(4)]
+        with anyio.fail_after(120):
+            await daemon.store.wait_terminal(ids)
+        records = [daemon.store.record(rollout_id) for rollout_id in ids]
+        launcher: Any = run.launcher
+        assert (type(launcher).__name__, getattr(launcher, "off", None)) == (
+            ("ForkServer", None) if forked else ("Spawner", None)
+        )
+    assert [r.state for r in records] == ["completed"] * 4, [r.error for r in records]
+    drawn = []
+    for rollout_id in ids:
+        first, *_, last = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
+        drawn.append(json.loads(last))
+        assert first == f"aglverl: AGL_SEED={drawn[-1]['seed']}"
+    for name in ("random", "numpy", "torch", "seed", "seeded_random", "seeded_rng"):
+        assert len({d[name] for d in drawn}) == 4, (name, [d[name] for d in drawn])
+    shared = 1 if forked else 4
+    assert [len({d[name] for d in drawn}) for name in ("module_random", "module_rng")] == [shared, shared]

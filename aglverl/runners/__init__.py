@@ -25,7 +25,8 @@ What an attempt's process gets: Agent Lightning's environment on the task server
 = ``{server}/api/rollouts/{id}/attempt/0/events``, ``AGL_KEY``: a key of its own that opens only its rollout's
 paths), the same endpoints and key in the variables the SDKs read (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
 ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``), ``AGL_ROLLOUT_ID``, ``AGL_ATTEMPT_ID``, ``AGL_MODE``, ``AGL_MODEL``
-(the served model's name), the task input as JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
+(the served model's name), ``AGL_SEED`` (a fresh 32-bit seed, the first line of its log), the task input as
+JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
 input's fields named by ``env_map`` (Agent Lightning's ``local.env_map``), and of the runner's own environment
 only the variables ``env_allow`` names (no secrets by default). The ``{id}`` is the attempt's Agent Lightning
 rollout id (:mod:`aglverl.agl10.rollouts`: attempt ``k > 1`` of rollout ``R`` is ``R-retry-<k-1>``).

@@ -67,6 +67,10 @@ _FILES_ON_LOOP = 64 << 10
 #: not kill may hold the pipe).
 _OUTPUT_SECONDS = 5.0
 
+#: The variable that gives each attempt a fresh seed (32 bits: every library takes it as it is), its log's first
+#: line saying it.
+SEED_VARIABLE = "AGL_SEED"
+
 
 @dataclass(slots=True)
 class _Outcome:
@@ -265,8 +269,10 @@ class ProcessRunner:
             return _Outcome(False, f"agent process for {slot.agl_id} not started: {exc} ({where})")
         input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
         variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
+        seed = secrets.randbits(32)  # the attempt's own: forks of one template share their generators' states
+        variables.env[SEED_VARIABLE] = str(seed)
         files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
-        log.notice = variables.notice
+        log.notice = f"aglverl: {SEED_VARIABLE}={seed}\n{variables.notice}"
         if sum(map(len, files.values())) <= _FILES_ON_LOOP:  # a few small files in the local temporary folder
             stdin = _write_files(scratch, files, input_path)
         else:

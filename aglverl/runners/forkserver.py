@@ -22,8 +22,11 @@ agent: ~1.2 s of CPU).
 - Anything that is not a Python agent (a shell script, a binary, a command string with shell syntax) is
   spawned (:class:`~aglverl.runners.spawn.Spawner`).
 - Module-level code of the agent runs once, in the template, with the runner's allowed variables (not an
-  attempt's): read an attempt's variables in ``run()``. Forks share the template's hash seed; the ``random``
-  module is reseeded in each (Python does that on fork).
+  attempt's): read an attempt's variables in ``run()``.
+- Each fork draws its own random numbers: numpy's global generator and torch's default ones are reseeded from
+  the OS before the agent runs (when imported; :func:`aglverl.runners._template.agent.reseed`), Python reseeds
+  ``random``'s at every fork. Generator objects the agent's module made at import stay shared (seed them from
+  ``AGL_SEED``, each attempt's own seed), and so does the hash seed.
 
 ``fork_server: false`` (``aglverl.processes``) turns it off: every attempt then starts a new Python.
 """

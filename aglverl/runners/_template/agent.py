@@ -36,7 +36,32 @@ def become_agent(request: dict, fds: list[int], close: list[int], run, err_w: in
         os.write(err_w, why.encode(errors="replace")[:2000])
         os._exit(127)
     os.close(err_w)
+    reseed()
     os._exit(_run_in_place(run, argv, report_w) & 0xFF)
+
+
+def reseed() -> None:
+    """Reseed from the OS the generators a fork shares with its template's every other fork, as far as they can be
+    found: numpy's global generator (``numpy.random.seed``: what ``np.random.random()`` and the other legacy
+    functions draw from; only if ``numpy.random`` was imported: numpy imports it lazily) and torch's default
+    generators (``torch.manual_seed``: the CPU one, and CUDA's once initialized; only if torch was imported).
+    Nothing is imported to reseed it. Python's ``random`` needs nothing: Python reseeds its global generator in
+    every ``os.fork`` child itself. Generator objects the agent's code made (a module-level ``random.Random()``,
+    ``np.random.default_rng()``, ``torch.Generator()``) are its own: they stay as the template made them (seed
+    them from ``AGL_SEED``). A failure leaves the generator as it was (the agent runs all the same)."""
+    entropy = os.urandom(24)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        try:
+            numpy_random.seed([int.from_bytes(entropy[i : i + 4], "little") for i in range(0, 16, 4)])
+        except Exception:
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            torch.manual_seed(int.from_bytes(entropy[16:], "little"))
+        except Exception:
+            pass
 
 
 def _set_up(request: dict, fds: list[int], close: list[int], run) -> list[str]:
