@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import sys
+import sysconfig
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -276,3 +278,65 @@ async def test_each_attempt_draws_its_own_numbers_from_the_global_generators_and
         assert len({d[name] for d in drawn}) == 4, (name, [d[name] for d in drawn])
     shared = 1 if forked else 4
     assert [len({d[name] for d in drawn}) for name in ("module_random", "module_rng")] == [shared, shared]
+
+
+WRITER = """
+import importlib, json, os, sys
+
+
+class Writer:
+    def run(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.dont_write_bytecode = True  # no stale .pyc of an equal-sized file written within the same second
+        with open(os.path.join(here, "generated.py"), "w") as f:
+            f.write(f"WHO = {os.environ['AGL_ROLLOUT_ID']!r}\\n")
+        importlib.invalidate_caches()
+        import generated
+
+        print(json.dumps({"who": generated.WHO}), flush=True)
+        with open(os.environ["AGL_REWARD_FILE"], "w") as f:
+            f.write("1")
+"""
+
+
+async def test_a_module_an_attempt_writes_and_imports_is_its_own_and_never_the_templates(
+    tmp_path: Path, agents: Path
+) -> None:
+    """Issue 50, finding 4. An agent that writes a module into its own folder at each attempt and imports it:
+    each of four attempts imports the one it wrote (the template learns of it from the first, and leaves it out:
+    it is not the Python installation's), all in one template."""
+    (agents / "writer_agent.py").write_text(WRITER)
+    async with runner(tmp_path, {"agent_class": "writer_agent:Writer"}) as (daemon, run):
+        fork_server: Any = run.launcher
+        seen = []
+        for n in range(4):
+            record, printed = await attempt(daemon, tmp_path, {"n": n})
+            assert record.state == "completed", record.error
+            seen.append((printed["who"], record.rollout_id))
+        template = fork_server._holder.current
+        assert fork_server.starts == 1 and template.preloads >= 1
+        assert "generated" in template.skipped and "generated" not in template.preloaded
+        assert "generated" not in fork_server.learned
+    assert [who for who, _ in seen] == [rollout_id for _, rollout_id in seen]
+
+
+def test_the_installation_is_its_folders_files_older_than_the_template_never_the_projects() -> None:
+    """What a template may import before its forks: the standard library's and site-packages' files, also with
+    the virtual environment inside the project (the agent's folder); never the project's own files, nor a file
+    written into site-packages after the template started."""
+    import anyio as installed_package
+
+    import aglverl
+    from aglverl.runners._template.preload import Installed
+
+    project = Path(__file__).resolve().parents[1]
+    installed = Installed([str(project), str(project / "examples")], time.time_ns())
+    assert json.__file__ in installed and installed_package.__file__ in installed
+    assert aglverl.__file__ not in installed and str(HELPERS / "forked_agents.py") not in installed
+    fresh = Path(sysconfig.get_paths()["purelib"]) / f"aglverl_test_fresh_{os.getpid()}.py"
+    fresh.write_text("WRITTEN = 'after the template started'\n")
+    try:
+        assert str(fresh) not in installed
+        assert str(fresh) in Installed([str(project)], time.time_ns())  # older than a template started now
+    finally:
+        fresh.unlink()

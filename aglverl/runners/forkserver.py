@@ -15,7 +15,10 @@ agent: ~1.2 s of CPU).
   imports the new code.
 - What the agent imports as it runs (an SDK's lazy imports at its first call, say) is reported by each fork when
   it ends, and the template imports it before the next forks: from the second wave of attempts on, they find
-  it imported. An import that leaves a thread running in the template is not made there again.
+  it imported. Only the Python installation's modules (files under its prefixes, site-packages or ``sysconfig``
+  paths, not in the agent's folder or the working directory, not written since the template started): a module
+  an attempt wrote and imported is never run in the template, nor found there by the next attempt. An import
+  that leaves a thread running in the template is not made there again.
 - A template never forks while threads run in it (forking a process with threads can deadlock the child, and
   the threads are not in it): if importing the agent started one, this agent's attempts are spawned instead (a
   new Python each), with a warning saying why.
@@ -152,7 +155,8 @@ class ForkServer:
         self._holder = TemplateHolder(self._template)
         self._tg: anyio.abc.TaskGroup | None = None
         #: Modules the agent's forks imported beyond the template's: the template imports them before the next
-        #: forks (an SDK's lazy imports at its first call); ``_refused``: those whose import started a thread.
+        #: forks (an SDK's lazy imports at its first call); ``_refused``: those whose import started a thread, or
+        #: that are not the Python installation's (the template left them out).
         self.learned: set[str] = set()
         self._refused: set[str] = set()
         self._preloading = anyio.Lock()  # one preload at a time: the attempts that waited for it find it done
@@ -218,6 +222,8 @@ class ForkServer:
                 if not missing or not template.alive:
                     continue  # preloaded meanwhile (or the template died: the holder starts another)
                 culprit = await template.preload(sorted(missing))
+            self._refused.update(template.skipped)  # never the installation's: not asked again
+            self.learned.difference_update(template.skipped)
             if culprit is None:
                 return template
             logger.info(

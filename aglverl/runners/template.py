@@ -98,6 +98,8 @@ class Template:
         self.preloaded: set[str] = set()
         #: How many :meth:`preload` requests it answered.
         self.preloads = 0
+        #: Modules :meth:`preload` left out: not the Python installation's (the agent's own, an attempt's).
+        self.skipped: set[str] = set()
         self._process: anyio.abc.Process | None = None
         self._control: anyio.abc.UNIXSocketStream | None = None
         self._reader: BufferedByteReceiveStream | None = None
@@ -243,16 +245,18 @@ class Template:
         return answer
 
     async def preload(self, names: Sequence[str]) -> str | None:
-        """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once);
-        returns the module whose import left a thread running (the template has exited then), else ``None``.
-        Raises :class:`TemplateGone`."""
+        """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once),
+        those of the Python installation (:attr:`skipped` gets the others); returns the module whose import left
+        a thread running (the template has exited then), else ``None``. Raises :class:`TemplateGone`."""
         answer = await self._ask(orjson.dumps({"preload": list(names)}) + b"\n", [])
         if answer is None:
             raise TemplateGone(self.name)
         self.preloads += 1
         if "module" in answer:
             return str(answer["module"])
-        self.preloaded.update(names)
+        skipped = {str(n) for n in answer.get("skipped") or ()}
+        self.skipped.update(skipped)
+        self.preloaded.update(n for n in names if n not in skipped)
         return None
 
     def cpu_seconds(self) -> float:

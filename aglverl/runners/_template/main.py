@@ -13,8 +13,8 @@ import socket
 import sys
 import time
 
-from .preload import KNOWN, preload
-from .preparing import STAMPS, changed, own_files, prepare
+from .preload import KNOWN, Installed, preload
+from .preparing import STAMPS, agent_folders, changed, own_files, prepare
 from .processes import children, descendants, subreaper, threads
 from .supervisor import supervise
 from .wire import drain, receive, send, traceback, wake_pipe
@@ -56,10 +56,11 @@ class _Template:
     """The template once its agent is prepared: ``run`` (what a fork runs, ``None`` for a bare template) and the
     agent's ``files``; it answers the runner on ``ctl``."""
 
-    def __init__(self, ctl: socket.socket, run, files: list) -> None:
+    def __init__(self, ctl: socket.socket, run, files: list, installed: Installed) -> None:
         self.ctl = ctl
         self.run = run
         self.files = files
+        self.installed = installed  # what it may import before its forks
         self.wake, self.wake_w = wake_pipe()
         self.supervisors: set[int] = set()
         self.buffer = bytearray()
@@ -87,14 +88,15 @@ class _Template:
                     self.fork(request)
 
     def preload(self, names: list[str]) -> None:
-        count, culprit = preload(names)
+        """Import ``names`` (the installation's modules of them); say how many, and which were left out."""
+        count, culprit, skipped = preload(sorted(names), self.installed)
         if culprit is not None:
             send(self.ctl, {"threads": threads(), "module": culprit})
             os._exit(0)  # a thread runs here now: this template must not fork again
         for path, stamp in own_files(self.files).items():  # the files it brought in; not a new look at
             STAMPS.setdefault(path, stamp)  # those it had: a change made meanwhile stays a change
         gc.freeze()
-        send(self.ctl, {"preloaded": count})
+        send(self.ctl, {"preloaded": count, "skipped": skipped})
 
     def fork(self, request: dict) -> None:
         """Fork a supervisor for ``request`` (a spare: its channel alone), or say why not."""
@@ -141,6 +143,7 @@ class _Template:
 
 def main(argv: list[str]) -> None:
     """The template: ``argv`` is its control socket's descriptor, its kind and spec."""
+    started_ns = time.time_ns()  # what was written since is not the installation's (preload.Installed)
     ctl = socket.socket(fileno=int(argv[0]))
     ctl.setblocking(True)
     kind, spec = argv[1], argv[2:]
@@ -153,7 +156,7 @@ def main(argv: list[str]) -> None:
     STAMPS.update(own_files(files))
     KNOWN.update(sys.modules)
     gc.freeze()  # what is imported now stays out of the collector's reach: forks do not copy it by collecting
-    template = _Template(ctl, run, files)
+    template = _Template(ctl, run, files, Installed(agent_folders(files), started_ns))
     send(
         ctl,
         {"ready": {"pid": os.getpid(), "threads": threads(), "subreaper": reaper, "files": len(STAMPS)}},

@@ -138,6 +138,13 @@ def prepare(kind: str, spec: list[str]):
     raise ValueError(f"unknown template kind {kind!r}")
 
 
+def agent_folders(files: list) -> list[str]:
+    """The folders that hold the agent's own code: the working directory, the first entry of ``sys.path`` (the
+    script's folder, or the working directory) and the folder of each of the agent's ``files``."""
+    cwd = os.getcwd()
+    return [cwd, sys.path[0] or cwd, *(os.path.dirname(os.path.abspath(p)) for p in files if p)]
+
+
 def own_files(extra: list) -> dict[str, tuple[int, int]]:
     """The agent's own source files (its module or script, and every module imported from outside the
     interpreter's installation), with their modification time and size: a changed one makes the template stale."""
