@@ -14,9 +14,9 @@ when the agent imports next to nothing). Each is run by:
 - ``aglverl``: the built-in runner (:mod:`aglverl.runners`), woken by the store when work is queued, with its
   defaults (the fork server: the class imported once, each rollout a fork);
 - ``aglverl_spawn``: the same with ``fork_server: false`` (a new Python per rollout, Agent Lightning's way);
-- ``against``: with ``--against DIR`` (another tree, e.g. ``git -C /work/main archive a871c6d | tar -x -C DIR``),
-  that tree's built-in runner, in a child process that imports it (``PYTHONPATH=DIR``), run right after this
-  tree's for the same agent;
+- ``against``: with ``--against DIR`` (another tree, e.g. ``git -C /work/main archive 019ee6f aglverl | tar -x -C
+  DIR``), that tree's built-in runner, in a child process that imports it (``PYTHONPATH=DIR``; that tree's
+  modules alone: ``_common.TREE_ENV``), run right after this tree's for the same agent;
 - ``agl_poll_1s`` / ``agl_poll_10s``: ``python -m agentlightning.controller runner_type=local`` from the Agent
   Lightning venv, pointed at the task server, polling every second / every 10 s (its default), started and
   polling before the rollouts are queued;
@@ -48,15 +48,20 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from _common import emit, machine_info, percentile, run_loop, run_queued
+from _common import TREE_ENV, emit, machine_info, percentile, run_loop, run_queued
 from anyio.streams.text import TextReceiveStream
 
 import aglverl
 from aglverl import AgentDaemon
-from aglverl.agl10.config import AgentLightningSettings
-from aglverl.agl10.wire import RolloutConfig, RolloutLocalConfig
 from aglverl.process_runner import ProcessOptions, ProcessRunner  # the old tree's too (--against)
 from aglverl.testing.mock_vllm import MockVLLM
+
+try:  # Agent Lightning v1.0's settings, where the tree measured keeps them (--against an older tree)
+    from aglverl.agl10.config import AgentLightningSettings
+    from aglverl.agl10.wire import RolloutConfig, RolloutLocalConfig
+except ImportError:  # before aglverl/agl10 (019ee6f)
+    from aglverl.agent_lightning.config import AgentLightningSettings  # type: ignore[no-redef]
+    from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -192,7 +197,11 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
 
 async def _in_child(agent: str, args: argparse.Namespace) -> dict[str, Any]:
     """``agent`` run by the built-in runner of the tree ``--against`` names, in a child process importing it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.against), str(EXAMPLES), str(HERE)])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(args.against), str(EXAMPLES), str(HERE)]),
+        TREE_ENV: str(args.against),
+    }
     command = [
         sys.executable,
         str(HERE / "agent_processes.py"),
