@@ -5,6 +5,7 @@ option that turns it off spawns every attempt. Real processes against a real dae
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +69,21 @@ async def attempt(daemon: AgentDaemon, tmp_path: Path, task: Any = None) -> tupl
     record = daemon.store.record(rollout_id)
     lines = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
     return record, json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+
+def _probe_template(tmp_path: Path, **options: Any) -> Any:
+    """A template of the probe agent (started by the caller), with ``options`` (``answer_seconds``)."""
+    from aglverl.runners.template import Template
+
+    return Template(
+        [sys.executable],
+        "class",
+        ["probe_agent:Probe"],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+        name="the probe",
+        **options,
+    )
 
 
 def imports(tmp_path: Path) -> list[int]:
@@ -193,16 +209,9 @@ async def test_a_spare_forked_before_the_agent_changed_refuses_its_attempt_as_st
     they fork it: one forked before a change says so instead of running the old code, and the fork server
     starts a new template whose attempt runs the new code."""
     from aglverl.runners.seam import Launch
-    from aglverl.runners.template import Template, TemplateStale, fork_request
+    from aglverl.runners.template import TemplateStale, fork_request
 
-    template = Template(
-        [sys.executable],
-        "class",
-        ["probe_agent:Probe"],
-        env=dict(os.environ),
-        cwd=str(tmp_path),
-        name="the probe",
-    )
+    template = _probe_template(tmp_path)
     async with anyio.create_task_group() as tg:
         await template.start(tg)
         spare = await template.spare()
@@ -340,3 +349,31 @@ def test_the_installation_is_its_folders_files_older_than_the_template_never_the
         assert str(fresh) in Installed([str(project)], time.time_ns())  # older than a template started now
     finally:
         fresh.unlink()
+
+
+async def test_a_template_that_stops_answering_is_ended_and_its_requests_fail_as_gone(
+    tmp_path: Path, agents: Path
+) -> None:
+    """A template stopped by a process of its user (an agent can find it: its supervisor's parent) answers no
+    fork: past its ``answer_seconds`` it is ended (``SIGCONT``, then ``SIGKILL``) and the request fails as
+    :class:`TemplateGone`, which the fork server answers with a new template."""
+    from aglverl.runners.supervised import TemplateGone
+
+    template = _probe_template(tmp_path, answer_seconds=2.0)
+    async with anyio.create_task_group() as tg:
+        await template.start(tg)
+        assert template.pid is not None
+        pidfd = os.pidfd_open(template.pid)
+        try:
+            os.kill(template.pid, signal.SIGSTOP)
+            with anyio.fail_after(20), pytest.raises(TemplateGone):
+                await template.spare()
+            assert not template.alive
+            with anyio.fail_after(20):
+                await anyio.wait_readable(pidfd)  # it exited
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # whatever happened: no stopped process left behind
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+        await template.aclose()
+        tg.cancel_scope.cancel()

@@ -7,6 +7,7 @@ daemon and a vLLM-shaped mock backend on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -198,3 +199,49 @@ async def test_the_runners_shutdown_ends_an_attempt_whose_supervisor_is_stopped_
     assert took < BOUND, took
     ((pid, supervisor, _),) = gate.lines
     assert await _exited(pid) and await _exited(supervisor)
+
+
+async def test_a_spare_supervisor_stopped_before_its_attempt_is_ended_and_the_attempt_not_started(
+    tmp_path: Path,
+) -> None:
+    """A supervisor waiting for its attempt, stopped meanwhile (by a process of its user): given the attempt, it
+    says nothing; within the bound on a supervisor's first word the runner ends it, and the start fails as lost
+    saying so (the runner then fails the attempt, and retries it)."""
+    from aglverl.runners.seam import Launch, LaunchFailed
+    from aglverl.runners.supervised import START_ANSWER_SECONDS
+    from aglverl.runners.template import Template, fork_request
+
+    template = Template([sys.executable, "-I", "-S"], "bare", [], env={}, cwd="/", name="the spawner")
+    read, write = os.pipe()
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    async with anyio.create_task_group() as tg:
+        await template.start(tg)
+        spare = await template.spare()
+        pidfd = os.pidfd_open(spare.supervisor)
+        try:
+            os.kill(spare.supervisor, signal.SIGSTOP)
+            launch = Launch(
+                argv=("true",),
+                env={"PATH": os.environ["PATH"]},
+                cwd="/",
+                stdin=stdin,
+                output=write,
+                name="an attempt",
+            )
+            started = time.monotonic()
+            with anyio.fail_after(START_ANSWER_SECONDS + 10):
+                await spare.assign(fork_request(launch, exec_=True), stdin, write, launch.name)
+                with pytest.raises(
+                    LaunchFailed,
+                    match=r"lost: its supervisor did not answer within 10 s of its attempt \(it was stopped \(SIGSTOP\)\)",
+                ):
+                    await spare.started()
+                await anyio.wait_readable(pidfd)  # the supervisor is gone
+            assert time.monotonic() - started < START_ANSWER_SECONDS + 5
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            for fd in (pidfd, read, write, stdin):
+                os.close(fd)
+        await template.aclose()
+        tg.cancel_scope.cancel()

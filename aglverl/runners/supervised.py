@@ -16,7 +16,8 @@ and the attempt fails as lost, with the reason (:attr:`SupervisedProcess.lost`).
 supervisor uses were looked at for the same: it writes to nothing an agent can fill (its one blocking write is
 to the channel, which the runner reads as long as the attempt runs; the agent's import report is read
 non-blocking and capped), and a channel an agent takes (``pidfd_getfd``) and floods or closes is read as a
-supervisor gone.
+supervisor gone. The template the supervisors are forked from is bounded alike
+(:attr:`Template.answer_seconds <aglverl.runners.template.Template.answer_seconds>`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "SupervisedProcess",
     "TemplateGone",
     "TemplateStale",
+    "describe",
     "end_unanswered",
     "read_line",
 ]
@@ -288,7 +290,7 @@ def end_unanswered(supervisor: int, pidfd: int | None) -> str:
     the session are still below it: it is their subreaper), swept again while new ones turn up, then to the
     supervisor (through its ``pidfd``: never another process that took its number). Returns what the supervisor
     was doing (stopped, traced by whom, running, gone). Blocking (``/proc``): for a worker thread."""
-    state = _state_of(supervisor)
+    state = describe(supervisor)
     if pidfd is None or _exited(pidfd):
         return "it was gone, its channel held open by another process"
     for _ in range(_SWEEPS):  # the supervisor is alive: its session id and its children are its attempt's
@@ -324,8 +326,9 @@ def _exited(pidfd: int) -> bool:
     return bool(ready)
 
 
-def _state_of(pid: int) -> str:
-    """What ``/proc`` says ``pid`` is doing, in words: stopped, traced (by which process), running, gone."""
+def describe(pid: int) -> str:
+    """What ``/proc`` says ``pid`` is doing, in words: stopped, traced (by which process), running, gone.
+    Blocking (``/proc``): for a worker thread."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             status = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)

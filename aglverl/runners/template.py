@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -27,11 +28,12 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .seam import Launch, LaunchFailed
-from .supervised import SupervisedProcess, TemplateGone, TemplateStale, read_line
+from .supervised import SupervisedProcess, TemplateGone, TemplateStale, describe, read_line
 
 __all__ = ["BOOTSTRAP", "Template", "TemplateHolder", "TemplateThreaded", "fork_request"]
 
@@ -85,8 +87,11 @@ class Template:
         env: Mapping[str, str],
         cwd: str,
         name: str,
+        answer_seconds: float = START_SECONDS,
     ) -> None:
         self.command = list(command)
+        #: How long it may take to answer a request (a fork, a preload's imports): past it, it is ended.
+        self.answer_seconds = answer_seconds
         self.kind = kind
         self.spec = list(spec)
         self.env = dict(env)
@@ -219,20 +224,28 @@ class Template:
         async with self._sending:
             if not self.alive or self._control is None or self._reader is None:
                 raise TemplateGone(self.name)
-            try:
-                if fds:
-                    await self._control.send_fds(data[:1], fds)
-                    await self._control.send(data[1:])
-                else:
-                    await self._control.send(data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                raise TemplateGone(self.name) from None
+            with anyio.move_on_after(self.answer_seconds) as sending:
+                try:
+                    if fds:
+                        await self._control.send_fds(data[:1], fds)
+                        await self._control.send(data[1:])
+                    else:
+                        await self._control.send(data)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    raise TemplateGone(self.name) from None
+            if sending.cancelled_caught:
+                await self._end_unanswering()
+                raise TemplateGone(self.name)
             ticket, self._sent = self._sent, self._sent + 1
         try:
             async with self._reading:
                 reader = self._reader
                 while self._read <= ticket and reader is not None:
-                    line = await read_line(reader)
+                    line = None
+                    with anyio.move_on_after(self.answer_seconds) as waiting:
+                        line = await read_line(reader)
+                    if waiting.cancelled_caught:
+                        await self._end_unanswering()  # the answers still due will not come: None each
                     if self._read not in self._abandoned:
                         self._answers[self._read] = line
                     self._abandoned.discard(self._read)
@@ -243,6 +256,31 @@ class Template:
             if not answered and self._read <= ticket:
                 self._abandoned.add(ticket)  # cancelled before its answer came: whoever reads it drops it
         return answer
+
+    async def _end_unanswering(self) -> None:
+        """The template did not answer within :attr:`answer_seconds` (stopped or traced by a process of its
+        user, an agent say): kill it (``SIGCONT``, then ``SIGKILL``) and close its control socket; the attempts it
+        forked run on under their supervisors, and the holder starts another template."""
+        process = self._process
+        if process is None or self._gone.is_set():
+            return
+        with anyio.CancelScope(shield=True):
+            state = await anyio.to_thread.run_sync(describe, process.pid)
+            logger.warning(
+                "the template (pid %d) of %s did not answer within %g s (%s): it is ended, and another started",
+                process.pid,
+                self.name,
+                self.answer_seconds,
+                state,
+            )
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    process.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+            control, self._control = self._control, None  # not alive from now on
+            if control is not None:
+                await control.aclose()
 
     async def preload(self, names: Sequence[str]) -> str | None:
         """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once),
