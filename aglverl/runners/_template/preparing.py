@@ -138,6 +138,10 @@ def prepare(kind: str, spec: list[str]):
     raise ValueError(f"unknown template kind {kind!r}")
 
 
+#: This package's name where it runs (``_aglverl_template`` in a template).
+_PACKAGE = __name__.rpartition(".")[0]
+
+
 def agent_folders(files: list) -> list[str]:
     """The folders that hold the agent's own code: the working directory, the first entry of ``sys.path`` (the
     script's folder, or the working directory) and the folder of each of the agent's ``files``."""
@@ -150,7 +154,9 @@ def own_files(extra: list) -> dict[str, tuple[int, int]]:
     interpreter's installation), with their modification time and size: a changed one makes the template stale."""
     roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
     paths = {p for p in extra if p}
-    for module in list(sys.modules.values()):
+    for name, module in list(sys.modules.items()):
+        if name == _PACKAGE or name.startswith(_PACKAGE + "."):
+            continue  # the template's own modules (what aglverl's runner loaded it from), not the agent's
         path = getattr(module, "__file__", None)
         if not path or not path.endswith(".py"):
             continue
