@@ -110,7 +110,7 @@ async def holding(
         await outer.start(gate.serve)
         outer.start_soon(_release_after, gate, release_after)
         runner = ProcessRunner(
-            daemon, ProcessOptions.from_mapping(section), concurrency=4, log_dir=tmp_path / "logs"
+            daemon, ProcessOptions.from_mapping(section), concurrency=5, log_dir=tmp_path / "logs"
         )
         try:
             async with anyio.create_task_group() as tg:
@@ -152,12 +152,13 @@ def _agents_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_an_agent_that_stops_or_traces_its_supervisor_is_ended_with_it_and_its_attempt_is_lost(
     tmp_path: Path, kind: str
 ) -> None:
-    """Four agents at once, each holding its supervisor its way: ``SIGSTOP``, ``ptrace`` attach, ``ptrace`` seize
-    (+ interrupt), and a child that stops it once the agent exited 0 with a reward. Each attempt ends within the
+    """Five agents at once, each holding its supervisor its way: ``SIGSTOP``, ``ptrace`` attach, ``ptrace`` seize
+    (+ interrupt), a child that stops it once the agent exited 0 with a reward, and its channel taken
+    (``pidfd_getfd``) and filled with lines no supervisor says. Each attempt ends within the
     grace period and the margin past its deadline (or past its agent's exit; or within the bound on its
     supervisor's first word, when the agent held it before it said the agent runs), failed as lost with how its
     supervisor was held; the supervisor and the agent's processes are gone."""
-    holds = ["stop", "stop-after-exit", *(["attach", "seize"] if _ptrace_allowed() else [])]
+    holds = ["stop", "stop-after-exit", *(["attach", "seize", "flood"] if _ptrace_allowed() else [])]
     timeout = 5.0
     options = {**AGENTS[kind], "timeout_seconds": timeout}
     async with holding(tmp_path, options, release_after=timeout + 2 * BOUND) as (daemon, runner, gate):
@@ -171,9 +172,13 @@ async def test_an_agent_that_stops_or_traces_its_supervisor_is_ended_with_it_and
     assert took < timeout + BOUND
     for how, record in records.items():
         assert record.state == "failed", (how, record.error)
-        assert "lost" in record.error and "its supervisor did not answer within" in record.error
+        assert "lost" in record.error
+        if how != "flood":
+            assert "its supervisor did not answer within" in record.error
         assert "aglverl ended it and every process of the attempt (SIGCONT, then SIGKILL)" in record.error
     assert "of its agent's exit (it was stopped (SIGSTOP))" in records["stop-after-exit"].error
+    if "flood" in records:  # at its first line, not at its deadline
+        assert "its supervisor sent what no supervisor says on its channel, b'{}'" in records["flood"].error
     assert "(it was stopped (SIGSTOP))" in records["stop"].error
     held = {how: (pid, supervisor) for pid, supervisor, how in gate.lines}
     assert sorted(held) == sorted(holds)

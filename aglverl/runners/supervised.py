@@ -15,8 +15,10 @@ supervisor's session (the agent's process group is one of its groups) and of its
 and the attempt fails as lost, with the reason (:attr:`SupervisedProcess.lost`). The pipes and the channel a
 supervisor uses were looked at for the same: it writes to nothing an agent can fill (its one blocking write is
 to the channel, which the runner reads as long as the attempt runs; the agent's import report is read
-non-blocking and capped), and a channel an agent takes (``pidfd_getfd``) and floods or closes is read as a
-supervisor gone. The template the supervisors are forked from is bounded alike
+non-blocking and capped). But an agent may take a duplicate of the channel (``pidfd_getfd``, the same right as
+``ptrace``) and fill it: a line no supervisor says (or one of over :data:`LINE_MAX` bytes) ends the supervisor
+and the attempt at once, as lost; a channel closed under it reads as a supervisor gone (and it ends the
+attempt). The template the supervisors are forked from is bounded alike
 (:attr:`Template.answer_seconds <aglverl.runners.template.Template.answer_seconds>`).
 """
 
@@ -46,6 +48,7 @@ __all__ = [
     "describe",
     "end_unanswered",
     "read_line",
+    "receive_line",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ ANSWER_MARGIN_SECONDS = 10.0
 START_ANSWER_SECONDS = 10.0
 #: The longest line a template or supervisor may send.
 LINE_MAX = 1 << 20
+#: What a supervisor says on an attempt's channel (one of these keys a line): anything else was not said by it.
+_SAID = frozenset({"started", "failed", "stale", "exited", "done"})
 #: How many times the runner looks for processes of an unanswering supervisor's attempt (one may fork while
 #: the others are killed).
 _SWEEPS = 5
@@ -72,10 +77,11 @@ class TemplateStale(Exception):
     """The agent's file changed since the template imported it; the template has exited."""
 
 
-async def read_line(reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
-    """The next JSON line, or ``None`` once the other end is gone (or sent what is not a JSON line)."""
+async def receive_line(reader: BufferedByteReceiveStream) -> bytes | None:
+    """The next line (without its newline), or ``None`` once the other end is gone; ``anyio.DelimiterNotFound``
+    when no newline comes within :data:`LINE_MAX` bytes."""
     try:
-        message = orjson.loads(await reader.receive_until(b"\n", LINE_MAX))
+        return await reader.receive_until(b"\n", LINE_MAX)
     except (
         anyio.IncompleteRead,
         anyio.EndOfStream,
@@ -84,6 +90,13 @@ async def read_line(reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
         OSError,
     ):
         return None
+
+
+async def read_line(reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
+    """The next JSON line, or ``None`` once the other end is gone (or sent what is not a JSON line)."""
+    try:
+        data = await receive_line(reader)
+        message = orjson.loads(data) if data is not None else None
     except (anyio.DelimiterNotFound, orjson.JSONDecodeError):
         logger.warning("a template or supervisor sent a line that is not JSON; treating it as gone")
         return None
@@ -140,6 +153,7 @@ class SupervisedProcess:
         self._waits = False  # its supervisor said it waits for another attempt
         self._deadline = float("inf")  # its answers are due by then (once it was asked to stop)
         self._why = ""  # what it was asked, for the message past the deadline
+        self._garbled: str | None = None  # what its channel carried that no supervisor says
         self._reading: anyio.CancelScope | None = None
 
     def _due(self, seconds: float, why: str) -> None:
@@ -150,26 +164,54 @@ class SupervisedProcess:
             if self._reading is not None:
                 self._reading.deadline = deadline
 
+    async def _next(self) -> dict[str, Any] | None:
+        """The supervisor's next message; ``None`` once its channel is closed, or when it carried what no
+        supervisor says (then :attr:`_garbled` says what: another process has the channel)."""
+        try:
+            data = await receive_line(self._reader)
+        except anyio.DelimiterNotFound:
+            what = "a line of over 1 MiB"
+        else:
+            if data is None:
+                return None
+            try:
+                message = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                message = None
+            if isinstance(message, dict) and not _SAID.isdisjoint(message):
+                return message
+            what = repr(bytes(data[:60]))
+        if self._garbled is None:
+            self._garbled = (
+                f"sent what no supervisor says on its channel, {what} (another process writing on it?)"
+            )
+        return None
+
     async def _read_until(self, enough: Callable[[], bool]) -> None:
-        """Read the channel until ``enough()``; past the deadline, end the supervisor and the attempt."""
+        """Read the channel until ``enough()``; past the deadline, or once the channel carried what no supervisor
+        says, end the supervisor and the attempt."""
         try:
             with anyio.CancelScope(deadline=self._deadline) as self._reading:
                 while not enough():
-                    self._take(await read_line(self._reader))
+                    self._take(await self._next())
         finally:
             self._reading = None
-        if not enough():
-            await self._end_unanswered()
+        if self._garbled is not None and self.lost is None:
+            await self._end(self._garbled)
+        elif not enough():
+            await self._end(f"did not answer {self._why}")
 
     async def started(self) -> None:
         """The supervisor's first word: the agent runs (:attr:`pid` set), or :class:`LaunchFailed` saying why
-        (also when it does not answer within :data:`START_ANSWER_SECONDS`: then it is ended)."""
+        (also when it does not answer within :data:`START_ANSWER_SECONDS`, or says what no supervisor says: then
+        it is ended)."""
         message = None
         with anyio.move_on_after(START_ANSWER_SECONDS) as scope:
-            message = await read_line(self._reader)
-        if scope.cancelled_caught:
-            self._why = f"within {START_ANSWER_SECONDS:g} s of its attempt"
-            await self._end_unanswered()
+            message = await self._next()
+        if scope.cancelled_caught or self._garbled is not None:
+            await self._end(
+                self._garbled or f"did not answer within {START_ANSWER_SECONDS:g} s of its attempt"
+            )
             raise LaunchFailed(f"lost: its supervisor {self.lost}")
         if message is not None and "started" in message:
             self.pid = int(message["started"])
@@ -242,8 +284,7 @@ class SupervisedProcess:
                 await self._close()
                 raise TemplateGone(f"the spare supervisor for {name}") from None
         if scope.cancelled_caught:
-            self._why = f"within {START_ANSWER_SECONDS:g} s of its attempt"
-            await self._end_unanswered()
+            await self._end(f"did not take its attempt within {START_ANSWER_SECONDS:g} s")
             raise TemplateGone(f"the spare supervisor for {name}: {self.lost}")
         self.name = name
 
@@ -264,14 +305,14 @@ class SupervisedProcess:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 pass  # already gone
 
-    async def _end_unanswered(self) -> None:
-        """The supervisor did not answer in time: end it and every process of its attempt (shielded: in a
-        worker thread, reading ``/proc``); the attempt is lost (:attr:`lost` says why)."""
+    async def _end(self, why: str) -> None:
+        """The supervisor did not answer in time (or something else spoke for it: ``why``): end it and every
+        process of its attempt (shielded: in a worker thread, reading ``/proc``); the attempt is lost (:attr:`lost`
+        says why)."""
         with anyio.CancelScope(shield=True):
             state = await anyio.to_thread.run_sync(end_unanswered, self.supervisor, self._pidfd)
             self.lost = (
-                f"did not answer {self._why} ({state}); aglverl ended it and every process of the attempt "
-                "(SIGCONT, then SIGKILL)"
+                f"{why} ({state}); aglverl ended it and every process of the attempt (SIGCONT, then SIGKILL)"
             )
             logger.warning("the supervisor (pid %d) of %s %s", self.supervisor, self.name, self.lost)
             self._done = True

@@ -8,7 +8,9 @@ Each connects to the TCP server ``HOLD_GATE`` (``host:port``) names once it hold
 - ``seize``: ``ptrace(PTRACE_SEIZE)`` then ``ptrace(PTRACE_INTERRUPT)`` (stopped without a signal);
 - ``stop-after-exit``: starts a child that ``SIGSTOP``\\s the supervisor when it is sent ``SIGTERM`` (the
   supervisor sends it once the agent exited: its answers after the agent's exit then never come), writes the
-  reward 1 and exits 0.
+  reward 1 and exits 0;
+- ``flood``: takes a duplicate of its supervisor's channel to the runner (``pidfd_getfd``: the same right as
+  ``ptrace``) and fills it with lines no supervisor says (``{}``), without end.
 
 :class:`HoldingAgent` is the agent class (the fork server forks it); ``python holding_agents.py`` the program.
 """
@@ -25,6 +27,7 @@ import time
 _PTRACE_ATTACH = 16
 _PTRACE_SEIZE = 0x4206
 _PTRACE_INTERRUPT = 0x4207
+_PIDFD_GETFD = 438  # the same number on every Linux architecture
 
 
 def _say(line: str) -> None:
@@ -39,6 +42,20 @@ def _ptrace(request: int, pid: int) -> None:
     if libc.ptrace(request, pid, None, None) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"ptrace({request:#x}, {pid}): {os.strerror(errno)}")
+
+
+def _take_channel(supervisor: int) -> int:
+    """A duplicate of the supervisor's channel (its one socket), taken with ``pidfd_getfd``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(supervisor)
+    for name in os.listdir(f"/proc/{supervisor}/fd"):
+        if os.readlink(f"/proc/{supervisor}/fd/{name}").startswith("socket:"):
+            fd = int(libc.syscall(_PIDFD_GETFD, pidfd, int(name), 0))
+            if fd < 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, f"pidfd_getfd: {os.strerror(errno)}")
+            return fd
+    raise RuntimeError(f"process {supervisor} has no socket")
 
 
 def _stop_after_exit() -> None:
@@ -72,6 +89,12 @@ def hold() -> None:
     elif how == "seize":
         _ptrace(_PTRACE_SEIZE, supervisor)
         _ptrace(_PTRACE_INTERRUPT, supervisor)
+    elif how == "flood":
+        channel = _take_channel(supervisor)
+        _say(f"{os.getpid()} {supervisor} {how}")
+        junk = b"{}\n" * 4096
+        while True:
+            os.write(channel, junk)
     else:
         raise ValueError(f"HOLD={how!r}")
     _say(f"{os.getpid()} {supervisor} {how}")
