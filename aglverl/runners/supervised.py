@@ -181,11 +181,15 @@ class SupervisedProcess:
             if isinstance(message, dict) and not _SAID.isdisjoint(message):
                 return message
             what = repr(bytes(data[:60]))
+        self._garble(what)
+        return None
+
+    def _garble(self, what: str) -> None:
+        """The channel carried ``what``, which no supervisor says: its supervisor is to be ended."""
         if self._garbled is None:
             self._garbled = (
                 f"sent what no supervisor says on its channel, {what} (another process writing on it?)"
             )
-        return None
 
     async def _read_until(self, enough: Callable[[], bool]) -> None:
         """Read the channel until ``enough()``; past the deadline, or once the channel carried what no supervisor
@@ -214,8 +218,13 @@ class SupervisedProcess:
             )
             raise LaunchFailed(f"lost: its supervisor {self.lost}")
         if message is not None and "started" in message:
-            self.pid = int(message["started"])
-            return
+            pid = message["started"]
+            if type(pid) is int:
+                self.pid = pid
+                return
+            self._garble(repr(message)[:60])
+            await self._end(self._garbled or "")
+            raise LaunchFailed(f"lost: its supervisor {self.lost}")
         await self.finished()
         if message is None:
             raise LaunchFailed(f"the supervisor of {self.name}'s process ended before it started")
@@ -224,6 +233,15 @@ class SupervisedProcess:
         raise LaunchFailed(str(message.get("failed") or message))
 
     def _take(self, message: dict[str, Any] | None) -> None:
+        """Take in one of the supervisor's messages (``None``: its channel closed); one of the wrong shape is
+        what no supervisor says (:meth:`_garble`)."""
+        try:
+            self._apply(message)
+        except (AttributeError, TypeError, ValueError):
+            self._garble(repr(message)[:60])
+            self._done = True
+
+    def _apply(self, message: dict[str, Any] | None) -> None:
         if message is None:
             self._done = True
         elif "exited" in message:
