@@ -4,8 +4,9 @@ aglverl's runner does not run this package in its own process: it starts ``pytho
 <spec>...`` (:mod:`aglverl.runners.template`), whose few lines load this package from its folder under a
 private name (``_aglverl_template``: nothing of aglverl is imported, and the agent's own modules cannot shadow
 it), so it runs in whatever Python the agent uses (3.8 or later, with or without aglverl installed). Its parts:
-:mod:`.main` (the template's loop), :mod:`.preparing` (what a template imports, the agent's own files, what it
-learns to import before its forks), :mod:`.supervisor` (an attempt's supervisor), :mod:`.agent` (the forked
+:mod:`.main` (the template's loop), :mod:`.preparing` (what a template imports, the agent's own files) with
+:mod:`.sources` (what a Python agent's file imports at its top level), :mod:`.preload` (what it learns to import
+before its forks: the installation's modules only), :mod:`.supervisor` (an attempt's supervisor), :mod:`.agent` (the forked
 agent's process, before the agent runs), :mod:`.wire` (lines and descriptors on sockets, the ``SIGCHLD``
 wake-up pipe) and :mod:`.processes` (the process tree as ``/proc`` shows it). One process of it is a
 **template**:

@@ -68,8 +68,9 @@ class _Template:
 
     def serve(self) -> None:
         """Answer requests until the runner closes the control socket; then linger and exit."""
+        watched: list = [self.ctl, self.wake]
         while True:
-            ready, _, _ = select.select([self.ctl, self.wake], [], [])
+            ready, _, _ = select.select(watched, [], [])
             if self.wake in ready:
                 drain(self.wake)
                 _reap(self.supervisors, reparented=False)

@@ -6,71 +6,8 @@ agent: a bare template, the spawner's, never imports them)."""
 from __future__ import annotations
 
 import builtins
-import importlib
 import os
 import sys
-
-
-def _imported_names(tree: ast.Module, agent_class: str | None = None) -> list[str]:  # noqa: F821 (imported inside)
-    """Absolute module names the file imports at its top level (in ``if``, ``try``, ``with`` blocks too, but not
-    in ``except`` handlers: fallbacks), and anywhere in the body of the class ``agent_class`` (its ``run()``'s
-    imports), in order. Functions and other classes are left alone (a ``main()`` that imports a trainer)."""
-    import ast  # here, not at the top: a bare template (the spawner's) never needs it
-
-    nodes: list[ast.AST] = []
-    todo: list[ast.stmt] = list(tree.body)
-    while todo:
-        node = todo.pop(0)
-        if isinstance(node, ast.ClassDef) and node.name == agent_class:
-            nodes.extend(ast.walk(node))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            nodes.append(node)
-        elif isinstance(node, (ast.If, ast.With, ast.AsyncWith)):
-            todo[:0] = [*node.body, *getattr(node, "orelse", [])]
-        elif isinstance(node, ast.Try):
-            todo[:0] = [*node.body, *node.orelse, *node.finalbody]
-    names: list[str] = []
-    for found in nodes:
-        if isinstance(found, ast.Import):
-            names.extend(alias.name for alias in found.names)
-        elif isinstance(found, ast.ImportFrom) and found.level == 0 and found.module:
-            names.append(found.module)
-            names.extend(f"{found.module}.{alias.name}" for alias in found.names if alias.name != "*")
-    return names
-
-
-def _preimport(source: str | None, skip: str | None = None, agent_class: str | None = None) -> None:
-    """Import what a file imports (failures are the attempt's to meet: ignored here)."""
-    if not source:
-        return
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return
-    for name in _imported_names(tree, agent_class):
-        if name == skip or name == "__main__":
-            continue
-        try:
-            importlib.import_module(name)
-        except BaseException:  # an import that fails or exits is the attempt's problem
-            pass
-
-
-def _source_of(module: str) -> str | None:
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or spec.loader is None or not hasattr(spec.loader, "get_source"):
-        return None
-    try:
-        return spec.loader.get_source(module)
-    except (ImportError, OSError):
-        return None
 
 
 def _run_class(cls: type) -> None:
@@ -94,6 +31,8 @@ def prepare(kind: str, spec: list[str]):
     import importlib.util  # a Python agent's template (a bare one, the spawner's, imports what it needs alone)
     import runpy
 
+    from .sources import preimport, source_of
+
     for name in _NETWORKED:
         try:
             importlib.import_module(name)
@@ -107,14 +46,14 @@ def prepare(kind: str, spec: list[str]):
         cls = getattr(importlib.import_module(module), name)
         if not isinstance(cls, type):
             raise TypeError(f"{path} is not a class")
-        _preimport(_source_of(module), skip=module, agent_class=name)
+        preimport(source_of(module), skip=module, agent_class=name)
         files = [getattr(sys.modules[module], "__file__", None)]
         return (lambda argv: _run_class(cls)), files
     if kind == "script":
         (path,) = spec
         sys.path[0] = os.path.dirname(os.path.abspath(path))
         with open(path, encoding="utf-8", errors="replace") as f:
-            _preimport(f.read())
+            preimport(f.read())
         return (lambda argv: runpy.run_path(path, run_name="__main__")), [path]
     if kind == "module":
         (name,) = spec
@@ -122,17 +61,17 @@ def prepare(kind: str, spec: list[str]):
         package = name.rpartition(".")[0]
         if package:
             importlib.import_module(package)
-        source = _source_of(name)
+        source = source_of(name)
         if source is None:
             raise ImportError(f"No module named {name!r} (or it has no source to run)")
-        _preimport(source, skip=name)
+        preimport(source, skip=name)
         found = importlib.util.find_spec(name)
         return (lambda argv: runpy.run_module(name, run_name="__main__", alter_sys=True)), [
             found and found.origin
         ]
     if kind == "code":
         (code,) = spec
-        _preimport(code)
+        preimport(code)
         compiled = compile(code, "<string>", "exec")
         return (lambda argv: exec(compiled, {"__name__": "__main__", "__builtins__": builtins})), []
     raise ValueError(f"unknown template kind {kind!r}")
