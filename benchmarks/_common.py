@@ -29,6 +29,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 __all__ = [
     "LOOP_ENV",
+    "TREE_ENV",
     "JsonChild",
     "emit",
     "loop_name",
@@ -48,6 +49,15 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: (``--against DIR``) must import that tree's package, first.
 LOOP_ENV = "AGLVERL_LOOP"
 T = TypeVar("T")
+#: Set in a child that measures another tree of aglverl (``--against DIR``, first on its ``PYTHONPATH``): its
+#: ``aglverl`` is then that tree's alone. An editable install of this tree (a finder on ``sys.meta_path``) would
+#: otherwise fill in the modules the other tree lacks with this tree's (an older tree measured as a mix of
+#: both): its finders are dropped when this module is imported, before aglverl is.
+TREE_ENV = "AGLVERL_BENCH_TREE"
+if os.environ.get(TREE_ENV):
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+    ]
 
 
 def loop_name(choice: str | None = None) -> str:

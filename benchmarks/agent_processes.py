@@ -1,7 +1,8 @@
 """Agents as processes: aglverl's built-in runner next to Agent Lightning's own controller, in one run.
 
     .venv/bin/python benchmarks/agent_processes.py                        # needs .venv-agl (make venv-agl)
-    .venv/bin/python benchmarks/agent_processes.py --rollouts 32 --concurrency 8 --against /tmp/old39
+    .venv/bin/python benchmarks/agent_processes.py --rollouts 32 --concurrency 8 --against /tmp/old019 \\
+        --systems this_child against --agents sdk stdlib shell --repeat 5      # two trees, each in a child
 
 For each system it queues ``--rollouts`` rollouts at once on a daemon (a vLLM-shaped mock backend answering at
 once, so the figures are the orchestration's and the processes' own) and measures, per rollout, the time from
@@ -14,9 +15,11 @@ when the agent imports next to nothing). Each is run by:
 - ``aglverl``: the built-in runner (:mod:`aglverl.runners`), woken by the store when work is queued, with its
   defaults (the fork server: the class imported once, each rollout a fork);
 - ``aglverl_spawn``: the same with ``fork_server: false`` (a new Python per rollout, Agent Lightning's way);
-- ``against``: with ``--against DIR`` (another tree, e.g. ``git -C /work/main archive a871c6d | tar -x -C DIR``),
-  that tree's built-in runner, in a child process that imports it (``PYTHONPATH=DIR``), run right after this
-  tree's for the same agent;
+- ``against``: with ``--against DIR`` (another tree, e.g. ``git -C /work/main archive 019ee6f aglverl | tar -x -C
+  DIR``), that tree's built-in runner, in a child process that imports it (``PYTHONPATH=DIR``; that tree's
+  modules alone: ``_common.TREE_ENV``), run right after this tree's for the same agent; and ``this_child``, this
+  tree's run the same way, in a child process of its own: the pair to compare (each child a fresh process,
+  where ``aglverl`` runs in this one, warmed by the systems run before it);
 - ``agl_poll_1s`` / ``agl_poll_10s``: ``python -m agentlightning.controller runner_type=local`` from the Agent
   Lightning venv, pointed at the task server, polling every second / every 10 s (its default), started and
   polling before the rollouts are queued;
@@ -48,15 +51,20 @@ from typing import Any
 
 import anyio
 import anyio.abc
-from _common import emit, machine_info, percentile, run_loop, run_queued
+from _common import TREE_ENV, emit, machine_info, percentile, run_loop, run_queued
 from anyio.streams.text import TextReceiveStream
 
 import aglverl
 from aglverl import AgentDaemon
-from aglverl.agl10.config import AgentLightningSettings
-from aglverl.agl10.wire import RolloutConfig, RolloutLocalConfig
 from aglverl.process_runner import ProcessOptions, ProcessRunner  # the old tree's too (--against)
 from aglverl.testing.mock_vllm import MockVLLM
+
+try:  # Agent Lightning v1.0's settings, where the tree measured keeps them (--against an older tree)
+    from aglverl.agl10.config import AgentLightningSettings
+    from aglverl.agl10.wire import RolloutConfig, RolloutLocalConfig
+except ImportError:  # before aglverl/agl10 (019ee6f)
+    from aglverl.agent_lightning.config import AgentLightningSettings  # type: ignore[no-redef]
+    from aglverl.agent_lightning.wire import RolloutConfig, RolloutLocalConfig  # type: ignore[no-redef]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -126,8 +134,8 @@ async def _controller(
 
 async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[str, Any]:
     """Queue the rollouts at once on a fresh daemon; run them with ``system``; the figures."""
-    if system == "against":
-        return await _in_child(agent, args)
+    if system in ("against", "this_child"):
+        return await _in_child(agent, args, args.against if system == "against" else ROOT)
     load_before = os.getloadavg()
     tasks = [{"prompt": "Answer with one word: yes.", "word": "yes"} for _ in range(args.rollouts)]
     agent_class = AGENT_CLASSES.get(agent)
@@ -190,9 +198,14 @@ async def one_system(agent: str, system: str, args: argparse.Namespace) -> dict[
     }
 
 
-async def _in_child(agent: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``agent`` run by the built-in runner of the tree ``--against`` names, in a child process importing it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.against), str(EXAMPLES), str(HERE)])}
+async def _in_child(agent: str, args: argparse.Namespace, tree: Path) -> dict[str, Any]:
+    """``agent`` run by the built-in runner of ``tree`` (``--against``'s, or this one), in a child process that
+    imports that tree alone."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tree), str(EXAMPLES), str(HERE)]),
+        TREE_ENV: str(tree),
+    }
     command = [
         sys.executable,
         str(HERE / "agent_processes.py"),
@@ -205,13 +218,13 @@ async def _in_child(agent: str, args: argparse.Namespace) -> dict[str, Any]:
         "--deadline",
         str(args.deadline),
         "--logs",
-        str(args.logs / "against"),
+        str(args.logs / ("against" if tree == args.against else "this_child")),
         "--agl-python",
         args.agl_python,
     ]
     done = await anyio.run_process(command, env=env, check=False, stderr=None)
     if done.returncode != 0:
-        raise RuntimeError(f"the run against {args.against} failed (exit {done.returncode})")
+        raise RuntimeError(f"the run of {tree} in a child process failed (exit {done.returncode})")
     result: dict[str, Any] = json.loads(done.stdout.decode().strip().splitlines()[-1])
     return result
 
@@ -227,14 +240,14 @@ async def main(args: argparse.Namespace) -> None:
         return
     systems = [
         "aglverl",
-        *(["against"] if args.against else []),
+        *(["this_child", "against"] if args.against else []),
         "aglverl_spawn",
         "agl_poll_1s",
         "agl_poll_10s",
     ]
     runs = [(agent, system) for agent in ("sdk", "stdlib") for system in systems]
     if shutil.which("jq") and shutil.which("curl"):
-        runs += [("shell", "aglverl"), *([("shell", "against")] if args.against else [])]
+        runs += [("shell", s) for s in ("aglverl", *(["this_child", "against"] if args.against else []))]
     if args.systems:
         runs = [(a, s) for a, s in runs if s in args.systems]
     if args.agents:
@@ -289,7 +302,9 @@ def cli() -> None:
         "--against", type=Path, help="another tree (its aglverl/ inside): its runner beside this one's"
     )
     parser.add_argument(
-        "--systems", nargs="*", help="only these systems (aglverl, against, aglverl_spawn, agl_poll_1s...)"
+        "--systems",
+        nargs="*",
+        help="only these systems (aglverl, this_child, against, aglverl_spawn, agl_poll_1s...)",
     )
     parser.add_argument("--agents", nargs="*", help="only these agents (sdk, stdlib, shell)")
     parser.add_argument(

@@ -9,10 +9,14 @@
 # $AGL_EVENT_URL would do too). A non-zero exit, or no reward, fails the attempt; its output is in the rollout's
 # log file. Every process a rollout starts is CPU its training step waits for: one curl, one jq (~25 ms of CPU
 # at its start), a sed and a tr.
+#
+# A busy proxy turns a conversation's first call away with a 429 and Retry-After (its overload protection; the
+# OpenAI and Anthropic SDKs wait and retry): `--retry` does the same here (curl retries 408, 429 and 5xx, after
+# Retry-After when given). Without it such an attempt fails and is retried as a whole: wasted agent work.
 set -eu
 
 prompt=$(printf '%s' "$TASK_PROMPT" | sed 's/[\\"]/\\&/g' | tr '\n\t' '  ')     # as a JSON string's content
-answer=$(curl -sS --fail-with-body "$OPENAI_BASE_URL/chat/completions" \
+answer=$(curl -sS --fail --retry 5 "$OPENAI_BASE_URL/chat/completions" \
     -H "Authorization: Bearer $OPENAI_API_KEY" -H "Content-Type: application/json" \
     -d "{\"model\": \"any\", \"messages\": [{\"role\": \"user\", \"content\": \"$prompt\"}]}")
 reward=$(printf '%s' "$answer" | jq -r --arg word "$TASK_WORD" '

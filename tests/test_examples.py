@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pyarrow.parquet as pq
 import pytest
 
@@ -152,13 +154,73 @@ def test_agent_lightning_agent_class_example_trains_with_its_config_section(tmp_
     not (shutil.which("curl") and shutil.which("jq")), reason="word_agent.sh needs curl and jq"
 )
 def test_command_example_trains_a_shell_script_agent(tmp_path: Path) -> None:
+    """One step of 64 rollouts, each a run of ``word_agent.sh``: every rollout completed, and the attempts are
+    exactly the logs (one log per attempt, named by its Agent Lightning rollout id: ``<id>`` for the first,
+    ``<id>-retry-<k>`` for the k-th retry): one per rollout, plus one per retry that followed an attempt which
+    failed (its log has no reward line); every rollout's last attempt reported a reward. (A fresh-clone CI run
+    once found 65 logs for 64 rollouts: the proxy, busy, had answered a first call 429, and the script did not
+    retry it; ``curl --retry`` now waits it out as the SDKs do: ``test_word_agent_waits_out_a_429``.)"""
     done = _run("command_agent.py", "--steps", "1", cwd=tmp_path)
     out = tmp_path / "command_agent-out"
     (step,) = _steps(out)
     assert step["step/n_failed"] == 0 and step["step/n_completed"] == 64
-    logs = sorted((out / "agent_logs").glob("*.log"))
-    assert len(logs) == 64 and logs[0].read_text().startswith("reward ")
+    logs = {p.name.removesuffix(".log"): p.read_text() for p in (out / "agent_logs").glob("*.log")}
+    rewarded = {name for name, text in logs.items() if re.search(r"^reward \S+$", text, re.MULTILINE)}
+    attempts: dict[str, list[str]] = {}
+    for name in sorted(logs, key=lambda n: (n.split("-retry-")[0], len(n), n)):
+        attempts.setdefault(name.split("-retry-")[0], []).append(name)
+    assert len(attempts) == 64
+    for rollout, names in attempts.items():
+        assert names == [rollout, *(f"{rollout}-retry-{k}" for k in range(1, len(names)))]
+        assert names[-1] in rewarded and not rewarded & set(names[:-1]), {n: logs[n] for n in names}
+    assert all(text.startswith("aglverl: AGL_SEED=") for text in logs.values())
     assert "final training reward:" in done.stdout
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(
+    not (shutil.which("curl") and shutil.which("jq")), reason="word_agent.sh needs curl and jq"
+)
+async def test_word_agent_waits_out_a_429_and_writes_one_reward(tmp_path: Path) -> None:
+    """The proxy answers a new conversation's first call 429 with ``Retry-After`` when its loop runs late (its
+    overload protection; the SDKs wait and retry): ``word_agent.sh`` waits it out and retries too, and writes
+    the reward of the one answer (without it, the attempt failed and was retried whole: the CI run's extra
+    attempt). A loopback server answers the first call so, the second with a chat completion."""
+    from aiohttp import web
+
+    calls: list[str] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        calls.append((await request.json())["messages"][0]["content"])
+        if len(calls) == 1:
+            error = {"error": {"message": "the proxy is overloaded", "type": "rate_limit_error"}}
+            return web.json_response(error, status=429, headers={"Retry-After": "1"})
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": "Yes yes"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        reward = tmp_path / "reward"
+        env = {
+            "PATH": os.environ["PATH"],
+            "TASK_PROMPT": "Answer with one word: yes.",
+            "TASK_WORD": "yes",
+            "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1",
+            "OPENAI_API_KEY": "a-key",
+            "AGL_REWARD_FILE": str(reward),
+        }
+        with anyio.fail_after(60):
+            done = await anyio.run_process(["sh", str(EXAMPLES / "word_agent.sh")], env=env, check=False)
+    finally:
+        await runner.cleanup()
+    assert done.returncode == 0, done.stderr.decode()
+    assert calls == ["Answer with one word: yes."] * 2
+    assert reward.read_text() == "1\n" and done.stdout.decode() == "reward 1\n"
 
 
 def test_gpu_recipe_is_a_valid_verl_config() -> None:

@@ -5,10 +5,13 @@ option that turns it off spawns every attempt. Real processes against a real dae
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
+import sysconfig
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -66,6 +69,21 @@ async def attempt(daemon: AgentDaemon, tmp_path: Path, task: Any = None) -> tupl
     record = daemon.store.record(rollout_id)
     lines = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
     return record, json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+
+def _probe_template(tmp_path: Path, **options: Any) -> Any:
+    """A template of the probe agent (started by the caller), with ``options`` (``answer_seconds``)."""
+    from aglverl.runners.template import Template
+
+    return Template(
+        [sys.executable],
+        "class",
+        ["probe_agent:Probe"],
+        env=dict(os.environ),
+        cwd=str(tmp_path),
+        name="the probe",
+        **options,
+    )
 
 
 def imports(tmp_path: Path) -> list[int]:
@@ -191,16 +209,9 @@ async def test_a_spare_forked_before_the_agent_changed_refuses_its_attempt_as_st
     they fork it: one forked before a change says so instead of running the old code, and the fork server
     starts a new template whose attempt runs the new code."""
     from aglverl.runners.seam import Launch
-    from aglverl.runners.template import Template, TemplateStale, fork_request
+    from aglverl.runners.template import TemplateStale, fork_request
 
-    template = Template(
-        [sys.executable],
-        "class",
-        ["probe_agent:Probe"],
-        env=dict(os.environ),
-        cwd=str(tmp_path),
-        name="the probe",
-    )
+    template = _probe_template(tmp_path)
     async with anyio.create_task_group() as tg:
         await template.start(tg)
         spare = await template.spare()
@@ -239,3 +250,130 @@ async def test_a_spare_forked_before_the_agent_changed_refuses_its_attempt_as_st
         os.utime(source, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
         record, _ = await attempt(daemon, tmp_path)
         assert record.result.final_reward == 0.5 and fork_server.starts == 2
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "spawned"])
+async def test_each_attempt_draws_its_own_numbers_from_the_global_generators_and_gets_a_seed_of_its_own(
+    tmp_path: Path, agents: Path, monkeypatch: pytest.MonkeyPatch, forked: bool
+) -> None:
+    """Issue 50, finding 3. Four attempts of an agent that imports numpy and torch at its top (the template
+    imports them; each attempt is a fork of it): each draws its own number from Python's ``random``, numpy's
+    global generator and torch's, as four spawned ones do. Each gets ``AGL_SEED`` (its log's first line says
+    it), four different ones, and generators seeded from it differ too. What stays shared under the fork
+    server, as the README says: generator objects the agent's module made at import."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # numpy's and torch's imports then start no thread
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    options = {
+        "agent_class": "random_agents:Draws",
+        "fork_server": forked,
+        "env_allow": ["PATH", "PYTHONPATH", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"],
+    }
+    async with runner(tmp_path, options) as (daemon, run):
+        ids = [await daemon.queue_task({"n": n}) for n in range(4)]
+        with anyio.fail_after(120):
+            await daemon.store.wait_terminal(ids)
+        records = [daemon.store.record(rollout_id) for rollout_id in ids]
+        launcher: Any = run.launcher
+        assert (type(launcher).__name__, getattr(launcher, "off", None)) == (
+            ("ForkServer", None) if forked else ("Spawner", None)
+        )
+    assert [r.state for r in records] == ["completed"] * 4, [r.error for r in records]
+    drawn = []
+    for rollout_id in ids:
+        first, *_, last = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
+        drawn.append(json.loads(last))
+        assert first == f"aglverl: AGL_SEED={drawn[-1]['seed']}"
+    for name in ("random", "numpy", "torch", "seed", "seeded_random", "seeded_rng"):
+        assert len({d[name] for d in drawn}) == 4, (name, [d[name] for d in drawn])
+    shared = 1 if forked else 4
+    assert [len({d[name] for d in drawn}) for name in ("module_random", "module_rng")] == [shared, shared]
+
+
+WRITER = """
+import importlib, json, os, sys
+
+
+class Writer:
+    def run(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        sys.dont_write_bytecode = True  # no stale .pyc of an equal-sized file written within the same second
+        with open(os.path.join(here, "generated.py"), "w") as f:
+            f.write(f"WHO = {os.environ['AGL_ROLLOUT_ID']!r}\\n")
+        importlib.invalidate_caches()
+        import generated
+
+        print(json.dumps({"who": generated.WHO}), flush=True)
+        with open(os.environ["AGL_REWARD_FILE"], "w") as f:
+            f.write("1")
+"""
+
+
+async def test_a_module_an_attempt_writes_and_imports_is_its_own_and_never_the_templates(
+    tmp_path: Path, agents: Path
+) -> None:
+    """Issue 50, finding 4. An agent that writes a module into its own folder at each attempt and imports it:
+    each of four attempts imports the one it wrote (the template learns of it from the first, and leaves it out:
+    it is not the Python installation's), all in one template."""
+    (agents / "writer_agent.py").write_text(WRITER)
+    async with runner(tmp_path, {"agent_class": "writer_agent:Writer"}) as (daemon, run):
+        fork_server: Any = run.launcher
+        seen = []
+        for n in range(4):
+            record, printed = await attempt(daemon, tmp_path, {"n": n})
+            assert record.state == "completed", record.error
+            seen.append((printed["who"], record.rollout_id))
+        template = fork_server._holder.current
+        assert fork_server.starts == 1 and template.preloads >= 1
+        assert "generated" in template.skipped and "generated" not in template.preloaded
+        assert "generated" not in fork_server.learned
+    assert [who for who, _ in seen] == [rollout_id for _, rollout_id in seen]
+
+
+def test_the_installation_is_its_folders_files_older_than_the_template_never_the_projects() -> None:
+    """What a template may import before its forks: the standard library's and site-packages' files, also with
+    the virtual environment inside the project (the agent's folder); never the project's own files, nor a file
+    written into site-packages after the template started."""
+    import anyio as installed_package
+
+    import aglverl
+    from aglverl.runners._template.preload import Installed
+
+    project = Path(__file__).resolve().parents[1]
+    installed = Installed([str(project), str(project / "examples")], time.time_ns())
+    assert json.__file__ in installed and installed_package.__file__ in installed
+    assert aglverl.__file__ not in installed and str(HELPERS / "forked_agents.py") not in installed
+    fresh = Path(sysconfig.get_paths()["purelib"]) / f"aglverl_test_fresh_{os.getpid()}.py"
+    fresh.write_text("WRITTEN = 'after the template started'\n")
+    try:
+        assert str(fresh) not in installed
+        assert str(fresh) in Installed([str(project)], time.time_ns())  # older than a template started now
+    finally:
+        fresh.unlink()
+
+
+async def test_a_template_that_stops_answering_is_ended_and_its_requests_fail_as_gone(
+    tmp_path: Path, agents: Path
+) -> None:
+    """A template stopped by a process of its user (an agent can find it: its supervisor's parent) answers no
+    fork: past its ``answer_seconds`` it is ended (``SIGCONT``, then ``SIGKILL``) and the request fails as
+    :class:`TemplateGone`, which the fork server answers with a new template."""
+    from aglverl.runners.supervised import TemplateGone
+
+    template = _probe_template(tmp_path, answer_seconds=2.0)
+    async with anyio.create_task_group() as tg:
+        await template.start(tg)
+        assert template.pid is not None
+        pidfd = os.pidfd_open(template.pid)
+        try:
+            os.kill(template.pid, signal.SIGSTOP)
+            with anyio.fail_after(20), pytest.raises(TemplateGone):
+                await template.spare()
+            assert not template.alive
+            with anyio.fail_after(20):
+                await anyio.wait_readable(pidfd)  # it exited
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # whatever happened: no stopped process left behind
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+        await template.aclose()
+        tg.cancel_scope.cancel()

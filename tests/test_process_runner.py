@@ -103,8 +103,11 @@ async def test_a_command_gets_the_endpoints_in_the_sdks_variables_its_input_on_s
         record = await finished(daemon, rollout_id)
         assert record.state == "completed" and record.result.final_reward == 0.5
         assert len(record.calls) == 1 and record.calls[0].response_token_ids
-    (line,) = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
+    seed, line = (tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()
     seen = json.loads(line)
+    assert (
+        seed == f"aglverl: AGL_SEED={seen['env']['AGL_SEED']}"
+    )  # the attempt's own seed, its log's first line
     assert seen["input"] == {"prompt": "hello", "reward": 0.5}
     assert seen["env"]["AGL_MODE"] == "train" and seen["env"]["AGL_MODEL"] == "mock"
     assert seen["env"]["ANTHROPIC_BASE_URL"].endswith(
@@ -322,7 +325,7 @@ async def test_no_task_input_or_rollout_id_can_stop_the_runner(tmp_path: Path) -
     logs = tmp_path / "logs"
     seen = json.loads((logs / f"{big}.log").read_text().splitlines()[-1])
     assert seen == {"TASK": None, "TASK_FILE": 1 << 20, "same": True}
-    notice = (logs / f"{big}.log").read_text().splitlines()[0]
+    notice = (logs / f"{big}.log").read_text().splitlines()[1]  # after the AGL_SEED line
     assert "TASK is 1,048,576 bytes, over the 131,066 one environment variable may hold" in notice
     assert "TASK_FILE" in notice
     assert json.loads((logs / f"{nul}.log").read_text().splitlines()[-1])["TASK_FILE"] == 3

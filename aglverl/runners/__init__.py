@@ -11,7 +11,10 @@
 - :mod:`.template` and :mod:`._template` — the template process and the supervisor of an attempt (a child
   subreaper: every process an agent starts is ended with its attempt, ``SIGTERM`` first, ``SIGKILL`` after the
   grace period, even one that left its process group; forked ahead of its attempt, and for a spawned program
-  kept for the next one once nothing of the last is left), the runner's side and the template's (stdlib only).
+  kept for the next one once nothing of the last is left), the runner's side and the template's (a package of
+  its own, stdlib only, which the agent's Python loads from its folder); :mod:`.supervised` — an attempt's
+  process as its supervisor reports it, every wait for its answers bounded: a supervisor its agent stopped or
+  traced is ended by the runner, with every process of the attempt.
 - :mod:`.options` — :class:`ProcessOptions` (the ``aglverl.processes`` section), :func:`resolve_env_map`,
   :func:`default_concurrency`; :mod:`.environment` — the attempt's variables (fields too large for the
   environment go by file), the allow-list of the runner's variables, file names from ids; :mod:`.logs` — the
@@ -22,7 +25,8 @@ What an attempt's process gets: Agent Lightning's environment on the task server
 = ``{server}/api/rollouts/{id}/attempt/0/events``, ``AGL_KEY``: a key of its own that opens only its rollout's
 paths), the same endpoints and key in the variables the SDKs read (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
 ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``), ``AGL_ROLLOUT_ID``, ``AGL_ATTEMPT_ID``, ``AGL_MODE``, ``AGL_MODEL``
-(the served model's name), the task input as JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
+(the served model's name), ``AGL_SEED`` (a fresh 32-bit seed, the first line of its log), the task input as
+JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
 input's fields named by ``env_map`` (Agent Lightning's ``local.env_map``), and of the runner's own environment
 only the variables ``env_allow`` names (no secrets by default). The ``{id}`` is the attempt's Agent Lightning
 rollout id (:mod:`aglverl.agl10.rollouts`: attempt ``k > 1`` of rollout ``R`` is ``R-retry-<k-1>``).

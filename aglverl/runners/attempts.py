@@ -48,6 +48,8 @@ from .logs import AgentLog
 from .options import ProcessOptions, resolve_env_map
 from .seam import RESULT_MAX, AgentExit, AgentProcess, Launch, Launcher, LaunchFailed
 from .spawn import AHEAD_MAX, Spawner
+from .supervised import ANSWER_MARGIN_SECONDS
+from .template import START_SECONDS
 
 if TYPE_CHECKING:
     from ..daemon import AgentDaemon
@@ -63,6 +65,10 @@ _FILES_ON_LOOP = 64 << 10
 #: How long the runner waits for an attempt's output to end once its processes are gone (a descendant it could
 #: not kill may hold the pipe).
 _OUTPUT_SECONDS = 5.0
+
+#: The variable that gives each attempt a fresh seed (32 bits: every library takes it as it is), its log's first
+#: line saying it.
+SEED_VARIABLE = "AGL_SEED"
 
 
 @dataclass(slots=True)
@@ -247,9 +253,7 @@ class ProcessRunner:
         slot.last_attempt_id = DEFAULT_ATTEMPT_ID
         grace = options.kill_grace_seconds
         self.daemon.store.heartbeat(
-            task.rollout_id,
-            task.attempt_id,
-            seconds=options.timeout_seconds + grace + CONTROLLER_GRACE_SECONDS,
+            task.rollout_id, task.attempt_id, seconds=START_SECONDS + self._lease_seconds(grace)
         )
         stem = file_stem(slot.agl_id)
         log = AgentLog(self.log_dir / f"{stem}.log", options.log_max_bytes)
@@ -264,8 +268,10 @@ class ProcessRunner:
             return _Outcome(False, f"agent process for {slot.agl_id} not started: {exc} ({where})")
         input_path, reward_path = os.path.join(scratch, "input.json"), os.path.join(scratch, "reward")
         variables = agent_variables(self._variables(slot, task, input_path, reward_path), fields, scratch)
+        seed = secrets.randbits(32)  # the attempt's own: forks of one template share their generators' states
+        variables.env[SEED_VARIABLE] = str(seed)
         files = {input_path: orjson.dumps(task.input, option=orjson.OPT_SERIALIZE_NUMPY), **variables.files}
-        log.notice = variables.notice
+        log.notice = f"aglverl: {SEED_VARIABLE}={seed}\n{variables.notice}"
         if sum(map(len, files.values())) <= _FILES_ON_LOOP:  # a few small files in the local temporary folder
             stdin = _write_files(scratch, files, input_path)
         else:
@@ -314,9 +320,13 @@ class ProcessRunner:
         return exit, timed_out, failure, result
 
     async def _wait(self, attempt: _Attempt, process: AgentProcess, grace: float) -> tuple[AgentExit, bool]:
+        """Wait for the process up to the attempt's deadline (stop it past it, or when the attempt ends
+        elsewhere, or when cancelled), then for every process of the attempt to be gone. Bounded past the
+        deadline: a launcher's waits after a stop are (the grace period and a margin), shielded here."""
         self.running += 1
         self.peak = max(self.peak, self.running)
         exit: AgentExit | None = None
+        self._renew(attempt, grace)
         deadline = anyio.move_on_after(self.options.timeout_seconds)
         try:
             with anyio.CancelScope() as attempt.scope, deadline:
@@ -330,8 +340,25 @@ class ProcessRunner:
                     await self.launcher.stop(process, grace)
                     exit = await process.wait()
                 self.cpu_seconds += await process.finished() or 0.0
+        if process.lost is not None:
+            exit = AgentExit(why=process.lost)
         assert exit is not None
         return exit, deadline.cancelled_caught
+
+    def _lease_seconds(self, grace: float) -> float:
+        """An attempt's lease once its process runs: its deadline, the grace period, the bound on its
+        supervisor's answers after a stop, and Agent Lightning's controller grace. The runner ends the process
+        itself by then: the lease only ends an attempt whose worker is stuck."""
+        return self.options.timeout_seconds + 2 * grace + ANSWER_MARGIN_SECONDS + CONTROLLER_GRACE_SECONDS
+
+    def _renew(self, attempt: _Attempt, grace: float) -> None:
+        """The attempt's lease from now, its process running (the lease taken before its start also covered a
+        template's start: :data:`~aglverl.runners.template.START_SECONDS`)."""
+        task = attempt.task
+        try:
+            self.daemon.store.heartbeat(task.rollout_id, task.attempt_id, seconds=self._lease_seconds(grace))
+        except StoreError:
+            pass  # it ended meanwhile: the store's change ends the process (its attempt.end)
 
     async def _outcome(
         self,
@@ -343,6 +370,11 @@ class ProcessRunner:
         result: str | None,
     ) -> _Outcome:
         where = f"its output: {log.path}"
+        if exit.why is not None:
+            after = f" past its deadline of {self.options.timeout_seconds:g} s" if timed_out else ""
+            return _Outcome(
+                False, f"agent process {slot.agl_id} lost{after}: its supervisor {exit.why} ({where})"
+            )
         if timed_out:
             grace = self.options.kill_grace_seconds
             return _Outcome(

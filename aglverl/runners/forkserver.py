@@ -15,15 +15,21 @@ agent: ~1.2 s of CPU).
   imports the new code.
 - What the agent imports as it runs (an SDK's lazy imports at its first call, say) is reported by each fork when
   it ends, and the template imports it before the next forks: from the second wave of attempts on, they find
-  it imported. An import that leaves a thread running in the template is not made there again.
+  it imported. Only the Python installation's modules (files under its prefixes, site-packages or ``sysconfig``
+  paths, not in the agent's folder or the working directory, not written since the template started): a module
+  an attempt wrote and imported is never run in the template, nor found there by the next attempt. An import
+  that leaves a thread running in the template is not made there again.
 - A template never forks while threads run in it (forking a process with threads can deadlock the child, and
   the threads are not in it): if importing the agent started one, this agent's attempts are spawned instead (a
   new Python each), with a warning saying why.
 - Anything that is not a Python agent (a shell script, a binary, a command string with shell syntax) is
   spawned (:class:`~aglverl.runners.spawn.Spawner`).
 - Module-level code of the agent runs once, in the template, with the runner's allowed variables (not an
-  attempt's): read an attempt's variables in ``run()``. Forks share the template's hash seed; the ``random``
-  module is reseeded in each (Python does that on fork).
+  attempt's): read an attempt's variables in ``run()``.
+- Each fork draws its own random numbers: numpy's global generator and torch's default ones are reseeded from
+  the OS before the agent runs (when imported; :func:`aglverl.runners._template.agent.reseed`), Python reseeds
+  ``random``'s at every fork. Generator objects the agent's module made at import stay shared (seed them from
+  ``AGL_SEED``, each attempt's own seed), and so does the hash seed.
 
 ``fork_server: false`` (``aglverl.processes``) turns it off: every attempt then starts a new Python.
 """
@@ -46,15 +52,8 @@ from anyio.abc import TaskStatus
 from .options import ProcessOptions
 from .seam import AgentProcess, Launch, LaunchFailed
 from .spawn import AHEAD_MAX, SPARES, Spawner
-from .template import (
-    SupervisedProcess,
-    Template,
-    TemplateGone,
-    TemplateHolder,
-    TemplateStale,
-    TemplateThreaded,
-    fork_request,
-)
+from .supervised import SupervisedProcess, TemplateGone, TemplateStale
+from .template import Template, TemplateHolder, TemplateThreaded, fork_request
 
 __all__ = ["ForkServer", "PythonAgent", "python_agent"]
 
@@ -156,7 +155,8 @@ class ForkServer:
         self._holder = TemplateHolder(self._template)
         self._tg: anyio.abc.TaskGroup | None = None
         #: Modules the agent's forks imported beyond the template's: the template imports them before the next
-        #: forks (an SDK's lazy imports at its first call); ``_refused``: those whose import started a thread.
+        #: forks (an SDK's lazy imports at its first call); ``_refused``: those whose import started a thread, or
+        #: that are not the Python installation's (the template left them out).
         self.learned: set[str] = set()
         self._refused: set[str] = set()
         self._preloading = anyio.Lock()  # one preload at a time: the attempts that waited for it find it done
@@ -222,6 +222,8 @@ class ForkServer:
                 if not missing or not template.alive:
                     continue  # preloaded meanwhile (or the template died: the holder starts another)
                 culprit = await template.preload(sorted(missing))
+            self._refused.update(template.skipped)  # never the installation's: not asked again
+            self.learned.difference_update(template.skipped)
             if culprit is None:
                 return template
             logger.info(

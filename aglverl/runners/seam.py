@@ -58,10 +58,12 @@ class Launch:
 @dataclass(frozen=True, slots=True)
 class AgentExit:
     """How an agent's process ended: ``code`` (0 = success), or ``signal`` when a signal killed it, or neither
-    when its supervisor vanished before it could say (``lost``)."""
+    when its supervisor vanished before it could say (``lost``); ``why``: why the launcher ended the attempt's
+    processes itself, when it did (:attr:`AgentProcess.lost`)."""
 
     code: int | None = None
     signal: int | None = None
+    why: str | None = None
 
     @property
     def lost(self) -> bool:
@@ -76,14 +78,20 @@ class AgentProcess(Protocol):
     #: The text of :attr:`Launch.result_file` once :meth:`finished` returned: ``""`` when there is no such regular
     #: file, ``None`` when the launcher does not read it (the runner reads it then).
     result: str | None
+    #: Set when the launcher had to end the attempt's processes itself, saying why (what watched them stopped
+    #: answering: a supervisor stopped or traced by its agent); the attempt is lost then.
+    lost: str | None
 
     async def wait(self) -> AgentExit:
-        """Return once the agent's process has exited. Cancellation only stops the wait."""
+        """Return once the agent's process has exited (bounded once :meth:`Launcher.stop` was called: the grace
+        period and a margin; past it the launcher ends the processes itself, :attr:`lost`). Cancellation only
+        stops the wait."""
         ...
 
     async def finished(self) -> float | None:
         """Return once no process of the attempt is left (what the agent started included, each sent
-        ``SIGTERM``, then ``SIGKILL`` after the grace period); the CPU seconds they used, if known."""
+        ``SIGTERM``, then ``SIGKILL`` after the grace period; bounded as :meth:`wait`); the CPU seconds they used,
+        if known. Cancellation only stops the wait."""
         ...
 
 

@@ -18,10 +18,7 @@ streams and channel messages.
 
 from __future__ import annotations
 
-import functools
-import shutil
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 
 import anyio
@@ -30,14 +27,8 @@ from anyio.abc import TaskStatus
 
 from .environment import inherited
 from .seam import AgentProcess, Launch, LaunchFailed
-from .template import (
-    SupervisedProcess,
-    Template,
-    TemplateGone,
-    TemplateHolder,
-    compile_template,
-    fork_request,
-)
+from .supervised import SupervisedProcess, TemplateGone
+from .template import Template, TemplateHolder, fork_request
 
 __all__ = ["AHEAD_MAX", "KEPT_MAX", "SPARES", "Spawner"]
 
@@ -66,9 +57,6 @@ class Spawner:
         self._tg: anyio.abc.TaskGroup | None = None
         self._spares: list[SupervisedProcess] = []
         self._refilling = False
-        self._compiled: str | None = (
-            None  # the template's program, compiled once (its starts compile nothing)
-        )
 
     @property
     def waiting(self) -> int:
@@ -83,19 +71,14 @@ class Spawner:
             env=self.environment({}),
             cwd="/",
             name="the spawner",
-            compiled=self._compiled,
         )
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start the template, then hold it until cancelled (it is closed then; attempts keep running under their
         supervisors until the runner stops them)."""
-        folder = await anyio.to_thread.run_sync(
-            functools.partial(tempfile.mkdtemp, prefix="aglverl-spawner-")
-        )
         async with anyio.create_task_group() as tg:
             self._tg = tg
             try:
-                self._compiled = await anyio.to_thread.run_sync(compile_template, folder)
                 await self._holder.get(tg)
                 if self.ahead:  # before it says it can start: its first attempts find them waiting
                     self._refilling = True
@@ -109,10 +92,6 @@ class Spawner:
                     for spare in spares:
                         await spare.discard()
                 await self._holder.aclose()
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(
-                        functools.partial(shutil.rmtree, folder, ignore_errors=True)
-                    )
                 tg.cancel_scope.cancel()
 
     def environment(self, agent: Mapping[str, str]) -> dict[str, str]:

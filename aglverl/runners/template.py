@@ -1,6 +1,6 @@
 """The runner's side of a template process (:mod:`aglverl.runners._template`, run by the agent's Python):
-:class:`Template` starts one, asks it to fork attempts, and knows when it died; :class:`SupervisedProcess` is
-one attempt's process as its supervisor reports it.
+:class:`Template` starts one, asks it to fork attempts, and knows when it died; what it forks is a
+:class:`~aglverl.runners.supervised.SupervisedProcess`, one attempt's process as its supervisor reports it.
 
 Protocol, over Unix sockets, newline-delimited JSON. The control socket (the template's fd, given on its command
 line): the template says ``{"ready": ...}`` (or ``{"error": ...}`` and exits); a fork request is a JSON object
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-import py_compile
+import signal
 import socket
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -28,172 +28,36 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from .seam import AgentExit, Launch, LaunchFailed
+from .seam import Launch, LaunchFailed
+from .supervised import SupervisedProcess, TemplateGone, TemplateStale, describe, read_line
 
-__all__ = [
-    "SOURCE",
-    "SupervisedProcess",
-    "Template",
-    "TemplateGone",
-    "TemplateHolder",
-    "TemplateStale",
-    "TemplateThreaded",
-    "compile_template",
-    "fork_request",
-]
+__all__ = ["BOOTSTRAP", "Template", "TemplateHolder", "TemplateThreaded", "fork_request"]
 
 logger = logging.getLogger(__name__)
 
-#: The template's program: this package's ``_template.py``, given to the agent's Python with ``-c``.
-SOURCE_FILE = Path(__file__).with_name("_template.py")
-SOURCE = SOURCE_FILE.read_text(encoding="utf-8")
+#: The template's program (:mod:`aglverl.runners._template`, stdlib only), as the agent's Python loads it: the
+#: package's folder registered under a private name (nothing of aglverl imported, no agent module can shadow
+#: it; nothing imported but what the template uses: no ``importlib.util``), then its ``main`` with the command
+#: line's arguments. Its compiled files are those ``__pycache__`` keeps.
+TEMPLATE_DIR = Path(__file__).with_name("_template")
+BOOTSTRAP = (
+    "import sys\n"
+    "package = type(sys)('_aglverl_template', 'aglverl.runners._template, loaded by its folder')\n"
+    f"package.__path__ = [{str(TEMPLATE_DIR)!r}]\n"
+    "sys.modules[package.__name__] = package\n"
+    "from _aglverl_template.main import main\n"
+    "main(sys.argv[1:])\n"
+)
 #: How long a template may take to import its agent before it is given up (a model library can take a while).
 START_SECONDS = 300.0
-_LINE = 1 << 20
-
-
-class TemplateGone(Exception):
-    """The template died (or was never there); a new one may be started."""
-
-
-class TemplateStale(Exception):
-    """The agent's file changed since the template imported it; the template has exited."""
 
 
 class TemplateThreaded(Exception):
     """The template runs threads (its imports started them): it must not fork."""
-
-
-async def _line(reader: BufferedByteReceiveStream) -> dict[str, Any] | None:
-    """The next JSON line, or ``None`` once the other end is gone."""
-    try:
-        message = orjson.loads(await reader.receive_until(b"\n", _LINE))
-    except (
-        anyio.IncompleteRead,
-        anyio.EndOfStream,
-        anyio.BrokenResourceError,
-        anyio.ClosedResourceError,
-        OSError,
-    ):
-        return None
-    except (anyio.DelimiterNotFound, orjson.JSONDecodeError):
-        logger.warning("a template or supervisor sent a line that is not JSON; treating it as gone")
-        return None
-    return message if isinstance(message, dict) else None
-
-
-class SupervisedProcess:
-    """One attempt's process, as its supervisor reports it on the attempt's channel (see the module docstring).
-    :meth:`wait` and :meth:`finished` read the channel; :meth:`stop` writes to it."""
-
-    def __init__(
-        self,
-        supervisor: int,
-        channel: anyio.abc.UNIXSocketStream,
-        name: str,
-        reader: BufferedByteReceiveStream | None = None,
-    ) -> None:
-        self.supervisor = supervisor
-        self.pid = 0
-        self.name = name
-        self.exit: AgentExit | None = None
-        self.cpu_seconds: float | None = None
-        self.strays = 0
-        #: The modules the agent imported that its template had not (a forked agent's, once it is done).
-        self.imported: list[str] = []
-        #: The launch's ``result_file`` as the supervisor read it once the attempt's processes were gone.
-        self.result: str | None = None
-        #: Called once no process of the attempt is left (a fork server learns what to import from it).
-        self.on_done: Callable[[SupervisedProcess], None] | None = None
-        #: Given the supervisor once its attempt is done, when it waits for another (a spawned program's: no
-        #: fork for the next attempt); True when kept, else its channel is closed and it exits.
-        self.on_idle: Callable[[SupervisedProcess], bool] | None = None
-        self._channel = channel
-        self._reader = reader or BufferedByteReceiveStream(channel)
-        self._done = False
-        self._waits = False  # its supervisor said it waits for another attempt
-
-    async def started(self) -> None:
-        """The supervisor's first word: the agent runs (:attr:`pid` set), or :class:`LaunchFailed` saying why."""
-        message = await _line(self._reader)
-        if message is not None and "started" in message:
-            self.pid = int(message["started"])
-            return
-        await self.finished()
-        if message is None:
-            raise LaunchFailed(f"the supervisor of {self.name}'s process ended before it started")
-        if "stale" in message:  # a spare of a template whose agent changed since: a new template runs it
-            raise TemplateStale(str(message["stale"]))
-        raise LaunchFailed(str(message.get("failed") or message))
-
-    def _take(self, message: dict[str, Any] | None) -> None:
-        if message is None:
-            self._done = True
-        elif "exited" in message:
-            how = message["exited"]
-            self.exit = AgentExit(code=how.get("code"), signal=how.get("signal"))
-        elif "done" in message:
-            self._done = True
-            done = message["done"]
-            self.cpu_seconds = float(done.get("cpu_s") or 0.0)
-            self.strays = int(done.get("strays") or 0)
-            self.imported = [str(n) for n in done.get("imported") or ()]
-            result = done.get("result")
-            self.result = result if isinstance(result, str) else None
-            self._waits = done.get("waits") is True
-            left = int(done.get("left") or 0)
-            if left:
-                logger.warning("%d process(es) of %s could not be killed (uninterruptible)", left, self.name)
-            if self.on_done is not None:
-                self.on_done(self)
-
-    async def wait(self) -> AgentExit:
-        """Return once the agent's process exited (an empty :class:`AgentExit` if its supervisor vanished)."""
-        while self.exit is None and not self._done:
-            self._take(await _line(self._reader))
-        return self.exit or AgentExit()
-
-    async def finished(self) -> float | None:
-        """Return once no process of the attempt is left; the CPU seconds they used (their supervisor's too)."""
-        while not self._done:
-            self._take(await _line(self._reader))
-        waits, self._waits = self._waits, False
-        if not (waits and self.on_idle is not None and self.on_idle(self._waiting())):
-            await self._channel.aclose()
-        return self.cpu_seconds
-
-    def _waiting(self) -> SupervisedProcess:
-        """This attempt's supervisor, now waiting for its next attempt (as a spare: :meth:`assign`)."""
-        return SupervisedProcess(self.supervisor, self._channel, "a waiting supervisor", self._reader)
-
-    async def assign(self, request: Mapping[str, Any], stdin: int, output: int, name: str) -> None:
-        """Give a spare supervisor (:meth:`Template.spare`) its attempt: ``request`` (as :func:`fork_request`'s),
-        its stdin and output (this process's descriptors stay open: the caller's). :class:`TemplateGone` if the
-        spare is gone (it was not given the attempt)."""
-        data = orjson.dumps(request) + b"\n"
-        try:
-            await self._channel.send_fds(data[:1], [stdin, output])
-            await self._channel.send(data[1:])
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            await self._channel.aclose()
-            raise TemplateGone(f"the spare supervisor for {name}") from None
-        self.name = name
-
-    async def discard(self) -> None:
-        """Close a spare supervisor's channel, unused: it exits."""
-        await self._channel.aclose()
-
-    async def stop(self, grace: float) -> None:
-        """Ask the supervisor to end the attempt's processes (``SIGTERM``, ``SIGKILL`` after ``grace``)."""
-        if self._done:
-            return  # they are gone (and the supervisor may be another attempt's by now)
-        try:
-            await self._channel.send(f"stop {grace:.3f}\n".encode())
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            pass  # already gone
 
 
 def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -207,17 +71,6 @@ def fork_request(launch: Launch, *, exec_: bool, argv: Sequence[str] | None = No
         "grace": launch.grace,
         "result_file": launch.result_file,
     }
-
-
-def compile_template(folder: str) -> str | None:
-    """The template's program compiled by this Python into ``folder`` (blocking: a file written), for a template
-    this Python runs (:attr:`Template.compiled`); ``None`` if it cannot be written (the source is run then)."""
-    target = os.path.join(folder, "aglverl_template.pyc")
-    try:
-        return py_compile.compile(str(SOURCE_FILE), cfile=target, doraise=True)
-    except (OSError, py_compile.PyCompileError) as exc:
-        logger.info("the template is run from its source: it cannot be compiled into %s (%s)", folder, exc)
-        return None
 
 
 class Template:
@@ -234,12 +87,11 @@ class Template:
         env: Mapping[str, str],
         cwd: str,
         name: str,
-        compiled: str | None = None,
+        answer_seconds: float = START_SECONDS,
     ) -> None:
         self.command = list(command)
-        #: The template's program compiled by this Python (:func:`compile_template`), run instead of the source
-        #: when given (its start then compiles nothing); only for a template run by this process's Python.
-        self.compiled = compiled
+        #: How long it may take to answer a request (a fork, a preload's imports): past it, it is ended.
+        self.answer_seconds = answer_seconds
         self.kind = kind
         self.spec = list(spec)
         self.env = dict(env)
@@ -251,6 +103,8 @@ class Template:
         self.preloaded: set[str] = set()
         #: How many :meth:`preload` requests it answered.
         self.preloads = 0
+        #: Modules :meth:`preload` left out: not the Python installation's (the agent's own, an attempt's).
+        self.skipped: set[str] = set()
         self._process: anyio.abc.Process | None = None
         self._control: anyio.abc.UNIXSocketStream | None = None
         self._reader: BufferedByteReceiveStream | None = None
@@ -272,8 +126,7 @@ class Template:
         error (an import error's last lines) when it cannot prepare it. ``tg`` watches the process."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            program = [self.compiled] if self.compiled else ["-c", SOURCE]
-            argv = [*self.command, *program, str(theirs.fileno()), self.kind, *self.spec]
+            argv = [*self.command, "-c", BOOTSTRAP, str(theirs.fileno()), self.kind, *self.spec]
             try:
                 process = await anyio.open_process(
                     argv,
@@ -297,7 +150,7 @@ class Template:
         self._reader = BufferedByteReceiveStream(self._control)
         tg.start_soon(self._watch, process, name=f"template {self.name}")
         with anyio.move_on_after(START_SECONDS):
-            ready = await _line(self._reader)
+            ready = await read_line(self._reader)
             if ready is not None and "ready" in ready:
                 self.info = ready["ready"]
                 return self.info
@@ -351,7 +204,10 @@ class Template:
             raise TemplateGone(self.name)
         if "forked" in answer:
             return SupervisedProcess(
-                int(answer["forked"]), await anyio.abc.UNIXSocketStream.from_socket(ours), name
+                int(answer["forked"]),
+                await anyio.abc.UNIXSocketStream.from_socket(ours),
+                name,
+                grace=float(request.get("grace", 5.0)),
             )
         ours.close()
         if "stale" in answer:
@@ -368,20 +224,28 @@ class Template:
         async with self._sending:
             if not self.alive or self._control is None or self._reader is None:
                 raise TemplateGone(self.name)
-            try:
-                if fds:
-                    await self._control.send_fds(data[:1], fds)
-                    await self._control.send(data[1:])
-                else:
-                    await self._control.send(data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                raise TemplateGone(self.name) from None
+            with anyio.move_on_after(self.answer_seconds) as sending:
+                try:
+                    if fds:
+                        await self._control.send_fds(data[:1], fds)
+                        await self._control.send(data[1:])
+                    else:
+                        await self._control.send(data)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    raise TemplateGone(self.name) from None
+            if sending.cancelled_caught:
+                await self._end_unanswering()
+                raise TemplateGone(self.name)
             ticket, self._sent = self._sent, self._sent + 1
         try:
             async with self._reading:
                 reader = self._reader
                 while self._read <= ticket and reader is not None:
-                    line = await _line(reader)
+                    line = None
+                    with anyio.move_on_after(self.answer_seconds) as waiting:
+                        line = await read_line(reader)
+                    if waiting.cancelled_caught:
+                        await self._end_unanswering()  # the answers still due will not come: None each
                     if self._read not in self._abandoned:
                         self._answers[self._read] = line
                     self._abandoned.discard(self._read)
@@ -393,17 +257,44 @@ class Template:
                 self._abandoned.add(ticket)  # cancelled before its answer came: whoever reads it drops it
         return answer
 
+    async def _end_unanswering(self) -> None:
+        """The template did not answer within :attr:`answer_seconds` (stopped or traced by a process of its
+        user, an agent say): kill it (``SIGCONT``, then ``SIGKILL``) and close its control socket; the attempts it
+        forked run on under their supervisors, and the holder starts another template."""
+        process = self._process
+        if process is None or self._gone.is_set():
+            return
+        with anyio.CancelScope(shield=True):
+            state = await anyio.to_thread.run_sync(describe, process.pid)
+            logger.warning(
+                "the template (pid %d) of %s did not answer within %g s (%s): it is ended, and another started",
+                process.pid,
+                self.name,
+                self.answer_seconds,
+                state,
+            )
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    process.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+            control, self._control = self._control, None  # not alive from now on
+            if control is not None:
+                await control.aclose()
+
     async def preload(self, names: Sequence[str]) -> str | None:
-        """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once);
-        returns the module whose import left a thread running (the template has exited then), else ``None``.
-        Raises :class:`TemplateGone`."""
+        """Have the template import ``names`` (modules its agent's forks imported: their cost is then paid once),
+        those of the Python installation (:attr:`skipped` gets the others); returns the module whose import left
+        a thread running (the template has exited then), else ``None``. Raises :class:`TemplateGone`."""
         answer = await self._ask(orjson.dumps({"preload": list(names)}) + b"\n", [])
         if answer is None:
             raise TemplateGone(self.name)
         self.preloads += 1
         if "module" in answer:
             return str(answer["module"])
-        self.preloaded.update(names)
+        skipped = {str(n) for n in answer.get("skipped") or ()}
+        self.skipped.update(skipped)
+        self.preloaded.update(n for n in names if n not in skipped)
         return None
 
     def cpu_seconds(self) -> float:

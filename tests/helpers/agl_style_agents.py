@@ -122,7 +122,10 @@ def main(argv: list[str]) -> int:
 
     client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
     answer = _ask(client, task.get("prompt", "Say yes."))
-    seen = {k: os.environ.get(k) for k in ("AGL_MODE", "AGL_MODEL", "AGL_ROLLOUT_ID", "ANTHROPIC_BASE_URL")}
+    seen = {
+        k: os.environ.get(k)
+        for k in ("AGL_MODE", "AGL_MODEL", "AGL_ROLLOUT_ID", "AGL_SEED", "ANTHROPIC_BASE_URL")
+    }
     print(json.dumps({"input": task, "answer": answer, "env": seen}), flush=True)
     if program == "no-reward":
         return 0
