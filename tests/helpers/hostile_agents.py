@@ -9,7 +9,12 @@ does then, the first time that kind runs in the directory ``HOSTILE_DIR`` (later
 - ``freeze``: stops its supervisor (``kill -STOP`` on its parent) and sleeps;
 - ``late``: posts a reward event of 0.5, ends its own rollout (``PATCH succeeded``: the runner then ends its
   process, which ignores the SIGTERM), then posts a reward of 100 and prints ``late reward: <status> <detail>``
-  and the reward events its rollout keeps.
+  and the reward events its rollout keeps, then makes the file ``late-done`` in ``HOSTILE_DIR``.
+
+The tasks run unshuffled, two a step: ``huge`` and ``freeze`` in the first, ``late`` and ``good`` in the second.
+The second step's well-behaved agents wait for ``late-done`` before they write their rewards: until then the
+step cannot end, so the trainer has not yet handed the late rollout over (and dropped it) when the late reward
+is posted, and the answer is the ended rollout's, whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class HostileAgent:
         if hostile and kind == "late":
             self._late()
             return
+        if kind in ("late", "good"):
+            _wait_for(os.path.join(os.environ["HOSTILE_DIR"], "late-done"), 60)
         with open(os.environ["AGL_REWARD_FILE"], "w") as f:
             f.write("1e39" if hostile and kind == "huge" else "1.0")
 
@@ -78,3 +85,11 @@ class HostileAgent:
         print(f"late reward: {status} {answer['detail']}", flush=True)
         _, kept = _call("GET", rollout + "/events?event_type=reward")
         print(f"reward events kept: {[event['data']['value'] for event in kept]}", flush=True)
+        _first("late-done")
+
+
+def _wait_for(path: str, seconds: float) -> None:
+    """Until ``path`` exists (checked every 50 ms: a test agent's wait), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
