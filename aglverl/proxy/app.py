@@ -177,6 +177,10 @@ class LLMProxy:
         self.m_resume_failed: Counter = meters.resume_failed
         self.m_resume_latency: Histogram = meters.resume_latency
         self._url: str | None = None
+        self._http: HttpServer | None = None  # while serving
+        self.registry.gauge(
+            "aglverl_proxy_connections", "Agents' connections open to the proxy.", lambda: self.connections
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -351,6 +355,11 @@ class LLMProxy:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
 
+    @property
+    def connections(self) -> int:
+        """Agents' connections open now (0 when not serving)."""
+        return 0 if self._http is None else self._http.connections
+
     def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
         """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then
         under way: its later calls are never turned away): the proxy's overload decision, for a component that
@@ -386,7 +395,7 @@ class LLMProxy:
             max_connections=config.max_connections,
             max_body_bytes=config.max_body_bytes,
         )
-        http = HttpServer(self._handler, config.host, config.port, limits)
+        http = self._http = HttpServer(self._handler, config.host, config.port, limits)
         self._pool.open()
         self._handler.closing = False
         try:
@@ -401,6 +410,7 @@ class LLMProxy:
             self._admission.overload.stop()
             with anyio.CancelScope(shield=True):
                 await self._close(http)
+            self._http = None
 
     async def _close(self, http: HttpServer) -> None:
         self._handler.closing = True

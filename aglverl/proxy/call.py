@@ -52,6 +52,7 @@ _ERROR_TYPES: Mapping[int, str] = {
     429: "RateLimitError",
     431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
+    501: "NotImplementedError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",

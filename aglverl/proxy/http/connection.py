@@ -59,6 +59,7 @@ from .errors import (
     HeadTooLarge,
     HttpError,
     MethodNotAllowed,
+    NotImplementedCoding,
     TooManyConnections,
     UriTooLong,
     VersionNotSupported,
@@ -81,6 +82,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _SINGLE = frozenset(
     (
         "host",
+        "transfer-encoding",
         "content-type",
         "content-location",
         "content-range",
@@ -338,7 +340,11 @@ class Connection(asyncio.Protocol):
         length = headers.get("Content-Length")
         if length is not None:
             exchange.content_length = int(length)  # llhttp took it: digits, one value
-        exchange.chunked = "Transfer-Encoding" in headers
+        coding = headers.get("Transfer-Encoding")
+        if coding is not None:
+            if coding.strip().lower() != "chunked":  # llhttp frames it; what else it codes, nothing decodes
+                raise NotImplementedCoding(f"Transfer-Encoding {coding[:100]!r}: only chunked is served")
+            exchange.chunked = True
         if parser.should_upgrade():
             if exchange.method == "CONNECT":
                 raise MethodNotAllowed("CONNECT is not served: this server answers HTTP/1.1 requests")

@@ -17,6 +17,7 @@ __all__ = [
     "HeadTooLarge",
     "HttpError",
     "MethodNotAllowed",
+    "NotImplementedCoding",
     "TooManyConnections",
     "UriTooLong",
     "VersionNotSupported",
@@ -77,6 +78,12 @@ class HeadTooLarge(HttpError):
     """Too many header lines, or a line too long (431: Request Header Fields Too Large)."""
 
     status = 431
+
+
+class NotImplementedCoding(HttpError):
+    """A transfer coding other than ``chunked`` (RFC 9112, 6.1: 501): nothing here would decode it."""
+
+    status = 501
 
 
 class TooManyConnections(HttpError):
