@@ -195,6 +195,28 @@ async def test_a_head_line_dribbled_past_the_limit_is_refused_before_the_head_en
     assert mock.requests == []
 
 
+@LOOPS
+async def test_a_trailer_line_dribbled_past_the_limit_is_refused_before_it_ends() -> None:
+    """After a chunked body's last chunk, a trailer line sent 128 bytes at a time, never ended: refused (431) once
+    it passed ``max_line_bytes``, as a head line is (llhttp reports a trailer line only once whole)."""
+    async with MockVLLM() as mock, proxied(mock) as (proxy, store):
+        rid, aid = claim(store)
+        head = request(route(rid, aid), b"", headers=["Transfer-Encoding: chunked"], length=False)
+        body = orjson.dumps(chat())
+        async with Agent.connect(proxy.url) as agent:
+            await agent.send(head + b"%x\r\n%b\r\n0\r\nX-Trailer: " % (len(body), body))
+            sent = 0
+            while sent < 16 << 10 and not agent.reader.at_eof():
+                await agent.send(b"t" * 128)
+                sent += 128
+                await asyncio.sleep(0.001)
+            refused = await agent.answer()
+            assert await agent.rest() == b""
+    assert refused.status == 431
+    assert_openai_error(refused.json(), 431, "8190 bytes")
+    assert mock.generation_requests() == []
+
+
 # ---------------------------------------------------------------------------------------------- framing
 @LOOPS
 @pytest.mark.parametrize("padded", ["\x0b2", "2\x0b", "\x0c2", "2\x0c"], ids=["vt-2", "2-vt", "ff-2", "2-ff"])

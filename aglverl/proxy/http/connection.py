@@ -143,6 +143,7 @@ class Connection(asyncio.Protocol):
         self._lines = 0
         self._line = 0  # bytes of the head line being read, as far as reads tell
         self._began = False  # a request began in the read being parsed
+        self._trailing = False  # a chunk's size line was read, and none of its data yet (or trailers come)
         self._single: set[str] = set()  # the headers of :data:`_SINGLE` the head being read holds
         # the requests read: the one whose turn it is (its body coming, or its handler running), those waiting
         self._active: Exchange | None = None
@@ -230,6 +231,8 @@ class Connection(asyncio.Protocol):
         else:
             if self._in_head:
                 self._watch_head(data, between)
+            elif self._trailing:
+                self._watch_line(data)
         self._advance()
 
     def _feed(self, data: bytes) -> None:
@@ -249,18 +252,26 @@ class Connection(asyncio.Protocol):
         """Measure the head line being read from this read (llhttp reports a header line only once whole):
         past the limit, a 431 now. A head that began in a read after the end of the request before it (a
         pipelined one) is measured from the next read on."""
-        newline = data.rfind(b"\n")
         if self._began and not between:
             self._line = 0
-        elif newline < 0:
+        elif self._watch_line(data):
+            return
+        if self._state is State.HEAD:
+            self._arm()
+
+    def _watch_line(self, data: bytes) -> bool:
+        """Add this read to the measure of the head (or trailer) line being read; past the limit, fail with a
+        431 and return ``True``."""
+        newline = data.rfind(b"\n")
+        if newline < 0:
             self._line += len(data)
         else:
             self._line = len(data) - newline - 1
         limit = self._limits.max_line_bytes
-        if self._line > limit:
-            self._fail(HeadTooLarge(f"a request head line is longer than {limit} bytes"))
-        elif self._state is State.HEAD:
-            self._arm()
+        if self._line <= limit:
+            return False
+        self._fail(HeadTooLarge(f"a request head line is longer than {limit} bytes"))
+        return True
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
@@ -359,11 +370,22 @@ class Connection(asyncio.Protocol):
             exchange.expect_continue = version == "1.1"
 
     def on_body(self, body: bytes) -> None:
+        self._trailing = False
         exchange = self._reading
         assert exchange is not None
         exchange.feed_body(body)
 
+    def on_chunk_header(self) -> None:
+        # Until a byte of its data comes, what follows a chunk's size line may be the trailer section (after
+        # the last, empty chunk): measured as a head is, since llhttp reports a trailer line only once whole.
+        self._trailing = True
+        self._line = 0
+
+    def on_chunk_complete(self) -> None:
+        self._trailing = False
+
     def on_message_complete(self) -> None:
+        self._trailing = False
         exchange, self._reading = self._reading, None
         assert exchange is not None
         exchange.end_body()
