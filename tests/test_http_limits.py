@@ -55,6 +55,16 @@ async def refusing_all(proxy: LLMProxy) -> None:
     assert proxy.overload.shedding
 
 
+async def dribble(agent: Agent, upto: int = 16 << 10) -> None:
+    """Send a line's bytes 128 at a time (a millisecond apart), never ending it, until the proxy has closed the
+    connection or ``upto`` bytes went."""
+    sent = 0
+    while sent < upto and not agent.reader.at_eof():
+        await agent.send(b"z" * 128)
+        sent += 128
+        await asyncio.sleep(0.001)
+
+
 # ---------------------------------------------------------------------------------------------- admission first
 @LOOPS
 @pytest.mark.parametrize("wrong", ["no-token", "unknown-attempt"])
@@ -182,11 +192,7 @@ async def test_a_head_line_dribbled_past_the_limit_is_refused_before_the_head_en
             start = f"GET {route(rid, aid, 'models')}?q=".encode()
         async with Agent.connect(proxy.url) as agent:
             await agent.send(start)
-            sent = 0
-            while sent < 16 << 10 and not agent.reader.at_eof():
-                await agent.send(b"z" * 128)
-                sent += 128
-                await asyncio.sleep(0.001)
+            await dribble(agent)
             refused = await agent.answer()
             assert await agent.rest() == b""
     status = 431 if where == "header" else 414
@@ -205,11 +211,7 @@ async def test_a_trailer_line_dribbled_past_the_limit_is_refused_before_it_ends(
         body = orjson.dumps(chat())
         async with Agent.connect(proxy.url) as agent:
             await agent.send(head + b"%x\r\n%b\r\n0\r\nX-Trailer: " % (len(body), body))
-            sent = 0
-            while sent < 16 << 10 and not agent.reader.at_eof():
-                await agent.send(b"t" * 128)
-                sent += 128
-                await asyncio.sleep(0.001)
+            await dribble(agent)
             refused = await agent.answer()
             assert await agent.rest() == b""
     assert refused.status == 431

@@ -144,6 +144,7 @@ class Connection(asyncio.Protocol):
         self._line = 0  # bytes of the head line being read, as far as reads tell
         self._began = False  # a request began in the read being parsed
         self._trailing = False  # a chunk's size line was read, and none of its data yet (or trailers come)
+        self._past_request_line = False  # a line end of the head being read was seen
         self._single: set[str] = set()  # the headers of :data:`_SINGLE` the head being read holds
         # the requests read: the one whose turn it is (its body coming, or its handler running), those waiting
         self._active: Exchange | None = None
@@ -250,8 +251,8 @@ class Connection(asyncio.Protocol):
 
     def _watch_head(self, data: bytes, between: bool) -> None:
         """Measure the head line being read from this read (llhttp reports a header line only once whole):
-        past the limit, a 431 now. A head that began in a read after the end of the request before it (a
-        pipelined one) is measured from the next read on."""
+        past the limit, a 414 (the request line) or a 431 now. A head that began in a read after the end of the
+        request before it (a pipelined one) is measured from the next read on."""
         if self._began and not between:
             self._line = 0
         elif self._watch_line(data):
@@ -260,17 +261,21 @@ class Connection(asyncio.Protocol):
             self._arm()
 
     def _watch_line(self, data: bytes) -> bool:
-        """Add this read to the measure of the head (or trailer) line being read; past the limit, fail with a
-        431 and return ``True``."""
+        """Add this read to the measure of the head (or trailer) line being read; past the limit, fail and
+        return ``True``."""
         newline = data.rfind(b"\n")
         if newline < 0:
             self._line += len(data)
         else:
             self._line = len(data) - newline - 1
+            self._past_request_line = True
         limit = self._limits.max_line_bytes
         if self._line <= limit:
             return False
-        self._fail(HeadTooLarge(f"a request head line is longer than {limit} bytes"))
+        if self._past_request_line:
+            self._fail(HeadTooLarge(f"a request head line is longer than {limit} bytes"))
+        else:
+            self._fail(UriTooLong(f"request line longer than {limit} bytes"))
         return True
 
     # ------------------------------------------------------------------ parser callbacks
@@ -281,6 +286,7 @@ class Connection(asyncio.Protocol):
         self._url = b""
         self._lines = 0
         self._line = 0
+        self._past_request_line = False
         self._single.clear()
 
     def on_url(self, url: bytes) -> None:
@@ -380,6 +386,7 @@ class Connection(asyncio.Protocol):
         # the last, empty chunk): measured as a head is, since llhttp reports a trailer line only once whole.
         self._trailing = True
         self._line = 0
+        self._past_request_line = True
 
     def on_chunk_complete(self) -> None:
         self._trailing = False
