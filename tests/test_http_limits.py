@@ -292,6 +292,26 @@ async def test_an_idle_connection_is_closed_after_the_idle_timeout_without_an_an
 
 
 @LOOPS
+@pytest.mark.parametrize("last", ["refused", "answered"])
+async def test_a_kept_connection_waits_for_its_next_request_the_idle_timeout_whatever_its_last_answer(
+    last: str,
+) -> None:
+    """After an answer the connection is kept, and idle: closed, unanswered, after ``idle_timeout``, never on the
+    shorter head deadline, and never left open for good (a refusal at the head included)."""
+    async with MockVLLM() as mock, proxied(mock, idle_timeout=0.4, head_timeout=0.1) as (proxy, store):
+        rid, aid = claim(store)
+        path = route("rollout-nope", aid) if last == "refused" else route(rid, aid)
+        async with Agent.connect(proxy.url) as agent:
+            answer = await agent.answer_after(request(path, chat()))
+            answered = time.monotonic()
+            assert await agent.rest() == b""  # nothing more is written: no 408
+            waited = time.monotonic() - answered
+    assert answer is not None and answer.status == (404 if last == "refused" else 200)
+    assert answer.header("connection") is None
+    assert waited >= 0.3
+
+
+@LOOPS
 async def test_a_connection_past_the_cap_gets_503_with_retry_after_and_a_later_one_is_served() -> None:
     async with MockVLLM() as mock, proxied(mock, max_connections=2) as (proxy, store):
         rid, aid = claim(store)

@@ -425,8 +425,11 @@ class Connection(asyncio.Protocol):
             return
         if self._dead:
             self._close()
-        else:
-            flow.resume_reading()
+            return
+        waiting = State.HEAD if self._in_head else State.IDLE
+        if self._state is not waiting:  # no request runs: the connection waits for its next (or the rest of it)
+            self._enter(waiting)
+        flow.resume_reading()
 
     def _take_turn(self, exchange: Exchange) -> None:
         """``exchange``'s turn: its handler starts now if its body is in, else once it is."""
@@ -477,12 +480,7 @@ class Connection(asyncio.Protocol):
         if not (exchange.finished and exchange.keep_alive and exchange.complete) or self._site.stopping:
             self._close()
             return
-        if self._pipeline or self._dead:
-            self._advance()
-            return
-        self._enter(State.HEAD if self._in_head else State.IDLE)
-        assert self._flow is not None
-        self._flow.resume_reading()
+        self._advance()
 
     def _write_refusal(self, exchange: Exchange, answer: Answer) -> None:
         try:
