@@ -34,6 +34,7 @@ from helpers.raw_http import (
 )
 
 from aglverl.proxy import LLMProxy, OverloadPolicy
+from aglverl.store import TaskStore
 from aglverl.testing import MockVLLM
 
 pytestmark = pytest.mark.anyio
@@ -333,3 +334,21 @@ async def test_a_connection_past_the_cap_gets_503_with_retry_after_and_a_later_o
         assert_answered(answer, mock, chat())
     assert len(mock.generation_requests()) == 3
     assert 'aglverl_proxy_http_refused_total{status="503"} 1' in metrics
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("max_connections", 0),
+        ("max_header_lines", -1),
+        ("max_line_bytes", 1.5),
+        ("head_timeout", 0),
+        ("idle_timeout", float("nan")),
+        ("max_body_bytes", True),
+    ],
+)
+def test_a_limit_that_is_not_one_is_refused_when_the_config_is_made_naming_it(
+    setting: str, value: object
+) -> None:
+    with pytest.raises(ValueError, match=setting):
+        LLMProxy(TaskStore(), **{setting: value})  # type: ignore[arg-type]

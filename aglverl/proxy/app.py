@@ -46,7 +46,7 @@ from .config import (
 from .control import APPLIED, Applied
 from .gate import Gate
 from .handler import Handler
-from .http import HttpServer, Limits
+from .http import HttpServer
 from .meters import Meters
 from .overload import Overload
 from .pool import Pool
@@ -387,15 +387,7 @@ class LLMProxy:
         if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
         config = self._config
-        limits = Limits(
-            max_header_lines=config.max_header_lines,
-            max_line_bytes=config.max_line_bytes,
-            head_timeout=config.head_timeout,
-            idle_timeout=config.idle_timeout,
-            max_connections=config.max_connections,
-            max_body_bytes=config.max_body_bytes,
-        )
-        http = self._http = HttpServer(self._handler, config.host, config.port, limits)
+        http = self._http = HttpServer(self._handler, config.host, config.port, config.limits())
         self._pool.open()
         self._handler.closing = False
         try:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, Unpack, overload
 
+from .http import Limits
 from .overload import OverloadPolicy
 
 __all__ = [
@@ -123,9 +124,21 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.sampling_mismatch not in ("refuse", "mask"):
             raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {self.sampling_mismatch!r}")
+        self.limits()  # the HTTP server's: a value that is not one is a ValueError naming it, now
         object.__setattr__(self, "auth", None if self.token is None else f"Bearer {self.token}".encode())
         key = self.backend_api_key
         object.__setattr__(self, "backend_auth", None if key is None else f"Bearer {key}")
+
+    def limits(self) -> Limits:
+        """The HTTP server's limits these settings make (:class:`~aglverl.proxy.http.Limits`)."""
+        return Limits(
+            max_header_lines=self.max_header_lines,
+            max_line_bytes=self.max_line_bytes,
+            head_timeout=self.head_timeout,
+            idle_timeout=self.idle_timeout,
+            max_connections=self.max_connections,
+            max_body_bytes=self.max_body_bytes,
+        )
 
     @property
     def max_request_bytes(self) -> int:
