@@ -427,7 +427,9 @@ class Connection(asyncio.Protocol):
             self._close()
             return
         waiting = State.HEAD if self._in_head else State.IDLE
-        if self._state is not waiting:  # no request runs: the connection waits for its next (or the rest of it)
+        if (
+            self._state is not waiting
+        ):  # no request runs: the connection waits for its next (or the rest of it)
             self._enter(waiting)
         flow.resume_reading()
 
