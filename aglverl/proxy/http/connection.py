@@ -6,8 +6,8 @@ size, ``Content-Length`` with ``Transfer-Encoding`` are refused), whose callback
 :class:`~aglverl.proxy.http.exchange.Exchange`:
 
 - ``on_url`` / ``on_header``: the target and the headers, each line held to the limits (:mod:`.limits`) as it
-  grows; a head that comes a few bytes at a time is also measured per read, so a line past the limit is refused
-  before it is whole (llhttp keeps its place: no byte is parsed twice).
+  grows; a head (and a chunked body's trailer section) that comes a few bytes at a time is also measured per
+  read, so a line past the limit is refused before it is whole (llhttp keeps its place: no byte is parsed twice).
 - ``on_headers_complete``: the head is whole and no body byte has been read. The target is parsed as a URL (the
   path without query or fragment is what the service routes on), the version, ``Expect`` and ``Upgrade`` checked,
   then the service admits the request (:meth:`Service.admit <aglverl.proxy.http.service.Service.admit>`) or
@@ -31,9 +31,9 @@ is shut and what the client still sends is read and dropped, unparsed, until the
 seconds passed, so that the client reads the answer before the socket goes (closing a socket with unread bytes
 resets the connection, and the reset can destroy the answer in flight).
 
-Errors: a request the parser refuses, a limit passed, a head timed out are :class:`~aglverl.proxy.http.errors.
-HttpError` types, each answered once (:meth:`Service.refusal <aglverl.proxy.http.service.Service.refusal>`), in
-order after the answers before it, and the connection closed; a body that breaks after its head was admitted
+Errors: a request the parser refuses, a limit passed, a head timed out are
+:class:`~aglverl.proxy.http.errors.HttpError` types, each answered once (:meth:`Service.refusal
+<aglverl.proxy.http.service.Service.refusal>`), in order after the answers before it, and the connection closed; a body that breaks after its head was admitted
 fails that exchange's :meth:`~aglverl.proxy.http.exchange.Exchange.body` (its handler answers). A handler that
 raises gets a 500 when its answer had not started, and the connection closed otherwise. Cancellation: the client
 leaving (or half-closing: as uvicorn and aiohttp, the server takes it for gone) cancels the handler whose answer
