@@ -579,10 +579,12 @@ class Connection(asyncio.Protocol):
             active.fail_body(HeadTimeout(f"the request body stopped arriving for {seconds:g} s"))
             self._dead = True
             self._advance()
+        elif state is State.CLOSING:
+            self._transport.abort()  # done lingering: what a client that reads nothing left unread goes too
         else:
             self._state = State.CLOSING
             self._dead = True
-            self._transport.close()  # idle past the keep-alive, or done lingering
+            self._transport.close()  # idle past the keep-alive
 
     # ------------------------------------------------------------------ the exchanges' wire
     @property
