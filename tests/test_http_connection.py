@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 import orjson
+from helpers.raw_http import split_answer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -111,29 +112,12 @@ def parse(raw: bytes) -> list[tuple[int, object]]:
     """The answers in ``raw``: ``(status, body as JSON, or the stream's events joined)``."""
     out: list[tuple[int, object]] = []
     while raw:
-        end = raw.index(b"\r\n\r\n")
-        head, raw = raw[:end].decode("latin-1"), raw[end + 4 :]
-        status = int(head.split(" ", 2)[1])
-        fields = {
-            k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in head.split("\r\n")[1:])
-        }
+        status, fields, body, raw = split_answer(raw)
         if fields.get("transfer-encoding") == "chunked":
-            body = b""
-            while True:
-                line, _, raw = raw.partition(b"\r\n")
-                size = int(line, 16)
-                body, raw = body + raw[:size], raw[size + 2 :]
-                if not size:
-                    break
             events = "".join(e.removeprefix(b"data: ").decode() for e in body.split(b"\n\n") if e)
             out.append((status, {"stream": events}))
-            continue
-        if "content-length" in fields:
-            size = int(fields["content-length"])
-        else:  # an HTTP/1.0 answer without a length: to the close
-            size = len(raw)
-        body, raw = raw[:size], raw[size:]
-        out.append((status, orjson.loads(body) if status == 200 else None))
+        else:
+            out.append((status, orjson.loads(body) if status == 200 else None))
     return out
 
 

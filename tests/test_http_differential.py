@@ -27,6 +27,7 @@ import anyio
 import orjson
 import pytest
 from aiohttp import web
+from helpers.raw_http import split_answer
 
 from aglverl._net import HttpListener
 from aglverl.metrics import Registry
@@ -357,28 +358,9 @@ def answers(raw: bytes, head_only: bool) -> list[tuple[int, object]]:
         if raw.startswith(b"<"):
             out.append((0, raw.decode()))
             break
-        end = raw.index(b"\r\n\r\n")
-        head, raw = raw[:end].decode("latin-1"), raw[end + 4 :]
-        status = int(head.split(" ", 2)[1])
-        fields = {
-            k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in head.split("\r\n")[1:])
-        }
-        if status == 100:
-            continue
-        if head_only:
-            body = b""
-        elif fields.get("transfer-encoding") == "chunked":
-            body = b""
-            while True:
-                line, _, raw = raw.partition(b"\r\n")
-                size = int(line, 16)
-                body, raw = body + raw[:size], raw[size + 2 :]
-                if not size:
-                    break
-        else:
-            size = int(fields.get("content-length", len(raw)))
-            body, raw = raw[:size], raw[size:]
-        out.append((status, orjson.loads(body) if status == 200 and body else None))
+        status, _, body, raw = split_answer(raw, head_only)
+        if status != 100:
+            out.append((status, orjson.loads(body) if status == 200 and body else None))
     return out
 
 

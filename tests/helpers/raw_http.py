@@ -273,3 +273,24 @@ def shape(value: Any) -> Any:
     if isinstance(value, list):
         return [shape(v) for v in value]
     return type(value).__name__
+
+
+def split_answer(raw: bytes, head_only: bool = False) -> tuple[int, dict[str, str], bytes, bytes]:
+    """The first answer in ``raw`` (all a server sent): its status, headers (names lowered), body (chunked framing
+    taken off; without a length, to the end) and what follows it."""
+    end = raw.index(b"\r\n\r\n")
+    head, raw = raw[:end].decode("latin-1"), raw[end + 4 :]
+    status = int(head.split(" ", 2)[1])
+    fields = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in head.split("\r\n")[1:])}
+    if head_only or status == 100:
+        return status, fields, b"", raw
+    if fields.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            line, _, raw = raw.partition(b"\r\n")
+            size = int(line, 16)
+            body, raw = body + raw[:size], raw[size + 2 :]
+            if not size:
+                return status, fields, body, raw
+    size = int(fields.get("content-length", len(raw)))
+    return status, fields, raw[:size], raw[size:]
