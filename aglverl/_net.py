@@ -1,8 +1,8 @@
 """Listening sockets and aiohttp start-up for the daemon's HTTP servers.
 
-:func:`bind_listener` makes the listening socket every server here uses (uvicorn's and aiohttp's alike);
-:class:`HttpListener` serves one aiohttp application on such a socket, and is the one place the three aiohttp
-servers (the LLM proxy, the embedded inference server, the mock vLLM) start and stop: bind, set up the runner,
+:func:`bind_listener` makes the listening socket every server here uses (uvicorn's, aiohttp's and the LLM proxy's
+own alike); :class:`HttpListener` serves one aiohttp application on such a socket, and is the one place the two
+aiohttp servers (the embedded inference server, the mock vLLM) start and stop: bind, set up the runner,
 start the site; on the way out stop accepting, give in-flight handlers a grace period, cancel the rest, close.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 import anyio
@@ -79,9 +79,7 @@ class HttpListener:
     """One aiohttp application served on a :func:`bind_listener` socket, on the running asyncio loop.
 
     ``keepalive_timeout``: seconds an idle connection is kept (``None``: aiohttp's default);
-    ``shutdown_timeout``: how long the runner's cleanup waits for connections to close. ``protocol``: each
-    connection's protocol is ``protocol(aiohttp's protocol)``, which must hand aiohttp's every event it does not
-    take itself (the proxy's :class:`~aglverl.proxy.shed.Shedder`; ``None``: aiohttp's alone). Handlers are cancelled
+    ``shutdown_timeout``: how long the runner's cleanup waits for connections to close. Handlers are cancelled
     when their client goes away (``handler_cancellation``); no access log is written.
 
     :meth:`start` binds and returns once connections are accepted; :meth:`stop` shuts down (safe to call
@@ -96,11 +94,8 @@ class HttpListener:
         *,
         keepalive_timeout: float | None = None,
         shutdown_timeout: float = 1.0,
-        protocol: Callable[[asyncio.Protocol], asyncio.Protocol] | None = None,
     ) -> None:
         self.app, self.host, self.port = app, host, port
-        self.protocol = protocol
-        self._server: asyncio.Server | None = None
         self._options: dict[str, Any] = {"shutdown_timeout": shutdown_timeout}
         if keepalive_timeout is not None:
             self._options["keepalive_timeout"] = keepalive_timeout
@@ -127,15 +122,7 @@ class HttpListener:
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, **self._options)
         try:
             await runner.setup()
-            if self.protocol is None:
-                await web.SockSite(runner, sock).start()
-            else:  # each connection's aiohttp protocol behind the caller's (the proxy's shedding)
-                aiohttp_protocol, wrap = runner.server, self.protocol
-                assert aiohttp_protocol is not None
-                loop = asyncio.get_running_loop()
-                self._server = await loop.create_server(
-                    lambda: wrap(aiohttp_protocol()), sock=sock, backlog=BACKLOG
-                )
+            await web.SockSite(runner, sock).start()
         except BaseException:
             sock.close()
             with anyio.CancelScope(shield=True):
@@ -161,9 +148,6 @@ class HttpListener:
         try:
             for site in list(runner.sites):
                 await site.stop()
-            if self._server is not None:
-                self._server.close()  # stop accepting; the connections are the runner's to close
-                self._server = None
             if grace > 0 and (pending := [t for t in handlers if not t.done()]):
                 await asyncio.wait(pending, timeout=grace)
             if pending := [t for t in handlers if not t.done()]:

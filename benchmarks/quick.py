@@ -34,6 +34,7 @@ LIGHT: list[tuple[str, list[str]]] = [
     ("proxy", ["proxy.py", "--quick"]),
     ("proxy_capacity", ["proxy_capacity.py", "--quick", "--max-seconds", "4"]),
     ("proxy_overload", ["proxy_overload.py", "--quick"]),
+    ("proxy_memory", ["proxy_memory.py", "--clients", "8", "--body-mib", "4"]),
     ("control_plane", ["control_plane.py", "--quick"]),
     ("soak", ["soak.py", "--quick"]),
     ("inference", ["inference.py", "--quick"]),

@@ -417,7 +417,11 @@ NOT_DEFAULTS: dict[str, Any] = {
     "request_logprobs": True,
     "sampling_mismatch": "mask",
     "token_in": False,
-    "own_http_server": False,
+    "max_header_lines": 64,
+    "max_line_bytes": 4096,
+    "head_timeout": 5.0,
+    "idle_timeout": 30.0,
+    "max_connections": 100,
     "overload": OverloadPolicy(refuse=False),
 }
 

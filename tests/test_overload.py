@@ -283,8 +283,8 @@ LOOPS = pytest.mark.parametrize(
 
 @LOOPS
 async def test_a_new_call_is_refused_at_the_socket_as_soon_as_its_head_is_in() -> None:
-    """The 429 comes before the agent has sent its body (the decision needs none of it); the body that follows
-    is read past, and the same connection then carries a call of a rollout under way to its answer."""
+    """The 429 comes before the agent has sent its body (the decision needs none of it), and the connection is
+    closed without reading the body; a call of a rollout under way, on a new connection, is answered."""
     body = orjson.dumps(CHAT)
     async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
         _, _, under_way = claim(proxy, store)
@@ -299,15 +299,21 @@ async def test_a_new_call_is_refused_at_the_socket_as_soon_as_its_head_is_in() -
             writer.write(new_request[:cut])  # the head alone
             with anyio.fail_after(5):
                 refused = await reader.readuntil(b"\r\n\r\n")
-            length = int(refused.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            await reader.readexactly(length)
-            writer.write(new_request[cut:] + raw_request(under_way, body))  # its body, then another call
+                length = int(refused.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                assert await reader.read() == b""  # closed: the body is never read
+        finally:
+            writer.close()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(raw_request(under_way, body))
             with anyio.fail_after(20):
                 answered = await reader.readuntil(b"\r\n\r\n")
         finally:
             writer.close()
         rejected = proxy.counters()["proxy/calls_rejected"]
     assert refused.startswith(b"HTTP/1.1 429 ") and b"Retry-After: 1" in refused
+    assert b"Connection: close" in refused
     assert answered.startswith(b"HTTP/1.1 200 ")
     assert rejected == 1 and len([r for r in mock.requests if r.path == "/v1/chat/completions"]) == 2
 

@@ -1,7 +1,7 @@
 """The LLM proxy: agents' OpenAI calls go through it to the inference backends, and it records their token ids.
 
-:class:`LLMProxy` is an aiohttp application served inside the caller's anyio task group. Two route families,
-every HTTP method:
+:class:`LLMProxy` is served by its own HTTP/1.1 server on llhttp (:mod:`~aglverl.proxy.http`) inside the caller's
+anyio task group. Two route families (:mod:`~aglverl.proxy.routes`), every HTTP method:
 
 - ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` — attributed calls. The attempt is checked against
   the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
@@ -87,8 +87,8 @@ past :class:`OverloadPolicy`'s ``max_lag`` (0.1 s) with at least ``min_in_flight
 share of the first calls of new conversations, all of them at twice the limit, with a 429 and ``Retry-After`` in
 the agent's API (the openai and anthropic SDKs wait and retry); a call of a rollout attempt under way (one of
 its calls was let in) is never turned away, and calls already admitted always run to their end. The decision is
-made as soon as a request's head is in, at the socket, before aiohttp reads it (:mod:`~aglverl.proxy.shed`);
-what the socket does not judge, the handler does the same way. The proxy's ``overload`` setting
+made as soon as a request's head is in, before a byte of its body is read (:mod:`~aglverl.proxy.admission`, called
+by the HTTP server, :mod:`~aglverl.proxy.http`). The proxy's ``overload`` setting
 (``OverloadPolicy(refuse=False)``) turns the refusals off (the lag is still measured).
 
 Resource handling: one :class:`~aglverl.proxy.upstream.Upstream` (the proxy's own HTTP/1.1 client, its
@@ -100,7 +100,7 @@ task, socket or connection is left.
 
 Error handling: errors the proxy produces itself are OpenAI-shaped JSON, ``{"error": {"message", "type",
 "param": null, "code"}}``, with a message naming what was wrong. An agent that disconnects cancels its upstream
-request at once (aiohttp's ``handler_cancellation``); the call is recorded as failed. A stream that breaks
+request at once (its connection cancels the call's task); the call is recorded as failed. A stream that breaks
 after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` event (the OpenAI SDK raises
 it as ``APIError``) and recorded as failed.
 
@@ -118,15 +118,14 @@ import circle):
     and, each as it needs them: Pool (backends, each with its Dialect), Gate (pause / hold / resume),
     ProxyConfig, Meters                                    (an arrow: holds, handed by the constructor)
 
-- :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: builds the parts, routes, the handler that always ends with
-  the call recorded and counted, the public API, life cycle.
-- :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: auth, the attempt against the
-  store, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag, the 429), path and
-  body limits, translation, the capture request, sampling reconciliation, the gate's wait;
-  :mod:`~aglverl.proxy.shed` — the :class:`~aglverl.proxy.shed.Shedder`, each agent connection's protocol in
-  front of aiohttp's: the same overload decision as soon as a request's head is in, and the attributed calls it
-  can read for certain read and answered by :mod:`~aglverl.proxy.inbound` (the proxy's own HTTP/1.1, in place of
-  aiohttp's server, ``own_http_server``).
+- :mod:`~aglverl.proxy.app` — :class:`LLMProxy`: builds the parts, the public API, life cycle.
+- :mod:`~aglverl.proxy.http` — the proxy's HTTP/1.1 server, one per socket (llhttp parses; each connection's
+  protocol, one request and its answer as an :class:`~aglverl.proxy.http.Exchange`, flow control, limits, errors
+  as types); :mod:`~aglverl.proxy.handler` — :class:`~aglverl.proxy.handler.Handler`, the proxy as its service:
+  routes (:mod:`~aglverl.proxy.routes`), a call admitted at its head, its task, always ending recorded and counted.
+- :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: at the head, auth, the attempt
+  against the store, the path, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag,
+  the 429); then the body, translation, the capture request, sampling reconciliation, the gate's wait.
 - :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
   (JSON, SSE), disconnects, broken streams.
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued

@@ -1,22 +1,24 @@
-"""Admission: a request checked and read into its call before anything is forwarded.
+"""Admission: a request checked at its head, then read into its call, before anything is forwarded.
 
-:class:`Admission` has one entry, :meth:`Admission.admit` (and :meth:`Admission.authorize`, the token check
-alone, for routes that lead nowhere). In order: the agent's API (a translated one is known first, so that every
-refusal is in that API's shape), the token (``Authorization``, or an API's key header such as Anthropic's
-``x-api-key``: :attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the
-attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
-forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
-a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
-(``max_body_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
-request (identity encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
-:meth:`~aglverl.proxy.call.Call.prepare`), the sampling reconciliation (:func:`reconcile_sampling`; refused 400 or masked ``off_policy``) and
-the token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`); last, the wait at the gate while it is
-closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
+:class:`Admission` has two entries. :meth:`Admission.check` runs as soon as a request's head is in, before a
+byte of its body was read (the HTTP server's :meth:`~aglverl.proxy.http.Service.admit`), in order: the agent's
+API (a translated one is known first, so that every refusal is in that API's shape), the token
+(``Authorization``, or an API's key header such as Anthropic's ``x-api-key``:
+:attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the attempt against the store
+(:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never forwarded), the path (no
+``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`: a 429 with ``Retry-After``
+while its event loop runs too late; never for a call of an attempt under way). A refused request's body is never
+read (and its length is the server's to bound: 413). :meth:`Admission.admit`, in the call's handler, then reads
+the body, translates it to a chat completion, and for a recorded call makes the capture request (identity
+encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
+:meth:`~aglverl.proxy.call.Call.prepare`), reconciles its sampling parameters (:func:`reconcile_sampling`; refused
+400 or masked ``off_policy``) and opens its token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`);
+last, it waits at the gate while it is closed (:meth:`~aglverl.proxy.gate.Gate.admit`).
 
 Every refusal is a :class:`~aglverl.proxy.call.ProxyError` naming what was wrong; nothing of a refused call
-was forwarded or stored. It awaits the request body and the gate; cancelled (the agent left), it stops there.
-Holds the config, the store, the gate, the meters (``sampling``) and the token-in part (``None``: off); makes and
-holds the :class:`~aglverl.proxy.overload.Overload` part (:attr:`Admission.overload`).
+was forwarded or stored. :meth:`Admission.admit` awaits the request body and the gate; cancelled (the agent
+left), it stops there. Holds the config, the store, the gate, the meters (``sampling``) and the token-in part
+(``None``: off); makes and holds the :class:`~aglverl.proxy.overload.Overload` part (:attr:`Admission.overload`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
 
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
@@ -35,8 +36,10 @@ from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
 from .gate import Gate
+from .http import Exchange, HttpError
 from .meters import Meters
 from .overload import Overload
+from .routes import Route
 from .store_view import ProxyStore
 from .tokenin import TokenIn
 
@@ -135,31 +138,40 @@ class Admission:
         self._config = config
         self.overload.policy = config.overload
 
-    async def admit(self, request: web.Request, call: Call, target: str) -> None:
-        """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
-        path = request.match_info["path"]
-        api = APIS.match(path) if request.method == "POST" else None
+    def check(self, exchange: Exchange, call: Call, route: Route) -> None:
+        """Check the head of the agent's request (``route``: its route) and fill in what goes upstream (method,
+        path, target, end-to-end headers); raises :class:`ProxyError`. No byte of the body has been read."""
+        path = route.path
+        api = APIS.match(path) if exchange.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
             call.translator = Translator(*api)
-        self.authorize(request)
+        self.authorize(exchange.headers)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
             try:
                 self.store.check_attempt(call.rollout_id, call.attempt_id)
             except StoreError as exc:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
-        if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
+        if route.dotted:
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
         self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
-        query = request.rel_url.raw_query_string
-        call.method = request.method
+        query = exchange.query
+        call.method = exchange.method
         call.path = "/v1/" + path
-        call.target = f"{target}?{query}" if query else target
-        call.headers = forward_headers(request.headers, APIS.not_forwarded)
+        call.target = f"{route.target}?{query}" if query else route.target
+        call.headers = forward_headers(exchange.headers, APIS.not_forwarded)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
-        call.body = await self._read_body(request)
-        kind = CAPTURED_PATHS.get(path) if call.method == "POST" else None
+
+    async def admit(self, call: Call) -> None:
+        """Read the body of the call :meth:`check` let in, make it the backend's request, then wait while
+        paused; raises :class:`ProxyError`. Cancelled (the agent left), it stops where it waits."""
+        assert call.exchange is not None
+        try:
+            call.body = await call.exchange.body()
+        except HttpError as exc:  # a chunked body past max_body_bytes, refused by the parser, or stalled
+            raise ProxyError(exc.status, exc.message) from None
+        kind = CAPTURED_PATHS.get(call.path[4:]) if call.method == "POST" else None
         if call.translator is not None:
             kind = self._translate_request(call, call.translator)
         if kind is not None and call.rollout_id is not None:
@@ -168,30 +180,17 @@ class Admission:
                 self.token_in.admit(call)
         await self.gate.admit()
 
-    def authorize(self, request: web.Request) -> None:
+    def authorize(self, headers: Mapping[str, str]) -> None:
+        """Check the agent's token in ``headers``; :class:`ProxyError` (401) when it is missing or wrong."""
         if self.config.auth is None:
             return
-        header = APIS.credential(
-            request.headers
-        )  # Authorization, or an API's key header (Anthropic's x-api-key)
+        header = APIS.credential(headers)  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, self.config.auth):
             others = " or ".join(f"'{name}'" for name in APIS.key_headers)
             raise ProxyError(
                 401, f"missing or wrong proxy token: send 'Authorization: Bearer <token>' (or {others})"
             )
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        length = request.content_length
-        limit = self.config.max_body_bytes
-        if length is not None and length > limit:
-            raise ProxyError(
-                413, f"request body of {length} bytes exceeds the proxy's limit of {limit} bytes"
-            )
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, f"request body exceeds the proxy's limit of {limit} bytes") from None
 
     @staticmethod
     def _translate_request(call: Call, translator: Translator) -> Literal["chat"]:

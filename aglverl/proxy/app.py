@@ -10,34 +10,30 @@
 - :class:`~aglverl.proxy.respond.Responder` (writing to the agent; commits before the last byte);
 - :class:`~aglverl.proxy.resume.Resumer` (aborted generations) and :class:`~aglverl.proxy.relay.Relay` (tries,
   JSON / SSE relaying), :class:`~aglverl.proxy.tokenin.TokenIn` (calls generated from ids; optional);
-- :class:`~aglverl.proxy.admission.Admission` (a request checked and read into its call).
+- :class:`~aglverl.proxy.admission.Admission` (a request checked at its head and read into its call);
+- :class:`~aglverl.proxy.handler.Handler` (the HTTP server's service: routes, admission at the head, the call's
+  task that always ends with the call recorded and counted).
 
-Here: routes (``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` attributed and recorded, ``/v1/{path}``
-unattributed, anything else a 404), one handler that admits, forwards and always ends with the call recorded
-and counted (:meth:`LLMProxy._run`), the public API (which hands on to the parts), and the life cycle:
-:meth:`LLMProxy.serve` binds, serves until cancelled, then stops accepting, gives in-flight calls
-``shutdown_grace`` seconds, cancels the rest and closes server and pool.
+Here: the public API (which hands on to the parts), and the life cycle: :meth:`LLMProxy.serve` serves the handler
+on the proxy's socket with its own HTTP server (:class:`~aglverl.proxy.http.HttpServer`, under the config's
+limits) until cancelled, then stops accepting, gives in-flight calls ``shutdown_grace`` seconds, cancels the rest
+and closes server and pool.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import itertools
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack, get_args
 
 import anyio
-from aiohttp import web
 from anyio.abc import TaskStatus
 
-from .._net import HttpListener
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
 from .admission import Admission
-from .call import Call, Outcome, ProxyError
+from .call import Outcome, ProxyError
 from .config import (
     ProxyConfig,
     ProxySettings,
@@ -49,7 +45,8 @@ from .config import (
 )
 from .control import APPLIED, Applied
 from .gate import Gate
-from .inbound import Inbound
+from .handler import Handler
+from .http import HttpServer
 from .meters import Meters
 from .overload import Overload
 from .pool import Pool
@@ -58,7 +55,6 @@ from .relay import Relay
 from .respond import Responder
 from .resume import Resumer
 from .session import Sessions
-from .shed import Shedder
 from .store_view import ProxyStore
 from .tokenin import OUTCOMES as TOKEN_IN_OUTCOMES
 from .tokenin import TokenIn
@@ -92,11 +88,12 @@ class LLMProxy:
     ``sampling_mismatch``: what happens to a call that sets other ones (see :mod:`aglverl.proxy`).
     ``token_in`` (default on): a recorded chat call whose messages extend an earlier call's messages + answer
     is generated from that call's exact ids (:mod:`~aglverl.proxy.tokenin`); off, every call is relayed as
-    text (and multi-turn rows drift wherever the chat template re-renders the history differently).
-    ``own_http_server`` (default on): the agents' attributed calls are read and answered by the proxy's own
-    HTTP/1.1 code (:mod:`~aglverl.proxy.inbound`), everything else by aiohttp's server; off, aiohttp's serves
-    every call (from the next :meth:`serve`). :attr:`activity` is the timeline of when at least one call was in
-    flight (the backends were busy).
+    text (and multi-turn rows drift wherever the chat template re-renders the history differently). The HTTP
+    server's bounds (:class:`~aglverl.proxy.http.Limits`): ``max_header_lines`` header lines and
+    ``max_line_bytes`` per head line (431, or 414 for the target), ``head_timeout`` seconds for a head to arrive
+    whole (408), ``idle_timeout`` seconds a kept-alive connection waits for its next request, ``max_connections``
+    open at once (503 past it). :attr:`activity` is the timeline of when at least one call was in flight (the
+    backends were busy).
 
     Each setting is also a read-only attribute (``proxy.pause_timeout``); :meth:`reconfigure` hands every part
     a new config at once (assigning an attribute raises ``AttributeError`` saying so). The proxy implements
@@ -118,7 +115,11 @@ class LLMProxy:
     upstream_keepalive = _Setting[float]()
     request_logprobs = _Setting[bool]()
     sampling_mismatch = _Setting[SamplingMismatch]()
-    own_http_server = _Setting[bool]()
+    max_header_lines = _Setting[int]()
+    max_line_bytes = _Setting[int]()
+    head_timeout = _Setting[float]()
+    idle_timeout = _Setting[float]()
+    max_connections = _Setting[int]()
 
     def __init__(
         self,
@@ -153,6 +154,7 @@ class LLMProxy:
             None if sessions is None else TokenIn(config, pool, self._relay, meters, sessions)
         )
         self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of)
+        self._handler = Handler(self._admission, gate, self._relay, self.token_in, recorder, meters)
         # every part that holds the config, for reconfigure()
         self._parts: tuple[Any, ...] = tuple(
             p for p in (gate, pool, resumer, self._relay, self.token_in, self._admission) if p is not None
@@ -174,10 +176,11 @@ class LLMProxy:
         self.m_regenerated: Counter = meters.regenerated
         self.m_resume_failed: Counter = meters.resume_failed
         self.m_resume_latency: Histogram = meters.resume_latency
-        self._seq = itertools.count()
-        self._handlers: set[asyncio.Task[Any]] = set()
-        self._closing = False
         self._url: str | None = None
+        self._http: HttpServer | None = None  # while serving
+        self.registry.gauge(
+            "aglverl_proxy_connections", "Agents' connections open to the proxy.", lambda: self.connections
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -190,8 +193,9 @@ class LLMProxy:
         :class:`ProxyConfig` with ``changes`` goes to every part at once; returns it.
 
         A setting holds from its next use: a wait already running keeps its deadline, and what the proxy reads
-        when it starts serving (``host``, ``port``, ``max_body_bytes``, the upstream session's
-        ``request_timeout``, ``connect_timeout`` and ``upstream_keepalive``) holds from its next :meth:`serve`.
+        when it starts serving (``host``, ``port``, the HTTP server's limits, ``max_body_bytes`` among them, the
+        upstream session's ``request_timeout``, ``connect_timeout`` and ``upstream_keepalive``) holds from its
+        next :meth:`serve`.
         An unknown name is a ``TypeError``; ``token_in``, read when the proxy is built, cannot change
         (``ValueError``).
         """
@@ -351,6 +355,11 @@ class LLMProxy:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
 
+    @property
+    def connections(self) -> int:
+        """Agents' connections open now (0 when not serving)."""
+        return 0 if self._http is None else self._http.connections
+
     def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
         """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then
         under way: its later calls are never turned away): the proxy's overload decision, for a component that
@@ -377,19 +386,10 @@ class LLMProxy:
         """
         if self._pool.is_open:
             raise RuntimeError("LLMProxy is already serving")
-        overload, gate, meters = self._admission.overload, self._gate, self._meters
-        # the agents' attributed calls read and answered by the proxy's own HTTP code, not aiohttp's server
         config = self._config
-        inbound = Inbound(self._handle, config.max_body_bytes) if config.own_http_server else None
-        http = HttpListener(
-            self._make_app(),
-            self._config.host,
-            self._config.port,
-            shutdown_timeout=_CLOSE_TIMEOUT,
-            protocol=lambda inner: Shedder(inner, overload, gate, meters, inbound),  # shed at the socket
-        )
+        http = self._http = HttpServer(self._handler, config.host, config.port, config.limits())
         self._pool.open()
-        self._closing = False
+        self._handler.closing = False
         try:
             self._url = await http.start()
             self._admission.overload.start()
@@ -402,84 +402,11 @@ class LLMProxy:
             self._admission.overload.stop()
             with anyio.CancelScope(shield=True):
                 await self._close(http)
+            self._http = None
 
-    def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self._config.max_body_bytes)
-        app.router.add_route("*", "/v1/{path:.*}", self._unattributed)
-        app.router.add_route("*", "/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path:.*}", self._attributed)
-        app.router.add_route("*", "/{tail:.*}", self._no_route)
-        return app
-
-    async def _close(self, http: HttpListener) -> None:
-        self._closing = True
+    async def _close(self, http: HttpServer) -> None:
+        self._handler.closing = True
         grace = self._config.shutdown_grace
         with anyio.move_on_after(grace + 4 * _CLOSE_TIMEOUT):
-            await http.stop(self._handlers, grace=grace, cancel_wait=_CLOSE_TIMEOUT)
+            await http.stop(grace=grace, cancel_wait=_CLOSE_TIMEOUT)
         await self._pool.close()
-
-    # ------------------------------------------------------------------ handlers
-    async def _no_route(self, request: web.Request) -> web.Response:
-        try:
-            self._admission.authorize(request)
-        except ProxyError as exc:
-            return exc.response()
-        message = f"no such route {request.path!r}: use /v1/... or /rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1/..."
-        return ProxyError(404, message).response()
-
-    async def _unattributed(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, None, None, request.rel_url.raw_path)
-
-    async def _attributed(self, request: web.Request) -> web.StreamResponse:
-        info = request.match_info
-        # The raw (still percent-encoded) path after the attempt segment is what goes upstream.
-        target = "/" + request.rel_url.raw_path.split("/", 5)[5]
-        return await self._handle(request, info["rollout_id"], info["attempt_id"], target)
-
-    async def _handle(
-        self, request: web.Request, rollout_id: str | None, attempt_id: str | None, target: str
-    ) -> web.StreamResponse:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        call = Call(next(self._seq), time.monotonic(), rollout_id, attempt_id)
-        try:
-            try:
-                await self._admission.admit(request, call, target)
-            except ProxyError as exc:
-                self._meters.calls.inc(1, "rejected")
-                return exc.response(call.translator)
-            except asyncio.CancelledError:  # the agent left while its body was read or while paused
-                self._meters.calls.inc(1, "cancelled")
-                raise
-            self._gate.enter()
-            try:
-                return await self._run(request, call)
-            finally:
-                self._gate.leave()
-        finally:
-            self._handlers.discard(task)
-
-    async def _run(self, request: web.Request, call: Call) -> web.StreamResponse:
-        """Forward ``call`` (generated from ids when it extends a recorded turn, else relayed), always ending
-        with it recorded and counted, whatever happens."""
-        call.weight_version = self._gate.weight_version
-        try:
-            if self.token_in is not None and call.tokenin is not None and call.tokenin.match is not None:
-                response = await self.token_in.run(request, call)
-                if response is not None:
-                    return response
-            return await self._relay.attempts(request, call)
-        except ProxyError as exc:
-            call.fail(exc.message)
-            return exc.response(call.translator)
-        except asyncio.CancelledError:
-            call.fail("proxy shutting down" if self._closing else "agent disconnected", "cancelled")
-            raise
-        except Exception as exc:
-            logger.exception("proxy failure on %s", call.path)
-            call.fail(f"internal proxy error: {exc!r}")
-            if call.response is not None:
-                return call.response
-            return ProxyError(500, f"internal proxy error: {exc!r}").response(call.translator)
-        finally:
-            self._recorder.finish(call)

@@ -23,13 +23,13 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict, MultiMapping
 
 from ..store import LLMCall
 from .api import Translator
 from .capture import Capture
 from .dialect import DEFAULT, Dialect
+from .http import Answer, Exchange
 from .reshape import CompletionAsChat
 from .session import Plan
 
@@ -43,16 +43,24 @@ _ERROR_TYPES: Mapping[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     409: "ConflictError",
     413: "RequestTooLargeError",
+    414: "URITooLongError",
+    417: "ExpectationFailedError",
     429: "RateLimitError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
+    501: "NotImplementedError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
+    505: "HTTPVersionNotSupportedError",
 }
 
 Outcome = Literal["ok", "upstream_error", "failed", "cancelled", "rejected"]
+_JSON_HEADERS: Mapping[str, str] = {"Content-Type": JSON}
 
 
 class ProxyError(Exception):
@@ -75,10 +83,15 @@ class ProxyError(Exception):
             return translator.error(self.status, self.message, self.param)
         return error_body(self.status, self.message)
 
-    def response(self, translator: Translator | None = None) -> web.Response:
-        return web.Response(
-            status=self.status, body=self.body(translator), content_type=JSON, headers=self.headers
-        )
+    def answer(self, translator: Translator | None = None) -> Answer:
+        """The whole answer the agent gets: the body (:meth:`body`) as JSON, with :attr:`headers`."""
+        headers = {"Content-Type": JSON, **self.headers} if self.headers else _JSON_HEADERS
+        return Answer(self.status, self.body(translator), headers)
+
+    async def send(self, exchange: Exchange, translator: Translator | None = None) -> None:
+        """Write :meth:`answer` to the agent (``ConnectionResetError`` when it has gone)."""
+        answer = self.answer(translator)
+        await exchange.send_whole(answer.status, answer.headers, answer.body)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -101,6 +114,7 @@ class Call:
         "delivered",
         "dialect",
         "error",
+        "exchange",
         "fill",
         "first_byte",
         "given",
@@ -117,7 +131,6 @@ class Call:
         "records",
         "request",
         "reshape",
-        "response",
         "rollout_id",
         "sampling",
         "seq",
@@ -136,8 +149,18 @@ class Call:
         "wire",
     )
 
-    def __init__(self, seq: int, t0: float, rollout_id: str | None, attempt_id: str | None) -> None:
+    def __init__(
+        self,
+        seq: int,
+        t0: float,
+        rollout_id: str | None,
+        attempt_id: str | None,
+        exchange: Exchange | None = None,
+    ) -> None:
         self.seq = seq
+        #: The agent's request and answer (what the proxy writes to the agent through; ``None``: a call made
+        #: without an agent's request, as a part is tested alone).
+        self.exchange = exchange
         self.t0 = t0
         self.started_at = time.time()
         self.rollout_id = rollout_id
@@ -176,7 +199,6 @@ class Call:
         self.weight_version_end: int | None = None
         self.backend = ""
         self.dialect: Dialect = DEFAULT  # the backend's, once a try went to one
-        self.response: web.StreamResponse | None = None
         self.sse = False
         self.tail = b""
         self.first_byte = 0.0

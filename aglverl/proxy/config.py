@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, Unpack, overload
 
+from .http import Limits
 from .overload import OverloadPolicy
 
 __all__ = [
@@ -89,7 +90,9 @@ class ProxyConfig:
     ``Authorization`` value sent to the backends (``None``: none). ``hold_timeout`` here is its own setting
     (default 600 s); the keywords of ``LLMProxy`` and ``AgentDaemon`` read a ``hold_timeout`` left out or
     ``None`` as ``pause_timeout`` (:meth:`from_settings`). ``max_body_bytes`` bounds a request's body (413
-    beyond it; ``max_request_bytes`` is its old name, still taken as a keyword).
+    beyond it; ``max_request_bytes`` is its old name, still taken as a keyword). ``max_header_lines``,
+    ``max_line_bytes``, ``head_timeout``, ``idle_timeout``, ``max_connections`` (and ``max_body_bytes``) are the
+    HTTP server's limits (:class:`~aglverl.proxy.http.Limits`, which checks them as the proxy starts serving).
     """
 
     host: str = "127.0.0.1"
@@ -109,7 +112,11 @@ class ProxyConfig:
     request_logprobs: bool = False
     sampling_mismatch: SamplingMismatch = "refuse"
     token_in: bool = True
-    own_http_server: bool = True
+    max_header_lines: int = 128
+    max_line_bytes: int = 8190
+    head_timeout: float = 20.0
+    idle_timeout: float = 75.0
+    max_connections: int = 8192
     overload: OverloadPolicy = field(default_factory=OverloadPolicy)
     auth: bytes | None = field(init=False, repr=False, compare=False)
     backend_auth: str | None = field(init=False, repr=False, compare=False)
@@ -117,9 +124,21 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.sampling_mismatch not in ("refuse", "mask"):
             raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {self.sampling_mismatch!r}")
+        self.limits()  # the HTTP server's: a value that is not one is a ValueError naming it, now
         object.__setattr__(self, "auth", None if self.token is None else f"Bearer {self.token}".encode())
         key = self.backend_api_key
         object.__setattr__(self, "backend_auth", None if key is None else f"Bearer {key}")
+
+    def limits(self) -> Limits:
+        """The HTTP server's limits these settings make (:class:`~aglverl.proxy.http.Limits`)."""
+        return Limits(
+            max_header_lines=self.max_header_lines,
+            max_line_bytes=self.max_line_bytes,
+            head_timeout=self.head_timeout,
+            idle_timeout=self.idle_timeout,
+            max_connections=self.max_connections,
+            max_body_bytes=self.max_body_bytes,
+        )
 
     @property
     def max_request_bytes(self) -> int:
@@ -199,7 +218,11 @@ class ProxyPolicySettings(TypedDict, total=False):
     request_logprobs: bool
     sampling_mismatch: SamplingMismatch
     token_in: bool
-    own_http_server: bool
+    max_header_lines: int
+    max_line_bytes: int
+    head_timeout: float
+    idle_timeout: float
+    max_connections: int
     overload: OverloadPolicy
 
 

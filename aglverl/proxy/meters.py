@@ -25,6 +25,7 @@ class Meters:
         "first_byte",
         "generated",
         "held",
+        "http_refused",
         "no_ids",
         "regenerated",
         "registry",
@@ -97,6 +98,12 @@ class Meters:
             "Aborted generations not continued: calls the proxy does not resume (unsupported), or a backend "
             "that kept aborting or refusing for pause_timeout (refused).",
             ["reason"],
+        )
+        self.http_refused: Counter = r.counter(
+            "aglverl_proxy_http_refused_total",
+            "Requests (or connections) the proxy's HTTP server refused before any handler: malformed, past a "
+            "limit (head lines, line length, body, connections) or too slow to send their head, by status.",
+            ["status"],
         )
         self.resume_latency: Histogram = r.histogram(
             "aglverl_proxy_resume_seconds",

@@ -191,7 +191,7 @@ class Overload:
         """Whether a call is to be turned away now: a call of a rollout attempt under way never is; a new one is
         while shedding with at least ``min_in_flight`` calls in flight, drawn in the share to turn away
         (counted); a new call let in puts its attempt under way. The one decision of every path that refuses
-        (the socket's, :mod:`~aglverl.proxy.shed`, and the handler's, :meth:`admit`)."""
+        (:meth:`admit`, at a request's head, and Agent Lightning's hop)."""
         if rollout_id is not None and self._under_way.get(rollout_id) == attempt_id:
             return False
         policy = self.policy

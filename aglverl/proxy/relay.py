@@ -1,7 +1,7 @@
 """Relaying: a call's upstream tries, and the backend's answer passed to the agent, JSON or SSE.
 
 :class:`Relay` is the ordinary path of a call (what is not generated from ids by the token-in part). Its
-interface is one method, :meth:`Relay.attempts`, which returns the response the agent got:
+interface is one method, :meth:`Relay.attempts`, which answers the agent (the call's exchange):
 
 - The retry loop: a backend from the pool per try; connection failures, 5xx and 429 are tried again elsewhere
   (with the retry policy's backoff, ``Retry-After`` honoured within the budget) while no byte has reached the
@@ -17,8 +17,8 @@ interface is one method, :meth:`Relay.attempts`, which returns the response the 
   through its translator. The call is committed (recorded) before the agent can read ``[DONE]`` or the last
   byte of a JSON answer (:class:`~aglverl.proxy.respond.Responder`).
 
-Disconnects and cancellation: an agent that leaves fails the call as ``cancelled`` (aiohttp's handler
-cancellation cancels the task, which closes the upstream request). A stream that breaks after bytes went out,
+Disconnects and cancellation: an agent that leaves fails the call as ``cancelled`` (its connection cancels the
+handler's task, which closes the upstream request). A stream that breaks after bytes went out,
 overruns ``max_response_bytes`` or outlives ``request_timeout`` is ended with a final SSE error event and
 recorded as failed. Holds the config, the pool, the gate (the weight version at the answer's head), the
 recorder, the responder, the resumer and the meters (``retries``).
@@ -32,7 +32,6 @@ from typing import Any
 
 import anyio
 import orjson
-from aiohttp import web
 from multidict import CIMultiDict
 
 from .api import TranslationError
@@ -91,12 +90,10 @@ class Relay:
         self.resumer = resumer
         self.meters = meters
 
-    async def attempts(
-        self, request: web.Request, call: Call, *, refusals: bool = False
-    ) -> web.StreamResponse:
-        """Send ``call`` upstream (tries, see the module docstring) and relay the answer; returns the response
-        the agent got. ``refusals``: a 4xx answer other than 429 raises :class:`Refused` (nothing sent to the
-        agent) instead of being relayed."""
+    async def attempts(self, call: Call, *, refusals: bool = False) -> None:
+        """Send ``call`` upstream (tries, see the module docstring) and relay the answer to its agent (the call's
+        exchange). ``refusals``: a 4xx answer other than 429 raises :class:`Refused` (nothing sent to the agent)
+        instead of being relayed."""
         policy = self.config.retry
         deadline = call.t0 + policy.total_timeout
         tried: list[Backend] = []
@@ -125,13 +122,13 @@ class Relay:
                     continue
                 if refusals and 400 <= upstream.status < 500 and upstream.status != 429:
                     raise Refused(upstream.status, await self._refusal(upstream))
-                return await self._relay(request, call, upstream)
+                return await self._relay(call, upstream)
             except Unreachable as exc:  # raised only while nothing has been sent to the agent
                 failure = ProxyError(502, str(exc))
             finally:
                 backend.in_flight -= 1
         if held is not None:
-            return await self._send_held(request, call, held)
+            return await self._send_held(call, held)
         assert failure is not None
         tries = len(tried)
         raise ProxyError(502, f"{failure.message} (after {tries} {'try' if tries == 1 else 'tries'})")
@@ -146,18 +143,16 @@ class Relay:
         finally:
             upstream.close()
 
-    async def _send_held(self, request: web.Request, call: Call, held: Held) -> web.StreamResponse:
+    async def _send_held(self, call: Call, held: Held) -> None:
         call.upstream_end = time.monotonic()
         call.fail(f"backend answered {held.status}: {error_message(held.body)}", "upstream_error")
         body, headers = held.body, held.headers
         if call.translator is not None:
             body = call.translator.whole(held.status, body)
             headers["Content-Type"] = JSON
-        response = web.Response(status=held.status, reason=held.reason, body=body, headers=headers)
-        await self.responder.send_whole(request, call, response)
-        return response
+        await self.responder.send_whole(call, held.status, headers, body, held.reason)
 
-    async def _relay(self, request: web.Request, call: Call, upstream: Response) -> web.StreamResponse:
+    async def _relay(self, call: Call, upstream: Response) -> None:
         """Relay the backend's answer to the agent, capturing token ids on the way; closes ``upstream``."""
         try:
             headers = forward_headers(upstream.headers, RESPONSE_DROP)
@@ -174,14 +169,12 @@ class Relay:
                 and upstream.status not in (204, 304)
                 and call.method != "HEAD"
             ):
-                return await self._relay_stream(request, call, upstream, headers)
-            return await self._relay_whole(request, call, upstream, headers)
+                return await self._relay_stream(call, upstream, headers)
+            return await self._relay_whole(call, upstream, headers)
         finally:
             upstream.close()  # a no-op once the body was read to the end; otherwise drops the connection
 
-    async def _relay_whole(
-        self, request: web.Request, call: Call, upstream: Response, headers: CIMultiDict[str]
-    ) -> web.StreamResponse:
+    async def _relay_whole(self, call: Call, upstream: Response, headers: CIMultiDict[str]) -> None:
         length = upstream.content_length or 0
         if length > self.config.max_response_bytes:
             raise ProxyError(
@@ -212,25 +205,15 @@ class Relay:
             except TranslationError as exc:
                 raise ProxyError(exc.status, exc.message) from None
             headers["Content-Type"] = JSON
-        response = web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
-        await self.responder.send_whole(request, call, response)
-        return response
+        await self.responder.send_whole(call, upstream.status, headers, body, upstream.reason)
 
-    async def _relay_stream(
-        self, request: web.Request, call: Call, upstream: Response, headers: CIMultiDict[str]
-    ) -> web.StreamResponse:
+    async def _relay_stream(self, call: Call, upstream: Response, headers: CIMultiDict[str]) -> None:
         status = upstream.status
         translator = call.translator
         if translator is not None:
             translator.open(status, call.sse)
-        response = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
-        call.response = response
-        try:
-            await response.prepare(request)
-        except ConnectionError:
-            call.fail("agent disconnected", "cancelled")
-            return response
-        call.first_byte = time.monotonic()
+        if not await self.responder.start_stream(call, status, headers, upstream.reason):
+            return
         capture = call.capture if status < 400 else None
         whole = bytearray() if capture is not None and not call.sse else None
         # A recorded SSE answer goes out in whole events, so that an abort can be taken out of the stream
@@ -250,12 +233,12 @@ class Relay:
                 chunk = await upstream.readany()
             except TimeoutError:
                 await self.responder.end_broken(call, 504, self.pool.timed_out(call))
-                return response
+                return
             except (UpstreamError, OSError) as exc:
                 await self.responder.end_broken(
                     call, 502, f"backend {call.backend} broke off the response: {exc!r}"
                 )
-                return response
+                return
             if reshape is not None:
                 if chunk:
                     chunk = reshape.feed(chunk)
@@ -275,7 +258,7 @@ class Relay:
                 await self.responder.end_broken(
                     call, 502, f"backend response exceeds max_response_bytes={limit}"
                 )
-                return response
+                return
             if head is not None:
                 continue  # what follows an abort (usage, [DONE]) is read to free the connection, not sent
             if status >= 400 and len(refusal) < ERROR_BODY_LIMIT:
@@ -289,10 +272,10 @@ class Relay:
                     continue
             elif whole is not None:
                 whole += chunk
-            if not await self.responder.forward(call, response, chunk, taker):
-                return response
-        if head is not None and not await self.resumer.resume_stream(call, response, head):
-            return response
+            if not await self.responder.forward(call, chunk, taker):
+                return
+        if head is not None and not await self.resumer.resume_stream(call, head):
+            return
         if not call.delivered:
             call.upstream_end = time.monotonic()
         if status >= 400:
@@ -301,5 +284,4 @@ class Relay:
             # An abort in it went out already: not resumed.
             self.recorder.capture_body(call, status, bytes(whole))
         self.recorder.commit(call)
-        await self.responder.close_stream(call, response)
-        return response
+        await self.responder.close_stream(call)

@@ -1,20 +1,22 @@
 """The agent's side of a call: writing its answer, whole or in pieces, and ending it, well or broken.
 
-:class:`Responder` is what the relay, the resumer and the token-in part write to the agent through. Its
-interface (every method awaits the agent's socket, and none raises for an agent that left: the call is failed
-as ``cancelled`` instead, and the method says so where it matters):
+:class:`Responder` is what the relay, the resumer and the token-in part write to the agent through, on the
+call's :class:`~aglverl.proxy.http.Exchange`. Its interface (every method awaits the agent's socket, and none
+raises for an agent that left: the call is failed as ``cancelled`` instead, and the method says so where it
+matters):
 
-- :meth:`Responder.send_whole` — a whole answer: the call is committed (recorded) first, then the response is
-  prepared and ended; delivered unless the agent left.
+- :meth:`Responder.send_whole` — a whole answer: the call is committed (recorded) first, then the answer is
+  written; delivered unless the agent left.
+- :meth:`Responder.start_stream` — the head of a streamed answer; ``False`` when the agent has gone.
 - :meth:`Responder.forward` — a piece of a streamed answer (translated for a translated call); for a recorded
   stream, complete events whose ids are captured after the write (before it, when they may complete the
   stream: the call is committed before the agent can read ``[DONE]`` and report its rollout done). ``False``
   when the agent has gone.
 - :meth:`Responder.close_stream` — the end of a streamed answer whose last event went out (a translated call's
-  last bytes, then EOF): the call is delivered.
+  last bytes, then the end): the call is delivered.
 - :meth:`Responder.end_broken` — a response whose head already went out, broken off: a final SSE error event
-  (or the translated API's own error ending), then EOF; the call fails unless the agent already had its whole
-  answer.
+  (or the translated API's own error ending), then the end; the call fails unless the agent already had its
+  whole answer.
 
 Cancellation (the agent left, shutdown) interrupts a write; the caller's handler records the call as
 cancelled. Holds the recorder (commits happen here, at the last moment before the agent sees the end).
@@ -24,12 +26,10 @@ from __future__ import annotations
 
 import logging
 import time
-
-from aiohttp import web
+from collections.abc import Mapping
 
 from .call import Call, error_body
 from .capture import Capture
-from .inbound import InboundRequest
 from .recorder import Recorder
 
 logger = logging.getLogger(__name__)
@@ -43,37 +43,47 @@ class Responder:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 
-    async def send_whole(self, request: web.Request, call: Call, response: web.Response) -> None:
-        """Commit the call, then send ``response``: the call is delivered unless the agent has gone."""
+    async def send_whole(
+        self, call: Call, status: int, headers: Mapping[str, str], body: bytes, reason: str | None = None
+    ) -> None:
+        """Commit the call, then send the whole answer: the call is delivered unless the agent has gone."""
         self.recorder.commit(call)
         try:
-            if isinstance(request, InboundRequest):  # read by the proxy's own HTTP code: written at once
-                call.first_byte = time.monotonic()
-                await request.send_whole(response)
-            else:
-                await response.prepare(request)
-                call.first_byte = time.monotonic()
-                await response.write_eof()
+            call.first_byte = time.monotonic()
+            assert call.exchange is not None
+            await call.exchange.send_whole(status, headers, body, reason)
         except ConnectionError:
             call.fail("agent disconnected", "cancelled")
         else:
             call.delivered = True
 
-    async def close_stream(self, call: Call, response: web.StreamResponse) -> None:
-        """End a streamed answer whose last event went out: a translated call's last bytes, then EOF; the call
-        is delivered unless the agent has gone (then it is failed as cancelled)."""
-        try:
-            if call.translator is not None and (last := call.translator.close()):
-                await response.write(last)
-            await response.write_eof()
-        except ConnectionError:
-            call.fail("agent disconnected", "cancelled")
-        else:
-            call.delivered = True
-
-    async def forward(
-        self, call: Call, response: web.StreamResponse, chunk: bytes, capture: Capture | None = None
+    async def start_stream(
+        self, call: Call, status: int, headers: Mapping[str, str], reason: str | None = None
     ) -> bool:
+        """Send the head of a streamed answer; ``False`` (the call failed as cancelled) when the agent has gone."""
+        assert call.exchange is not None
+        try:
+            await call.exchange.start(status, headers, reason)
+        except ConnectionError:
+            call.fail("agent disconnected", "cancelled")
+            return False
+        call.first_byte = time.monotonic()
+        return True
+
+    async def close_stream(self, call: Call) -> None:
+        """End a streamed answer whose last event went out: a translated call's last bytes, then the end; the call
+        is delivered unless the agent has gone (then it is failed as cancelled)."""
+        exchange = call.exchange
+        assert exchange is not None
+        try:
+            last = call.translator.close() if call.translator is not None else b""
+            await exchange.end(last or b"")
+        except ConnectionError:
+            call.fail("agent disconnected", "cancelled")
+        else:
+            call.delivered = True
+
+    async def forward(self, call: Call, chunk: bytes, capture: Capture | None = None) -> bool:
         """Send a piece of a streamed answer to the agent (translated, for a translated call); ``False`` if the
         agent has gone (the call is then failed as cancelled).
 
@@ -90,7 +100,7 @@ class Responder:
             # A translated call's bytes go out translated, event by event, as they arrive.
             out = chunk if call.translator is None else call.translator.feed(chunk)
             if out:
-                await response.write(out)
+                await call.exchange.write(out)  # type: ignore[union-attr]  # a stream has its agent
         except ConnectionError:
             call.fail("agent disconnected", "cancelled")
             return False
@@ -106,8 +116,8 @@ class Responder:
 
         A call whose agent already has the whole answer (``[DONE]`` went out) just gets its EOF.
         """
-        response = call.response
-        assert response is not None
+        exchange = call.exchange
+        assert exchange is not None and exchange.started
         if not call.delivered:
             call.upstream_end = time.monotonic()
             call.fail(message)
@@ -115,12 +125,13 @@ class Responder:
                 "call %d on %s failed after its response started: %s", call.seq, call.path, message
             )
         try:
+            last = b""
             if call.translator is not None and not call.delivered:
-                await response.write(call.translator.abort(message))  # that API's own error ending
+                last = call.translator.abort(message)  # that API's own error ending
             elif call.sse and not call.delivered:
                 # A blank line first ends any event the backend left half-sent.
                 prefix = b"" if call.tail.endswith(b"\n\n") else b"\n\n"
-                await response.write(prefix + b"data: " + error_body(status, message) + b"\n\n")
-            await response.write_eof()
+                last = prefix + b"data: " + error_body(status, message) + b"\n\n"
+            await exchange.end(last)
         except ConnectionError:
             pass

@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import orjson
-from aiohttp import web
 
 from .call import ERROR_BODY_LIMIT, SSE, Call, ProxyError, Unreachable, error_message, token_limit
 from .config import ProxyConfig
@@ -481,7 +480,7 @@ class Resumer:
             return b"".join(out), head
         return chunk, None
 
-    async def resume_stream(self, call: Call, response: web.StreamResponse, head: dict[str, Any]) -> bool:
+    async def resume_stream(self, call: Call, head: dict[str, Any]) -> bool:
         """Continue a streamed answer the backend aborted: the continuations' events go on in the agent's
         stream, in its chunk shape, until one ends otherwise than aborted.
 
@@ -496,12 +495,12 @@ class Resumer:
                 if state.left == 0:  # cut exactly at the limit: nothing is left to generate
                     end = {"choices": [_length_end(call.dialect)]}
                     events, _ = self._converted(call, state, end)
-                    if not await self.responder.forward(call, response, events + DONE_EVENT, call.capture):
+                    if not await self.responder.forward(call, events + DONE_EVENT, call.capture):
                         return False
                     break
                 upstream = await self._continuation(call, state)
                 try:
-                    again = await self._relay_continuation(call, response, upstream, state)
+                    again = await self._relay_continuation(call, upstream, state)
                 finally:
                     upstream.close()
                 if again is None:
@@ -514,9 +513,7 @@ class Resumer:
         self.meters.resumed.inc()
         return True
 
-    async def _relay_continuation(
-        self, call: Call, response: web.StreamResponse, upstream: Response, state: Resumption
-    ) -> bool | None:
+    async def _relay_continuation(self, call: Call, upstream: Response, state: Resumption) -> bool | None:
         """Relay one continuation's stream in the call's chunk shape: ``True`` if it was aborted too (its
         tokens went out), ``False`` once it ended, ``None`` if the agent left; :class:`ProxyError` if it broke."""
         if not upstream.headers.get("Content-Type", "").startswith(SSE):
@@ -548,7 +545,7 @@ class Resumer:
                 out.append(converted)
                 if aborted:
                     break
-            if out and not await self.responder.forward(call, response, b"".join(out), call.capture):
+            if out and not await self.responder.forward(call, b"".join(out), call.capture):
                 return None
             if aborted:
                 await upstream.drain()

@@ -72,7 +72,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import orjson
-from aiohttp import web
 
 from ..engine.chat_template import ChatTemplate, ChatTemplateError
 from .call import JSON, Call, ProxyError, Unreachable, error_message
@@ -473,15 +472,15 @@ class TokenIn:
         return sum(len(r.templates) for r in renderers.values())
 
     # ------------------------------------------------------------------ making a call from ids
-    async def run(self, request: web.Request, call: Call) -> web.StreamResponse | None:
-        """Send a matched call with its prompt ids through the relay and answer the agent; ``None`` when it
+    async def run(self, call: Call) -> bool:
+        """Send a matched call with its prompt ids through the relay and answer the agent; ``False`` when it
         must be relayed as text instead (nothing has reached the agent). Raises :class:`ProxyError` for a call
         that failed before its answer started; cancellation closes the call's upstream requests."""
         plan = call.tokenin
         assert plan is not None and plan.match is not None and call.request is not None
         backend = self.pool.pick(call.rollout_id, ())
         if backend is None:
-            return None  # the relay answers 503
+            return False  # the relay answers 503
         state = self._state(backend)
         try:
             if state.prompt_ids is False:
@@ -489,13 +488,14 @@ class TokenIn:
             prompt = await self._prompt(backend, state, call, plan.match)
         except _Fallback as exc:
             self.m_calls.inc(1, exc.outcome)
-            return None
+            return False
         target = call.target
         call.prompt_ids = plan.prompt = prompt
         call.wire = None  # spelled anew, as the dialect sends a call made from ids (Call.prepare)
         outcome = "generated"
         try:
-            return await self.relay.attempts(request, call, refusals=True)
+            await self.relay.attempts(call, refusals=True)
+            return True
         except Refused as exc:
             outcome = "refused"
             message = error_message(exc.body)
@@ -505,7 +505,7 @@ class TokenIn:
             call.prompt_ids = plan.prompt = call.wire = None  # relayed as text from the start
             call.target, call.reshape = target, None
             call.capture = call.dialect.capture("chat", answers=True)
-            return None
+            return False
         finally:
             used = call.capture.prompt_ids if call.capture is not None else None
             if outcome == "generated" and used is not None and used != prompt:
