@@ -304,27 +304,31 @@ class ProcessRunner:
         exit: AgentExit | None = None
         failure = ""
         result: str | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(log.pump, read)
-            try:
-                process: AgentProcess | None = await self.launcher.start(replace(launch, output=write))
-            except LaunchFailed as exc:
-                failure, process = str(exc), None
-            finally:
-                os.close(write)
-                os.close(launch.stdin)
-            if process is not None:
-                exit, timed_out = await self._wait(attempt, process, launch.grace)
-                result = process.result
-            tg.cancel_scope.deadline = anyio.current_time() + _OUTPUT_SECONDS
+        # counted from before its start: its agent may run (and be seen) before the launcher's answer is read
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(log.pump, read)
+                try:
+                    process: AgentProcess | None = await self.launcher.start(replace(launch, output=write))
+                except LaunchFailed as exc:
+                    failure, process = str(exc), None
+                finally:
+                    os.close(write)
+                    os.close(launch.stdin)
+                if process is not None:
+                    exit, timed_out = await self._wait(attempt, process, launch.grace)
+                    result = process.result
+                tg.cancel_scope.deadline = anyio.current_time() + _OUTPUT_SECONDS
+        finally:
+            self.running -= 1
         return exit, timed_out, failure, result
 
     async def _wait(self, attempt: _Attempt, process: AgentProcess, grace: float) -> tuple[AgentExit, bool]:
         """Wait for the process up to the attempt's deadline (stop it past it, or when the attempt ends
         elsewhere, or when cancelled), then for every process of the attempt to be gone. Bounded past the
         deadline: a launcher's waits after a stop are (the grace period and a margin), shielded here."""
-        self.running += 1
-        self.peak = max(self.peak, self.running)
         exit: AgentExit | None = None
         self._renew(attempt, grace)
         deadline = anyio.move_on_after(self.options.timeout_seconds)
@@ -334,7 +338,6 @@ class ProcessRunner:
                     attempt.scope.cancel()
                 exit = await process.wait()
         finally:
-            self.running -= 1
             with anyio.CancelScope(shield=True):
                 if exit is None:  # deadline, ended elsewhere, or the runner cancelled
                     await self.launcher.stop(process, grace)
