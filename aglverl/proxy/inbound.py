@@ -97,6 +97,7 @@ class InboundRequest:
         "rel_url",
         "rollout_id",
         "target",
+        "transport",
         "version",
     )
 
@@ -123,6 +124,7 @@ class InboundRequest:
         self._body = b""
         self._payload_writer: InboundWriter | None = None
         self.answered = False  # whether :meth:`send_whole` wrote the answer
+        self.transport: Any = None  # the agent's connection (as aiohttp's request has it), set once read
 
     async def read(self) -> bytes:
         """The request's body (read whole before the handler started)."""

@@ -13,8 +13,9 @@ as ``cancelled`` instead, and the method says so where it matters):
 - :meth:`Responder.close_stream` — the end of a streamed answer whose last event went out (a translated call's
   last bytes, then EOF): the call is delivered.
 - :meth:`Responder.end_broken` — a response whose head already went out, broken off: a final SSE error event
-  (or the translated API's own error ending), then EOF; the call fails unless the agent already had its whole
-  answer.
+  (or the translated API's own error ending), then the agent's connection is closed without the body's last
+  chunk, so that its HTTP client sees the answer cut short, never whole; the call fails. An agent that already
+  had its whole answer just gets the end of it.
 
 Cancellation (the agent left, shutdown) interrupts a write; the caller's handler records the call as
 cancelled. Holds the recorder (commits happen here, at the last moment before the agent sees the end).
@@ -102,7 +103,8 @@ class Responder:
         return True
 
     async def end_broken(self, call: Call, status: int, message: str) -> None:
-        """End a response whose head already went out: a final SSE error event (for streams), then EOF.
+        """End a response whose head already went out: a final SSE error event (for streams), then the agent's
+        connection closed without the body's last chunk (:func:`_abort`).
 
         A call whose agent already has the whole answer (``[DONE]`` went out) just gets its EOF.
         """
@@ -121,6 +123,19 @@ class Responder:
                 # A blank line first ends any event the backend left half-sent.
                 prefix = b"" if call.tail.endswith(b"\n\n") else b"\n\n"
                 await response.write(prefix + b"data: " + error_body(status, message) + b"\n\n")
-            await response.write_eof()
+            if call.delivered:
+                await response.write_eof()
+            else:
+                _abort(response)
         except ConnectionError:
             pass
+
+
+def _abort(response: web.StreamResponse) -> None:
+    """Close the agent's connection under ``response`` without its last chunk: a body cut short is never taken
+    for a whole one (a chunked body then lacks its terminating chunk; the handler's end writes nothing more)."""
+    transport = getattr(
+        response._req, "transport", None
+    )  # the request it was prepared for: aiohttp's or ours
+    if transport is not None:
+        transport.close()

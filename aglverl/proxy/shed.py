@@ -273,6 +273,7 @@ class Shedder(asyncio.Protocol):
         body, self._body = self._body, []
         request._body = body[0] if len(body) == 1 else b"".join(body)
         request._payload_writer = InboundWriter(self)
+        request.transport = self._transport
         self._task = asyncio.get_running_loop().create_task(self._serve_here(request))
 
     async def _serve_here(self, request: InboundRequest) -> None:
