@@ -353,8 +353,10 @@ class AgentDaemon:
             max_body_bytes=self.server.max_body_bytes,
         )
         self.server.add_routes(self.agent_lightning.routes())
-        if isinstance(self.proxy, LLMProxy):  # on this loop: the hop applies its overload decision first
-            self.agent_lightning.hop.refusal = self.proxy.refusal
+        if isinstance(
+            self.proxy, LLMProxy
+        ):  # on this loop: its overload decision first, the hop's rules in it
+            self.agent_lightning.hop.attach(self.proxy)
 
     @property
     def model(self) -> str:

@@ -35,6 +35,7 @@ from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
 from .gate import Gate
+from .gateway import GatewayRule, GatewayRules, rewrite_json
 from .meters import Meters
 from .overload import Overload
 from .store_view import ProxyStore
@@ -124,6 +125,9 @@ class Admission:
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
+        #: The rules of attempts whose agents call the proxy in place of Agent Lightning's hop (their key, their
+        #: bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none.
+        self.gateway: GatewayRules | None = None
 
     @property
     def config(self) -> ProxyConfig:
@@ -141,7 +145,12 @@ class Admission:
         api = APIS.match(path) if request.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
             call.translator = Translator(*api)
-        self.authorize(request)
+        rule = (
+            self.gateway(call.rollout_id, call.attempt_id)
+            if self.gateway is not None and call.rollout_id is not None and call.attempt_id is not None
+            else None
+        )
+        self.authorize(request, rule)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
             try:
@@ -159,6 +168,8 @@ class Admission:
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
         call.body = await self._read_body(request)
+        if rule is not None:  # what Agent Lightning's hop would have done to it
+            call.body = rewrite_json(call.body, rule.fields, request.headers.get("Content-Type", ""))
         kind = CAPTURED_PATHS.get(path) if call.method == "POST" else None
         if call.translator is not None:
             kind = self._translate_request(call, call.translator)
@@ -168,13 +179,27 @@ class Admission:
                 self.token_in.admit(call)
         await self.gate.admit()
 
-    def authorize(self, request: web.Request) -> None:
-        if self.config.auth is None:
+    def authorize(self, request: web.Request, rule: GatewayRule | None = None) -> None:
+        """The proxy's token, or for an attempt with a gateway ``rule`` its key (needed then even with no
+        token); raises :class:`ProxyError` (401)."""
+        if self.config.auth is None and rule is None:
             return
         header = APIS.credential(
             request.headers
         )  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
+        if rule is not None:
+            key = f"Bearer {rule.key}".encode() if rule.key is not None else None
+            if key is not None and hmac.compare_digest(given, key):
+                return
+            if self.config.auth is None or not hmac.compare_digest(given, self.config.auth):
+                raise ProxyError(
+                    401,
+                    "missing or wrong key: this rollout attempt's agent was started by aglverl's runner, and its "
+                    "calls need its key (AGL_KEY, as OPENAI_API_KEY) or the proxy's token",
+                )
+            return
+        assert self.config.auth is not None
         if not hmac.compare_digest(given, self.config.auth):
             others = " or ".join(f"'{name}'" for name in APIS.key_headers)
             raise ProxyError(

@@ -49,6 +49,7 @@ from .config import (
 )
 from .control import APPLIED, Applied
 from .gate import Gate
+from .gateway import GatewayRules
 from .inbound import Inbound
 from .meters import Meters
 from .overload import Overload
@@ -350,6 +351,16 @@ class LLMProxy:
     def in_flight(self) -> int:
         """Calls admitted and not yet finished."""
         return self._gate.in_flight
+
+    @property
+    def gateway(self) -> GatewayRules | None:
+        """The rules of rollout attempts whose agents call this proxy in place of Agent Lightning's hop (their
+        key, their bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none. The daemon sets it."""
+        return self._admission.gateway
+
+    @gateway.setter
+    def gateway(self, rules: GatewayRules | None) -> None:
+        self._admission.gateway = rules
 
     def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
         """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then
