@@ -505,11 +505,13 @@ def _generator(
         out["wrk"] = path
         if path is None:
             made = min(python["python_calls_per_cpu_s"], open_loop)
-            out["skipped"] = (
-                f"this process's client makes {made:g} calls per second of its CPU, "
-                f"short of the {highest:g} calls/s to offer (x{GENERATOR_MARGIN:g}); wrk would, and it is not "
-                f"installed: {INSTALL}"
+            why = (
+                "--generator wrk"
+                if args.generator == "wrk"
+                else f"this process's client makes {made:.0f} calls per second of its CPU, short of the "
+                f"{highest:.0f} calls/s to offer (x{GENERATOR_MARGIN:g}); wrk would"
             )
+            out["skipped"] = f"{why}, and wrk is not installed: {INSTALL}"
     return out
 
 
