@@ -353,8 +353,9 @@ class AgentDaemon:
             max_body_bytes=self.server.max_body_bytes,
         )
         self.server.add_routes(self.agent_lightning.routes())
-        if isinstance(self.proxy, LLMProxy):  # on this loop: the hop applies its overload decision first
-            self.agent_lightning.hop.refusal = self.proxy.refusal
+        if isinstance(self.proxy, LLMProxy):
+            # on this loop: the hop takes the proxy's overload decision first, the proxy the hop's rules
+            self.agent_lightning.hop.attach(self.proxy)
 
     @property
     def model(self) -> str:

@@ -4,12 +4,15 @@
 byte of its body was read (the HTTP server's :meth:`~aglverl.proxy.http.Service.admit`), in order: the agent's
 API (a translated one is known first, so that every refusal is in that API's shape), the token
 (``Authorization``, or an API's key header such as Anthropic's ``x-api-key``:
-:attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the attempt against the store
+:attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time; for an attempt whose agent
+aglverl's runner started, its own key: :mod:`~aglverl.proxy.gateway`, a rule asked of :attr:`Admission.gateway`),
+the attempt against the store
 (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never forwarded), the path (no
 ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`: a 429 with ``Retry-After``
 while its event loop runs too late; never for a call of an attempt under way). A refused request's body is never
 read (and its length is the server's to bound: 413). :meth:`Admission.admit`, in the call's handler, then reads
-the body, translates it to a chat completion, and for a recorded call makes the capture request (identity
+the body (a gateway rule's fields set on a JSON one: the served model, the rollout's temperature), translates it
+to a chat completion, and for a recorded call makes the capture request (identity
 encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
 :meth:`~aglverl.proxy.call.Call.prepare`), reconciles its sampling parameters (:func:`reconcile_sampling`; refused
 400 or masked ``off_policy``) and opens its token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`);
@@ -36,6 +39,7 @@ from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
 from .gate import Gate
+from .gateway import GatewayRule, GatewayRules, rewrite_json
 from .http import Exchange, HttpError
 from .meters import Meters
 from .overload import Overload
@@ -127,6 +131,9 @@ class Admission:
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
+        #: The rules of attempts whose agents call the proxy in place of Agent Lightning's hop (their key, their
+        #: bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none.
+        self.gateway: GatewayRules | None = None
 
     @property
     def config(self) -> ProxyConfig:
@@ -145,7 +152,12 @@ class Admission:
         api = APIS.match(path) if exchange.method == "POST" else None
         if api is not None:  # known first, so that every refusal below is in the agent's API
             call.translator = Translator(*api)
-        self.authorize(exchange.headers)
+        rule = (
+            self.gateway(call.rollout_id, call.attempt_id)
+            if self.gateway is not None and call.rollout_id is not None and call.attempt_id is not None
+            else None
+        )
+        self.authorize(exchange.headers, rule)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
             try:
@@ -162,15 +174,20 @@ class Admission:
         call.headers = forward_headers(exchange.headers, APIS.not_forwarded)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
+        if rule is not None:  # what Agent Lightning's hop would have done to its body, once it is read
+            call.rewrite = rule.fields
 
     async def admit(self, call: Call) -> None:
         """Read the body of the call :meth:`check` let in, make it the backend's request, then wait while
         paused; raises :class:`ProxyError`. Cancelled (the agent left), it stops where it waits."""
-        assert call.exchange is not None
+        exchange = call.exchange
+        assert exchange is not None
         try:
-            call.body = await call.exchange.body()
+            call.body = await exchange.body()
         except HttpError as exc:  # a chunked body past max_body_bytes, refused by the parser, or stalled
             raise ProxyError(exc.status, exc.message) from None
+        if call.rewrite is not None:
+            call.body = rewrite_json(call.body, call.rewrite, exchange.headers.get("Content-Type", ""))
         kind = CAPTURED_PATHS.get(call.path[4:]) if call.method == "POST" else None
         if call.translator is not None:
             kind = self._translate_request(call, call.translator)
@@ -180,12 +197,26 @@ class Admission:
                 self.token_in.admit(call)
         await self.gate.admit()
 
-    def authorize(self, headers: Mapping[str, str]) -> None:
-        """Check the agent's token in ``headers``; :class:`ProxyError` (401) when it is missing or wrong."""
-        if self.config.auth is None:
+    def authorize(self, headers: Mapping[str, str], rule: GatewayRule | None = None) -> None:
+        """Check the agent's credential in ``headers``: the proxy's token, or for an attempt with a gateway
+        ``rule`` its key (needed then even with no token); :class:`ProxyError` (401) when it is missing or
+        wrong."""
+        if self.config.auth is None and rule is None:
             return
         header = APIS.credential(headers)  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
+        if rule is not None:
+            key = f"Bearer {rule.key}".encode() if rule.key is not None else None
+            if key is not None and hmac.compare_digest(given, key):
+                return
+            if self.config.auth is None or not hmac.compare_digest(given, self.config.auth):
+                raise ProxyError(
+                    401,
+                    "missing or wrong key: this rollout attempt's agent was started by aglverl's runner, and its "
+                    "calls need its key (AGL_KEY, as OPENAI_API_KEY) or the proxy's token",
+                )
+            return
+        assert self.config.auth is not None
         if not hmac.compare_digest(given, self.config.auth):
             others = " or ".join(f"'{name}'" for name in APIS.key_headers)
             raise ProxyError(

@@ -45,6 +45,7 @@ from .config import (
 )
 from .control import APPLIED, Applied
 from .gate import Gate
+from .gateway import GatewayRules
 from .handler import Handler
 from .http import HttpServer
 from .meters import Meters
@@ -359,6 +360,16 @@ class LLMProxy:
     def connections(self) -> int:
         """Agents' connections open now (0 when not serving)."""
         return 0 if self._http is None else self._http.connections
+
+    @property
+    def gateway(self) -> GatewayRules | None:
+        """The rules of rollout attempts whose agents call this proxy in place of Agent Lightning's hop (their
+        key, their bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none. The daemon sets it."""
+        return self._admission.gateway
+
+    @gateway.setter
+    def gateway(self, rules: GatewayRules | None) -> None:
+        self._admission.gateway = rules
 
     def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
         """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then

@@ -131,6 +131,7 @@ class Call:
         "records",
         "request",
         "reshape",
+        "rewrite",
         "rollout_id",
         "sampling",
         "seq",
@@ -170,6 +171,9 @@ class Call:
         self.target = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.body = b""
+        #: What its attempt's gateway rule sets on a JSON body once it is read (:mod:`~aglverl.proxy.gateway`:
+        #: the hop's rewrite, for an agent aglverl's runner started); ``None``: the body goes as it came.
+        self.rewrite: Mapping[str, Any] | None = None
         self.kind: Literal["chat", "completion"] | None = None
         self.model: str | None = None
         self.capture: Capture | None = None
