@@ -5,7 +5,8 @@ alone, for routes that lead nowhere). In order: the agent's API (a translated on
 refusal is in that API's shape), the token (``Authorization``, or an API's key header such as Anthropic's
 ``x-api-key``: :attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the
 attempt against the store (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never
-forwarded), the path (no ``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
+forwarded), the path (no ``.``/``..`` segments; a route the proxy answers itself, a stored response read
+back, is admitted there), the proxy's load (:class:`~aglverl.proxy.overload.Overload`:
 a 429 with ``Retry-After`` while its event loop runs too late, before the body is read), the body
 (``max_body_bytes``: 413), the translation to a chat completion, and for a recorded call the capture
 request (identity encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
@@ -31,6 +32,7 @@ from aiohttp import web
 
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
+from .api.response_store import ResponseStore
 from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
@@ -115,6 +117,7 @@ class Admission:
         meters: Meters,
         token_in: TokenIn | None,
         sampling_of: SamplingOf | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         #: The event loop's lag and the 429 for new calls while it is over its limit (``config.overload``).
         self.overload = Overload(meters.registry, config.overload)
@@ -124,6 +127,8 @@ class Admission:
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
+        #: The Responses API's stored responses, per attempt (``None``: none kept).
+        self.responses = responses
 
     @property
     def config(self) -> ProxyConfig:
@@ -136,11 +141,15 @@ class Admission:
         self.overload.policy = config.overload
 
     async def admit(self, request: web.Request, call: Call, target: str) -> None:
-        """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`."""
+        """Check and read the request into ``call``, then wait while paused; raises :class:`ProxyError`. A call
+        the proxy answers itself (:attr:`Translator.local <aglverl.proxy.api.Translator.local>`: a stored
+        response read back) is checked up to the attempt and its path, and returns then: no body, no wait."""
         path = request.match_info["path"]
-        api = APIS.match(path) if request.method == "POST" else None
+        api = APIS.match(path, request.method)
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = Translator(*api)
+            call.translator = translator = Translator(*api)
+            exchange = translator.exchange
+            exchange.responses, exchange.attempt = self.responses, (call.rollout_id, call.attempt_id)
         self.authorize(request)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
@@ -150,6 +159,10 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if "\\" in path or ("." in path and {".", ".."} & set(path.split("/"))):
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
+        if call.translator is not None and call.translator.local:
+            call.translator.exchange.query = request.rel_url.raw_query_string
+            call.method, call.path = request.method, "/v1/" + path
+            return
         self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
         query = request.rel_url.raw_query_string
         call.method = request.method
@@ -200,7 +213,7 @@ class Admission:
         try:
             call.body = translator.request(call.body)
         except TranslationError as exc:
-            raise ProxyError(exc.status, exc.message, exc.param) from None
+            raise ProxyError(exc.status, exc.message, exc.param, code=exc.code) from None
         call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
         call.headers["Content-Type"] = JSON
         call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated

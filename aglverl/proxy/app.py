@@ -36,8 +36,10 @@ from anyio.abc import TaskStatus
 from .._net import HttpListener
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
+from ..store import TERMINAL, AttemptChange
 from .admission import Admission
-from .call import Call, Outcome, ProxyError
+from .api.response_store import ResponseStore
+from .call import JSON, Call, Outcome, ProxyError
 from .config import (
     ProxyConfig,
     ProxySettings,
@@ -119,6 +121,8 @@ class LLMProxy:
     request_logprobs = _Setting[bool]()
     sampling_mismatch = _Setting[SamplingMismatch]()
     own_http_server = _Setting[bool]()
+    responses_per_attempt = _Setting[int]()
+    response_bytes_per_attempt = _Setting[int]()
 
     def __init__(
         self,
@@ -152,11 +156,12 @@ class LLMProxy:
         self.token_in: TokenIn | None = (
             None if sessions is None else TokenIn(config, pool, self._relay, meters, sessions)
         )
-        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of)
+        #: The Responses API's stored responses, per attempt (:mod:`~aglverl.proxy.api.response_store`).
+        self.responses = ResponseStore(config)
+        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of, self.responses)
         # every part that holds the config, for reconfigure()
-        self._parts: tuple[Any, ...] = tuple(
-            p for p in (gate, pool, resumer, self._relay, self.token_in, self._admission) if p is not None
-        )
+        parts = (gate, pool, resumer, self._relay, self.token_in, self._admission, self.responses)
+        self._parts: tuple[Any, ...] = tuple(p for p in parts if p is not None)
         # The series, under the names the daemon and tests read them by.
         self.m_calls: Counter = meters.calls
         self.m_retries: Counter = meters.retries
@@ -284,12 +289,26 @@ class LLMProxy:
         return APPLIED
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
-        """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
-        when it forgets them)."""
+        """Drop the routing state, the token-in sessions and the stored responses of rollouts that are over (the
+        store calls this when it forgets them)."""
         self._pool.forget(rollout_ids)
         self._admission.overload.forget(rollout_ids)
+        self.responses.forget(rollout_ids)
         if self.token_in is not None:
             self.token_in.forget(rollout_ids)
+
+    def attempt_ended(self, rollout_id: str, attempt_id: str | None = None) -> None:
+        """Free what the proxy keeps for an attempt that can make no more calls (``attempt_id`` ``None``: every
+        attempt of the rollout): its stored Responses API responses. A proxy shard calls it when the store
+        revokes an attempt there."""
+        self.responses.end(rollout_id, attempt_id)
+
+    def attempt_changed(self, change: AttemptChange) -> None:
+        """A :meth:`TaskStore.on_attempt <aglverl.store.tasks.TaskStore.on_attempt>` listener: a rollout that
+        finished makes no more calls (each of its attempts is refused from then on), so what its attempts keep
+        goes (an attempt whose rollout is handed out again may still finish first: it keeps its responses)."""
+        if change.kind == "ended" and change.state in TERMINAL:
+            self.attempt_ended(change.rollout_id)
 
     @property
     def weight_version(self) -> int:
@@ -451,6 +470,9 @@ class LLMProxy:
             except asyncio.CancelledError:  # the agent left while its body was read or while paused
                 self._meters.calls.inc(1, "cancelled")
                 raise
+            if call.translator is not None and call.translator.local:  # answered from what the proxy keeps
+                status, body = call.translator.answer()
+                return web.Response(status=status, body=body, content_type=JSON)
             self._gate.enter()
             try:
                 return await self._run(request, call)

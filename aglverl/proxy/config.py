@@ -90,6 +90,9 @@ class ProxyConfig:
     (default 600 s); the keywords of ``LLMProxy`` and ``AgentDaemon`` read a ``hold_timeout`` left out or
     ``None`` as ``pause_timeout`` (:meth:`from_settings`). ``max_body_bytes`` bounds a request's body (413
     beyond it; ``max_request_bytes`` is its old name, still taken as a keyword).
+    ``responses_per_attempt`` and ``response_bytes_per_attempt`` bound the Responses API's stored responses of
+    each rollout attempt (:mod:`~aglverl.proxy.api.response_store`; the least recently used dropped past
+    them; 0 responses: none kept), an integer >= 0 each (``ValueError`` otherwise).
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +113,8 @@ class ProxyConfig:
     sampling_mismatch: SamplingMismatch = "refuse"
     token_in: bool = True
     own_http_server: bool = True
+    responses_per_attempt: int = 256
+    response_bytes_per_attempt: int = 32 << 20
     overload: OverloadPolicy = field(default_factory=OverloadPolicy)
     auth: bytes | None = field(init=False, repr=False, compare=False)
     backend_auth: str | None = field(init=False, repr=False, compare=False)
@@ -117,6 +122,10 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.sampling_mismatch not in ("refuse", "mask"):
             raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {self.sampling_mismatch!r}")
+        for name in ("responses_per_attempt", "response_bytes_per_attempt"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         object.__setattr__(self, "auth", None if self.token is None else f"Bearer {self.token}".encode())
         key = self.backend_api_key
         object.__setattr__(self, "backend_auth", None if key is None else f"Bearer {key}")
@@ -200,6 +209,8 @@ class ProxyPolicySettings(TypedDict, total=False):
     sampling_mismatch: SamplingMismatch
     token_in: bool
     own_http_server: bool
+    responses_per_attempt: int
+    response_bytes_per_attempt: int
     overload: OverloadPolicy
 
 

@@ -62,8 +62,8 @@ class Apis:
 
     def _serve(self, apis: Sequence[type[AgentApi]]) -> None:
         self._apis: list[type[AgentApi]] = []
-        self._exact: dict[str, tuple[type[AgentApi], Route]] = {}
-        self._patterns: list[tuple[str, re.Pattern[str], type[AgentApi], Route]] = []
+        self._exact: dict[tuple[str, str], tuple[type[AgentApi], Route]] = {}  # (method, path) -> route
+        self._patterns: list[tuple[str, str, re.Pattern[str], type[AgentApi], Route]] = []
         #: The headers an agent's credential comes in, ``authorization`` first (lower case).
         self.credential_headers: tuple[str, ...] = ("authorization",)
         #: Of those, the APIs' own (``x-api-key``...), tried in order when there is no ``Authorization``.
@@ -79,20 +79,20 @@ class Apis:
         self._serve([other for other in self._apis if other is not api])
 
     def register(self, api: type[AgentApi]) -> type[AgentApi]:
-        """Serve ``api`` on its routes (a path already served is a ``ValueError``); returns it."""
+        """Serve ``api`` on its routes (a method and path already served is a ``ValueError``); returns it."""
         self._apis.append(api)
         for route in api.routes:
             if "{" not in route.pattern:
-                if route.pattern in self._exact:
-                    raise ValueError(f"path {route.pattern!r} is already served by another API")
-                self._exact[route.pattern] = (api, route)
+                if (route.method, route.pattern) in self._exact:
+                    raise ValueError(f"{route.method} {route.pattern!r} is already served by another API")
+                self._exact[route.method, route.pattern] = (api, route)
                 continue
             prefix = route.pattern.split("{", 1)[0]
             parts = re.split(r"\{(\w+)\}", route.pattern)
             regex = "".join(
                 re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)" for i, part in enumerate(parts)
             )
-            self._patterns.append((prefix, re.compile(regex + r"\Z"), api, route))
+            self._patterns.append((route.method, prefix, re.compile(regex + r"\Z"), api, route))
         header = getattr(api, "credential_header", None)
         if header and header.lower() not in self.credential_headers:
             self.key_headers = (*self.key_headers, header.lower())
@@ -100,13 +100,14 @@ class Apis:
             self.not_forwarded = _NOT_FORWARDED | set(self.credential_headers)
         return api
 
-    def match(self, path: str) -> tuple[type[AgentApi], Route, dict[str, str]] | None:
-        """The API, route and path parameters a POST to ``path`` (after ``/v1/``) is for; ``None``: none."""
-        exact = self._exact.get(path)
+    def match(self, path: str, method: str = "POST") -> tuple[type[AgentApi], Route, dict[str, str]] | None:
+        """The API, route and path parameters a ``method`` call to ``path`` (after ``/v1/``) is for; ``None``:
+        none."""
+        exact = self._exact.get((method, path))
         if exact is not None:
             return exact[0], exact[1], {}
-        for prefix, regex, api, route in self._patterns:
-            if path.startswith(prefix) and (found := regex.match(path)) is not None:
+        for method_, prefix, regex, api, route in self._patterns:
+            if method_ == method and path.startswith(prefix) and (found := regex.match(path)) is not None:
                 return api, route, found.groupdict()
         return None
 
@@ -134,9 +135,11 @@ def new_translator(path: str) -> Translator:
     return Translator(*found)
 
 
-def error_body(path: str, status: int, message: str, param: str | None = None) -> bytes:
+def error_body(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> bytes:
     """The JSON error body the API served on ``path`` answers ``status`` with."""
     found = APIS.match(path)
     if found is None:
         raise KeyError(path)
-    return found[0].error_body(status, message, param)
+    return Translator(found[0]).error(status, message, param, code)
