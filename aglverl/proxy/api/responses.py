@@ -211,7 +211,8 @@ class ResponsesApi:
 
     def _input_item(self, item: Fields, messages: list[dict[str, Any]]) -> None:
         kind = item.get("type", str) or "message"
-        item.ignore("id", "status")
+        item.get("id", str)  # an item's own id: listed back, never sent to the backend
+        item.ignore("status")
         if kind == "message":
             role = item.get("role", str, required=True)
             if role not in ("user", "assistant", "system", "developer"):

@@ -91,8 +91,11 @@ def refuse_duplicates(previous: StoredResponse, raw_input: Any) -> None:
     """Refuse (400) an input item whose ``id`` is already an item of the conversation it continues."""
     if not isinstance(raw_input, list):
         return
-    given = {item.get("id"): i for i, item in enumerate(raw_input) if isinstance(item, dict)}
-    given.pop(None, None)
+    given = {
+        item["id"]: i
+        for i, item in enumerate(raw_input)
+        if isinstance(item, dict) and type(item.get("id")) is str
+    }
     if not given:
         return
     for item in previous.conversation():
