@@ -27,6 +27,7 @@ from test_translate import claim, finish, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout
 from aglverl.proxy import LLMProxy
+from aglverl.proxy.shard import ProxyShard
 from aglverl.store import TaskStore
 from aglverl.testing import MockVLLM
 
@@ -349,3 +350,24 @@ async def test_a_finished_rollouts_responses_are_freed() -> None:
         assert proxy.responses.attempts == 2
         finish(store, rid, aid)
         assert proxy.responses.attempts == 1 and proxy.responses.held_bytes((rid, aid)) == 0
+
+
+async def test_a_proxy_shard_frees_an_attempts_responses_when_the_store_revokes_it() -> None:
+    async with MockVLLM(completion_tokens=2) as mock:
+        shard = ProxyShard(0, host="127.0.0.1", freeze_gc=False)
+        url, incarnation, _ = await shard.start()
+        try:
+            await shard.apply(
+                incarnation, [("b", [mock.url]), ("a", "r1", "a1", None), ("a", "r1", "a2", None)]
+            )
+            for attempt in ("a1", "a2"):
+                async with openai_sdk(f"{url}/rollout/r1/attempt/{attempt}/v1") as client:
+                    await client.responses.create(model="mock", input="x")
+            assert shard.proxy.responses.attempts == 2
+            [call] = await shard.take(incarnation, "r1", "a1")  # the attempt posted: it ends here
+            assert call.path == "/v1/responses"
+            assert shard.proxy.responses.attempts == 1 and shard.proxy.responses.held_bytes(("r1", "a1")) == 0
+            await shard.apply(incarnation, [("r", "r1", "a2")])  # its rollout ended
+            assert shard.proxy.responses.attempts == 0
+        finally:
+            await shard.stop()

@@ -95,6 +95,8 @@ class LLMProxy:
     ``token_in`` (default on): a recorded chat call whose messages extend an earlier call's messages + answer
     is generated from that call's exact ids (:mod:`~aglverl.proxy.tokenin`); off, every call is relayed as
     text (and multi-turn rows drift wherever the chat template re-renders the history differently).
+    ``responses_per_attempt`` / ``response_bytes_per_attempt`` bound the Responses API's responses kept per
+    attempt (:attr:`responses`; the least recently used dropped past them).
     ``own_http_server`` (default on): the agents' attributed calls are read and answered by the proxy's own
     HTTP/1.1 code (:mod:`~aglverl.proxy.inbound`), everything else by aiohttp's server; off, aiohttp's serves
     every call (from the next :meth:`serve`). :attr:`activity` is the timeline of when at least one call was in

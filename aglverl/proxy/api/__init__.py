@@ -10,16 +10,20 @@ SSE event being parsed).
   :class:`~aglverl.proxy.api.translator.Translator` (request in, answer out, the endings), the field checks
   that name the wrong field, :class:`~aglverl.proxy.api.translator.TranslationError`, and the
   :class:`~aglverl.proxy.api.translator.AgentApi` protocol an API's module implements.
-- :mod:`~aglverl.proxy.api.responses` — OpenAI's Responses API (``POST .../v1/responses``).
+- :mod:`~aglverl.proxy.api.responses` — OpenAI's Responses API (``POST .../v1/responses``; its stored responses:
+  :mod:`~aglverl.proxy.api.response_store` keeps them per attempt, :mod:`~aglverl.proxy.api.stored_responses`
+  continues and reads them back).
 - :mod:`~aglverl.proxy.api.messages` — Anthropic's Messages API (``POST .../v1/messages``, key in ``x-api-key``).
 
 An API is one module: a class with the :class:`~aglverl.proxy.api.translator.AgentApi` methods that declares
 its :class:`~aglverl.proxy.api.translator.Route` patterns (path parameters included: a model named in the URL,
 a route that always streams) and the header its SDKs send their key in, registered in :data:`APIS`
 (:meth:`Apis.register`; ``tests/test_translate.py`` adds one with a path parameter and its own key header).
-:data:`APIS` matches a call's path after ``/v1/`` (POST) to its API, route and parameters, and keeps the one
-list of headers that carry an agent's credential (:attr:`Apis.credential_headers`: ``Authorization`` and each
-API's), which the proxy accepts its token in, drops before forwarding, and Agent Lightning's hop drops too.
+:data:`APIS` matches a call's method and path after ``/v1/`` to its API, route and parameters (a route the
+proxy answers itself, :attr:`Route.answer <aglverl.proxy.api.translator.Route.answer>`, is matched the same way),
+and keeps the one list of headers that carry an agent's credential (:attr:`Apis.credential_headers`:
+``Authorization`` and each API's), which the proxy accepts its token in, drops before forwarding, and Agent
+Lightning's hop drops too.
 :func:`new_translator` makes a call's translator; :func:`error_body` answers an error in an API's shape (the
 proxy's own errors included).
 """
