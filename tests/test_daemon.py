@@ -418,6 +418,8 @@ NOT_DEFAULTS: dict[str, Any] = {
     "sampling_mismatch": "mask",
     "token_in": False,
     "own_http_server": False,
+    "responses_per_attempt": 3,
+    "response_bytes_per_attempt": 4096,
     "overload": OverloadPolicy(refuse=False),
 }
 

@@ -23,7 +23,7 @@ import pytest
 from helpers.tokenin import GREEDY, a_step, counts, extends
 from openai.types.responses import Response
 from test_tokenin_engine import engine, one_request_each
-from test_translate import claim, finish, openai_sdk, proxied
+from test_translate import claim, finish, lookup_run, openai_sdk, proxied
 
 from aglverl import LLM, AgentDaemon, BatchConfig, Rollout
 from aglverl.proxy import LLMProxy
@@ -153,6 +153,23 @@ async def test_on_the_embedded_engine_a_continued_tool_call_is_generated_from_th
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
     tail = server.tokenizer.decode((calls[1].prompt_token_ids or [])[len(calls[0].prompt_token_ids or []) :])
     assert "<tool_response>\nx is 42\n</tool_response>" in tail
+
+
+async def test_an_openai_agents_run_that_chains_its_calls_by_response_id_is_one_chain_from_ids() -> None:
+    async with MockVLLM(completion_tokens=3, tokenizer=True) as mock, proxied(mock.url) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        async with openai_sdk(base) as client:
+            result = await lookup_run(client, auto_previous_response_id=True)
+        calls = finish(store, rid, aid)
+    bodies = [r.json for r in mock.generation_requests()]
+    assert len(bodies) == 2 and bodies[1]["messages"][-1]["role"] == "tool" and result.final_output
+    assert counts(proxy) == {"first_call": 1, "generated": 1} and extends(calls[0], calls[1])
+    assert sent_ids(bodies[1]) == calls[1].prompt_token_ids
+    # the run's second call continued the first by its id (the SDK sent only the tool's result)
+    first_id, second_id = (r.response_id for r in result.raw_responses)
+    second = proxy.responses.get((rid, aid), second_id or "")
+    assert second is not None and [r.id for r in second.chain()] == [first_id, second_id]
+    assert [i["type"] for i in second.input] == ["function_call_output"]
 
 
 # ---------------------------------------------------------------------------------------------- what is unknown

@@ -678,7 +678,9 @@ async def test_messages_tool_use_round_trips_streamed_through_the_backends_tool_
     assert [(c.prompt_token_ids, c.response_token_ids) for c in calls] == [vllm.expected(b)[0] for b in seen]
 
 
-async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_tool_run() -> None:
+async def lookup_run(client: openai.AsyncOpenAI, **kwargs: Any) -> Any:
+    """An openai-agents run, with its defaults, of an agent that must call its one tool (``lookup``) first,
+    through ``client``; ``kwargs`` go to ``Runner.run``."""
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
     from agents.models.openai_provider import OpenAIProvider
 
@@ -695,11 +697,15 @@ async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_to
         tools=[lookup],
         model_settings=ModelSettings(tool_choice="required"),
     )
+    config = RunConfig(model="mock", model_provider=OpenAIProvider(openai_client=client))
+    return await Runner.run(agent, "Look x up.", run_config=config, **kwargs)
+
+
+async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_tool_run() -> None:
     async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url, token_in=False) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         async with openai_sdk(base) as client:
-            config = RunConfig(model="mock", model_provider=OpenAIProvider(openai_client=client))
-            result = await Runner.run(agent, "Look x up.", run_config=config)
+            result = await lookup_run(client)
         calls = finish(store, rid, aid)
     seen = [r.json for r in vllm.generation_requests()]
     # The tool ran and its answer went back.
