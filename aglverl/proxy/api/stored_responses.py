@@ -5,8 +5,9 @@ is kept as, and the routes that read them back.
   attempt (:class:`~aglverl.proxy.api.response_store.ResponseStore`); an id it does not have is refused as
   OpenAI refuses an unknown one (400, ``code: "previous_response_not_found"``, ``param:
   "previous_response_id"``), saying why it is gone when the store knows (dropped for the bounds, deleted).
-  Its items (:meth:`StoredResponse.context <aglverl.proxy.api.response_store.StoredResponse.context>`: the
-  earlier input and output of its conversation, oldest first) come before the call's own input, after the
+  Its items (:meth:`StoredResponse.conversation
+  <aglverl.proxy.api.response_store.StoredResponse.conversation>`: the earlier inputs and outputs of its
+  conversation, its own last, oldest first) come before the call's own input, after the
   call's own ``instructions`` (those of earlier calls are not carried over, as OpenAI does not carry them): the
   chat call the backend gets holds the whole conversation, exactly as the earlier calls' messages and answers,
   so token-in (:mod:`~aglverl.proxy.tokenin`) finds the recorded turn it extends and generates it from that
