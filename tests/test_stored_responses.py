@@ -287,6 +287,9 @@ async def test_the_store_is_bounded_per_attempt_and_says_what_was_dropped() -> N
                     )
                 )
             assert proxy.responses.held_bytes((rid, aid)) > 0 and len(proxy.responses) == 2
+            metrics = proxy.registry.render()
+            assert "aglverl_proxy_stored_responses 2" in metrics
+            assert f"aglverl_proxy_stored_response_bytes {proxy.responses.held_bytes((rid, aid))}" in metrics
             with pytest.raises(openai.BadRequestError) as dropped:
                 await client.responses.create(model="mock", input="x", previous_response_id=made[0].id)
             message = error_of(dropped)["message"]

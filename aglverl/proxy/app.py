@@ -160,6 +160,15 @@ class LLMProxy:
         )
         #: The Responses API's stored responses, per attempt (:mod:`~aglverl.proxy.api.response_store`).
         self.responses = ResponseStore(config)
+        responses = self.responses
+        self.registry.gauge(
+            "aglverl_proxy_stored_responses", "Responses API responses kept.", responses.__len__
+        )
+        self.registry.gauge(
+            "aglverl_proxy_stored_response_bytes",
+            "What the kept Responses API responses hold, in bytes of JSON (as their bounds count them).",
+            responses.total_bytes,
+        )
         self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of, self.responses)
         # every part that holds the config, for reconfigure()
         parts = (gate, pool, resumer, self._relay, self.token_in, self._admission, self.responses)

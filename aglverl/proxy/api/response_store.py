@@ -152,6 +152,10 @@ class ResponseStore:
         """Attempts with something kept (responses, or ids of gone ones)."""
         return sum(len(attempts) for attempts in self._attempts.values())
 
+    def total_bytes(self) -> int:
+        """What every attempt's responses hold, in bytes of JSON (as the bounds count them)."""
+        return sum(a.bytes for attempts in self._attempts.values() for a in attempts.values())
+
     def held_bytes(self, key: AttemptKey) -> int:
         """What the attempt's responses hold, in bytes of JSON (as the bound counts them)."""
         attempt = self._attempt(key)
