@@ -159,8 +159,7 @@ class LLMProxy:
             None if sessions is None else TokenIn(config, pool, self._relay, meters, sessions)
         )
         #: The Responses API's stored responses, per attempt (:mod:`~aglverl.proxy.api.response_store`).
-        self.responses = ResponseStore(config)
-        responses = self.responses
+        self.responses = responses = ResponseStore(config)
         self.registry.gauge(
             "aglverl_proxy_stored_responses", "Responses API responses kept.", responses.__len__
         )
@@ -169,9 +168,9 @@ class LLMProxy:
             "What the kept Responses API responses hold, in bytes of JSON (as their bounds count them).",
             responses.total_bytes,
         )
-        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of, self.responses)
+        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of, responses)
         # every part that holds the config, for reconfigure()
-        parts = (gate, pool, resumer, self._relay, self.token_in, self._admission, self.responses)
+        parts = (gate, pool, resumer, self._relay, self.token_in, self._admission, responses)
         self._parts: tuple[Any, ...] = tuple(p for p in parts if p is not None)
         # The series, under the names the daemon and tests read them by.
         self.m_calls: Counter = meters.calls
