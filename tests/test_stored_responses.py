@@ -172,6 +172,36 @@ async def test_an_openai_agents_run_that_chains_its_calls_by_response_id_is_one_
     assert [i["type"] for i in second.input] == ["function_call_output"]
 
 
+async def test_the_requests_agent_frameworks_responses_client_sends_continue_as_one_chain() -> None:
+    """The fields Microsoft Agent Framework's ``OpenAIChatClient`` (agent-framework-openai 1.17, its Responses
+    client) sends, as its source makes them: the agent's system prompt as an input message of ``input_text``
+    parts, ``include: ["reasoning.encrypted_content"]`` while no response is continued, then, in its tool loop,
+    ``previous_response_id`` with only the ``function_call_output`` items (its function calls left out: the
+    server has them) and no ``include``; ``store`` left out (OpenAI's default: true)."""
+    system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be brief."}]}
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Look x up."}]}
+    async with MockVLLM(completion_tokens=3, tokenizer=True) as mock, proxied(mock.url) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        async with openai_sdk(base) as client:
+            kwargs: dict[str, Any] = dict(model="mock", tools=[LOOKUP])
+            first = await client.responses.create(
+                **kwargs,
+                input=[system, user],
+                tool_choice="required",
+                include=["reasoning.encrypted_content"],
+            )
+            [call] = first.output
+            result = {"call_id": call.call_id, "type": "function_call_output", "output": "x is 42"}
+            second = await client.responses.create(
+                **kwargs, input=[result], tool_choice="auto", previous_response_id=first.id
+            )
+        calls = finish(store, rid, aid)
+    assert second.status == "completed" and second.output_text
+    assert counts(proxy) == {"first_call": 1, "generated": 1} and extends(calls[0], calls[1])
+    [_, continued] = [r.json for r in mock.generation_requests()]
+    assert [m["role"] for m in continued["messages"]] == ["system", "user", "assistant", "tool"]
+
+
 # ---------------------------------------------------------------------------------------------- what is unknown
 async def test_an_id_of_another_attempt_or_rollout_or_not_stored_is_unknown_as_openai_answers() -> None:
     async with MockVLLM(completion_tokens=2) as mock, proxied(mock.url) as (proxy, store):
