@@ -274,10 +274,15 @@ async def test_get_delete_and_input_items_read_back_what_the_attempt_kept() -> N
                     break
                 after = page.last_id
             assert pages == [ids[:2], ids[2:4], ids[4:]]
+            before = await client.responses.input_items.list(
+                third.id, order="asc", limit=2, extra_query={"before": ids[3]}
+            )
+            assert [i.id for i in before.data] == ids[1:3] and before.has_more
             for bad, param in (
                 (dict(limit=101), "limit"),
                 (dict(order="up"), "order"),
                 (dict(after="msg_x"), "after"),
+                (dict(extra_query={"before": "msg_x"}), "before"),
             ):
                 with pytest.raises(openai.BadRequestError) as refused:
                     await client.responses.input_items.list(third.id, **bad)  # type: ignore[arg-type]

@@ -19,8 +19,8 @@ is kept as, and the routes that read them back.
 - **Reading back**: :func:`retrieve` (``GET /v1/responses/{response_id}``: the response object as answered;
   ``stream=true`` refused), :func:`delete` (``DELETE``: ``{"id", "object": "response", "deleted": true}``) and
   :func:`input_items` (``GET /v1/responses/{response_id}/input_items``: OpenAI's list, ``object: "list"``,
-  ``data``, ``first_id``, ``last_id``, ``has_more``; ``order`` ``asc``/``desc`` (default ``desc``), ``after`` an
-  item id, ``limit`` 1-100 (default 20)). An unknown id is a 404 (``Response with id '...' not found.``,
+  ``data``, ``first_id``, ``last_id``, ``has_more``; ``order`` ``asc``/``desc`` (default ``desc``), ``after``
+  and ``before`` item ids, ``limit`` 1-100 (default 20)). An unknown id is a 404 (``Response with id '...' not found.``,
   ``param: "response_id"``), as OpenAI (and vLLM) answer it. The ``include`` query is taken and ignored.
 
 Every refusal is a :class:`~aglverl.proxy.api.translator.TranslationError` naming the field; the routes' glue
@@ -194,13 +194,16 @@ def _page(items: list[dict[str, Any]], query: Mapping[str, str]) -> tuple[list[d
         raise bad_field("limit", f"must be between 1 and {_LIMIT_MAX}, not {limit}")
     if order == "desc":
         items.reverse()
-    after = query.get("after")
-    if after:
-        ids = [item.get("id") for item in items]
-        if after not in ids:
-            raise bad_field("after", f"no input item of this response has the id '{after}'")
-        items = items[ids.index(after) + 1 :]
-    return items[:limit], len(items) > limit
+    ids = [item.get("id") for item in items]
+    for cursor in ("after", "before"):
+        if query.get(cursor) and query[cursor] not in ids:
+            raise bad_field(cursor, f"no input item of this response has the id '{query[cursor]}'")
+    start = ids.index(query["after"]) + 1 if query.get("after") else 0
+    end = ids.index(query["before"]) if query.get("before") else len(items)
+    if query.get("before") and not query.get("after"):  # the page that ends right before the cursor
+        start = max(0, end - limit)
+        return items[start:end], start > 0
+    return items[start : min(end, start + limit)], start + limit < end
 
 
 def input_items(ex: Exchange) -> bytes:
