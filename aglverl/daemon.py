@@ -305,6 +305,9 @@ class AgentDaemon:
                 registry=self.registry,
                 sampling_of=self._sampling_of,
             )
+            # what the proxy keeps per attempt (stored Responses) goes when the rollout finishes; a shard
+            # learns it from the store's revocation of the attempt instead
+            self.store.on_attempt(self.proxy.attempt_changed)
         else:
             shards = ProxyShards(
                 self.store,

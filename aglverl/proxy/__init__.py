@@ -47,6 +47,10 @@ chat completion before anything else looks at it (so an attributed one is prepar
 agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
 gets, the proxy's own included, is in that API's shape; an API's key header (Anthropic's ``x-api-key``) is
 accepted as the token and, like ``Authorization``, never forwarded (:attr:`~aglverl.proxy.api.Apis.credential_headers`).
+The Responses API's responses are kept per attempt (:mod:`~aglverl.proxy.api.response_store`, bounded, freed
+when the attempt can make no more calls): ``previous_response_id`` puts the kept conversation first, and
+``GET`` / ``DELETE responses/{id}`` and ``GET responses/{id}/input_items`` are routes the proxy answers itself
+(:attr:`Route.answer <aglverl.proxy.api.Route>`), never forwarded.
 
 The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
 chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the

@@ -8,11 +8,12 @@ API (a translated one is known first, so that every refusal is in that API's sha
 aglverl's runner started, its own key: :mod:`~aglverl.proxy.gateway`, a rule asked of :attr:`Admission.gateway`),
 the attempt against the store
 (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never forwarded), the path (no
-``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`: a 429 with ``Retry-After``
+``.``/``..`` segments; a route the proxy answers itself, a stored response read back or deleted, is let in there:
+no overload check, no gate), the proxy's load (:class:`~aglverl.proxy.overload.Overload`: a 429 with ``Retry-After``
 while its event loop runs too late; never for a call of an attempt under way). A refused request's body is never
 read (and its length is the server's to bound: 413). :meth:`Admission.admit`, in the call's handler, then reads
-the body (a gateway rule's fields set on a JSON one: the served model, the rollout's temperature), translates it
-to a chat completion, and for a recorded call makes the capture request (identity
+the body (for a route the proxy answers itself, that is all), sets a gateway rule's fields on a JSON one (the
+served model, the rollout's temperature), translates it to a chat completion, and for a recorded call makes the capture request (identity
 encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
 :meth:`~aglverl.proxy.call.Call.prepare`), reconciles its sampling parameters (:func:`reconcile_sampling`; refused
 400 or masked ``off_policy``) and opens its token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`);
@@ -35,6 +36,7 @@ import orjson
 
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
+from .api.response_store import ResponseStore
 from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
@@ -122,6 +124,7 @@ class Admission:
         meters: Meters,
         token_in: TokenIn | None,
         sampling_of: SamplingOf | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         #: The event loop's lag and the 429 for new calls while it is over its limit (``config.overload``).
         self.overload = Overload(meters.registry, config.overload)
@@ -134,6 +137,8 @@ class Admission:
         #: The rules of attempts whose agents call the proxy in place of Agent Lightning's hop (their key, their
         #: bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none.
         self.gateway: GatewayRules | None = None
+        #: The Responses API's stored responses, per attempt (``None``: none kept).
+        self.responses = responses
 
     @property
     def config(self) -> ProxyConfig:
@@ -147,11 +152,15 @@ class Admission:
 
     def check(self, exchange: Exchange, call: Call, route: Route) -> None:
         """Check the head of the agent's request (``route``: its route) and fill in what goes upstream (method,
-        path, target, end-to-end headers); raises :class:`ProxyError`. No byte of the body has been read."""
+        path, target, end-to-end headers); raises :class:`ProxyError`. No byte of the body has been read. A call
+        the proxy answers itself (:attr:`Translator.local <aglverl.proxy.api.Translator.local>`: a stored
+        response read back or deleted) is checked up to its attempt and its path."""
         path = route.path
-        api = APIS.match(path) if exchange.method == "POST" else None
+        api = APIS.match(path, exchange.method)
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = Translator(*api)
+            call.translator = translator = Translator(*api)
+            exchanged = translator.exchange
+            exchanged.responses, exchanged.attempt = self.responses, (call.rollout_id, call.attempt_id)
         rule = (
             self.gateway(call.rollout_id, call.attempt_id)
             if self.gateway is not None and call.rollout_id is not None and call.attempt_id is not None
@@ -166,10 +175,13 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if route.dotted:
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
-        self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
-        query = exchange.query
         call.method = exchange.method
         call.path = "/v1/" + path
+        if call.translator is not None and call.translator.local:
+            call.translator.exchange.query = exchange.query
+            return
+        self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
+        query = exchange.query
         call.target = f"{route.target}?{query}" if query else route.target
         call.headers = forward_headers(exchange.headers, APIS.not_forwarded)
         if self.config.backend_auth is not None:
@@ -179,13 +191,16 @@ class Admission:
 
     async def admit(self, call: Call) -> None:
         """Read the body of the call :meth:`check` let in, make it the backend's request, then wait while
-        paused; raises :class:`ProxyError`. Cancelled (the agent left), it stops where it waits."""
+        paused; raises :class:`ProxyError`. A call the proxy answers itself returns once its body is in (no
+        translation, no wait). Cancelled (the agent left), it stops where it waits."""
         exchange = call.exchange
         assert exchange is not None
         try:
             call.body = await exchange.body()
         except HttpError as exc:  # a chunked body past max_body_bytes, refused by the parser, or stalled
             raise ProxyError(exc.status, exc.message) from None
+        if call.translator is not None and call.translator.local:
+            return
         if call.rewrite is not None:
             call.body = rewrite_json(call.body, call.rewrite, exchange.headers.get("Content-Type", ""))
         kind = CAPTURED_PATHS.get(call.path[4:]) if call.method == "POST" else None
@@ -230,7 +245,7 @@ class Admission:
         try:
             call.body = translator.request(call.body)
         except TranslationError as exc:
-            raise ProxyError(exc.status, exc.message, exc.param) from None
+            raise ProxyError(exc.status, exc.message, exc.param, code=exc.code) from None
         call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
         call.headers["Content-Type"] = JSON
         call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated
