@@ -40,7 +40,7 @@ async def daemon_and_mock(**kwargs: Any) -> AsyncIterator[tuple[AgentDaemon, Moc
     """A daemon (the runner's settings of these tests, and ``kwargs``) in front of a mock backend."""
     async with (
         MockVLLM(completion_tokens=4) as mock,
-        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, token=TOKEN, **kwargs) as daemon,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, **{"token": TOKEN, **kwargs}) as daemon,
     ):
         yield daemon, mock
 
@@ -480,14 +480,16 @@ async def test_an_agent_gets_no_secret_of_the_runner_and_a_key_that_opens_only_i
     assert daemon.agent_lightning.rollouts.reward(daemon.agent_lightning.rollouts.slot(victim)) is None
 
 
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["daemon_token", "no_daemon_token"])
 async def test_the_runners_agents_call_the_proxy_directly_and_get_what_the_hop_gave_them_under_their_own_key(
-    tmp_path: Path,
+    tmp_path: Path, token: str | None
 ) -> None:
     """No second HTTP exchange: OPENAI_BASE_URL is the attempt's URL on the proxy, which does what Agent
     Lightning's hop did: the served model's name and the trainer's temperature forced (the backend gets the very
     body the hop sends it), the attempt's key required (none, or another attempt's URL with it: 401), and no
-    longer opening anything once its process is gone."""
-    async with daemon_and_mock(sampling_parameters={"temperature": 0.7}) as (daemon, mock):
+    longer opening anything once its process is gone. The hop's path still serves it, with or without a daemon
+    token (the hop vouches for the key it checked)."""
+    async with daemon_and_mock(sampling_parameters={"temperature": 0.7}, token=token) as (daemon, mock):
         store = daemon.store
         peer = await daemon.queue_task({})
         task = store.try_claim()  # claimed before the runner starts: an attempt no agent of its runs
@@ -506,11 +508,12 @@ async def test_the_runners_agents_call_the_proxy_directly_and_get_what_the_hop_g
             async with http.post(f"{seen['base']}/chat/completions", json={}, headers=headers) as late:
                 assert late.status == 401
     assert seen["base"] == f"{daemon.proxy.url}/rollout/{rollout_id}/attempt/{record.attempt_id}/v1"
+    # the peer's attempt is no runner's: without a daemon token anyone's call goes in (its temperature refused)
     assert (seen["own"], seen["own_without_key"], seen["hop"], seen["peer_with_own_key"]) == (
         200,
         401,
         200,
-        401,
+        401 if token else 400,
     )
     direct, through_hop = (r.json for r in mock.generation_requests())
     assert direct == through_hop and (direct["model"], direct["temperature"]) == ("mock", 0.7)

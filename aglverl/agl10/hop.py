@@ -205,6 +205,10 @@ class ProxyHop:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         if self._auth is not None:
             headers["Authorization"] = self._auth
+        elif (
+            slot.key is not None
+        ):  # the proxy asks a runner's agent for its key, token or not: the hop checked it
+            headers["Authorization"] = f"Bearer {slot.key}"
         upstream = await self._send(request, request.method, url, headers, body)
         if upstream is None:
             return Response(status_code=499)  # the agent left; nobody reads this
