@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: venv venv-vllm venv-agl venv-agl03 demo test test-vllm test-agl test-agl03 serve bench bench-quick lint clean
+.PHONY: venv venv-vllm venv-agl venv-agl03 demo test test-vllm test-agl test-agl03 serve bench bench-quick bench-tools lint clean
 
 # torch first, pinned: this machine carries the CPU build of 2.13.0 on disk; an unpinned torch (or a package
 # asking for a newer one) would pull a multi-GB CUDA build.
@@ -137,6 +137,14 @@ bench: venv
 # that start Ray and verl's trainer are left out (`.venv/bin/python benchmarks/quick.py --heavy` runs them too).
 bench-quick: venv
 	$(BIN)/python benchmarks/quick.py
+
+# The compiled load generator proxy_overload.py drives a proxy with when this machine's Python cannot offer four
+# times a proxy's capacity from one core: Debian's wrk (with LuaJIT: benchmarks/overload_agents.lua).
+bench-tools:
+	@command -v wrk >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO apt-get install -y wrk; }
+	@wrk --version | head -1
 
 lint: venv
 	$(BIN)/ruff check aglverl tests benchmarks examples

@@ -305,6 +305,9 @@ class AgentDaemon:
                 registry=self.registry,
                 sampling_of=self._sampling_of,
             )
+            # what the proxy keeps per attempt (stored Responses) goes when the rollout finishes; a shard
+            # learns it from the store's revocation of the attempt instead
+            self.store.on_attempt(self.proxy.attempt_changed)
         else:
             shards = ProxyShards(
                 self.store,
@@ -353,8 +356,9 @@ class AgentDaemon:
             max_body_bytes=self.server.max_body_bytes,
         )
         self.server.add_routes(self.agent_lightning.routes())
-        if isinstance(self.proxy, LLMProxy):  # on this loop: the hop applies its overload decision first
-            self.agent_lightning.hop.refusal = self.proxy.refusal
+        if isinstance(self.proxy, LLMProxy):
+            # on this loop: the hop takes the proxy's overload decision first, the proxy the hop's rules
+            self.agent_lightning.hop.attach(self.proxy)
 
     @property
     def model(self) -> str:

@@ -1,6 +1,7 @@
 """What the proxy's hand-written retry loop, metrics registry and HTTP client cost next to the maintained libraries.
 
-Run: ``PYTHONPATH=<dir with stamina> python benchmarks/proxy_libraries.py``. Prints ONE JSON object on stdout.
+Run: ``PYTHONPATH=<dir with stamina> python benchmarks/proxy_libraries.py [metrics] [retry] [client]
+[--against DIR] [--quick]`` (all three parts when none is named). Prints ONE JSON object on stdout.
 
 - Metrics: the updates one proxied call makes (``_finish``: the outcome counter, three latency histograms, the
   generated-tokens counter) with :mod:`aglverl.metrics` and with ``prometheus_client`` (its own
@@ -14,7 +15,9 @@ Run: ``PYTHONPATH=<dir with stamina> python benchmarks/proxy_libraries.py``. Pri
   ``aiohttp.ClientSession`` (as the proxy used it: no cookies, nothing decompressed), each making ``CLIENT_CALLS``
   calls in a row to a :class:`~aglverl.testing.MockVLLM` in a child process (so that this process's CPU clock
   counts the client only): a JSON answer of 256 tokens with their ids and log-probs (25 kB, what a recorded call
-  gets), and streams of 64 SSE events (per event); in turn, ``CLIENT_ROUNDS`` rounds, the median.
+  gets), and streams of 64 SSE events (per event); in turn, ``CLIENT_ROUNDS`` rounds, the median. With
+  ``--against DIR`` (``git archive REV aglverl | tar -x -C DIR``), the client of that tree too
+  (``upstream_against``: its ``aglverl/proxy/upstream.py``, loaded on its own), in the same rounds.
 
 Libraries that are not importable are reported as such.
 """
@@ -24,7 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -225,7 +230,20 @@ async def retry() -> dict[str, Any]:
     return out
 
 
-async def client() -> dict[str, Any]:
+def _upstream_of(tree: str) -> Any:
+    """The ``Upstream`` class of the aglverl in ``tree``, its module loaded under a name of its own (it imports
+    nothing of aglverl's)."""
+    path = os.path.join(tree, "aglverl", "proxy", "upstream.py")
+    spec = importlib.util.spec_from_file_location("_upstream_against", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--against {tree}: no {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.Upstream
+
+
+async def client(against: str | None = None) -> dict[str, Any]:
     import aiohttp
     import orjson
 
@@ -242,16 +260,24 @@ async def client() -> dict[str, Any]:
     whole = orjson.dumps({**asked, "max_tokens": 256, "logprobs": True, "return_token_ids": True})
     stream = orjson.dumps({**asked, "max_tokens": 64, "stream": True})
     upstream = Upstream(keepalive=30.0, connect_timeout=5.0, request_timeout=60.0)
+    upstreams = {"upstream": upstream}
+    if against is not None:
+        upstreams["upstream_against"] = _upstream_of(against)(
+            keepalive=30.0, connect_timeout=5.0, request_timeout=60.0
+        )
     session = aiohttp.ClientSession(
         auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",)
     )
 
-    async def ours(body: bytes) -> int:
-        response = await upstream.request("POST", url, target, headers.items(), body)
-        size = 0
-        while data := await response.readany():
-            size += len(data)
-        return size
+    def ours(client: Any) -> Callable[[bytes], Awaitable[int]]:
+        async def run(body: bytes) -> int:
+            response = await client.request("POST", url, target, headers.items(), body)
+            size = 0
+            while data := await response.readany():
+                size += len(data)
+            return size
+
+        return run
 
     async def theirs(body: bytes) -> int:
         async with session.post(url + target, data=body, headers=headers) as response:
@@ -260,10 +286,12 @@ async def client() -> dict[str, Any]:
                 size += len(data)
             return size
 
-    runs: dict[str, dict[str, list[float]]] = {"upstream": {}, "aiohttp": {}}
+    clients = {name: ours(c) for name, c in upstreams.items()}
+    clients["aiohttp"] = theirs
+    runs: dict[str, dict[str, list[float]]] = {name: {} for name in clients}
     try:
         for _ in range(CLIENT_ROUNDS):
-            for name, run in (("upstream", ours), ("aiohttp", theirs)):
+            for name, run in clients.items():
                 for kind, body, units in (("json", whole, 1), ("stream", stream, 64)):
                     for _ in range(10):  # warm: connections made, paths taken once
                         await run(body)
@@ -274,14 +302,18 @@ async def client() -> dict[str, Any]:
                     runs[name].setdefault(kind, []).append(per)
     finally:
         await session.close()
-        await upstream.close()
+        for each in upstreams.values():
+            await each.close()
         mock.stdin.close()
         await mock.wait()
     out: dict[str, Any] = {
         "calls_per_round": CLIENT_CALLS,
         "rounds": CLIENT_ROUNDS,
         "aiohttp_version": importlib.metadata.version("aiohttp"),
+        "httptools_version": importlib.metadata.version("httptools"),
     }
+    if against is not None:
+        out["against"] = against
     for name, kinds in runs.items():
         out[name] = {
             "us_cpu_per_json_call": round(statistics.median(kinds["json"]), 1),
@@ -290,21 +322,37 @@ async def client() -> dict[str, Any]:
     return out
 
 
+PARTS = ("metrics", "retry", "client")
+
+
 def main() -> None:
     global CALLS, CLIENT_CALLS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", metavar="PART", help=f"{', '.join(PARTS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="a hundredth of the calls (a smoke run)")
-    if parser.parse_args().quick:
+    parser.add_argument(
+        "--against",
+        metavar="DIR",
+        help="also measure the HTTP client of the aglverl in DIR (git archive REV)",
+    )
+    args = parser.parse_args()
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"no such part: {', '.join(sorted(unknown))} (parts: {', '.join(PARTS)})")
+    if args.quick:
         CALLS //= 100
         CLIENT_CALLS //= 50
+    parts = args.parts or PARTS
     started = time.monotonic()
-    result = {
-        "benchmark": "the proxy's retry loop, metrics registry and HTTP client vs maintained libraries (per-call cost)",
-        "metrics": metrics(),
-        "retry": run_loop(retry),
-        "client": run_loop(client),
-        "run_seconds": round(time.monotonic() - started, 1),
+    result: dict[str, Any] = {
+        "benchmark": "the proxy's retry loop, metrics registry and HTTP client vs maintained libraries (per-call cost)"
     }
+    if "metrics" in parts:
+        result["metrics"] = metrics()
+    if "retry" in parts:
+        result["retry"] = run_loop(retry)
+    if "client" in parts:
+        result["client"] = run_loop(client, os.path.abspath(args.against) if args.against else None)
+    result["run_seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result, indent=2))
 
 

@@ -1,9 +1,12 @@
 """One LLM proxy process driven past its capacity, with its overload protection on and off, in the same run.
 
 Run: ``python benchmarks/proxy_overload.py [--factors 2,4] [--rate cpu|R] [--seconds 8] [--blocks 4]
-[--policy F=V,...] [--against DIR] [--quick]``. Prints ONE JSON object on stdout.
+[--policy F=V,...] [--against DIR] [--generator auto|python|wrk] [--cores P,L] [--quick]``. Prints ONE JSON
+object on stdout.
 
-Processes on loopback, so each figure belongs to one program:
+Processes on loopback, so each figure belongs to one program, and the proxies on a core of their own
+(``os.sched_setaffinity``: ``--cores P,L``, default ``0,1``): the proxy being driven alone on core P, the load
+generator and the backend on core L, so that what the proxy carries is not what the load leaves it:
 
 - the backend: a static HTTP server that answers every call with the same recorded chat completion (256 tokens
   with their ids and log-probs, as :class:`~aglverl.testing.MockVLLM` makes it, 23 kB): it costs next to
@@ -15,8 +18,8 @@ Processes on loopback, so each figure belongs to one program:
   429 with ``Retry-After`` while the loop's lag is over ``max_lag``), ``unprotected`` has ``refuse=False`` (it
   measures the lag and admits everything); with ``--against DIR``, a third, ``protected_against``, of the
   aglverl in ``DIR`` (``git archive REV | tar -x -C DIR``) with its own default protection;
-- this process: the load, on a lean HTTP/1.1 client (keep-alive connections, requests encoded by hand: a
-  fraction of aiohttp's cost per call), two ways:
+- the load (every call with the proxies' token), from this process on a lean HTTP/1.1 client (keep-alive
+  connections, requests encoded by hand: a fraction of aiohttp's cost per call) or from wrk (below), two ways:
 
   - ``open`` loop: calls start at the offered rate whatever is still running, as independent agents send them,
     each the first call of a new rollout attempt (the calls the protection may turn away); a call that gets a
@@ -25,6 +28,14 @@ Processes on loopback, so each figure belongs to one program:
     its history re-sent as text, ``THINK`` seconds between calls), sized to offer the same rate if answered at
     once; an agent waits out a 429's ``retry-after-ms`` and tries again, as the SDKs do. A 429 to a later turn
     (``later_turns_shed``) would be a conversation refused mid-way: the protection never does that.
+
+``generator``: can this process offer the load from its one core? It measures the calls per second its client
+makes against the backend per second of its own CPU (``python_calls_per_cpu_s``); when that is short of the
+highest factor times the capacity (with a margin for the backend on the same core), ``--generator auto`` (the
+default) drives the closed loop with wrk instead: ``wrk_agents.py``, a compiled generator, one wrk thread per
+multi-turn agent (think time ``--think``, 20 ms, so that a few hundred agents offer 4x; ``make bench-tools``
+installs it). Without wrk the run stops there, saying so (``skipped``). With wrk there is no open loop (wrk
+keeps a call per connection in flight: a closed loop only).
 
 ``calibration`` measures, in the same run, the proxy's CPU time per call at ``CALIBRATION_RATE`` and the calls
 per second that fill one core at that cost (``capacity_per_s``: where its one loop stops keeping up whatever the
@@ -54,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import math
 import os
@@ -65,20 +75,20 @@ import time
 from collections import Counter
 from typing import Any
 
-import aiohttp
 import anyio
 import orjson
 from _common import (
     JsonChild,
     child_args,
-    emit,
     machine_info,
     run_loop,
     status_kib,
-    stdin_commands,
     summary_ms,
 )
+from overload_processes import child_main
 from proxy_capacity import BODY
+from wrk_agents import INSTALL, wrk_path
+from wrk_agents import run as run_wrk
 from yarl import URL
 
 #: Seconds an agent waits for a call before giving up on it.
@@ -100,174 +110,16 @@ FACTORS = (2.0, 4.0)
 PROBE_COST_SECONDS = 5.0
 HEADERS = {"Content-Type": "application/json"}
 BODY_BYTES = orjson.dumps(BODY)
-
-
-# ---------------------------------------------------------------------------------------------- the proxy child
-class Records:
-    """The proxy's store view for this benchmark: every attempt is admitted, every call's records are taken and
-    dropped (counted): the proxy does all its work per call, and its memory is what its calls in flight hold,
-    not what a store keeps of finished ones."""
-
-    vocab_size = None
-
-    def __init__(self) -> None:
-        self.recorded = 0
-
-    def check_attempt(self, rollout_id: str, attempt_id: str) -> None:
-        pass
-
-    def record_calls(self, rollout_id: str, attempt_id: str, calls: Any) -> bool:
-        self.recorded += len(calls)
-        return True
-
-
-async def _run_proxy(cfg: dict[str, Any]) -> None:
-    from aglverl.proxy import LLMProxy, OverloadPolicy
-
-    records = Records()
-    # token-in off: the static backend renders nothing (a later turn would cost a render that fails)
-    proxy = LLMProxy(records, backends=[cfg["backend"]], request_logprobs=True, token_in=False)
-    async with anyio.create_task_group() as tg:
-        await tg.start(proxy.serve)
-        policy = proxy.overload.policy = OverloadPolicy(refuse=cfg["refuse"], **cfg["policy"])
-        module = sys.modules[LLMProxy.__module__].__file__
-        emit({"url": proxy.url, "pid": os.getpid(), "policy": repr(policy), "module": module})
-        marks: dict[str, Any] = {}
-        async for cmd in stdin_commands():
-            if cmd.get("block") == "start":
-                marks = _marks(proxy)
-                emit({"started": True})
-            elif cmd.get("block") == "end":
-                emit({**_block_figures(proxy, marks), "records_dropped_so_far": records.recorded})
-            elif "probe_cost" in cmd:
-                emit(await _probe_cost(proxy, cmd["probe_cost"]))
-            elif (
-                "refuse_all" in cmd
-            ):  # every new call turned away (the refusal's own cost), or back to the policy
-                refusing = dataclasses.replace(policy, max_lag=1e-6, min_in_flight=0, refuse=True)
-                proxy.overload.policy = refusing if cmd["refuse_all"] else policy
-                emit({"refusing_all": cmd["refuse_all"]})
-            else:
-                emit({"error": f"unknown command {cmd!r}"})
-        tg.cancel_scope.cancel()
-
-
-def _marks(proxy: Any) -> dict[str, Any]:
-    return {"lag": proxy.overload.statistics(), "thread_cpu": time.thread_time(), "wall": time.monotonic()}
-
-
-def _block_figures(proxy: Any, marks: dict[str, Any]) -> dict[str, Any]:
-    """The proxy's figures since ``marks``: the probes' mean lateness, the lag at the end, the time over
-    ``max_lag``, the calls shed, its loop thread's CPU share."""
-    now = _marks(proxy)
-    lag, before = now["lag"], marks["lag"]
-    probes = lag.probes - before.probes
-    return {
-        "lag_probes": probes,
-        "lag_probe_mean_ms": round((lag.late_seconds - before.late_seconds) / max(1, probes) * 1e3, 2),
-        "lag_at_end_ms": round(lag.lag * 1e3, 2),
-        "overloaded_seconds": round(lag.overloaded_seconds - before.overloaded_seconds, 2),
-        "shed": lag.shed - before.shed,
-        "loop_thread_cpu_percent": round(
-            100 * (now["thread_cpu"] - marks["thread_cpu"]) / max(1e-9, now["wall"] - marks["wall"]), 1
-        ),
-    }
-
-
-async def _probe_cost(proxy: Any, seconds: float) -> dict[str, Any]:
-    """What one lag probe costs the loop: its thread's CPU time idle with the probe stopped and with it every
-    millisecond (so that the probes' cost stands out of the idle loop's own), in alternating periods of
-    ``seconds`` / 4; the difference per probe, and that times the default rate."""
-    from aglverl.proxy import OverloadPolicy
-
-    overload = proxy.overload
-    policy = overload.policy
-    overload.policy = dataclasses.replace(policy, probe_interval=0.001)
-    cpu = {True: 0.0, False: 0.0}
-    probes = 0
-    try:
-        for probing in (False, True, False, True):
-            if probing:
-                overload.start()
-            else:
-                overload.stop()
-            before, count = time.thread_time(), overload.statistics().probes
-            await anyio.sleep(seconds / 4)
-            cpu[probing] += time.thread_time() - before
-            probes += overload.statistics().probes - count
-    finally:
-        overload.policy = policy
-        overload.start()
-    per_probe = (cpu[True] - cpu[False]) / max(1, probes)
-    per_second = 1 / OverloadPolicy().probe_interval
-    return {
-        "idle_seconds_each": seconds / 2,
-        "probes": probes,
-        "loop_cpu_us_per_s_without_probe": round(cpu[False] / (seconds / 2) * 1e6, 1),
-        "loop_cpu_us_per_s_probing_every_ms": round(cpu[True] / (seconds / 2) * 1e6, 1),
-        "us_per_probe": round(per_probe * 1e6, 2),
-        "core_percent_at_default_interval": round(100 * per_probe * per_second, 4),
-    }
-
-
-def _child_main(role: str, cfg: dict[str, Any]) -> None:
-    if cfg.get("path"):  # another version's aglverl, found before this tree's
-        sys.path.insert(0, cfg["path"])
-    run_loop(_run_backend if role == "backend" else _run_proxy, cfg)
-
-
-# ---------------------------------------------------------------------------------------------- the backend
-class StaticBackend(asyncio.Protocol):
-    """An HTTP/1.1 server that answers every POST with the same recorded chat completion (a 256-token answer
-    with its ids and log-probs, as MockVLLM made it) and every GET with ``{}``: a backend that costs next to
-    nothing, so that the proxy, not the backend, is what the load saturates."""
-
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-        self.buffer = b""
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # asyncio's, or uvloop's (not a subclass)
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
-            head = self.buffer[:end].lower()
-            length = 0
-            if (at := head.find(b"content-length:")) >= 0:
-                length = int(head[at + 15 :].split(b"\r\n", 1)[0])
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length :]
-            assert self.transport is not None
-            self.transport.write(self.answer if head.startswith(b"post") else _response(200, b"{}"))
-
-
-def _response(status: int, body: bytes) -> bytes:
-    head = f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    return head.encode() + body
-
-
-async def _run_backend(cfg: dict[str, Any]) -> None:
-    from aglverl.testing import MockVLLM
-
-    async with (
-        MockVLLM(completion_tokens=256, record_requests=False) as mock,
-        aiohttp.ClientSession() as http,
-    ):
-        asked = {**BODY, "model": mock.model, "return_token_ids": True, "logprobs": True}
-        async with http.post(f"{mock.url}/v1/chat/completions", json=asked) as response:
-            answer = await response.read()
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: StaticBackend(_response(200, answer)), "127.0.0.1", 0, backlog=4096
-    )
-    port = server.sockets[0].getsockname()[1]
-    emit({"url": f"http://127.0.0.1:{port}", "pid": os.getpid(), "answer_bytes": len(answer)})
-    async for cmd in stdin_commands():
-        emit({"error": f"unknown command {cmd!r}"})
-    server.close()
+#: The proxies' token: every call carries it, as an agent's does.
+TOKEN = "overload-bench-token"
+#: Mean think time of wrk's agents between calls (seconds): short, so that a few hundred agents offer 4x.
+WRK_THINK = 0.02
+#: How much more than the highest offered load the Python client must make per second of its CPU to be used
+#: (the backend takes its share of the same core).
+GENERATOR_MARGIN = 1.25
+#: Seconds (and concurrent calls) of the Python client's own measure against the backend.
+GENERATOR_SECONDS = 2.0
+GENERATOR_CONCURRENCY = 256
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -286,6 +138,7 @@ class Client:
 
     def request(self, path: str, body: bytes) -> bytes:
         head = f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+        head += f"Authorization: Bearer {TOKEN}\r\n"
         return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
     async def post(self, path: str, body: bytes) -> tuple[int, dict[str, str]]:
@@ -429,9 +282,13 @@ async def calibrate(proxy: JsonChild, client: Client, seconds: float = CALIBRATI
     level = await block("unprotected", proxy, client, "open", CALIBRATION_RATE, seconds)
     figures = level["proxy_figures"]
     cpu_per_call = figures["cpu_percent"] / 100 / max(1e-9, level["goodput_per_s"])
+    generator_per_call = (
+        level["load_generator_cpu_percent"] / 100 / max(1e-9, level["achieved_start_rate_per_s"])
+    )
     return {
         "capacity_per_s": round(1 / cpu_per_call),
         "proxy_cpu_us_per_call": round(cpu_per_call * 1e6, 1),
+        "load_generator_cpu_us_per_call": round(generator_per_call * 1e6, 1),
         "at": {
             "rate": CALIBRATION_RATE,
             "ok_ms": level["ok_ms"],
@@ -461,14 +318,61 @@ async def block(
     name: str, proxy: JsonChild, client: Client, load: str, level: float, seconds: float
 ) -> dict[str, Any]:
     """One block of load on one proxy: ``open`` (``level`` calls/s, each a new conversation's first) or
-    ``closed`` (``level`` multi-turn agents)."""
+    ``closed`` (``level`` multi-turn agents), from this process."""
     await proxy.request({"block": "start"})
-    (cpu0, wait0), mine0 = _schedstat(proxy.pid), _schedstat(os.getpid())
+    marks = _schedstat(proxy.pid), _schedstat(os.getpid())
     if load == "open":
         outcomes, achieved, wall = await open_loop(client, level, seconds)
     else:
         outcomes, wall = await closed_loop(client, int(level), seconds, THINK)
         achieved = (len(outcomes.ok) + len(outcomes.shed) + sum(outcomes.failed.values())) / wall
+    return await _block_figures_of(name, proxy, load, level, outcomes, achieved, wall, marks)
+
+
+async def wrk_block(name: str, proxy: JsonChild, agents: int, seconds: float, think: float) -> dict[str, Any]:
+    """One block of wrk's multi-turn agents (``closed``) on one proxy: ``agents`` of them."""
+    await proxy.request({"block": "start"})
+    marks = _schedstat(proxy.pid), _schedstat(os.getpid())
+    prefix = f"{name}{next(_conversations)}"  # rollout ids never seen by this proxy
+    run = await run_wrk(
+        proxy.info["url"],
+        agents=agents,
+        seconds=seconds,
+        think=think,
+        bodies=TURN_BODIES,
+        prefix=prefix,
+        token=TOKEN,
+    )
+    outcomes = Outcomes()
+    outcomes.ok, outcomes.shed, outcomes.later_turns_shed = run.ok, run.shed, run.later_turns_shed
+    outcomes.failed = run.failed
+    achieved = (len(run.ok) + len(run.shed) + sum(run.failed.values())) / run.duration
+    figures = await _block_figures_of(name, proxy, "closed", agents, outcomes, achieved, run.duration, marks)
+    figures["generator"] = {
+        "tool": "wrk",
+        "wrk_cpu_percent": round(100 * run.cpu_seconds / run.duration, 1),
+        "agents": run.agents,
+        "think_s_mean": think,
+        "conversations": run.conversations,
+        "conversations_finished": run.finished_conversations,
+        "unanswered_when_the_run_stopped": run.unfinished,
+    }
+    return figures
+
+
+async def _block_figures_of(
+    name: str,
+    proxy: JsonChild,
+    load: str,
+    level: float,
+    outcomes: Outcomes,
+    achieved: float,
+    wall: float,
+    marks: tuple[tuple[float, float], tuple[float, float]],
+) -> dict[str, Any]:
+    """A block's figures: what its calls got, the CPU of the proxy and of the load generator since ``marks``
+    (their schedstats at the start), the proxy's own figures."""
+    (cpu0, wait0), mine0 = marks
     (cpu, wait), mine = _schedstat(proxy.pid), _schedstat(os.getpid())
     cpu, wait = cpu - cpu0, wait - wait0
     figures = await proxy.request({"block": "end"})
@@ -481,6 +385,7 @@ async def block(
         "ok": len(outcomes.ok),
         "goodput_per_s": round(len(outcomes.ok) / wall, 1),
         "goodput_within_1s_per_s": round(sum(t <= 1.0 for t in outcomes.ok) / wall, 1),
+        "goodput_per_proxy_cpu_s": round(len(outcomes.ok) / max(cpu, 1e-9), 1),
         "ok_ms": summary_ms(outcomes.ok),
         "shed": len(outcomes.shed),
         "later_turns_shed": outcomes.later_turns_shed,
@@ -499,6 +404,36 @@ async def block(
     }
 
 
+async def python_generator(backend: str, seconds: float = GENERATOR_SECONDS) -> dict[str, Any]:
+    """How many calls per second this process's client makes per second of its own CPU, against the backend
+    (which costs next to nothing), ``GENERATOR_CONCURRENCY`` calls in flight: the most it can offer from one
+    core."""
+    client = Client(backend)
+    count = 0
+    stop = time.perf_counter() + seconds
+
+    async def caller() -> None:
+        nonlocal count
+        while time.perf_counter() < stop:
+            await client.post("/v1/chat/completions", BODY_BYTES)
+            count += 1
+
+    cpu = time.process_time()
+    started = time.perf_counter()
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(GENERATOR_CONCURRENCY):
+                tg.start_soon(caller)
+    finally:
+        client.close()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - started
+    return {
+        "python_calls_per_s": round(count / wall, 1),
+        "python_cpu_percent": round(100 * cpu / wall, 1),
+        "python_calls_per_cpu_s": round(count / max(cpu, 1e-9), 1),
+    }
+
+
 def _summary(blocks: list[dict[str, Any]], capacity: float) -> dict[str, Any]:
     """Per proxy: each block's goodput (and as a share of the calibrated capacity), p50 / p99 of its calls
     answered 200, 429s (of later turns apart), failures, the loop's mean lag, the proxy's share of wall time
@@ -510,6 +445,8 @@ def _summary(blocks: list[dict[str, Any]], capacity: float) -> dict[str, Any]:
             "goodput_per_s": [b["goodput_per_s"] for b in mine],
             "goodput_of_capacity": [round(b["goodput_per_s"] / capacity, 3) for b in mine],
             "goodput_within_1s_per_s": [b["goodput_within_1s_per_s"] for b in mine],
+            # the share of the CPU the proxy got that went to answered calls (the machine's other work aside)
+            "goodput_of_cpu_capacity": [round(b["goodput_per_proxy_cpu_s"] / capacity, 3) for b in mine],
             "ok_p50_ms": [b["ok_ms"].get("p50", math.nan) for b in mine],
             "ok_p99_ms": [b["ok_ms"].get("p99", math.nan) for b in mine],
             "shed": [b["shed"] for b in mine],
@@ -544,7 +481,83 @@ async def refusal_cost(proxy: JsonChild, client: Client, seconds: float) -> dict
     }
 
 
+def _generator(
+    args: argparse.Namespace, calibration: dict[str, Any], python: dict[str, Any]
+) -> dict[str, Any]:
+    """Which generator drives the load levels: this process's client when it can offer the highest factor's
+    load from its core (``--generator auto``), else wrk; ``skipped`` says why when that is not installed. What
+    it can offer is the lower of its client's calls per CPU second (against the backend, calls in flight) and
+    its open loop's (the calibration's: a task and a timer per call)."""
+    capacity = calibration["capacity_per_s"]
+    highest = max(args.factors) * capacity if args.rate == "cpu" else float(args.rate) * max(args.factors) / 2
+    open_loop = 1e6 / max(1e-9, calibration["load_generator_cpu_us_per_call"])
+    python = {**python, "python_open_loop_calls_per_cpu_s": round(open_loop, 1)}
+    enough = min(python["python_calls_per_cpu_s"], open_loop) >= GENERATOR_MARGIN * highest
+    chosen = args.generator if args.generator != "auto" else ("python" if enough else "wrk")
+    out = {
+        **python,
+        "highest_offered_per_s": round(highest, 1),
+        "python_enough": enough,
+        "chosen": chosen,
+    }
+    if chosen == "wrk":
+        path = wrk_path()
+        out["wrk"] = path
+        if path is None:
+            made = min(python["python_calls_per_cpu_s"], open_loop)
+            why = (
+                "--generator wrk"
+                if args.generator == "wrk"
+                else f"this process's client makes {made:.0f} calls per second of its CPU, short of the "
+                f"{highest:.0f} calls/s to offer (x{GENERATOR_MARGIN:g}); wrk would"
+            )
+            out["skipped"] = f"{why}, and wrk is not installed: {INSTALL}"
+    return out
+
+
+async def _levels(
+    args: argparse.Namespace,
+    chosen: str,
+    capacity: float,
+    children: dict[str, JsonChild],
+    clients: dict[str, Client],
+) -> dict[str, Any]:
+    """Each factor's blocks, the proxies in turn: open and closed loop from this process, or wrk's agents."""
+    runs: dict[str, Any] = {}
+    for factor in args.factors:
+        rate = factor * capacity if args.rate == "cpu" else float(args.rate) * factor / 2
+        blocks = []
+        if chosen == "wrk":
+            agents = round(rate * args.think)  # agents that offer ``rate`` if answered at once
+            for _ in range(args.blocks):
+                for name, child in children.items():
+                    blocks.append(await wrk_block(name, child, agents, args.seconds, args.think))
+            runs[f"{factor:g}x"] = {
+                "offered_per_s": round(rate, 1),
+                "wrk_agents": agents,
+                "closed": _summary(blocks, capacity),
+                "blocks": blocks,
+            }
+            continue
+        agents = round(rate * THINK)  # a closed loop that would offer ``rate`` if answered at once
+        for _ in range(args.blocks):
+            for load, level in (("open", rate), ("closed", agents)):
+                for name, child in children.items():
+                    blocks.append(await block(name, child, clients[name], load, level, args.seconds))
+        runs[f"{factor:g}x"] = {
+            "offered_per_s": round(rate, 1),
+            "closed_loop_agents": agents,
+            "open": _summary([b for b in blocks if b["load"] == "open"], capacity),
+            "closed": _summary([b for b in blocks if b["load"] == "closed"], capacity),
+            "blocks": blocks,
+        }
+    return runs
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    proxy_core, load_core = args.cores if args.cores else (None, None)
+    if load_core is not None:
+        os.sched_setaffinity(0, {load_core})  # this process, and the backend it starts
     backend = await JsonChild.start(child_args(__file__, "backend", {}))
     children: dict[str, JsonChild] = {}
     clients: dict[str, Client] = {}
@@ -553,7 +566,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         if args.against:  # the tree's own protection, at the same loads
             versions.append(("protected_against", True, args.against))
         for name, refuse, path in versions:
-            cfg = {"backend": backend.info["url"], "refuse": refuse, "policy": args.policy, "path": path}
+            cfg = {
+                "backend": backend.info["url"],
+                "refuse": refuse,
+                "policy": args.policy,
+                "path": path,
+                "core": proxy_core,
+                "token": TOKEN,
+            }
             children[name] = await JsonChild.start(child_args(__file__, "proxy", cfg))
             clients[name] = Client(children[name].info["url"])
         for name in children:  # warm-up: connections, the first calls' imports
@@ -565,23 +585,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         capacity = calibration["capacity_per_s"]
         refusal = await refusal_cost(children["protected"], clients["protected"], args.calibration_seconds)
-        runs: dict[str, Any] = {}
-        for factor in args.factors:
-            rate = factor * capacity if args.rate == "cpu" else float(args.rate) * factor / 2
-            agents = round(rate * THINK)  # a closed loop that would offer ``rate`` if answered at once
-            blocks = []
-            for _ in range(args.blocks):
-                for load, level in (("open", rate), ("closed", agents)):
-                    for name, child in children.items():
-                        blocks.append(await block(name, child, clients[name], load, level, args.seconds))
-            runs[f"{factor:g}x"] = {
-                "offered_per_s": round(rate, 1),
-                "closed_loop_agents": agents,
-                "open": _summary([b for b in blocks if b["load"] == "open"], capacity),
-                "closed": _summary([b for b in blocks if b["load"] == "closed"], capacity),
-                "blocks": blocks,
-            }
-        return {
+        generator = _generator(args, calibration, await python_generator(backend.info["url"]))
+        out: dict[str, Any] = {
+            "cores": {"proxy": proxy_core, "load_generator_and_backend": load_core},
             "backend_answer_bytes": backend.info["answer_bytes"],
             "policies": {name: c.info["policy"] for name, c in children.items()},
             "modules": {name: c.info["module"] for name, c in children.items()},
@@ -589,9 +595,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "probe_cost": probe_cost,
             "calibration": calibration,
             "refusal_cost": refusal,
-            "closed_loop": {"turns": TURNS, "think_s_mean": THINK},
-            "runs": runs,
+            "generator": generator,
+            "closed_loop": {
+                "turns": TURNS,
+                "think_s_mean": args.think if generator["chosen"] == "wrk" else THINK,
+            },
         }
+        if "skipped" in generator:
+            print(f"proxy_overload: skipped: {generator['skipped']}", file=sys.stderr)
+            return {"skipped": generator["skipped"], **out}
+        out["runs"] = await _levels(args, generator["chosen"], capacity, children, clients)
+        return out
     finally:
         for client in clients.values():
             client.close()
@@ -606,6 +620,20 @@ def _policy(text: str) -> dict[str, float]:
         return {key: float(value) if key != "min_in_flight" else int(value) for key, value in fields.items()}
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--policy takes FIELD=NUMBER,...: {exc}") from None
+
+
+def _cores(text: str) -> tuple[int, int] | None:
+    if text == "none":
+        return None
+    try:
+        proxy, load = (int(core) for core in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("--cores takes P,L (two core numbers) or 'none'") from None
+    if proxy == load or not {proxy, load} <= os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(
+            f"--cores {text}: two different cores of {sorted(os.sched_getaffinity(0))}"
+        )
+    return proxy, load
 
 
 def main() -> None:
@@ -642,13 +670,34 @@ def main() -> None:
         "--calibration-seconds", type=float, default=CALIBRATION_SECONDS, help=argparse.SUPPRESS
     )
     parser.add_argument(
+        "--generator",
+        choices=("auto", "python", "wrk"),
+        default="auto",
+        help="what offers the load levels: this process's client, wrk (make bench-tools), or (auto) this "
+        "process's when it can offer the highest level from its core, else wrk",
+    )
+    parser.add_argument(
+        "--cores",
+        default="0,1",
+        metavar="P,L",
+        help="pin the proxies to core P, the load generator and the backend to core L (default 0,1; 'none': no "
+        "pinning)",
+    )
+    parser.add_argument(
+        "--think", type=float, default=WRK_THINK, help="wrk agents' mean think time between calls (seconds)"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="factor 2, one 2 s block per load and proxy (a smoke run)"
     )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child_main(args.child[0], orjson.loads(args.child[1]))
+        child_main(args.child[0], orjson.loads(args.child[1]))
         return
+    try:
+        args.cores = _cores(args.cores)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     if args.against:
         args.against = os.path.abspath(args.against)
     if args.quick:
@@ -666,7 +715,7 @@ def main() -> None:
         "machine": {
             **machine_before,
             "loadavg_after": list(os.getloadavg()),
-            "shared": "a shared 2-core VM: the CPUs also run the backend, this load generator and other jobs",
+            "shared": "a shared 2-core VM: other jobs run on the same cores (see cores: what runs where)",
         },
         **results,
         "run_seconds": round(time.monotonic() - started, 1),

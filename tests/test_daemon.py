@@ -422,6 +422,8 @@ NOT_DEFAULTS: dict[str, Any] = {
     "head_timeout": 5.0,
     "idle_timeout": 30.0,
     "max_connections": 100,
+    "responses_per_attempt": 3,
+    "response_bytes_per_attempt": 4096,
     "overload": OverloadPolicy(refuse=False),
 }
 

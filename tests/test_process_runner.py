@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import pytest
 from anyio.abc import SocketStream
@@ -35,15 +36,20 @@ def _agents_importable(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @asynccontextmanager
+async def daemon_and_mock(**kwargs: Any) -> AsyncIterator[tuple[AgentDaemon, MockVLLM]]:
+    """A daemon (the runner's settings of these tests, and ``kwargs``) in front of a mock backend."""
+    async with (
+        MockVLLM(completion_tokens=4) as mock,
+        AgentDaemon(backends=[mock.url], model="mock", batch=BATCH, **{"token": TOKEN, **kwargs}) as daemon,
+    ):
+        yield daemon, mock
+
+
+@asynccontextmanager
 async def running(
     tmp_path: Path, options: Mapping[str, Any], *, concurrency: int = 2, max_attempts: int = 1
 ) -> AsyncIterator[tuple[AgentDaemon, ProcessRunner, MockVLLM]]:
-    async with (
-        MockVLLM(completion_tokens=4) as mock,
-        AgentDaemon(
-            backends=[mock.url], model="mock", batch=BATCH, max_attempts=max_attempts, token=TOKEN
-        ) as daemon,
-    ):
+    async with daemon_and_mock(max_attempts=max_attempts) as (daemon, mock):
         runner = ProcessRunner(
             daemon, ProcessOptions.from_mapping(options), concurrency=concurrency, log_dir=tmp_path / "logs"
         )
@@ -110,8 +116,10 @@ async def test_a_command_gets_the_endpoints_in_the_sdks_variables_its_input_on_s
     )  # the attempt's own seed, its log's first line
     assert seen["input"] == {"prompt": "hello", "reward": 0.5}
     assert seen["env"]["AGL_MODE"] == "train" and seen["env"]["AGL_MODEL"] == "mock"
-    assert seen["env"]["ANTHROPIC_BASE_URL"].endswith(
-        f"/proxy/rollout/{rollout_id}/attempt/0/mode/train/openai"
+    # the proxy on the daemon's loop: the attempt's own URL there (the Anthropic SDK adds /v1/messages)
+    assert (
+        seen["env"]["ANTHROPIC_BASE_URL"]
+        == f"{daemon.proxy.url}/rollout/{rollout_id}/attempt/{record.attempt_id}"
     )
     assert [r.json["model"] for r in mock.generation_requests()] == ["mock"]  # the served name, forced
 
@@ -470,6 +478,46 @@ async def test_an_agent_gets_no_secret_of_the_runner_and_a_key_that_opens_only_i
     assert "WANDB_API_KEY" not in seen["env"] and "PYTHONPATH" in seen["env"] and "AGL_KEY" in seen["env"]
     assert probe.state == "completed" and probe.result.final_reward == 0.5
     assert daemon.agent_lightning.rollouts.reward(daemon.agent_lightning.rollouts.slot(victim)) is None
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["daemon_token", "no_daemon_token"])
+async def test_the_runners_agents_call_the_proxy_directly_and_get_what_the_hop_gave_them_under_their_own_key(
+    tmp_path: Path, token: str | None
+) -> None:
+    """No second HTTP exchange: OPENAI_BASE_URL is the attempt's URL on the proxy, which does what Agent
+    Lightning's hop did: the served model's name and the trainer's temperature forced (the backend gets the very
+    body the hop sends it), the attempt's key required (none, or another attempt's URL with it: 401), and no
+    longer opening anything once its process is gone. The hop's path still serves it, with or without a daemon
+    token (the hop vouches for the key it checked)."""
+    async with daemon_and_mock(sampling_parameters={"temperature": 0.7}, token=token) as (daemon, mock):
+        store = daemon.store
+        peer = await daemon.queue_task({})
+        task = store.try_claim()  # claimed before the runner starts: an attempt no agent of its runs
+        assert task is not None and task.rollout_id == peer and task.attempt_id is not None
+        peer_llm = f"{daemon.proxy.url}/rollout/{peer}/attempt/{task.attempt_id}/v1"
+        options = ProcessOptions.from_mapping({"command": [*PROGRAM, "gateway"]})
+        runner = ProcessRunner(daemon, options, concurrency=1, log_dir=tmp_path / "logs")
+        async with anyio.create_task_group() as tg:
+            await tg.start(runner.serve)
+            rollout_id = await daemon.queue_task({"peer_llm": peer_llm})
+            record = await finished(daemon, rollout_id)
+            tg.cancel_scope.cancel()
+        seen = json.loads((tmp_path / "logs" / f"{rollout_id}.log").read_text().splitlines()[-1])
+        async with aiohttp.ClientSession() as http:  # its process is gone: its key opens nothing
+            headers = {"Authorization": f"Bearer {seen['key']}"}
+            async with http.post(f"{seen['base']}/chat/completions", json={}, headers=headers) as late:
+                assert late.status == 401
+    assert seen["base"] == f"{daemon.proxy.url}/rollout/{rollout_id}/attempt/{record.attempt_id}/v1"
+    # the peer's attempt is no runner's: without a daemon token anyone's call goes in (its temperature refused)
+    assert (seen["own"], seen["own_without_key"], seen["hop"], seen["peer_with_own_key"]) == (
+        200,
+        401,
+        200,
+        401 if token else 400,
+    )
+    direct, through_hop = (r.json for r in mock.generation_requests())
+    assert direct == through_hop and (direct["model"], direct["temperature"]) == ("mock", 0.7)
+    assert record.state == "completed" and len(record.calls) == 2
 
 
 async def test_an_agents_output_is_kept_up_to_log_max_bytes_and_a_daemon_it_left_dies_with_it(

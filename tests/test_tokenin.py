@@ -25,10 +25,10 @@ import aiohttp
 import anyio
 import orjson
 import pytest
-from helpers.tokenin import api_conversation, chat_turn, counts, extends
+from helpers.tokenin import a_step, api_conversation, chat_turn, counts, extends
 from test_translate import claim, finish, openai_sdk, proxied
 
-from aglverl import LLM, AgentDaemon, BatchConfig, run_agents
+from aglverl import LLM, AgentDaemon, BatchConfig
 from aglverl.proxy import tokenin
 from aglverl.proxy.dialect import DEFAULT, ENGINE, VLLM, detect
 from aglverl.proxy.session import Answer, Sessions, canonical_message
@@ -430,13 +430,7 @@ async def test_each_conversation_trains_as_one_row_of_the_ids_the_engine_generat
             MockVLLM(tokenizer=True) as mock,
             AgentDaemon(backends=[mock.url], model="mock", batch=batch_config, token_in=token_in) as daemon,
         ):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=4))
-                await daemon.submit([{"q": 1}, {"q": 2}], n=2)
-                with anyio.fail_after(30):
-                    batch = await daemon.batches.receive()
-                tg.cancel_scope.cancel()
-            counters = daemon.proxy_counters()
+            batch, counters = await a_step(daemon, agent)
         data, metrics = batch.data, batch.metrics
         rows[token_in] = len(data)
         assert metrics["batch/n_calls"] == 12

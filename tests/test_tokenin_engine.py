@@ -31,12 +31,12 @@ import anyio
 import orjson
 import pytest
 from helpers.hop import Hop, recording_hop
-from helpers.tokenin import GREEDY, api_conversation, completion, counts, extends, long_second_turn
+from helpers.tokenin import GREEDY, a_step, api_conversation, completion, counts, extends, long_second_turn
 from helpers.tokenin import greedy_turn as chat_turn
 from test_proxy_resume import Stream, reload
 from test_translate import claim, finish, openai_sdk, proxied
 
-from aglverl import LLM, AgentDaemon, BatchConfig, InferenceServer, run_agents
+from aglverl import LLM, AgentDaemon, BatchConfig, InferenceServer
 from aglverl.testing.chat_templates import TEMPLATES, with_chat_template
 
 pytestmark = pytest.mark.anyio
@@ -209,13 +209,7 @@ async def test_every_conversation_is_one_row_of_the_engines_ids(tiny_model: Path
         engine(tiny_model, tmp_path, "trim") as (server, hop),
         AgentDaemon(backends=[hop.url], model="tiny", batch=config) as daemon,
     ):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=4))
-            await daemon.submit([{"q": 1}, {"q": 2}], n=2)
-            with anyio.fail_after(120):
-                batch = await daemon.batches.receive()
-            tg.cancel_scope.cancel()
-        counters = daemon.proxy_counters()
+        batch, counters = await a_step(daemon, agent, seconds=120)
     data, metrics = batch.data, batch.metrics
     assert len(data) == 4 and metrics["batch/n_calls"] == 12 and metrics["batch/n_calls_drifted"] == 0
     assert counters["proxy/token_in_generated"] == 8 and counters["proxy/token_in_first_call"] == 4

@@ -302,8 +302,8 @@ def test_messages_request_becomes_the_equivalent_chat_completion() -> None:
 @pytest.mark.parametrize(
     ("api", "body", "field"),
     [
-        ("responses", {"model": "m", "input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
-        ("responses", {"model": "m", "input": "x", "store": True}, "store"),
+        ("responses", {"model": "m", "input": "x", "previous_response_id": 1}, "previous_response_id"),
+        ("responses", {"model": "m", "input": "x", "store": "yes"}, "store"),
         ("responses", {"model": "m", "input": "x", "conversation": "conv_1"}, "conversation"),
         ("responses", {"model": "m", "input": "x", "background": True}, "background"),
         ("responses", {"model": "m", "input": "x", "truncation": "auto"}, "truncation"),
@@ -319,7 +319,7 @@ def test_messages_request_becomes_the_equivalent_chat_completion() -> None:
         ("responses", {"model": "m", "input": "x", "max_output_tokens": "8"}, "max_output_tokens"),
         ("responses", {"model": "m", "input": "x", "temperature": 3}, "temperature"),
         ("responses", {"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
-        ("responses", {"model": "m", "input": "x", "include": ["file_search_call.results"]}, "include.0"),
+        ("responses", {"model": "m", "input": "x", "include": ["reasoning.everything"]}, "include.0"),
         ("responses", {"model": "m", "input": "x", "frobnicate": 1}, "frobnicate"),
         ("messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
         ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}, "model"),
@@ -678,7 +678,9 @@ async def test_messages_tool_use_round_trips_streamed_through_the_backends_tool_
     assert [(c.prompt_token_ids, c.response_token_ids) for c in calls] == [vllm.expected(b)[0] for b in seen]
 
 
-async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_tool_run() -> None:
+async def lookup_run(client: openai.AsyncOpenAI, **kwargs: Any) -> Any:
+    """An openai-agents run, with its defaults, of an agent that must call its one tool (``lookup``) first,
+    through ``client``; ``kwargs`` go to ``Runner.run``."""
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
     from agents.models.openai_provider import OpenAIProvider
 
@@ -695,11 +697,15 @@ async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_to
         tools=[lookup],
         model_settings=ModelSettings(tool_choice="required"),
     )
+    config = RunConfig(model="mock", model_provider=OpenAIProvider(openai_client=client))
+    return await Runner.run(agent, "Look x up.", run_config=config, **kwargs)
+
+
+async def test_openai_agents_runner_with_its_defaults_records_every_call_of_a_tool_run() -> None:
     async with MockVLLM(completion_tokens=3) as vllm, proxied(vllm.url, token_in=False) as (proxy, store):
         rid, aid, base = claim(proxy, store)
         async with openai_sdk(base) as client:
-            config = RunConfig(model="mock", model_provider=OpenAIProvider(openai_client=client))
-            result = await Runner.run(agent, "Look x up.", run_config=config)
+            result = await lookup_run(client)
         calls = finish(store, rid, aid)
     seen = [r.json for r in vllm.generation_requests()]
     # The tool ran and its answer went back.
@@ -715,10 +721,12 @@ async def test_backend_dying_mid_stream_ends_the_stream_the_way_the_api_does(api
         rid, aid, base = claim(proxy, store)
         vllm.break_next(after_events=3)
         if api == "responses":
+            events = []
             async with openai_sdk(base) as client:
-                events = [
-                    e async for e in await client.responses.create(model="mock", input="x", stream=True)
-                ]
+                stream = await client.responses.create(model="mock", input="x", stream=True)
+                with pytest.raises(openai.APIConnectionError):  # then the answer is cut short: never whole
+                    async for event in stream:
+                        events.append(event)
             assert events[-1].type == "response.failed"
             assert events[-1].response.error is not None and "broke off" in events[-1].response.error.message
             assert any(e.type == "response.output_text.delta" for e in events)  # what came first
@@ -745,13 +753,13 @@ async def test_proxy_refusals_are_in_the_apis_shape_and_reach_no_backend() -> No
             with pytest.raises(openai.AuthenticationError):
                 await bad.responses.create(model="mock", input="x")
             with pytest.raises(openai.BadRequestError) as bad_field:
-                await good.responses.create(model="mock", input="x", store=True)
-            assert bad_field.value.body["param"] == "store"  # type: ignore[index]
+                await good.responses.create(model="mock", input="x", background=True)
+            assert bad_field.value.body["param"] == "background"  # type: ignore[index]
             with pytest.raises(openai.NotFoundError) as unknown:
                 await good.with_options(base_url=base.replace(aid, "nope")).responses.create(
                     model="mock", input="x"
                 )
-            assert unknown.value.body["type"] == "not_found_error"  # type: ignore[index]
+            assert unknown.value.body["type"] == "invalid_request_error"  # type: ignore[index]
         async with anthropic_sdk(base, api_key="wrong") as bad, anthropic_sdk(base, api_key="secret") as good:
             kwargs: dict[str, Any] = dict(
                 model="mock", max_tokens=4, messages=[{"role": "user", "content": "x"}]

@@ -4,13 +4,16 @@ exactly the bytes each test gives it: framings, keep-alive, and every way a back
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import socket
+import struct
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 import pytest
+from helpers.raw_http import RawServer, whole
 
-from aglverl.proxy.upstream import Upstream, UpstreamError
+from aglverl.proxy.upstream import ConnectError, ReadError, RemoteProtocolError, Upstream, UpstreamError
 
 pytestmark = pytest.mark.anyio
 
@@ -18,55 +21,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class RawServer:
-    """A loopback server: each request it reads (head and ``Content-Length`` body) is answered by ``answer``,
-    a list of byte pieces written one at a time (``None``: close the connection there); records the requests
-    and counts the connections."""
-
-    def __init__(self, answer: Callable[[bytes], list[bytes | None]]) -> None:
-        self.answer = answer
-        self.requests: list[bytes] = []
-        self.connections = 0
-        self.closed = asyncio.Event()
-        self.answered = asyncio.Event()  # set once an answer was written whole
-        self.url = ""
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                body = await reader.readexactly(length)
-                self.requests.append(head + body)
-                for piece in self.answer(head + body):
-                    if piece is None:
-                        writer.close()
-                        return
-                    writer.write(piece)
-                    await writer.drain()
-                    await asyncio.sleep(0.001)  # pieces arrive as separate reads
-                self.answered.set()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            self.closed.set()
-            writer.close()
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[RawServer]:
-        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            yield self
-        finally:
-            server.close()
 
 
 @asynccontextmanager
@@ -80,15 +34,6 @@ async def client(**kw: float) -> AsyncIterator[Upstream]:
         yield upstream
     finally:
         await upstream.close()
-
-
-def whole(body: bytes, extra: bytes = b"") -> list[bytes | None]:
-    return [
-        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra,
-        b"Content-Length: %d\r\n\r\n" % len(body),
-        body[:3],
-        body[3:],
-    ]
 
 
 async def test_a_body_by_length_over_several_reads_and_the_connection_is_kept_for_the_next_request() -> None:
@@ -165,40 +110,126 @@ async def test_a_body_until_the_connection_closes_and_connection_close_are_not_r
 
 
 @pytest.mark.parametrize(
-    ("answer", "kind", "words"),
+    ("answer", "error", "words"),
     [
-        ([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"], "head", "not an HTTP/1.x status line"),
-        ([b"HTTP/1.1 200 OK\r\n bad: fold\r\n\r\n"], "head", "malformed header line"),
-        ([b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n"], "head", "invalid Content-Length"),
-        ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n"], "head", "other than chunked"),
-        ([b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20000], "head", "longer than"),
-        ([None], "closed", "closed before a response came"),
-        ([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", None], "body", "closed mid-body"),
+        ([b"SSH-2.0-OpenSSH_9.6\r\n\r\n"], RemoteProtocolError, "Expected HTTP/"),
+        ([b"HTTP/2.0 200 OK\r\n\r\n"], RemoteProtocolError, "not HTTP/1.x"),
+        ([b"HTTP/1.1 99 Low\r\n\r\n"], RemoteProtocolError, "Invalid status code"),
+        ([b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok"], RemoteProtocolError, "CR after response line"),
+        ([b"HTTP/1.1 200 OK\r\n bad: fold\r\n\r\n"], RemoteProtocolError, "malformed response head"),
+        ([b"HTTP/1.1 200 OK\r\nX: a\x01b\r\nContent-Length: 0\r\n\r\n"], RemoteProtocolError, "header value"),
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n"], RemoteProtocolError, "Content-Length"),
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xb2\r\n\r\nab"], RemoteProtocolError, "Content-Length"),
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n"], RemoteProtocolError, "Content-Length"),
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n"], RemoteProtocolError, "Content-Length"),
         (
-            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n"],
-            "body",
-            "malformed chunk size",
+            [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nab"],
+            RemoteProtocolError,
+            "Duplicate Content-Length",
         ),
-        ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabcd"], "body", "not followed by CRLF"),
+        (
+            [
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n"
+            ],
+            RemoteProtocolError,
+            "Content-Length",
+        ),
+        ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n"], RemoteProtocolError, "other than chunked"),
+        (
+            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n"],
+            RemoteProtocolError,
+            "other than chunked",
+        ),
+        ([b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n"], RemoteProtocolError, "switched"),
+        ([b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20000], RemoteProtocolError, "longer than"),
+        ([b"HTTP/1.1 200 OK\r\nX: ", b"y" * 70000], RemoteProtocolError, "longer than"),
+        ([None], ReadError, "closed before a response came"),
+        ([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", None], ReadError, "closed mid-body"),
+        (
+            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", None],
+            ReadError,
+            "closed mid-body",
+        ),
+        (
+            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"zz\r\nab\r\n"],
+            RemoteProtocolError,
+            "chunk size",
+        ),
+        (
+            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"fffffffffffffffffff\r\nab"],
+            RemoteProtocolError,
+            "Chunk size overflow",
+        ),
+        (
+            [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabcd"],
+            RemoteProtocolError,
+            "chunk data",
+        ),
     ],
 )
-async def test_what_is_not_http_is_an_upstream_error_naming_what_was_wrong(
-    answer: list[bytes | None], kind: str, words: str
+async def test_what_is_not_http_is_an_upstream_error_of_its_kind_naming_what_was_wrong(
+    answer: list[bytes | None], error: type[UpstreamError], words: str
 ) -> None:
     async with RawServer(lambda _: answer).running() as server, client() as upstream:
-        with pytest.raises(UpstreamError) as caught:
+        with pytest.raises(error) as caught, anyio.fail_after(5):
             response = await upstream.request("GET", server.url, "/")
             await response.read()
-        assert caught.value.kind == kind and words in str(caught.value)
+        assert words in str(caught.value)
+        with anyio.fail_after(5):
+            await server.closed.wait()  # never reused
+
+
+async def test_a_body_that_breaks_in_the_read_that_brings_its_head_fails_the_request_itself() -> None:
+    """Nothing of it can have reached an agent: the request raises, rather than hand out a 200 that then
+    breaks (the proxy then answers 502, not a 200 with an empty body)."""
+    answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"]
+    async with RawServer(lambda _: answer).running() as server, client() as upstream:
+        with pytest.raises(RemoteProtocolError, match="chunk size"):
+            await upstream.request("GET", server.url, "/")
+
+
+async def test_bytes_after_a_whole_answer_or_before_a_request_are_not_taken_and_close_the_connection() -> (
+    None
+):
+    def answer(request: bytes) -> list[bytes | None]:
+        return [
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nspoof"
+        ]
+
+    async with RawServer(answer).running() as server, client() as upstream:
+        for _ in range(2):
+            assert await (await upstream.request("GET", server.url, "/")).read() == b"ok"
+    assert server.connections == 2  # the connection that carried the extra answer was not reused
+
+
+async def test_a_body_until_close_cut_by_a_reset_is_a_read_error_not_a_whole_body() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with client() as upstream:
+            response = await upstream.request("GET", url, "/")
+            with pytest.raises(ReadError, match="mid-body"), anyio.fail_after(5):
+                await response.read()
+    finally:
+        server.close()
 
 
 async def test_a_refused_connection_is_a_connect_error_naming_the_backend() -> None:
     async with RawServer(lambda _: []).running() as server:
         url = server.url
     async with client() as upstream:
-        with pytest.raises(UpstreamError) as caught:
+        with pytest.raises(ConnectError) as caught:
             await upstream.request("GET", url, "/")
-    assert caught.value.kind == "connect" and url in str(caught.value)
+    assert url in str(caught.value)
 
 
 async def test_request_timeout_ends_a_request_mid_body_and_closes_its_connection() -> None:

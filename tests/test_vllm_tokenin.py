@@ -32,6 +32,7 @@ from helpers.tokenin import GREEDY, api_conversation, completion, counts, extend
 from helpers.tokenin import greedy_turn as chat_turn
 from helpers.vllm_server import VllmOutput, vllm_server
 from test_proxy_resume import Stream
+from test_stored_responses import create
 from test_translate import claim, finish, openai_sdk, proxied
 from test_vllm_proxy import aborted_mid_answer
 from transformers import AutoTokenizer
@@ -161,6 +162,37 @@ async def test_responses_and_messages_agents_are_one_request_per_call_too(
     one_request_each(served, calls)
     assert all(extends(a, b) for a, b in itertools.pairwise(calls))
     assert all(c.path == f"/v1/{api}" and c.status == "ok" for c in calls)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_responses_agent_continuing_with_previous_response_id_is_one_request_per_call(
+    served: Served, stream: bool
+) -> None:
+    """OpenAI's way: only the new input goes with ``previous_response_id``; the proxy puts the stored
+    conversation first, and vLLM generates each later call from the earlier turn's exact ids + the new tail."""
+    async with proxied(served.url) as (proxy, store):
+        rid, aid, base = claim(proxy, store)
+        kwargs: dict[str, Any] = dict(
+            model="tiny", instructions="Be brief.", max_output_tokens=6, extra_body=GREEDY
+        )
+        async with openai_sdk(base) as client:
+            made = [await create(client, stream, input="hello ", **kwargs)]
+            for text in (" more ", " again "):
+                made.append(
+                    await create(client, stream, input=text, previous_response_id=made[-1].id, **kwargs)
+                )
+            items = await client.responses.input_items.list(made[-1].id, order="asc")
+        calls = finish(store, rid, aid)
+    assert counts(proxy) == {"first_call": 1, "generated": 2}
+    one_request_each(served, calls)
+    assert [len(b["messages"]) for b in served.hop.asked()] == [2, 4, 6]  # the whole conversation each time
+    for earlier, later, response in zip(calls, calls[1:], made[1:], strict=False):
+        assert extends(earlier, later) and response.previous_response_id is not None
+        reference = await completion(served.vllm, later.prompt_token_ids or [], 6)
+        assert (
+            later.response_token_ids == reference["token_ids"] and response.output_text == reference["text"]
+        )
+    assert [i.type for i in items.data] == ["message"] * 5 and not items.has_more
 
 
 async def test_tool_calls_vllm_parsed_are_echoed_with_a_tool_result_and_carry_on(served: Served) -> None:

@@ -54,7 +54,7 @@ class PostedEvent:
         return len(self.data)
 
     def parsed(self) -> dict[str, Any]:
-        return orjson.loads(self.data)  # type: ignore[no-any-return]
+        return orjson.loads(self.data)
 
     def wire(self, agl_id: str, label: str) -> Event:
         """As Agent Lightning's API shows it."""

@@ -22,6 +22,12 @@ the proxy's own decision (``LLMProxy.refusal``), so that a turned-away call cost
 Cancellation: an agent that disconnects while its call is upstream (or held) cancels the relayed request, and
 aglverl's proxy cancels the backend's; a stream the agent leaves is closed upstream the same way.
 
+The hop's rule without the hop: an agent process aglverl's runner starts calls the proxy directly when the proxy
+runs on this loop (:meth:`ProxyHop.direct_url`, once :meth:`ProxyHop.attach` gave the proxy the hop's rules),
+and the proxy does what the hop would have: the attempt's key opens its calls, and :meth:`ProxyHop.rule` says
+what a JSON body gets (:mod:`aglverl.proxy.gateway`). So the runner's agents get what they got through the hop,
+without its second HTTP exchange; a rollout started by Agent Lightning's controllers goes through the hop.
+
 A path with a ``.`` or ``..`` segment is refused (400): the HTTP client would resolve it, and a call made on one
 rollout's path would reach (and be recorded under) another's. The path is sent upstream %-escaped as it came.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import aiohttp
@@ -43,11 +50,15 @@ from starlette.responses import Response, StreamingResponse
 from ..models import LLM
 from ..proxy.api import APIS, Translator
 from ..proxy.call import ProxyError
+from ..proxy.gateway import GatewayRule, rewrite_json
 from ..proxy.headers import HOP_BY_HOP
-from ..store import TaskStore
+from ..store import StoreError, TaskStore
 from .errors import Conflict, NotFound
 from .http import Refused, read_body
 from .rollouts import AgentLightningRollouts
+
+if TYPE_CHECKING:
+    from ..proxy.app import LLMProxy
 
 __all__ = ["ProxyHop"]
 
@@ -85,6 +96,56 @@ class ProxyHop:
         #: The proxy's overload decision for a call of a rollout attempt (``LLMProxy.refusal``, when the proxy
         #: runs on this loop): a new call it turns away gets its 429 here, before its body is read.
         self.refusal: Callable[[str, str], ProxyError | None] | None = None
+        #: Whether the proxy on this loop applies the hop's rules (:meth:`attach`): the runner's agents then call
+        #: it directly (:meth:`direct_url`).
+        self.attached = False
+
+    def attach(self, proxy: LLMProxy) -> None:
+        """The proxy runs on this loop: take its overload decision before reading a body, and give it the hop's
+        rules, so that the runner's agents can call it directly."""
+        self.refusal = proxy.refusal
+        proxy.gateway = self.rule
+        self.attached = True
+
+    def rule(self, rollout_id: str, attempt_id: str) -> GatewayRule | None:
+        """What the proxy does for a call of this aglverl attempt in the hop's place: ``None`` unless aglverl's
+        runner started its agent (its slot has a key); else the key (``None`` once revoked) and the fields a JSON
+        body gets (:meth:`fields`)."""
+        slot = self.rollouts.runner_slot(rollout_id, attempt_id)
+        if slot is None:
+            return None
+        key = slot.key if slot.key is not None and self.rollouts.key_owner(slot.key) == slot.agl_id else None
+        llm = self._llm_of(slot.resources_id, rollout_id)
+        return GatewayRule(key, self.fields(llm) if llm is not None else {})
+
+    def direct_url(self, rollout_id: str, attempt_id: str, resources_id: str | None) -> str | None:
+        """The attempt's own OpenAI base URL on the proxy, for an agent aglverl's runner starts: when the proxy
+        on this loop applies the hop's rules (else ``None``: the agent goes through the hop)."""
+        if not self.attached:
+            return None
+        llm = self._llm_of(resources_id, rollout_id)
+        return llm.get_base_url(rollout_id, attempt_id) if llm is not None else None
+
+    def _llm_of(self, resources_id: str | None, rollout_id: str) -> LLM | None:
+        """The rollout's ``main_llm`` (its attempt's task's resources), ``None`` when it has none (or the store
+        no longer knows the rollout: the proxy then refuses the call as its attempt's)."""
+        if resources_id is None:
+            try:
+                resources_id = self.store.task(rollout_id).resources_id
+            except StoreError:
+                return None
+        update = self.store.resources(resources_id)
+        llm = update.resources.get("main_llm") if update is not None else None
+        return llm if isinstance(llm, LLM) else None
+
+    def fields(self, llm: LLM) -> dict[str, Any]:
+        """What Agent Lightning's gateway sets on a JSON body: the served model's name and the rollout's mode's
+        temperature (when its ``main_llm`` names one)."""
+        fields: dict[str, Any] = {"model": self.served_model() or llm.model}
+        temperature = llm.sampling_parameters.get("temperature")
+        if isinstance(temperature, (int, float)) and math.isfinite(temperature):
+            fields["temperature"] = temperature
+        return fields
 
     async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Hold the connection pool to aglverl's proxy until cancelled; then close it."""
@@ -133,40 +194,26 @@ class ProxyHop:
             body = refused.body(Translator(*found) if found is not None else None)
             return Response(body, 429, headers=dict(refused.headers or {}), media_type="application/json")
         body = await read_body(request, self.max_body_bytes)
-        update = self.store.resources(slot.resources_id or self.store.task(slot.rollout_id).resources_id)
-        llm = update.resources.get("main_llm") if update is not None else None
-        if not isinstance(llm, LLM):
+        llm = self._llm_of(slot.resources_id, slot.rollout_id)
+        if llm is None:
             raise Refused(503, f"rollout {slot.agl_id} has no main_llm resource to relay its calls to")
         url = f"{llm.get_base_url(slot.rollout_id, slot.attempt_id)}/{quote(path, safe=_PATH_SAFE)}"
         if request.url.query:
             url += f"?{request.url.query}"
-        body = self._prepare(body, llm, request.headers.get("content-type", ""))
+        body = rewrite_json(body, self.fields(llm), request.headers.get("content-type", ""))
         drop = APIS.not_forwarded  # the agent's credential (in any header an API takes one in) stays here
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         if self._auth is not None:
             headers["Authorization"] = self._auth
+        elif (
+            slot.key is not None
+        ):  # the proxy asks a runner's agent for its key, token or not: the hop checked it
+            headers["Authorization"] = f"Bearer {slot.key}"
         upstream = await self._send(request, request.method, url, headers, body)
         if upstream is None:
             return Response(status_code=499)  # the agent left; nobody reads this
         out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
         return StreamingResponse(_chunks(upstream), status_code=upstream.status, headers=out_headers)
-
-    def _prepare(self, body: bytes, llm: LLM, content_type: str) -> bytes:
-        """What Agent Lightning's gateway does to a JSON body: the served model's name and the mode's
-        temperature (a body that is not a JSON object goes as it is: aglverl's proxy answers it)."""
-        if not body or "json" not in content_type.lower():
-            return body
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return body
-        if not isinstance(payload, dict):
-            return body
-        payload["model"] = self.served_model() or llm.model
-        temperature = llm.sampling_parameters.get("temperature")
-        if isinstance(temperature, (int, float)) and math.isfinite(temperature):
-            payload["temperature"] = temperature
-        return orjson.dumps(payload)
 
     async def _send(
         self, request: Request, method: str, url: str, headers: Mapping[str, str], body: bytes

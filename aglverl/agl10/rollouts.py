@@ -312,6 +312,12 @@ class AgentLightningRollouts:
                 return slot
         raise NotFound(f"no Agent Lightning rollout for attempt {attempt_id!r} of {rollout_id!r}")
 
+    def runner_slot(self, rollout_id: str, attempt_id: str) -> Slot | None:
+        """The rollout of an aglverl attempt whose agent aglverl's runner started (it has a key), else ``None``;
+        a look-up only (nothing is taken in from the store)."""
+        slot = next((s for s in self._of.get(rollout_id, ()) if s.attempt_id == attempt_id), None)
+        return slot if slot is not None and slot.key is not None else None
+
     def config_of(self, rollout_id: str) -> RolloutConfig:
         return self._configs.get(rollout_id) or self.default_config
 

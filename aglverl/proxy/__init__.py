@@ -4,7 +4,10 @@
 anyio task group. Two route families (:mod:`~aglverl.proxy.routes`), every HTTP method:
 
 - ``/rollout/{rollout_id}/attempt/{attempt_id}/v1/{path}`` — attributed calls. The attempt is checked against
-  the store first (unknown: 404, finished rollout: 409, never forwarded). ``POST chat/completions`` and
+  the store first (unknown: 404, finished rollout: 409, never forwarded); an attempt whose agent aglverl's runner
+  started and handed this URL directly is opened by its own key (or the proxy's token) and no other, and its
+  JSON bodies get what Agent Lightning's hop set (the served model, the rollout's temperature:
+  :mod:`~aglverl.proxy.gateway`). ``POST chat/completions`` and
   ``POST completions`` get the backend dialect's ids fields added (vLLM's ``"return_token_ids": true``) unless the
   client set them and, with
   ``request_logprobs``, ``"logprobs"`` too (``true`` for chat, ``0`` for completions: the sampled tokens' own
@@ -47,6 +50,10 @@ chat completion before anything else looks at it (so an attributed one is prepar
 agent's path), and the answer goes back in the agent's API, streams event by event. Every error such a call
 gets, the proxy's own included, is in that API's shape; an API's key header (Anthropic's ``x-api-key``) is
 accepted as the token and, like ``Authorization``, never forwarded (:attr:`~aglverl.proxy.api.Apis.credential_headers`).
+The Responses API's responses are kept per attempt (:mod:`~aglverl.proxy.api.response_store`, bounded, freed
+when the attempt can make no more calls): ``previous_response_id`` puts the kept conversation first, and
+``GET`` / ``DELETE responses/{id}`` and ``GET responses/{id}/input_items`` are routes the proxy answers itself
+(:attr:`Route.answer <aglverl.proxy.api.Route>`), never forwarded.
 
 The agent receives exactly the backend's status, body bytes and end-to-end headers. Streams (SSE or any
 chunked body) are relayed chunk by chunk as they arrive while token ids are assembled incrementally from the
@@ -101,8 +108,11 @@ task, socket or connection is left.
 Error handling: errors the proxy produces itself are OpenAI-shaped JSON, ``{"error": {"message", "type",
 "param": null, "code"}}``, with a message naming what was wrong. An agent that disconnects cancels its upstream
 request at once (its connection cancels the call's task); the call is recorded as failed. A stream that breaks
-after bytes went out is ended cleanly with a final SSE ``data: {"error": ...}`` event (the OpenAI SDK raises
-it as ``APIError``) and recorded as failed.
+after bytes went out ends with a final SSE ``data: {"error": ...}`` event (the OpenAI SDK raises it as
+``APIError``; a translated API's own error ending), then the agent's connection closes without the body's last
+chunk, so that its HTTP client sees the answer cut short, never whole; the call is recorded as failed. A
+backend's answer that is not well-formed HTTP/1.1 (or is cut before its head was relayed) is a 502 naming the
+backend.
 
 The package: the proxy composed of parts, each a class handed what it uses by its constructor (no part is
 built from another's class, nothing shares ``self``), each module's docstring stating its part's contract: what
@@ -123,9 +133,11 @@ import circle):
   protocol, one request and its answer as an :class:`~aglverl.proxy.http.Exchange`, flow control, limits, errors
   as types); :mod:`~aglverl.proxy.handler` — :class:`~aglverl.proxy.handler.Handler`, the proxy as its service:
   routes (:mod:`~aglverl.proxy.routes`), a call admitted at its head, its task, always ending recorded and counted.
-- :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: at the head, auth, the attempt
-  against the store, the path, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag,
-  the 429); then the body, translation, the capture request, sampling reconciliation, the gate's wait.
+- :mod:`~aglverl.proxy.admission` — :class:`~aglverl.proxy.admission.Admission`: at the head, the API's route,
+  auth (the proxy's token, or an attempt's own key: :mod:`~aglverl.proxy.gateway`), the attempt against the
+  store, the path, the proxy's load (its :class:`~aglverl.proxy.overload.Overload`: the loop's lag, the 429);
+  then the body, the gateway's rewrite, translation, the capture request, sampling reconciliation, the gate's
+  wait.
 - :mod:`~aglverl.proxy.relay` — :class:`~aglverl.proxy.relay.Relay`: the retry loop and relaying answers
   (JSON, SSE), disconnects, broken streams.
 - :mod:`~aglverl.proxy.resume` — :class:`~aglverl.proxy.resume.Resumer`: aborted generations: continued
@@ -139,9 +151,9 @@ import circle):
   :class:`~aglverl.store.LLMCall` records through :class:`~aglverl.proxy.store_view.ProxyStore` (the only way
   the proxy reaches the store), turns into token-in sessions, every call counted once.
 - :mod:`~aglverl.proxy.pool` — :class:`~aglverl.proxy.pool.Pool`: backends: picking, ejection, probes, sending
-  a try, the upstream client; :mod:`~aglverl.proxy.upstream` — that client: HTTP/1.1 to the backends,
-  keep-alive connections, each response's head and body parsed from the socket's reads (aiohttp's client cost
-  a third of a relayed call).
+  a try, the upstream client's errors caught by type; :mod:`~aglverl.proxy.upstream` — that client: HTTP/1.1 to
+  the backends, keep-alive connections, each answer parsed by llhttp (``httptools.HttpResponseParser``) as the
+  socket's reads come, a connection's state one enum, its errors types (connect, read, remote protocol).
 - :mod:`~aglverl.proxy.gate` — :class:`~aglverl.proxy.gate.Gate`: pause / hold / resume, the weight version,
   the calls in flight and the drain, every wait at the gate.
 - :mod:`~aglverl.proxy.control` — :class:`~aglverl.proxy.control.ProxyControl`, what the daemon needs of a proxy:

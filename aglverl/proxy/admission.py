@@ -4,12 +4,16 @@
 byte of its body was read (the HTTP server's :meth:`~aglverl.proxy.http.Service.admit`), in order: the agent's
 API (a translated one is known first, so that every refusal is in that API's shape), the token
 (``Authorization``, or an API's key header such as Anthropic's ``x-api-key``:
-:attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time), the attempt against the store
+:attr:`~aglverl.proxy.api.Apis.credential_headers`, compared in constant time; for an attempt whose agent
+aglverl's runner started, its own key: :mod:`~aglverl.proxy.gateway`, a rule asked of :attr:`Admission.gateway`),
+the attempt against the store
 (:class:`~aglverl.proxy.store_view.ProxyStore`: unknown 404, finished 409: never forwarded), the path (no
-``.``/``..`` segments), the proxy's load (:class:`~aglverl.proxy.overload.Overload`: a 429 with ``Retry-After``
+``.``/``..`` segments; a route the proxy answers itself, a stored response read back or deleted, is let in there:
+no overload check, no gate), the proxy's load (:class:`~aglverl.proxy.overload.Overload`: a 429 with ``Retry-After``
 while its event loop runs too late; never for a call of an attempt under way). A refused request's body is never
 read (and its length is the server's to bound: 413). :meth:`Admission.admit`, in the call's handler, then reads
-the body, translates it to a chat completion, and for a recorded call makes the capture request (identity
+the body (for a route the proxy answers itself, that is all), sets a gateway rule's fields on a JSON one (the
+served model, the rollout's temperature), translates it to a chat completion, and for a recorded call makes the capture request (identity
 encoding; the ids and log-probs fields are the dialect's of the backend a try goes to:
 :meth:`~aglverl.proxy.call.Call.prepare`), reconciles its sampling parameters (:func:`reconcile_sampling`; refused
 400 or masked ``off_policy``) and opens its token-in session (:meth:`~aglverl.proxy.tokenin.TokenIn.admit`);
@@ -32,10 +36,12 @@ import orjson
 
 from ..store import StoreError
 from .api import APIS, CHAT_TARGET, TranslationError, Translator
+from .api.response_store import ResponseStore
 from .call import JSON, Call, ProxyError, forward_headers, token_limit
 from .capture import CAPTURED_PATHS, Capture
 from .config import ProxyConfig, SamplingOf
 from .gate import Gate
+from .gateway import GatewayRule, GatewayRules, rewrite_json
 from .http import Exchange, HttpError
 from .meters import Meters
 from .overload import Overload
@@ -118,6 +124,7 @@ class Admission:
         meters: Meters,
         token_in: TokenIn | None,
         sampling_of: SamplingOf | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         #: The event loop's lag and the 429 for new calls while it is over its limit (``config.overload``).
         self.overload = Overload(meters.registry, config.overload)
@@ -127,6 +134,11 @@ class Admission:
         self.gate = gate
         self.meters = meters
         self.token_in = token_in
+        #: The rules of attempts whose agents call the proxy in place of Agent Lightning's hop (their key, their
+        #: bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none.
+        self.gateway: GatewayRules | None = None
+        #: The Responses API's stored responses, per attempt (``None``: none kept).
+        self.responses = responses
 
     @property
     def config(self) -> ProxyConfig:
@@ -140,12 +152,21 @@ class Admission:
 
     def check(self, exchange: Exchange, call: Call, route: Route) -> None:
         """Check the head of the agent's request (``route``: its route) and fill in what goes upstream (method,
-        path, target, end-to-end headers); raises :class:`ProxyError`. No byte of the body has been read."""
+        path, target, end-to-end headers); raises :class:`ProxyError`. No byte of the body has been read. A call
+        the proxy answers itself (:attr:`Translator.local <aglverl.proxy.api.Translator.local>`: a stored
+        response read back or deleted) is checked up to its attempt and its path."""
         path = route.path
-        api = APIS.match(path) if exchange.method == "POST" else None
+        api = APIS.match(path, exchange.method)
         if api is not None:  # known first, so that every refusal below is in the agent's API
-            call.translator = Translator(*api)
-        self.authorize(exchange.headers)
+            call.translator = translator = Translator(*api)
+            exchanged = translator.exchange
+            exchanged.responses, exchanged.attempt = self.responses, (call.rollout_id, call.attempt_id)
+        rule = (
+            self.gateway(call.rollout_id, call.attempt_id)
+            if self.gateway is not None and call.rollout_id is not None and call.attempt_id is not None
+            else None
+        )
+        self.authorize(exchange.headers, rule)
         if call.rollout_id is not None:
             assert call.attempt_id is not None
             try:
@@ -154,23 +175,34 @@ class Admission:
                 raise ProxyError(exc.status, f"{exc}; the call was not forwarded") from None
         if route.dotted:
             raise ProxyError(400, f"path 'v1/{path}' has '.' or '..' segments or backslashes; not forwarded")
-        self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
-        query = exchange.query
         call.method = exchange.method
         call.path = "/v1/" + path
+        if call.translator is not None and call.translator.local:
+            call.translator.exchange.query = exchange.query
+            return
+        self.overload.admit(self.gate.in_flight, call.rollout_id, call.attempt_id)
+        query = exchange.query
         call.target = f"{route.target}?{query}" if query else route.target
         call.headers = forward_headers(exchange.headers, APIS.not_forwarded)
         if self.config.backend_auth is not None:
             call.headers["Authorization"] = self.config.backend_auth
+        if rule is not None:  # what Agent Lightning's hop would have done to its body, once it is read
+            call.rewrite = rule.fields
 
     async def admit(self, call: Call) -> None:
         """Read the body of the call :meth:`check` let in, make it the backend's request, then wait while
-        paused; raises :class:`ProxyError`. Cancelled (the agent left), it stops where it waits."""
-        assert call.exchange is not None
+        paused; raises :class:`ProxyError`. A call the proxy answers itself returns once its body is in (no
+        translation, no wait). Cancelled (the agent left), it stops where it waits."""
+        exchange = call.exchange
+        assert exchange is not None
         try:
-            call.body = await call.exchange.body()
+            call.body = await exchange.body()
         except HttpError as exc:  # a chunked body past max_body_bytes, refused by the parser, or stalled
             raise ProxyError(exc.status, exc.message) from None
+        if call.translator is not None and call.translator.local:
+            return
+        if call.rewrite is not None:
+            call.body = rewrite_json(call.body, call.rewrite, exchange.headers.get("Content-Type", ""))
         kind = CAPTURED_PATHS.get(call.path[4:]) if call.method == "POST" else None
         if call.translator is not None:
             kind = self._translate_request(call, call.translator)
@@ -180,12 +212,26 @@ class Admission:
                 self.token_in.admit(call)
         await self.gate.admit()
 
-    def authorize(self, headers: Mapping[str, str]) -> None:
-        """Check the agent's token in ``headers``; :class:`ProxyError` (401) when it is missing or wrong."""
-        if self.config.auth is None:
+    def authorize(self, headers: Mapping[str, str], rule: GatewayRule | None = None) -> None:
+        """Check the agent's credential in ``headers``: the proxy's token, or for an attempt with a gateway
+        ``rule`` its key (needed then even with no token); :class:`ProxyError` (401) when it is missing or
+        wrong."""
+        if self.config.auth is None and rule is None:
             return
         header = APIS.credential(headers)  # Authorization, or an API's key header (Anthropic's x-api-key)
         given = (header or "").encode("utf-8", "surrogateescape")
+        if rule is not None:
+            key = f"Bearer {rule.key}".encode() if rule.key is not None else None
+            if key is not None and hmac.compare_digest(given, key):
+                return
+            if self.config.auth is None or not hmac.compare_digest(given, self.config.auth):
+                raise ProxyError(
+                    401,
+                    "missing or wrong key: this rollout attempt's agent was started by aglverl's runner, and its "
+                    "calls need its key (AGL_KEY, as OPENAI_API_KEY) or the proxy's token",
+                )
+            return
+        assert self.config.auth is not None
         if not hmac.compare_digest(given, self.config.auth):
             others = " or ".join(f"'{name}'" for name in APIS.key_headers)
             raise ProxyError(
@@ -199,7 +245,7 @@ class Admission:
         try:
             call.body = translator.request(call.body)
         except TranslationError as exc:
-            raise ProxyError(exc.status, exc.message, exc.param) from None
+            raise ProxyError(exc.status, exc.message, exc.param, code=exc.code) from None
         call.target = CHAT_TARGET  # the agent's query (e.g. the Anthropic SDK's ?beta=true) is its API's own
         call.headers["Content-Type"] = JSON
         call.headers["Accept-Encoding"] = "identity"  # the answer is parsed to be translated

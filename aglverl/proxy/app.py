@@ -32,7 +32,9 @@ from anyio.abc import TaskStatus
 
 from ..metrics import ActivityTimeline, Counter, Histogram, Registry
 from ..models import ProxyLLM
+from ..store import TERMINAL, AttemptChange
 from .admission import Admission
+from .api.response_store import ResponseStore
 from .call import Outcome, ProxyError
 from .config import (
     ProxyConfig,
@@ -45,6 +47,7 @@ from .config import (
 )
 from .control import APPLIED, Applied
 from .gate import Gate
+from .gateway import GatewayRules
 from .handler import Handler
 from .http import HttpServer
 from .meters import Meters
@@ -92,8 +95,9 @@ class LLMProxy:
     server's bounds (:class:`~aglverl.proxy.http.Limits`): ``max_header_lines`` header lines and
     ``max_line_bytes`` per head line (431, or 414 for the target), ``head_timeout`` seconds for a head to arrive
     whole (408), ``idle_timeout`` seconds a kept-alive connection waits for its next request, ``max_connections``
-    open at once (503 past it). :attr:`activity` is the timeline of when at least one call was in flight (the
-    backends were busy).
+    open at once (503 past it). ``responses_per_attempt`` / ``response_bytes_per_attempt`` bound the Responses
+    API's responses kept per attempt (:attr:`responses`; the least recently used dropped past them).
+    :attr:`activity` is the timeline of when at least one call was in flight (the backends were busy).
 
     Each setting is also a read-only attribute (``proxy.pause_timeout``); :meth:`reconfigure` hands every part
     a new config at once (assigning an attribute raises ``AttributeError`` saying so). The proxy implements
@@ -120,6 +124,8 @@ class LLMProxy:
     head_timeout = _Setting[float]()
     idle_timeout = _Setting[float]()
     max_connections = _Setting[int]()
+    responses_per_attempt = _Setting[int]()
+    response_bytes_per_attempt = _Setting[int]()
 
     def __init__(
         self,
@@ -153,12 +159,21 @@ class LLMProxy:
         self.token_in: TokenIn | None = (
             None if sessions is None else TokenIn(config, pool, self._relay, meters, sessions)
         )
-        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of)
+        #: The Responses API's stored responses, per attempt (:mod:`~aglverl.proxy.api.response_store`).
+        self.responses = responses = ResponseStore(config)
+        self.registry.gauge(
+            "aglverl_proxy_stored_responses", "Responses API responses kept.", responses.__len__
+        )
+        self.registry.gauge(
+            "aglverl_proxy_stored_response_bytes",
+            "What the kept Responses API responses hold, in bytes of JSON (as their bounds count them).",
+            responses.total_bytes,
+        )
+        self._admission = Admission(config, store, gate, meters, self.token_in, sampling_of, responses)
         self._handler = Handler(self._admission, gate, self._relay, self.token_in, recorder, meters)
         # every part that holds the config, for reconfigure()
-        self._parts: tuple[Any, ...] = tuple(
-            p for p in (gate, pool, resumer, self._relay, self.token_in, self._admission) if p is not None
-        )
+        parts = (gate, pool, resumer, self._relay, self.token_in, self._admission, responses)
+        self._parts: tuple[Any, ...] = tuple(p for p in parts if p is not None)
         # The series, under the names the daemon and tests read them by.
         self.m_calls: Counter = meters.calls
         self.m_retries: Counter = meters.retries
@@ -288,12 +303,26 @@ class LLMProxy:
         return APPLIED
 
     def forget(self, rollout_ids: Sequence[str]) -> None:
-        """Drop the routing state and the token-in sessions of rollouts that are over (the store calls this
-        when it forgets them)."""
+        """Drop the routing state, the token-in sessions and the stored responses of rollouts that are over (the
+        store calls this when it forgets them)."""
         self._pool.forget(rollout_ids)
         self._admission.overload.forget(rollout_ids)
+        self.responses.forget(rollout_ids)
         if self.token_in is not None:
             self.token_in.forget(rollout_ids)
+
+    def attempt_ended(self, rollout_id: str, attempt_id: str | None = None) -> None:
+        """Free what the proxy keeps for an attempt that can make no more calls (``attempt_id`` ``None``: every
+        attempt of the rollout): its stored Responses API responses. A proxy shard calls it when the store
+        revokes an attempt there."""
+        self.responses.end(rollout_id, attempt_id)
+
+    def attempt_changed(self, change: AttemptChange) -> None:
+        """A :meth:`TaskStore.on_attempt <aglverl.store.tasks.TaskStore.on_attempt>` listener: a rollout that
+        finished makes no more calls (each of its attempts is refused from then on), so what its attempts keep
+        goes (an attempt whose rollout is handed out again may still finish first: it keeps its responses)."""
+        if change.kind == "ended" and change.state in TERMINAL:
+            self.attempt_ended(change.rollout_id)
 
     @property
     def weight_version(self) -> int:
@@ -359,6 +388,16 @@ class LLMProxy:
     def connections(self) -> int:
         """Agents' connections open now (0 when not serving)."""
         return 0 if self._http is None else self._http.connections
+
+    @property
+    def gateway(self) -> GatewayRules | None:
+        """The rules of rollout attempts whose agents call this proxy in place of Agent Lightning's hop (their
+        key, their bodies' rewrite: :mod:`~aglverl.proxy.gateway`); ``None``: none. The daemon sets it."""
+        return self._admission.gateway
+
+    @gateway.setter
+    def gateway(self, rules: GatewayRules | None) -> None:
+        self._admission.gateway = rules
 
     def refusal(self, rollout_id: str, attempt_id: str) -> ProxyError | None:
         """The 429 a call of this rollout attempt gets now, or ``None`` when it is let in (its attempt is then

@@ -66,21 +66,28 @@ _JSON_HEADERS: Mapping[str, str] = {"Content-Type": JSON}
 class ProxyError(Exception):
     """A call the proxy answers itself, with an HTTP ``status`` and a message naming what was wrong (and the
     offending request field, ``param``, when there is one; ``headers`` the answer carries, e.g. a 429's
-    ``Retry-After``)."""
+    ``Retry-After``; ``code``, a translated API's own error code)."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, *, headers: Mapping[str, str] | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers
+        self.code = code
 
     def body(self, translator: Translator | None = None) -> bytes:
         """OpenAI-shaped, or in the API of a translated call."""
         if translator is not None:
-            return translator.error(self.status, self.message, self.param)
+            return translator.error(self.status, self.message, self.param, self.code)
         return error_body(self.status, self.message)
 
     def answer(self, translator: Translator | None = None) -> Answer:
@@ -131,6 +138,7 @@ class Call:
         "records",
         "request",
         "reshape",
+        "rewrite",
         "rollout_id",
         "sampling",
         "seq",
@@ -170,6 +178,9 @@ class Call:
         self.target = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.body = b""
+        #: What its attempt's gateway rule sets on a JSON body once it is read (:mod:`~aglverl.proxy.gateway`:
+        #: the hop's rewrite, for an agent aglverl's runner started); ``None``: the body goes as it came.
+        self.rewrite: Mapping[str, Any] | None = None
         self.kind: Literal["chat", "completion"] | None = None
         self.model: str | None = None
         self.capture: Capture | None = None

@@ -92,7 +92,11 @@ class ProxyConfig:
     ``None`` as ``pause_timeout`` (:meth:`from_settings`). ``max_body_bytes`` bounds a request's body (413
     beyond it; ``max_request_bytes`` is its old name, still taken as a keyword). ``max_header_lines``,
     ``max_line_bytes``, ``head_timeout``, ``idle_timeout``, ``max_connections`` (and ``max_body_bytes``) are the
-    HTTP server's limits (:class:`~aglverl.proxy.http.Limits`, which checks them as the proxy starts serving).
+    HTTP server's limits (:class:`~aglverl.proxy.http.Limits`, which checks them when the config is made:
+    a value that is not one is a ``ValueError`` naming it).
+    ``responses_per_attempt`` and ``response_bytes_per_attempt`` bound the Responses API's stored responses of
+    each rollout attempt (:mod:`~aglverl.proxy.api.response_store`; the least recently used dropped past
+    them; 0 responses: none kept), an integer >= 0 each (``ValueError`` otherwise).
     """
 
     host: str = "127.0.0.1"
@@ -117,6 +121,8 @@ class ProxyConfig:
     head_timeout: float = 20.0
     idle_timeout: float = 75.0
     max_connections: int = 8192
+    responses_per_attempt: int = 256
+    response_bytes_per_attempt: int = 32 << 20
     overload: OverloadPolicy = field(default_factory=OverloadPolicy)
     auth: bytes | None = field(init=False, repr=False, compare=False)
     backend_auth: str | None = field(init=False, repr=False, compare=False)
@@ -125,6 +131,10 @@ class ProxyConfig:
         if self.sampling_mismatch not in ("refuse", "mask"):
             raise ValueError(f"sampling_mismatch must be 'refuse' or 'mask', got {self.sampling_mismatch!r}")
         self.limits()  # the HTTP server's: a value that is not one is a ValueError naming it, now
+        for name in ("responses_per_attempt", "response_bytes_per_attempt"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         object.__setattr__(self, "auth", None if self.token is None else f"Bearer {self.token}".encode())
         key = self.backend_api_key
         object.__setattr__(self, "backend_auth", None if key is None else f"Bearer {key}")
@@ -223,6 +233,8 @@ class ProxyPolicySettings(TypedDict, total=False):
     head_timeout: float
     idle_timeout: float
     max_connections: int
+    responses_per_attempt: int
+    response_bytes_per_attempt: int
     overload: OverloadPolicy
 
 

@@ -12,7 +12,9 @@ and its call always ended recorded and counted.
   <aglverl.proxy.admission.Admission.admit>`: translation, capture, sampling, token-in, the gate), then made from
   ids when it extends a recorded turn (:class:`~aglverl.proxy.tokenin.TokenIn`) or relayed
   (:class:`~aglverl.proxy.relay.Relay`), always ending with the call recorded and counted before the agent sees
-  an error answer.
+  an error answer. A route the proxy answers itself (a Responses API's stored response read back or deleted:
+  :attr:`Translator.local <aglverl.proxy.api.Translator.local>`) is answered from what it keeps, never forwarded,
+  recorded nor counted as a call.
 - :meth:`Handler.refusal` — the server's own refusals (a malformed head, a limit passed, a head too slow, a
   connection past the cap), in the API of the route they were sent to when it has one (Responses, Messages),
   else OpenAI's error shape; counted in ``aglverl_proxy_http_refused_total{status}``.
@@ -43,6 +45,7 @@ __all__ = ["Handler"]
 
 logger = logging.getLogger(__name__)
 
+_JSON_HEADERS = {"Content-Type": JSON}
 _NO_ROUTE = "no such route {!r}: use /v1/... or /rollout/{{rollout_id}}/attempt/{{attempt_id}}/v1/..."
 
 
@@ -97,6 +100,14 @@ class Handler:
         except asyncio.CancelledError:  # the agent left while its body was read or while paused
             self.meters.calls.inc(1, "cancelled")
             raise
+        translator = call.translator
+        if translator is not None and translator.local:  # answered from what the proxy keeps: never forwarded
+            status, body = translator.answer()
+            try:
+                await exchange.send_whole(status, _JSON_HEADERS, body)
+            except ConnectionError:  # the agent left: nothing was changed for it but what it asked
+                pass
+            return
         self.gate.enter()
         try:
             await self._run(call)
@@ -136,8 +147,8 @@ class Handler:
 
     def refusal(self, error: HttpError, exchange: Exchange) -> Answer:
         self.meters.http_refused.inc(1, str(error.status))
-        found = route(exchange.path) if exchange.method == "POST" and exchange.path else None
-        api = APIS.match(found.path) if found is not None else None
+        found = route(exchange.path) if exchange.path else None
+        api = APIS.match(found.path, exchange.method) if found is not None else None
         if api is not None:
             body = api[0].error_body(error.status, error.message, None)
         else:

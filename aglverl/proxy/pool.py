@@ -7,12 +7,14 @@
   healthy (vLLM's prefix cache then holds the conversation; the last ``STICKY_ROLLOUTS`` rollouts are
   remembered, LRU); a new rollout, a retry, or a rollout whose backend is ejected, removed or asked to wait by a
   429 goes to the healthy backend with the fewest calls in flight (then the fewest picks). Synchronous.
-- :meth:`Pool.send` — one upstream try, awaiting the response head. No response at all is
+- :meth:`Pool.send` — one upstream try, awaiting the response head. No response at all (the upstream client's
+  :class:`~aglverl.proxy.upstream.ConnectError` or :class:`~aglverl.proxy.upstream.ReadError`) is
   :class:`~aglverl.proxy.call.Unreachable` (safe to retry: nothing reached the agent); a refused connection
   also ejects the backend. ``request_timeout`` before the head is a 504
   (:class:`~aglverl.proxy.call.ProxyError`), and a backend that outlives it ``EJECT_AFTER_TIMEOUTS`` calls in
-  a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); anything else that is not
-  HTTP a 502. Cancelled, the request is dropped with its connection.
+  a row is ejected too (:meth:`Pool.timed_out` moves the rollout off it at once); an answer that is not
+  well-formed HTTP (:class:`~aglverl.proxy.upstream.RemoteProtocolError`) a 502. Cancelled, the request is
+  dropped with its connection.
 - :meth:`Pool.keep` keeps a retryable 5xx/429 answer (bounded) in case no retry does better and notes a 429's
   ``Retry-After``; :func:`read_bounded` reads a whole body under ``max_response_bytes``. The retry loop
   itself is the relay's (:meth:`~aglverl.proxy.relay.Relay.attempts`); its policy is
@@ -63,7 +65,7 @@ from .dialect import DEFAULT, Dialect, detect
 from .headers import RESPONSE_DROP
 from .meters import Meters
 from .sse import EventCut, payloads
-from .upstream import Response, Upstream, UpstreamError
+from .upstream import ConnectError, ReadError, RemoteProtocolError, Response, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -343,17 +345,14 @@ class Pool:
             upstream = await self._upstream.request(method, backend.url, target, call.headers.items(), body)
         except TimeoutError:  # request_timeout before the response head (an OSError too: caught first)
             raise ProxyError(504, self.timed_out(call)) from None
-        except UpstreamError as exc:
-            if exc.kind == "connect":
-                self._eject(backend, exc)
-                raise Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
-            if exc.kind == "head":  # the backend is not speaking HTTP
-                raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc}") from exc
-            # Typically a kept connection the server closed just as it was reused: worth another try.
-            raise Unreachable(
-                f"backend {backend.url} closed the connection without answering: {exc}"
-            ) from exc
-        except OSError as exc:  # a write or read error on the connection before a head
+        except ConnectError as exc:
+            self._eject(backend, exc)
+            raise Unreachable(f"backend {backend.url} is unreachable: {exc}") from exc
+        except RemoteProtocolError as exc:  # the backend is not speaking HTTP as it must
+            raise ProxyError(502, f"backend {backend.url} sent no valid HTTP response: {exc}") from exc
+        except (ReadError, OSError) as exc:
+            # Typically a kept connection the server closed just as it was reused: worth another try (nothing
+            # of the answer reached the agent). A body broken before the head was returned is one too.
             raise Unreachable(
                 f"backend {backend.url} closed the connection without answering: {exc}"
             ) from exc

@@ -15,8 +15,9 @@ matters):
 - :meth:`Responder.close_stream` — the end of a streamed answer whose last event went out (a translated call's
   last bytes, then the end): the call is delivered.
 - :meth:`Responder.end_broken` — a response whose head already went out, broken off: a final SSE error event
-  (or the translated API's own error ending), then the end; the call fails unless the agent already had its
-  whole answer.
+  (or the translated API's own error ending), then the agent's connection is closed without the body's last
+  chunk, so that its HTTP client sees the answer cut short, never whole; the call fails. An agent that already
+  had its whole answer just gets the end of it.
 
 Cancellation (the agent left, shutdown) interrupts a write; the caller's handler records the call as
 cancelled. Holds the recorder (commits happen here, at the last moment before the agent sees the end).
@@ -112,26 +113,32 @@ class Responder:
         return True
 
     async def end_broken(self, call: Call, status: int, message: str) -> None:
-        """End a response whose head already went out: a final SSE error event (for streams), then EOF.
+        """End a response whose head already went out: a final SSE error event (for streams; a translated call's
+        API's own error ending), then the agent's connection closed without the body's last chunk
+        (:meth:`Exchange.abort <aglverl.proxy.http.Exchange.abort>`): its client sees the answer cut short,
+        never whole.
 
-        A call whose agent already has the whole answer (``[DONE]`` went out) just gets its EOF.
+        A call whose agent already has the whole answer (``[DONE]`` went out) just gets its end.
         """
         exchange = call.exchange
         assert exchange is not None and exchange.started
-        if not call.delivered:
+        try:
+            if call.delivered:
+                await exchange.end()
+                return
             call.upstream_end = time.monotonic()
             call.fail(message)
             logger.warning(
                 "call %d on %s failed after its response started: %s", call.seq, call.path, message
             )
-        try:
             last = b""
-            if call.translator is not None and not call.delivered:
-                last = call.translator.abort(message)  # that API's own error ending
-            elif call.sse and not call.delivered:
+            if call.translator is not None:
+                last = call.translator.abort(message)
+            elif call.sse:
                 # A blank line first ends any event the backend left half-sent.
                 prefix = b"" if call.tail.endswith(b"\n\n") else b"\n\n"
                 last = prefix + b"data: " + error_body(status, message) + b"\n\n"
-            await exchange.end(last)
+            await exchange.write(last)
+            exchange.abort()
         except ConnectionError:
             pass

@@ -42,6 +42,8 @@ class Route:
 def route(raw_path: str) -> Route | None:
     """The route of ``raw_path`` (a URL's path, as sent); ``None`` when it is neither family's."""
     segments = raw_path.split("/")
+    rollout_id: str | None
+    attempt_id: str | None
     escaped = "%" in raw_path
     if escaped:
         segments = [unquote(s, errors="surrogateescape") for s in segments]

@@ -79,7 +79,8 @@ class ShardTable:
     :class:`~aglverl.proxy.store_view.ProxyStore`. Single loop; every method returns at once.
 
     ``forget(rollout_ids)`` is called when the last attempt of a rollout here is revoked (the proxy's
-    routing state and token-in sessions of that rollout go with it).
+    routing state and token-in sessions of that rollout go with it), ``ended(rollout_id, attempt_id)`` when
+    any attempt is (it makes no more calls here: what the proxy keeps for it, its stored responses, goes).
     """
 
     def __init__(self, vocab_size: int | None, shard: int) -> None:
@@ -89,6 +90,7 @@ class ShardTable:
         self._sampling: dict[str, Mapping[str, Any] | None] = {}
         self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.forget: Any = None
+        self.ended: Any = None
         #: Calls admitted so far (:meth:`ProxyShard.calls_admitted` waits for a count).
         self.calls = 0
         self._counted: anyio.Event | None = None
@@ -149,6 +151,8 @@ class ShardTable:
         self._ended[(rollout_id, attempt_id)] = None
         if len(self._ended) > _ENDED:
             self._ended.popitem(last=False)
+        if self.ended is not None:
+            self.ended(rollout_id, attempt_id)
         if not attempts:
             del self._attempts[rollout_id]
             del self._sampling[rollout_id]
@@ -209,6 +213,7 @@ class ProxyShard:
             sampling_of=self.table.sampling_of,
         )
         self.table.forget = self.proxy.forget
+        self.table.ended = self.proxy.attempt_ended
         self.registry.gauge(
             "aglverl_proxy_shard_attempts",
             "Attempts pinned to this proxy shard now.",

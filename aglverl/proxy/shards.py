@@ -4,7 +4,11 @@ from the daemon's event loop (``AgentDaemon(proxy_shards=N | "per_node")``; desi
 
 Each shard is a Ray actor (:class:`aglverl.proxy.shard.ProxyShard`): its own process and event loop, pinned to a
 node with a node-affinity strategy, serving on that node's address, fronting that node's replicas (all of them
-when none is known to be there). :class:`ProxyShards` is the driver's side, on the daemon's loop:
+when none is known to be there). :class:`ProxyShards` is the driver's side, on the daemon's loop: it keeps a
+:class:`~aglverl.proxy.shard_handle.ShardHandle` per shard (the pins and table changes of each) and holds three
+parts, each handed the shards' list and told of a shard found dead: :class:`~aglverl.proxy.shard_gate.ShardGate`
+(the gate), :class:`~aglverl.proxy.shard_figures.ShardFigures` (the figures) and
+:class:`~aglverl.proxy.shard_copies.ResourceCopies` (each shard's copy of the resources):
 
 - **Pinning.** When the store hands out an attempt (:meth:`ProxyShards.pin`) it goes to the shard with the
   fewest attempts in flight; the task's ``resources_id`` names that shard's copy of its resources
@@ -39,13 +43,10 @@ when none is known to be there). :class:`ProxyShards` is the driver's side, on t
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -53,11 +54,15 @@ import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
 from ..metrics import Registry
-from ..models import LLM, ProxyLLM, ResourcesUpdate
+from ..models import ProxyLLM, ResourcesUpdate
 from ..store import AttemptLost, LLMCall, TaskStore
 from .config import ProxyConfig
-from .control import GAUGES
-from .shard import GateOp, ProxyShard, ShardRestarted, TableOp, boot_id
+from .control import BusyTimeline
+from .shard import ProxyShard, ShardRestarted, TableOp, boot_id
+from .shard_copies import ResourceCopies
+from .shard_figures import ShardFigures
+from .shard_gate import ShardGate
+from .shard_handle import Pin, ShardHandle
 
 __all__ = [
     "SHARD_MAX_RESTARTS",
@@ -73,18 +78,12 @@ logger = logging.getLogger(__name__)
 
 #: How many times Ray restarts a shard's process before the shard is given up.
 SHARD_MAX_RESTARTS = 8
-#: Busy intervals kept per shard for the activity timeline (seconds), as :class:`~aglverl.metrics.ActivityTimeline`.
-ACTIVITY_KEEP_SECONDS = 3600.0
 #: Bound on one take of an attempt's records (seconds): one round trip, milliseconds when the shard answers.
 TAKE_TIMEOUT = 30.0
 #: Bound on stopping the shards' proxies (their in-flight calls' grace included) when the daemon stops.
 _STOP_TIMEOUT = 10.0
-#: The mark between a resources id and the shard it was copied for.
-_COPY_MARK = "@shard"
 
 ShardCount = int | Literal["per_node"]
-#: The gate operation that puts a shard in the gate's state.
-_REGATE: dict[str, GateOp] = {"open": "resume", "held": "hold", "paused": "pause"}
 
 
 class ShardsGone(RuntimeError):
@@ -114,94 +113,6 @@ def place_shards(count: ShardCount, backend_nodes: Mapping[str, str] | None = No
     if count == "per_node":
         return nodes
     return [nodes[i % len(nodes)] for i in range(count)]
-
-
-@dataclass(slots=True, eq=False)
-class _Pin:
-    """An attempt pinned to a shard; ``ready`` is set once the shard admitted it (or it was lost)."""
-
-    shard: _Shard
-    epoch: int
-    sampling: Mapping[str, Any] | None
-    ready: anyio.Event = field(default_factory=anyio.Event)
-    lost: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _Shard:
-    """The driver's view of one shard. ``epoch`` counts the deaths noticed: a pin made in epoch e belongs to the
-    process that serves after the e-th death."""
-
-    index: int
-    node: str
-    actor: Any
-    backends: list[str]
-    url: str = ""
-    incarnation: str = ""
-    epoch: int = 0
-    up: bool = False
-    gone: bool = False
-    pins: dict[tuple[str, str], _Pin] = field(default_factory=dict)
-    ops: list[TableOp] = field(default_factory=list)
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    # figures: this incarnation's last counters, those of earlier incarnations summed, busy intervals
-    offset: float = 0.0
-    seen_incarnation: str = ""
-    counters: dict[str, float] = field(default_factory=dict)
-    retired: dict[str, float] = field(default_factory=dict)
-    busy: deque[tuple[float, float]] = field(default_factory=deque)
-    busy_since: float = 0.0
-
-
-def _add(into: dict[str, float], values: Mapping[str, float]) -> None:
-    for key, value in values.items():
-        into[key] = into.get(key, 0.0) + value
-
-
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-class _Activity:
-    """The union of the shards' busy intervals, as :meth:`ActivityTimeline.busy_intervals` gives one process's
-    (as of the last :meth:`ProxyShards.refresh`)."""
-
-    def __init__(self, shards: Sequence[_Shard]) -> None:
-        self._shards = shards
-
-    def busy_intervals(self, start: float, stop: float) -> list[tuple[float, float]]:
-        spans = (span for shard in self._shards for span in shard.busy)
-        return [(max(a, start), min(b, stop)) for a, b in _union(spans) if b > start and a < stop]
-
-
-def _labelled(text: str, shard: int) -> dict[str, tuple[list[str], list[str]]]:
-    """A Prometheus text's families by name: (HELP/TYPE lines, samples with ``shard="<k>"`` added)."""
-    families: dict[str, tuple[list[str], list[str]]] = {}
-    current: tuple[list[str], list[str]] = ([], [])
-    for line in text.splitlines():
-        if not line:
-            continue
-        if line.startswith("#"):
-            parts = line.split(" ", 3)
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
-                current = families.setdefault(parts[2], ([], []))
-                if len(current[0]) < 2:
-                    current[0].append(line)
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.endswith("}"):
-            name, _, labels = head.partition("{")
-            current[1].append(f'{name}{{shard="{shard}",{labels} {value}')
-        else:
-            current[1].append(f'{head}{{shard="{shard}"}} {value}')
-    return families
 
 
 class ProxyShards:
@@ -242,19 +153,16 @@ class ProxyShards:
         self.sampling_of = sampling_of
         self.freeze_gc = freeze_gc
         self.max_restarts = max_restarts
-        self.shards: list[_Shard] = []
-        self._pins: dict[tuple[str, str], _Pin] = {}
-        self._urls: set[str] = set()  # every URL a shard ever served on (resources name them)
-        self._copies: dict[str, tuple[ResourcesUpdate, ResourcesUpdate]] = {}
-        self._gate_seq = itertools.count()
-        self._gate_issued = -1  # the last broadcast's sequence number
-        self._gate_state: Literal["open", "paused", "held"] = "open"
-        self._version = 0
+        self.shards: list[ShardHandle] = []
+        self._pins: dict[tuple[str, str], Pin] = {}
         self._tg: TaskGroup | None = None
         self._boot = boot_id()
-        self.activity = _Activity(self.shards)
         self._all_up: anyio.Event | None = None  # exists while someone waits in wait_up()
         self._register_metrics(registry or Registry())
+        #: Its parts, each handed the shards' list and told of a shard found dead (:meth:`_lost`).
+        self.gate = ShardGate(self.shards, self._lost, self.m_gate)
+        self.figures = ShardFigures(self.shards, self._lost)
+        self.copies = ResourceCopies(store, self.shards)
 
     def _register_metrics(self, r: Registry) -> None:
         r.gauge(
@@ -310,7 +218,7 @@ class ProxyShards:
                 ).remote(
                     index, vocab_size=self.store.vocab_size, config=self.config, freeze_gc=self.freeze_gc
                 )
-                self.shards.append(_Shard(index, node, actor, self._backends_of(node)))
+                self.shards.append(ShardHandle(index, node, actor, self._backends_of(node)))
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 async with anyio.create_task_group() as starting:
@@ -326,36 +234,25 @@ class ProxyShards:
             with anyio.CancelScope(shield=True):
                 await self._stop()
 
-    async def _start(self, shard: _Shard) -> None:
+    async def _start(self, shard: ShardHandle) -> None:
         started = time.monotonic()
         shard.url, shard.incarnation, boot = await shard.actor.start.remote()
-        gate = self._gate()
+        gate = self.gate.snapshot()
         await shard.actor.sync.remote(shard.incarnation, [], shard.backends, gate)
         self.m_start.observe(time.monotonic() - started)
         await self._serving(shard, boot, gate[0])
 
-    async def _serving(self, shard: _Shard, boot: str, synced: int) -> None:
+    async def _serving(self, shard: ShardHandle, boot: str, synced: int) -> None:
         """The shard serves with the table and gate it was sent (gate operation ``synced``): watch it, and send
         it the gate again if it changed meanwhile (a broadcast skips a shard that is not up yet)."""
         shard.offset = 0.0 if boot == self._boot else math.nan  # estimated at the first refresh
-        self._urls.add(shard.url)
+        self.copies.served_on(shard.url)
         shard.up = True
         assert self._tg is not None
         self._tg.start_soon(self._watch, shard, shard.epoch)
-        if self._gate_issued > synced:
-            await self._regate(shard)
+        if self.gate.issued > synced:
+            await self.gate.regate(shard)
         self._check_all_up()
-
-    async def _regate(self, shard: _Shard) -> None:
-        import ray
-
-        seq, state, version = self._gate()
-        op = _REGATE[state]
-        epoch = shard.epoch
-        try:
-            await shard.actor.gate.remote(seq, op, version)
-        except ray.exceptions.RayActorError as exc:
-            self._lost(shard, epoch, exc)
 
     def _check_all_up(self) -> None:
         if self._all_up is not None and all(s.up or s.gone for s in self.shards):
@@ -383,7 +280,7 @@ class ProxyShards:
             shard.up = False
 
     @staticmethod
-    async def _stop_one(shard: _Shard) -> None:
+    async def _stop_one(shard: ShardHandle) -> None:
         try:
             await shard.actor.stop.remote()
         except Exception:  # a shard that died meanwhile needs no stopping
@@ -434,12 +331,12 @@ class ProxyShards:
         live = [s for s in self.shards if s.up] or [s for s in self.shards if not s.gone] or self.shards
         shard = min(live, key=lambda s: (len(s.pins), s.index))
         sampling = self.sampling_of(rollout_id) if self.sampling_of is not None else None
-        pin = _Pin(shard, shard.epoch, sampling)
+        pin = Pin(shard, shard.epoch, sampling)
         key = (rollout_id, attempt_id)
         self._pins[key] = pin
         shard.pins[key] = pin
         self._queue(shard, ("a", rollout_id, attempt_id, sampling))
-        return f"{resources_id}{_COPY_MARK}{shard.index}-{shard.epoch}" if resources_id is not None else None
+        return self.copies.copy_id(resources_id, shard) if resources_id is not None else None
 
     async def admitted(self, rollout_id: str, attempt_id: str) -> bool:
         """Return once the attempt's shard has admitted it (``True``) or died first (``False``)."""
@@ -514,46 +411,14 @@ class ProxyShards:
 
     def resources(self, resources_id: str) -> ResourcesUpdate | None:
         """A shard's copy of a resources version (the id :meth:`pin` gave), its LLM endpoints on that shard."""
-        base_id, mark, tail = resources_id.rpartition(_COPY_MARK)
-        index, _, _ = tail.partition("-")
-        if not mark or not index.isdigit() or int(index) >= len(self.shards):
-            return None
-        base = self.store.resources(base_id)
-        if base is None:
-            return None
-        shard = self.shards[int(index)]
-        cached = self._copies.get(resources_id)
-        if cached is not None and cached[0] is base and self._endpoint_of(cached[1]) in ("", shard.url):
-            return cached[1]
-        copy = ResourcesUpdate(
-            resources_id=resources_id,
-            resources={name: self._rebased(resource, shard.url) for name, resource in base.resources.items()},
-        )
-        self._copies[resources_id] = (base, copy)
-        return copy
-
-    def _rebased(self, resource: Any, url: str) -> Any:
-        if not isinstance(resource, LLM):
-            return resource
-        for old in self._urls:
-            if resource.endpoint == old or resource.endpoint.startswith(old + "/"):
-                return resource.model_copy(update={"endpoint": url + resource.endpoint[len(old) :]})
-        return resource
-
-    def _endpoint_of(self, update: ResourcesUpdate) -> str:
-        for resource in update.resources.values():
-            if isinstance(resource, LLM):
-                for old in self._urls:
-                    if resource.endpoint.startswith(old + "/"):
-                        return old
-        return ""
+        return self.copies.get(resources_id)
 
     # ------------------------------------------------------------------ the table, pushed
-    def _queue(self, shard: _Shard, op: TableOp) -> None:
+    def _queue(self, shard: ShardHandle, op: TableOp) -> None:
         shard.ops.append(op)
         shard.wake.set()
 
-    async def _push(self, shard: _Shard) -> None:
+    async def _push(self, shard: ShardHandle) -> None:
         """Send the shard's queued table changes, one batch in flight at a time (so they arrive in order)."""
         import ray
 
@@ -581,7 +446,7 @@ class ProxyShards:
                     pin.ready.set()
 
     # ------------------------------------------------------------------ death
-    async def _watch(self, shard: _Shard, epoch: int) -> None:
+    async def _watch(self, shard: ShardHandle, epoch: int) -> None:
         """Wait, without polling, for the shard's process to die (its pending ``wait_death`` call fails)."""
         import ray
 
@@ -590,7 +455,7 @@ class ProxyShards:
         except ray.exceptions.RayActorError as exc:
             self._lost(shard, epoch, exc)
 
-    def _lost(self, shard: _Shard, epoch: int, cause: BaseException) -> None:
+    def _lost(self, shard: ShardHandle, epoch: int, cause: BaseException) -> None:
         """The shard's process of ``epoch`` is gone: void its attempts, then bring it back (once per death)."""
         if epoch != shard.epoch or shard.gone:
             return
@@ -608,7 +473,7 @@ class ProxyShards:
         if self._tg is not None:
             self._tg.start_soon(self._recover, shard)
 
-    async def _recover(self, shard: _Shard) -> None:
+    async def _recover(self, shard: ShardHandle) -> None:
         """Wait for Ray to restart the shard, then give it its table, backends and gate, and watch it again."""
         import ray
 
@@ -629,7 +494,7 @@ class ProxyShards:
         shard.url, shard.incarnation = url, incarnation
         admitted = list(shard.pins.items())
         shard.ops.clear()  # the table sent now covers them
-        gate = self._gate()
+        gate = self.gate.snapshot()
         try:
             await shard.actor.sync.remote(
                 incarnation, [(rid, aid, pin.sampling) for (rid, aid), pin in admitted], shard.backends, gate
@@ -649,7 +514,7 @@ class ProxyShards:
         shard.wake.set()  # table changes queued since the snapshot
         await self._serving(shard, boot, gate[0])
 
-    def _gone(self, shard: _Shard) -> None:
+    def _gone(self, shard: ShardHandle) -> None:
         """The shard ran out of restarts: its attempts are void; with no shard left, the daemon stops."""
         if shard.gone:
             return  # a gate sent to the restarting shard failed as its restart did
@@ -667,138 +532,48 @@ class ProxyShards:
                 f"every proxy shard died {self.max_restarts + 1} times; no LLM call can be served"
             )
 
-    # ------------------------------------------------------------------ the gate
-    def _gate(self) -> tuple[int, str, int]:
-        """The gate's state with a new sequence number, for a shard that (re)starts."""
-        return next(self._gate_seq), self._gate_state, self._version
-
-    async def _broadcast(self, op: GateOp, version: int | None = None) -> None:
-        import ray
-
-        seq = self._gate_issued = next(self._gate_seq)
-        started = time.monotonic()
-
-        async def one(shard: _Shard) -> None:
-            epoch = shard.epoch
-            try:
-                await shard.actor.gate.remote(seq, op, version)
-            except ray.exceptions.RayActorError as exc:
-                self._lost(shard, epoch, exc)
-
-        async with anyio.create_task_group() as tg:
-            for shard in self.shards:
-                if not shard.gone:  # a shard being restarted too: its new process may serve any moment
-                    tg.start_soon(one, shard)
-        self.m_gate.observe(time.monotonic() - started)
-
+    # ------------------------------------------------------------------ the gate and the figures (parts)
     async def pause(self) -> None:
-        """Hold new calls on every shard and return once every shard's calls in flight have finished.
-
-        Every shard that is not gone is paused, one being restarted included: the operation waits in Ray for
-        its new process (Ray's restart, ~1.3 s after a SIGKILL here), which applies it before or after the table and gate
-        the driver sends it, whichever comes first (the older gate is ignored). So no shard admits a call under
-        the open gate once this returned, until :meth:`resume`.
-        """
-        self._gate_state = "paused"
-        await self._broadcast("pause")
+        """Hold new calls on every shard and return once every shard's calls in flight have finished
+        (:meth:`ShardGate.pause`)."""
+        await self.gate.pause()
 
     async def hold(self) -> None:
         """Hold new calls on every shard without draining (see :meth:`LLMProxy.hold`); returns once all hold."""
-        self._gate_state = "held"
-        await self._broadcast("hold")
+        await self.gate.hold()
 
     async def resume(self, weight_version: int | None = None) -> None:
         """End a pause or hold on every shard, under ``weight_version`` (default: the current one + 1)."""
-        self._version = self._version + 1 if weight_version is None else weight_version
-        self._gate_state = "open"
-        await self._broadcast("resume", self._version)
+        await self.gate.resume(weight_version)
 
     @property
     def weight_version(self) -> int:
         """The weight version the shards record on calls whose backend reports none."""
-        return self._version
+        return self.gate.version
 
     @weight_version.setter
     def weight_version(self, version: int) -> None:
-        self._version = version
+        self.gate.version = version
         if self._tg is not None:
-            self._tg.start_soon(self._broadcast, "version", version)
+            self._tg.start_soon(self.gate.broadcast, "version", version)
 
-    # ------------------------------------------------------------------ figures
+    @property
+    def activity(self) -> BusyTimeline:
+        """The union of the shards' busy intervals, as of :meth:`refresh`."""
+        return self.figures.activity
+
     async def refresh(self) -> None:
         """Fetch every serving shard's counters and busy intervals (one call each, in parallel)."""
-        async with anyio.create_task_group() as tg:
-            for shard in self.shards:
-                if shard.up:
-                    tg.start_soon(self._refresh_one, shard)
-
-    async def _refresh_one(self, shard: _Shard) -> None:
-        import ray
-
-        sent, epoch = time.monotonic(), shard.epoch
-        try:
-            figures = await shard.actor.figures.remote(shard.busy_since)
-        except ray.exceptions.RayActorError as exc:
-            self._lost(shard, epoch, exc)  # the process asked, not whichever serves when the error arrives
-            return
-        except ray.exceptions.RayError:  # the figures are reports: a shard that cannot give them is skipped
-            logger.warning("proxy shard %d could not report its figures", shard.index, exc_info=True)
-            return
-        received = time.monotonic()
-        if figures["incarnation"] != shard.seen_incarnation:
-            if shard.seen_incarnation:
-                _add(shard.retired, {k: v for k, v in shard.counters.items() if k not in GAUGES})
-            shard.seen_incarnation = figures["incarnation"]
-            shard.busy_since = 0.0
-            if not math.isfinite(shard.offset) or shard.offset:
-                shard.offset = (sent + received) / 2 - figures["now"]  # another machine's monotonic clock
-        shard.counters = dict(figures["counters"])
-        shard.counters["_generated"] = figures["generated"]
-        offset = shard.offset
-        shard.busy.extend((a + offset, b + offset) for a, b in figures["busy"])
-        shard.busy_since = figures["now"]
-        while shard.busy and shard.busy[0][1] < received - ACTIVITY_KEEP_SECONDS:
-            shard.busy.popleft()
+        await self.figures.refresh()
 
     def counters(self) -> dict[str, float]:
-        """Every shard's ``proxy/*`` counters summed (earlier incarnations included), as of :meth:`refresh`; a
-        reading (the loop's lag, :data:`~aglverl.proxy.control.GAUGES`) is the largest shard's."""
-        total: dict[str, float] = {}
-        for shard in self.shards:
-            _add(total, shard.retired)
-            _add(total, {k: v for k, v in shard.counters.items() if k not in GAUGES})
-        for key in GAUGES:
-            total[key] = max((s.counters.get(key, 0.0) for s in self.shards if s.up), default=0.0)
-        total.pop("_generated", None)
-        return total
+        """Every shard's ``proxy/*`` counters summed (:meth:`ShardFigures.counters`), as of :meth:`refresh`."""
+        return self.figures.counters()
 
     def generated_tokens(self) -> float:
         """Response ids recorded by every shard, as of :meth:`refresh`."""
-        return sum(s.retired.get("_generated", 0.0) + s.counters.get("_generated", 0.0) for s in self.shards)
+        return self.figures.generated_tokens()
 
     async def metrics_text(self) -> str:
         """Every serving shard's Prometheus text, one family at a time, each sample labelled ``shard="<k>"``."""
-        import ray
-
-        texts: dict[int, str] = {}
-
-        async def one(shard: _Shard) -> None:
-            epoch = shard.epoch
-            try:
-                texts[shard.index] = await shard.actor.metrics_text.remote()
-            except ray.exceptions.RayActorError as exc:
-                self._lost(shard, epoch, exc)
-            except ray.exceptions.RayError:
-                logger.warning("proxy shard %d could not render its metrics", shard.index, exc_info=True)
-
-        async with anyio.create_task_group() as tg:
-            for shard in self.shards:
-                if shard.up:
-                    tg.start_soon(one, shard)
-        families: dict[str, tuple[list[str], list[str]]] = {}
-        for index in sorted(texts):
-            for name, (header, samples) in _labelled(texts[index], index).items():
-                family = families.setdefault(name, (header, []))
-                family[1].extend(samples)
-        lines = [line for header, samples in families.values() for line in (*header, *samples)]
-        return "\n".join(lines) + "\n" if lines else ""
+        return await self.figures.metrics_text()

@@ -1,78 +1,101 @@
-"""The proxy's HTTP/1.1 client to its backends: keep-alive connections per backend, one write per request, the
-response head and body parsed from the socket's reads with no layer in between.
+"""The proxy's HTTP/1.1 client to its backends: keep-alive connections per backend, one write per request, each
+response parsed by llhttp (:class:`httptools.HttpResponseParser`, the parser uvicorn runs) as the socket's reads
+come in, with no layer in between.
 
 Why not :mod:`aiohttp`'s client: a relayed call pays for the client once per try, and aiohttp's (its session,
 connector, timer context, payload writer, response and stream reader objects, each with its own bookkeeping)
 was about a third of the proxy's CPU per call. The proxy needs far less of HTTP than a general client offers:
 its backends are inference servers it was configured with, asked for JSON or an SSE stream. So this module
-speaks exactly that much, strictly:
+keeps what a pool needs (connections, deadlines, back pressure) and leaves the framing to llhttp:
 
 - :class:`Upstream` — the connections: :meth:`Upstream.request` takes an idle connection to the origin (or
   opens one within ``connect_timeout``), writes the request in one write (``Host`` and ``Content-Length``
-  added; nothing else), and awaits the response head; :class:`UpstreamError` when no connection could be made (its ``kind``
-  ``"connect"``), when the connection closed before a head came (``"closed"``: a kept connection the server had
-  just closed, typically), or when what came is not HTTP/1.x (``"head"``). An idle connection is kept
-  ``keepalive`` seconds (below the backends' own keep-alive, so that the server does not close one as it is
-  reused); :meth:`Upstream.close` closes every connection.
+  added; nothing else), and awaits the response head. An idle connection is kept ``keepalive`` seconds (below
+  the backends' own keep-alive, so that the server does not close one as it is reused); :meth:`Upstream.close`
+  closes every connection.
 - :class:`Response` — ``status``, ``reason``, ``headers`` (a :class:`~multidict.CIMultiDict`) and
   ``content_length`` once the head is in; the body read with :meth:`Response.readany` (what has arrived, ``b""``
-  at its end) or :meth:`Response.read` (all of it); :class:`UpstreamError` (``"body"``) when the connection broke
-  mid-body or its framing is wrong. Bodies framed by ``Content-Length``, chunks (trailers skipped) or the connection's end;
-  ``1xx`` heads are skipped. The connection goes back to the pool as soon as the body has arrived whole (what
-  is not read yet stays with the response); :meth:`Response.close` before that closes the connection. Reading
-  stops while more than ``HIGH_WATER`` bytes wait unread (a slow agent slows its backend's stream, not the
-  proxy's memory).
+  at its end) or :meth:`Response.read` (all of it). Bodies framed by ``Content-Length``, chunks (trailers
+  skipped) or the connection's end; ``1xx`` heads are skipped. The connection goes back to the pool as soon as
+  the body has arrived whole (what is not read yet stays with the response); :meth:`Response.close` before that
+  closes the connection. Reading stops while more than ``HIGH_WATER`` bytes wait unread (a slow agent slows its
+  backend's stream, not the proxy's memory).
+- Errors, caught by type (:mod:`~aglverl.proxy.pool` maps them to the agent's answer): :class:`ConnectError`
+  (no connection could be made), :class:`ReadError` (the connection closed or broke before the response's
+  end: before its head, a kept connection the server had just closed, typically; mid-body, a truncated answer),
+  :class:`RemoteProtocolError` (what came is not a well-formed HTTP/1.1 response: a bad status line, header,
+  ``Content-Length``, chunk size, a transfer coding other than ``chunked``, a head over ``MAX_HEAD`` bytes, a
+  switch of protocols, bytes the client did not ask for); all are :class:`UpstreamError`. A response whose
+  head is well-formed but whose body is not raises when read; one that broke before :meth:`Upstream.request`
+  returned raises there (nothing of it can have reached the agent yet).
 - Deadlines: ``request_timeout`` bounds each request from its send to its body's end: past it, whatever waits
   on the response raises :class:`TimeoutError` and the connection is closed. Cancellation while a response is
-  unfinished: the caller closes it (:meth:`Response.close`).
+  unfinished: the caller closes it (:meth:`Response.close`); a request cancelled before its head closes its
+  connection.
 
-Nothing here decompresses, follows redirects, keeps cookies or reads the environment's proxies: bodies are
-relayed byte for byte to and from the configured backends only.
+A connection's state is one :class:`State`, changed in a few named places (the request's write, the head's
+arrival, the body's end, the close). Nothing here decompresses, follows redirects, keeps cookies or reads the
+environment's proxies: bodies are relayed byte for byte to and from the configured backends only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import ssl
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import httptools
 import orjson
 from multidict import CIMultiDict
 from yarl import URL
 
 __all__ = [
+    "ConnectError",
     "Origin",
+    "ReadError",
+    "RemoteProtocolError",
     "Response",
+    "State",
     "Upstream",
     "UpstreamError",
 ]
 
-#: Bytes a response head may take (status line and headers).
+#: Bytes a response head may take (status line and headers, ``1xx`` heads before it included).
 MAX_HEAD = 64 * 1024
-#: Bytes of a chunk-size line (extensions included) before the body counts as malformed.
-MAX_CHUNK_LINE = 4096
 #: Unread body bytes past which the connection stops reading until the caller catches up.
 HIGH_WATER = 256 * 1024
 
-_HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
-_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
-_HEX = frozenset(b"0123456789abcdefABCDEF")
-
 
 class UpstreamError(Exception):
-    """A request to a backend that did not get a whole, well-formed HTTP answer; ``kind`` says how:
+    """A request to a backend that did not get a whole, well-formed HTTP answer (one of the subclasses)."""
 
-    - ``"connect"``: no connection could be made (refused, unresolvable, or not within ``connect_timeout``);
-    - ``"closed"``: the backend closed (or reset) the connection before a response head came;
-    - ``"head"``: what the backend sent is not an HTTP/1.x response head;
-    - ``"body"``: the response body ended early or is framed wrongly.
-    """
 
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+class ConnectError(UpstreamError):
+    """No connection could be made (refused, unresolvable, not within ``connect_timeout``, client closed)."""
+
+
+class ReadError(UpstreamError):
+    """The connection closed or broke before the response's end (before its head, or mid-body)."""
+
+
+class RemoteProtocolError(UpstreamError):
+    """What the backend sent is not a well-formed HTTP/1.1 response (its head or its body's framing)."""
+
+
+class State(enum.Enum):
+    """Where a connection to a backend is."""
+
+    IDLE = "idle"  #: connected, no request on it (in the pool, or just opened)
+    HEAD = "head"  #: a request went out; its response head is awaited
+    BODY = "body"  #: the head is in; the body is being read
+    CLOSED = "closed"  #: closed (by either side): never used again
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop the parse (the reason is kept on the connection)."""
 
 
 class Origin:
@@ -93,65 +116,221 @@ class Origin:
 
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection to a backend: it hands what it reads to the response being received."""
+    """One TCP connection to a backend: it feeds what it reads to llhttp, whose callbacks (the ``on_*``
+    methods) fill the response being received. Its :class:`State` says where the exchange on it is."""
 
-    __slots__ = ("closed", "idle_since", "origin", "response", "transport", "upstream")
+    __slots__ = (
+        "_head_bytes",
+        "_head_only",
+        "_headers",
+        "_keep",
+        "_reason",
+        "_until_close",
+        "idle_since",
+        "origin",
+        "parser",
+        "response",
+        "state",
+        "transport",
+        "upstream",
+    )
 
     def __init__(self, origin: Origin, upstream: Upstream) -> None:
         self.origin = origin
         self.upstream = upstream
         self.transport: asyncio.Transport | None = None
         self.response: Response | None = None
-        self.closed = False
+        self.state = State.IDLE
         self.idle_since = 0.0
+        self.parser = httptools.HttpResponseParser(self)
+        self._headers: list[tuple[str, str]] = []
+        self._reason = ""
+        self._head_bytes = 0
+        self._head_only = False
+        self._keep = True
+        self._until_close = False
 
+    # ------------------------------------------------------------------ the pool's side
+    def start(self, response: Response, message: bytes, head_only: bool) -> None:
+        """Send a request (``message``, whole) whose answer ``response`` receives."""
+        assert self.state is State.IDLE and self.transport is not None
+        self.state = State.HEAD
+        self.response = response
+        self._headers = []
+        self._reason = ""
+        self._head_bytes = 0
+        self._head_only = head_only
+        self.transport.write(message)
+
+    def close(self) -> None:
+        if self.state is not State.CLOSED:
+            self.state = State.CLOSED
+            if self.transport is not None:
+                self.transport.close()
+
+    def _end(self) -> None:
+        """The response's body has ended: the connection goes back to the pool, or closes."""
+        self.response = None
+        if self.state is State.CLOSED:
+            return
+        if not self._keep:
+            self.close()
+            self.upstream._gone(self)
+            return
+        self.state = State.IDLE
+        if self._head_only:  # llhttp would take the next bytes for the body the head announced
+            self.parser = httptools.HttpResponseParser(self)
+        self.upstream._release(self)
+
+    def _fail(self, error: BaseException) -> None:
+        """The exchange cannot go on: the response gets ``error``, the connection is closed."""
+        response, self.response = self.response, None
+        self.close()
+        self.upstream._gone(self)
+        if response is not None:
+            response._fail(error)
+
+    # ------------------------------------------------------------------ asyncio's side
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        response = self.response
-        if response is None:  # nothing was asked: a server that talks out of turn is not reused
-            self.close()
+        state = self.state
+        if state is State.HEAD:
+            self._head_bytes += len(data)
+        elif state is not State.BODY:  # nothing was asked: a server that talks out of turn is not reused
+            self._fail(RemoteProtocolError("the backend sent bytes that were not asked for"))
             return
-        response._feed(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(RemoteProtocolError("the backend switched protocols, which was not asked"))
+            return
+        except httptools.HttpParserError as exc:
+            if self.state is not State.CLOSED:  # else a callback stopped the parse, and said why
+                what = (
+                    "a malformed response head" if self.state is State.HEAD else "a malformed response body"
+                )
+                self._fail(_protocol_error(what, exc))
+            return
+        if self.state is State.HEAD and self._head_bytes > MAX_HEAD:
+            self._fail(RemoteProtocolError(f"a response head longer than {MAX_HEAD} bytes"))
 
     def eof_received(self) -> bool:
         return False  # close the transport: a half-closed backend connection is of no further use
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        state, self.state = self.state, State.CLOSED
         response, self.response = self.response, None
-        if response is not None:
-            response._lost(exc)
         self.upstream._gone(self)
+        if response is None:
+            return
+        why = f" ({exc!r})" if exc else ""
+        if state is State.BODY and self._until_close and exc is None:  # the connection's end is the body's
+            response._finish()
+        elif state is State.HEAD:
+            response._fail(ReadError(f"the connection was closed before a response came{why}"))
+        else:
+            response._fail(ReadError(f"the connection was closed mid-body{why}"))
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
+    # ------------------------------------------------------------------ llhttp's callbacks
+    def _out_of_turn(self) -> None:
+        """Bytes of a response that was not asked for (after a whole one): the connection is not reused."""
+        self._fail(RemoteProtocolError("the backend sent a response that was not asked for"))
+        raise _Stop
+
+    def on_status(self, reason: bytes) -> None:
+        if self.state is not State.HEAD:
+            self._out_of_turn()
+        self._reason = reason.decode("latin-1")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state is State.HEAD:
+            self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        # else: a trailer, skipped
+
+    def on_headers_complete(self) -> None:
+        if self.state is not State.HEAD:
+            self._out_of_turn()
+        response = self.response
+        assert response is not None
+        parser = self.parser
+        status = parser.get_status_code()
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            self._fail(RemoteProtocolError(f"a response in HTTP/{version}, not HTTP/1.x"))
+            raise _Stop
+        if status == 101:
+            self._fail(RemoteProtocolError("the backend switched protocols (101), which was not asked"))
+            raise _Stop
+        if status < 200:  # 1xx: another head follows (llhttp ends this one's message, bodiless)
+            self._headers = []
+            return
+        headers: CIMultiDict[str] = CIMultiDict(self._headers)
+        chunked = False
+        if "Transfer-Encoding" in headers:
+            codings = [c.strip().lower() for v in headers.getall("Transfer-Encoding") for c in v.split(",")]
+            if codings != ["chunked"]:
+                self._fail(
+                    RemoteProtocolError(f"a transfer coding other than chunked: {', '.join(codings)!r}")
+                )
+                raise _Stop
+            chunked = True
+        length = headers.get("Content-Length")
+        response.content_length = None if length is None else int(length)  # llhttp checked its digits
+        response.status = status
+        response.reason = self._reason
+        response.headers = headers
+        self._keep = parser.should_keep_alive()
+        self.state = State.BODY
+        self._until_close = (
+            not chunked and length is None and status not in (204, 304) and not self._head_only
+        )
+        if self._until_close:
+            self._keep = False
+        response._wake()
+        if self._head_only:
+            response._finish()
+            self._end()
+
+    def on_body(self, data: bytes) -> None:
+        response = self.response
+        if response is None:
+            self._out_of_turn()
+        response._push(data)  # type: ignore[union-attr]
+
+    def on_message_complete(self) -> None:
+        if self.state is State.HEAD:
+            return  # a 1xx head's end
+        response = self.response
+        if response is None:
+            return  # a HEAD request's answer, ended at its head
+        response._finish()
+        self._end()
+
+
+def _protocol_error(what: str, exc: httptools.HttpParserError) -> RemoteProtocolError:
+    """The error for llhttp's refusal ``exc``, naming what it refused (an error of ours in a callback, kept as
+    its context, is named too)."""
+    reason = str(exc) or type(exc).__name__
+    if exc.__context__ is not None and not isinstance(exc.__context__, _Stop):
+        reason += f" ({exc.__context__!r})"
+    return RemoteProtocolError(f"{what}: {reason}")
 
 
 class Response:
-    """A backend's response: its head once :meth:`Upstream.request` returns it, its body read as it comes."""
+    """A backend's response: its head once :meth:`Upstream.request` returns it, its body read as it comes.
+
+    ``_conn`` is its connection until the body has ended (or failed); then ``None``."""
 
     __slots__ = (
-        "_chunk_left",
-        "_chunk_state",
         "_chunks",
         "_conn",
         "_deadline",
         "_error",
-        "_head",
-        "_head_only",
-        "_keep",
-        "_left",
         "_loop",
         "_paused",
-        "_pending",
-        "_phase",
         "_unread",
-        "_upstream",
         "_waiter",
         "content_length",
         "headers",
@@ -159,21 +338,12 @@ class Response:
         "status",
     )
 
-    def __init__(self, upstream: Upstream, conn: _Connection, head_only: bool) -> None:
-        self._upstream = upstream
+    def __init__(self, loop: asyncio.AbstractEventLoop, conn: _Connection) -> None:
         self._conn: _Connection | None = conn
-        self._loop = upstream.loop
-        self._head_only = head_only
-        self._phase = _HEAD
-        self._head = b""
-        self._pending = b""
-        self._chunk_state = _SIZE
-        self._chunk_left = 0
-        self._left = 0
+        self._loop = loop
         self._chunks: list[bytes] = []
         self._unread = 0
         self._paused = False
-        self._keep = True
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -191,7 +361,8 @@ class Response:
             self._waiter = None
 
     async def readany(self) -> bytes:
-        """The body bytes that have arrived (waiting for some), ``b""`` once the body has ended."""
+        """The body bytes that have arrived (waiting for some), ``b""`` once the body has ended; raises the
+        :class:`UpstreamError` (or :class:`TimeoutError`) that ended it early."""
         while True:
             chunks = self._chunks
             if chunks:
@@ -206,7 +377,7 @@ class Response:
                 return data
             if self._error is not None:
                 raise self._error
-            if self._phase == _DONE:
+            if self._conn is None:
                 return b""
             await self._wait()
 
@@ -232,7 +403,9 @@ class Response:
 
     def close(self) -> None:
         """Done with this response: a body not yet whole closes its connection (nothing more is read)."""
-        self._fail(UpstreamError("body", "the response was closed before its end"))  # a no-op once it ended
+        conn = self._conn
+        if conn is not None:
+            conn._fail(ReadError("the response was closed before its end"))
         self._chunks.clear()
 
     async def __aenter__(self) -> Response:
@@ -247,54 +420,31 @@ class Response:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _disarm(self) -> None:
+    def _settle(self) -> None:
+        self._conn = None
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._wake()
 
     def _fail(self, error: BaseException) -> None:
-        """The response cannot go on: ``error`` for whoever reads it; the connection is closed."""
-        if self._phase == _DONE:
-            return
-        self._phase = _DONE
-        self._error = error
-        self._disarm()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.response = None
-            conn.close()
-            self._upstream._gone(conn)
-        self._wake()
+        """The response cannot go on: ``error`` for whoever reads it (its connection is closed by the caller)."""
+        if self._conn is not None:
+            self._error = error
+            self._settle()
+
+    def _finish(self) -> None:
+        conn = self._conn
+        if self._paused and conn is not None and conn.transport is not None:
+            self._paused = False  # the connection reads again: it goes back to the pool
+            conn.transport.resume_reading()
+        self._settle()
 
     def _expire(self) -> None:
         self._deadline = None
-        self._fail(TimeoutError("the backend did not finish within request_timeout"))
-
-    def _lost(self, exc: Exception | None) -> None:
-        if self._phase == _UNTIL_CLOSE:  # the connection's end is the body's
-            self._keep = False
-            self._finish()
-            return
-        if self._phase == _HEAD:
-            error = UpstreamError(
-                "closed", f"the connection was closed before a response came{f' ({exc!r})' if exc else ''}"
-            )
-        else:
-            error = UpstreamError("body", f"the connection was closed mid-body{f' ({exc!r})' if exc else ''}")
-        self._fail(error)
-
-    def _finish(self) -> None:
-        self._phase = _DONE
-        self._disarm()
-        conn, self._conn = self._conn, None
+        conn = self._conn
         if conn is not None:
-            conn.response = None
-            if self._keep and not conn.closed:
-                self._upstream._release(conn)
-            else:
-                conn.close()
-                self._upstream._gone(conn)
-        self._wake()
+            conn._fail(TimeoutError("the backend did not finish within request_timeout"))
 
     def _push(self, data: bytes) -> None:
         self._chunks.append(data)
@@ -304,187 +454,9 @@ class Response:
             if conn is not None and conn.transport is not None:
                 self._paused = True
                 conn.transport.pause_reading()
-        self._wake()
-
-    def _feed(self, data: bytes) -> None:
-        phase = self._phase
-        if phase == _HEAD:
-            data = self._feed_head(data)
-            phase = self._phase
-            if not data:
-                return
-        if phase == _LENGTH:
-            left = self._left
-            size = len(data)
-            if size < left:
-                self._left = left - size
-                self._push(data)
-                return
-            if size > left:  # more than it said: the answer is taken as said, the connection not reused
-                self._keep = False
-                data = data[:left]
-            self._left = 0
-            self._chunks.append(data)
-            self._unread += len(data)
-            self._finish()
-        elif phase == _CHUNKED:
-            self._dechunk(data)
-        elif phase == _UNTIL_CLOSE:
-            self._push(data)
-        else:  # bytes after a finished answer, before another request: not HTTP as asked
-            self._keep = False
-            conn = self._conn
-            if conn is not None:
-                conn.close()
-
-    def _feed_head(self, data: bytes) -> bytes:
-        """Take the head from ``data`` (what came before it included); returns what follows it."""
-        buffer = self._head + data if self._head else data
-        while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD:
-                    self._fail(UpstreamError("head", f"a response head longer than {MAX_HEAD} bytes"))
-                else:
-                    self._head = buffer
-                return b""
-            self._head = b""
-            try:
-                informational = self._parse_head(buffer[:end])
-            except UpstreamError as exc:
-                self._fail(exc)
-                return b""
-            buffer = buffer[end + 4 :]
-            if not informational:
-                self._wake()
-                if self._phase == _DONE:  # a head with no body
-                    if buffer:
-                        self._keep = False
-                    self._finish()
-                    return b""
-                return buffer
-
-    def _parse_head(self, head: bytes) -> bool:
-        """Read a response head; ``True`` for a ``1xx`` one (another head follows)."""
-        lines = head.decode("latin-1").split("\r\n")
-        status_line = lines[0]
-        code = status_line[9:12]
-        if (
-            status_line[:9] not in ("HTTP/1.1 ", "HTTP/1.0 ")
-            or not (code.isdigit() and code.isascii())
-            or status_line[12:13] not in ("", " ")
-        ):
-            raise UpstreamError("head", f"not an HTTP/1.x status line: {status_line[:100]!r}")
-        status = int(code)
-        if status < 100:
-            raise UpstreamError("head", f"status {status} out of range")
-        if status < 200:
-            return True
-        pairs = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name[0] in " \t" or name[-1] in " \t":
-                raise UpstreamError("head", f"a malformed header line: {line[:100]!r}")
-            pairs.append((name, value.strip()))
-        headers = CIMultiDict(pairs)
-        self.status = status
-        self.reason = status_line[13:]
-        self.headers = headers
-        connection = headers.get("Connection", "").lower()
-        if status_line[7] == "0" or "close" in connection:
-            self._keep = False
-        coding = headers.get("Transfer-Encoding")
-        lengths = headers.getall("Content-Length", ())
-        if lengths and coding is None:
-            if len(set(lengths)) != 1 or not lengths[0].isdigit():
-                raise UpstreamError("head", f"an invalid Content-Length: {', '.join(lengths)!r}")
-            self.content_length = int(lengths[0])
-        if self._head_only or status in (204, 304):
-            self._phase = _DONE
-        elif coding is not None:
-            if coding.lower().rpartition(",")[2].strip() != "chunked":
-                raise UpstreamError("head", f"a transfer coding other than chunked: {coding!r}")
-            self._phase = _CHUNKED
-        elif self.content_length is not None:
-            self._left = self.content_length
-            self._phase = _LENGTH if self._left else _DONE
-        else:
-            self._phase = _UNTIL_CLOSE
-            self._keep = False
-        return False
-
-    def _dechunk(self, data: bytes) -> None:
-        if self._pending:
-            data = self._pending + data
-            self._pending = b""
-        elif self._chunk_state == _SIZE:
-            # The usual read of a stream: exactly one whole chunk (an SSE event as the backend flushed it).
-            eol = data.find(b"\r\n", 0, 18)
-            if eol > 0 and _HEX.issuperset(data[:eol]):
-                size = int(data[:eol], 16)
-                if size and len(data) == eol + size + 4 and data[-2:] == b"\r\n":
-                    self._push(data[eol + 2 : -2])
-                    return
-        out: list[bytes] = []
-        pos, end = 0, len(data)
-        state, left = self._chunk_state, self._chunk_left
-        while pos < end:
-            if state == _DATA:
-                take = min(left, end - pos)
-                out.append(data[pos : pos + take] if take < end or pos else data)
-                pos += take
-                left -= take
-                if not left:
-                    state = _DATA_END
-            elif state == _SIZE:
-                eol = self._line_end(data, pos, MAX_CHUNK_LINE, "a chunk-size line")
-                if eol < 0:
-                    break
-                digits = data[pos:eol].partition(b";")[0].strip()
-                if not digits or not _HEX.issuperset(digits):
-                    self._fail(UpstreamError("body", f"a malformed chunk size: {data[pos:eol][:40]!r}"))
-                    return
-                left = int(digits, 16)
-                pos = eol + 2
-                state = _DATA if left else _TRAILER
-            elif state == _DATA_END:
-                if end - pos < 2:
-                    self._pending = data[pos:]
-                    break
-                if data[pos : pos + 2] != b"\r\n":
-                    self._fail(UpstreamError("body", "a chunk not followed by CRLF"))
-                    return
-                pos += 2
-                state = _SIZE
-            else:  # trailers, skipped, up to an empty line
-                eol = self._line_end(data, pos, MAX_HEAD, "a trailer line")
-                if eol < 0:
-                    break
-                if eol == pos:
-                    if eol + 2 < end:
-                        self._keep = False
-                    self._chunk_state = state
-                    if out:
-                        for piece in out:
-                            self._chunks.append(piece)
-                            self._unread += len(piece)
-                    self._finish()
-                    return
-                pos = eol + 2
-        self._chunk_state, self._chunk_left = state, left
-        if out:
-            self._push(out[0] if len(out) == 1 else b"".join(out))
-
-    def _line_end(self, data: bytes, pos: int, limit: int, what: str) -> int:
-        """Where the line at ``pos`` ends (its CR); -1 when it has not all arrived: kept for the next read, or
-        the body failed when it already runs past ``limit`` bytes."""
-        eol = data.find(b"\r\n", pos)
-        if eol < 0:
-            if len(data) - pos > limit:
-                self._fail(UpstreamError("body", f"{what} too long"))
-            else:
-                self._pending = data[pos:]
-        return eol
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class Upstream:
@@ -520,9 +492,11 @@ class Upstream:
     ) -> Response:
         """Send ``method target`` to ``backend`` (``http(s)://host:port``) and return the response once its head
         is in. ``headers`` are sent as given (``Host`` and ``Content-Length`` are this client's);
-        ``request_timeout`` bounds the request to its body's end."""
+        ``request_timeout`` bounds the request to its body's end. Raises :class:`UpstreamError` (a subclass)
+        or :class:`TimeoutError` when no well-formed head came, ``ValueError`` (before anything is sent) for a
+        line break in a header or the target. Cancelled before the head, the connection is closed."""
         if self._closed:
-            raise UpstreamError("connect", "the upstream client is closed")
+            raise ConnectError("the upstream client is closed")
         origin = self.origin(backend)
         lines = [f"{method} {target} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
         if headers is not None:
@@ -541,18 +515,16 @@ class Upstream:
         conn = self._take(origin)
         if conn is None:
             conn = await self._connect(origin)
-        response = Response(self, conn, method == "HEAD")
-        conn.response = response
+        response = Response(self.loop, conn)
         response._deadline = self.loop.call_at(self.loop.time() + self.request_timeout, response._expire)
-        assert conn.transport is not None
         try:
-            conn.transport.write(message)
-            while response._phase == _HEAD and response._error is None:
+            conn.start(response, message, method == "HEAD")
+            while not response.status and response._error is None:
                 await response._wait()
         except BaseException:
             response.close()
             raise
-        if response._error is not None and response._phase == _DONE and not response.status:
+        if response._error is not None:  # nothing of it can have reached the agent: fail the request itself
             raise response._error
         return response
 
@@ -573,7 +545,7 @@ class Upstream:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive:
+            if conn.state is State.IDLE and now - conn.idle_since < self.keepalive:
                 return conn
             conn.close()
             self._all.discard(conn)
@@ -591,14 +563,14 @@ class Upstream:
                     lambda: _Connection(origin, self), origin.host, origin.port, ssl=context
                 )
         except TimeoutError:
-            raise UpstreamError(
-                "connect", f"no connection to {origin.key} within connect_timeout={self.connect_timeout:g}s"
+            raise ConnectError(
+                f"no connection to {origin.key} within connect_timeout={self.connect_timeout:g}s"
             ) from None
         except OSError as exc:
-            raise UpstreamError("connect", f"cannot connect to {origin.key}: {exc}") from exc
+            raise ConnectError(f"cannot connect to {origin.key}: {exc}") from exc
         if self._closed:
             conn.close()
-            raise UpstreamError("connect", "the upstream client is closed")
+            raise ConnectError("the upstream client is closed")
         self._all.add(conn)
         return conn
 
@@ -618,13 +590,10 @@ class Upstream:
             idle.remove(conn)
 
     async def close(self) -> None:
-        """Close every connection (idle or in use: what waits on them gets an error)."""
+        """Close every connection (idle or in use: what waits on them gets a :class:`ReadError`)."""
         self._closed = True
         self._idle.clear()
         for conn in list(self._all):
-            response = conn.response
-            if response is not None:
-                response._fail(UpstreamError("closed", "the proxy is shutting down"))
-            conn.close()
+            conn._fail(ReadError("the proxy is shutting down"))
         self._all.clear()
         await asyncio.sleep(0)  # let the transports' connection_lost run

@@ -20,11 +20,16 @@
   environment go by file), the allow-list of the runner's variables, file names from ids; :mod:`.logs` — the
   capped log of an attempt; :mod:`.checks` — :func:`check_agent`, before a run starts.
 
-What an attempt's process gets: Agent Lightning's environment on the task server's one base URL
-(``AGL_OPENAI_BASE_URL`` = ``{server}/proxy/rollout/{id}/attempt/0/mode/{train|val}/openai/v1``, ``AGL_EVENT_URL``
-= ``{server}/api/rollouts/{id}/attempt/0/events``, ``AGL_KEY``: a key of its own that opens only its rollout's
-paths), the same endpoints and key in the variables the SDKs read (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
-``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``), ``AGL_ROLLOUT_ID``, ``AGL_ATTEMPT_ID``, ``AGL_MODE``, ``AGL_MODEL``
+What an attempt's process gets: Agent Lightning's environment (``AGL_EVENT_URL`` =
+``{server}/api/rollouts/{id}/attempt/0/events`` on the task server, ``AGL_KEY``: a key of its own that opens only
+its rollout's paths, revoked once its process is gone; ``AGL_OPENAI_BASE_URL``: when the proxy runs on the
+daemon's loop (no proxy shards), the attempt's own URL on the proxy,
+``{proxy}/rollout/{rollout_id}/attempt/{attempt_id}/v1``, which its key opens and which does what Agent
+Lightning's proxy path did (:mod:`aglverl.proxy.gateway`: the served model's name and the rollout's temperature
+set), so that a call is one HTTP exchange; else that path on the task server,
+``{server}/proxy/rollout/{id}/attempt/0/mode/{train|val}/openai/v1``), the same endpoints and key in the
+variables the SDKs read (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL`` (without ``/v1``),
+``ANTHROPIC_API_KEY``), ``AGL_ROLLOUT_ID``, ``AGL_ATTEMPT_ID``, ``AGL_MODE``, ``AGL_MODEL``
 (the served model's name), ``AGL_SEED`` (a fresh 32-bit seed, the first line of its log), the task input as
 JSON on its standard input and in the file ``AGL_INPUT_FILE``, the
 input's fields named by ``env_map`` (Agent Lightning's ``local.env_map``), and of the runner's own environment

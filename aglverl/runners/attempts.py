@@ -424,12 +424,16 @@ class ProcessRunner:
         return _Outcome(True, reward=reward)
 
     def _variables(self, slot: Slot, task: Task, input_path: str, reward_path: str) -> dict[str, str]:
-        """Agent Lightning's contract on the task server's one URL, the SDKs' variables, the attempt's key."""
+        """Agent Lightning's contract, the SDKs' variables, the attempt's key. The OpenAI base URL is the
+        attempt's own on the proxy when the proxy on this loop applies the hop's rules (no second HTTP exchange
+        per call), else Agent Lightning's proxy path on the task server."""
         daemon = self.daemon
         server = daemon.server_url
         mode = "train" if (task.mode or "train") == "train" else "val"
         where = slot.url_id
-        openai_url = f"{server}/proxy/rollout/{where}/attempt/{DEFAULT_ATTEMPT_ID}/mode/{mode}/openai/v1"
+        openai_url = daemon.agent_lightning.hop.direct_url(
+            task.rollout_id, task.attempt_id or "", slot.resources_id or task.resources_id
+        ) or (f"{server}/proxy/rollout/{where}/attempt/{DEFAULT_ATTEMPT_ID}/mode/{mode}/openai/v1")
         key = daemon.agent_lightning.rollouts.grant_key(slot) if slot.key is None else slot.key
         return {
             "AGL_KEY": key,

@@ -94,10 +94,13 @@ def main(argv: list[str]) -> int:
       and sends ``<rollout id> <its pid> <the daemon's pid>``, then waits; on SIGTERM it sends ``TERM`` and exits;
     - ``probe``: with the task's ``peer`` (another rollout), tries to post a reward to the peer's rollout with its
       own key and with none, reads the list of rollouts, prints the statuses and its environment's names, then
-      posts its own reward.
+      posts its own reward;
+    - ``gateway``: the same chat call (another model's name, ``temperature`` 0.3) at ``OPENAI_BASE_URL`` with its
+      key, without it, and at Agent Lightning's proxy path on the task server with its key, then at the task's
+      ``peer_llm`` (another attempt's base URL) with its key; prints the statuses, its key and base URL; reward 1.
     """
     program = argv[0]
-    if program in ("fields", "flood", "leave-daemon", "hold", "probe"):
+    if program in ("fields", "flood", "leave-daemon", "hold", "probe", "gateway"):
         return _more(program, argv[1:])
     if program == "signal":
         os.kill(os.getpid(), 11)
@@ -208,6 +211,23 @@ def _more(program: str, args: list[str]) -> int:
         conn.sendall(f"{os.environ['AGL_ROLLOUT_ID']} {os.getpid()} {stray}\n".encode())
         while True:
             conn.recv(1)
+    elif program == "gateway":
+        key, base = os.environ["AGL_KEY"], os.environ["OPENAI_BASE_URL"]
+        task = json.load(sys.stdin)
+        server = os.environ["AGL_EVENT_URL"].split("/api/")[0]
+        hop = f"{server}/proxy/rollout/{os.environ['AGL_ROLLOUT_ID']}/attempt/0/mode/train/openai/v1"
+        chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Say yes."}], "max_tokens": 4}
+        chat["temperature"] = 0.3
+        seen = {
+            "own": _http("POST", f"{base}/chat/completions", key, chat),
+            "own_without_key": _http("POST", f"{base}/chat/completions", None, chat),
+            "hop": _http("POST", f"{hop}/chat/completions", key, chat),
+            "peer_with_own_key": _http("POST", f"{task['peer_llm']}/chat/completions", key, chat),
+            "key": key,
+            "base": base,
+        }
+        print(json.dumps(seen), flush=True)
+        _reward_file()
     elif program == "probe":
         task = json.load(sys.stdin)
         key = os.environ["AGL_KEY"]

@@ -9,17 +9,21 @@ call's prompt + response ids) and :func:`completion` (what a backend itself gene
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import anthropic
+import anyio
 import openai
 
+from aglverl import AgentDaemon, TrainingBatch, run_agents
 from aglverl.proxy import LLMProxy
 from aglverl.proxy.tokenin import OUTCOMES
 from aglverl.store import LLMCall
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
+Agent = Callable[[dict[str, Any], Any], Awaitable[float]]
 
 
 def counts(proxy: LLMProxy) -> dict[str, float]:
@@ -149,3 +153,17 @@ async def long_second_turn(base: str, tokens: int) -> dict[str, Any]:
     messages += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "More."}]
     body = {"model": "tiny", "messages": messages, "max_tokens": tokens, "ignore_eos": True, "stream": True}
     return body | {"logprobs": True, "stream_options": {"include_usage": True}, **GREEDY}
+
+
+async def a_step(
+    daemon: AgentDaemon, agent: Agent, seconds: float = 30
+) -> tuple[TrainingBatch, dict[str, float]]:
+    """One step of ``agent`` (4 at once) on two samples, two rollouts each, within ``seconds``: the batch and the
+    proxy's counters."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: run_agents(daemon.server_url, agent, concurrency=4))
+        await daemon.submit([{"q": 1}, {"q": 2}], n=2)
+        with anyio.fail_after(seconds):
+            batch = await daemon.batches.receive()
+        tg.cancel_scope.cancel()
+    return batch, daemon.proxy_counters()

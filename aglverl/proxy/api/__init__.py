@@ -10,16 +10,20 @@ SSE event being parsed).
   :class:`~aglverl.proxy.api.translator.Translator` (request in, answer out, the endings), the field checks
   that name the wrong field, :class:`~aglverl.proxy.api.translator.TranslationError`, and the
   :class:`~aglverl.proxy.api.translator.AgentApi` protocol an API's module implements.
-- :mod:`~aglverl.proxy.api.responses` — OpenAI's Responses API (``POST .../v1/responses``).
+- :mod:`~aglverl.proxy.api.responses` — OpenAI's Responses API (``POST .../v1/responses``; its stored responses:
+  :mod:`~aglverl.proxy.api.response_store` keeps them per attempt, :mod:`~aglverl.proxy.api.stored_responses`
+  continues and reads them back).
 - :mod:`~aglverl.proxy.api.messages` — Anthropic's Messages API (``POST .../v1/messages``, key in ``x-api-key``).
 
 An API is one module: a class with the :class:`~aglverl.proxy.api.translator.AgentApi` methods that declares
 its :class:`~aglverl.proxy.api.translator.Route` patterns (path parameters included: a model named in the URL,
 a route that always streams) and the header its SDKs send their key in, registered in :data:`APIS`
 (:meth:`Apis.register`; ``tests/test_translate.py`` adds one with a path parameter and its own key header).
-:data:`APIS` matches a call's path after ``/v1/`` (POST) to its API, route and parameters, and keeps the one
-list of headers that carry an agent's credential (:attr:`Apis.credential_headers`: ``Authorization`` and each
-API's), which the proxy accepts its token in, drops before forwarding, and Agent Lightning's hop drops too.
+:data:`APIS` matches a call's method and path after ``/v1/`` to its API, route and parameters (a route the
+proxy answers itself, :attr:`Route.answer <aglverl.proxy.api.translator.Route.answer>`, is matched the same way),
+and keeps the one list of headers that carry an agent's credential (:attr:`Apis.credential_headers`:
+``Authorization`` and each API's), which the proxy accepts its token in, drops before forwarding, and Agent
+Lightning's hop drops too.
 :func:`new_translator` makes a call's translator; :func:`error_body` answers an error in an API's shape (the
 proxy's own errors included).
 """
@@ -62,8 +66,8 @@ class Apis:
 
     def _serve(self, apis: Sequence[type[AgentApi]]) -> None:
         self._apis: list[type[AgentApi]] = []
-        self._exact: dict[str, tuple[type[AgentApi], Route]] = {}
-        self._patterns: list[tuple[str, re.Pattern[str], type[AgentApi], Route]] = []
+        self._exact: dict[tuple[str, str], tuple[type[AgentApi], Route]] = {}  # (method, path) -> route
+        self._patterns: list[tuple[str, str, re.Pattern[str], type[AgentApi], Route]] = []
         #: The headers an agent's credential comes in, ``authorization`` first (lower case).
         self.credential_headers: tuple[str, ...] = ("authorization",)
         #: Of those, the APIs' own (``x-api-key``...), tried in order when there is no ``Authorization``.
@@ -79,20 +83,20 @@ class Apis:
         self._serve([other for other in self._apis if other is not api])
 
     def register(self, api: type[AgentApi]) -> type[AgentApi]:
-        """Serve ``api`` on its routes (a path already served is a ``ValueError``); returns it."""
+        """Serve ``api`` on its routes (a method and path already served is a ``ValueError``); returns it."""
         self._apis.append(api)
         for route in api.routes:
             if "{" not in route.pattern:
-                if route.pattern in self._exact:
-                    raise ValueError(f"path {route.pattern!r} is already served by another API")
-                self._exact[route.pattern] = (api, route)
+                if (route.method, route.pattern) in self._exact:
+                    raise ValueError(f"{route.method} {route.pattern!r} is already served by another API")
+                self._exact[route.method, route.pattern] = (api, route)
                 continue
             prefix = route.pattern.split("{", 1)[0]
             parts = re.split(r"\{(\w+)\}", route.pattern)
             regex = "".join(
                 re.escape(part) if i % 2 == 0 else f"(?P<{part}>[^/]+)" for i, part in enumerate(parts)
             )
-            self._patterns.append((prefix, re.compile(regex + r"\Z"), api, route))
+            self._patterns.append((route.method, prefix, re.compile(regex + r"\Z"), api, route))
         header = getattr(api, "credential_header", None)
         if header and header.lower() not in self.credential_headers:
             self.key_headers = (*self.key_headers, header.lower())
@@ -100,13 +104,14 @@ class Apis:
             self.not_forwarded = _NOT_FORWARDED | set(self.credential_headers)
         return api
 
-    def match(self, path: str) -> tuple[type[AgentApi], Route, dict[str, str]] | None:
-        """The API, route and path parameters a POST to ``path`` (after ``/v1/``) is for; ``None``: none."""
-        exact = self._exact.get(path)
+    def match(self, path: str, method: str = "POST") -> tuple[type[AgentApi], Route, dict[str, str]] | None:
+        """The API, route and path parameters a ``method`` call to ``path`` (after ``/v1/``) is for; ``None``:
+        none."""
+        exact = self._exact.get((method, path))
         if exact is not None:
             return exact[0], exact[1], {}
-        for prefix, regex, api, route in self._patterns:
-            if path.startswith(prefix) and (found := regex.match(path)) is not None:
+        for method_, prefix, regex, api, route in self._patterns:
+            if method_ == method and path.startswith(prefix) and (found := regex.match(path)) is not None:
                 return api, route, found.groupdict()
         return None
 
@@ -134,9 +139,11 @@ def new_translator(path: str) -> Translator:
     return Translator(*found)
 
 
-def error_body(path: str, status: int, message: str, param: str | None = None) -> bytes:
+def error_body(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> bytes:
     """The JSON error body the API served on ``path`` answers ``status`` with."""
     found = APIS.match(path)
     if found is None:
         raise KeyError(path)
-    return found[0].error_body(status, message, param)
+    return Translator(found[0]).error(status, message, param, code)

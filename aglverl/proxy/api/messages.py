@@ -73,8 +73,8 @@ class MessagesApi:
         self.id = new_id("msg")
 
     @staticmethod
-    def error_body(status: int, message: str, param: str | None = None) -> bytes:
-        kind = _ERROR_TYPES.get(status, "api_error")
+    def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+        kind = _ERROR_TYPES.get(status, "api_error")  # Anthropic's errors name a type, no param nor code
         return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
     # ------------------------------------------------------------------ request

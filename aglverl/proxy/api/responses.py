@@ -7,32 +7,51 @@ proxy on ``.../v1/responses``; :class:`ResponsesApi` is that API's part of the c
 - In: ``input`` (a string, or items: messages with ``input_text`` / ``output_text`` / ``input_image`` parts,
   ``function_call``, ``function_call_output``), ``instructions``, function ``tools``, ``tool_choice``,
   ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format``,
-  ``reasoning.effort``, ``top_logprobs`` / ``include: ["message.output_text.logprobs"]``, ``stream``.
+  ``reasoning.effort``, ``top_logprobs`` / ``include: ["message.output_text.logprobs"]``, ``stream``;
+  ``previous_response_id`` (the stored response's conversation comes first: :mod:`.stored_responses`) and
+  ``store``. The other ``include`` values OpenAI takes are ignored (they name what the proxy never produces:
+  hosted tools' outputs, image URLs, encrypted reasoning); a value OpenAI does not take is refused.
 - Out: ``message`` and ``function_call`` output items; ``status`` ``incomplete`` (``max_output_tokens``) when the
   backend stopped on length; streams ``response.created``, ``response.in_progress``,
   ``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``,
   ``response.function_call_arguments.delta`` ... ``response.completed`` / ``response.incomplete`` with usage,
   and ``response.failed`` when the backend fails mid-stream.
 
-Refused with a 400 naming the field (:class:`~aglverl.proxy.api.translator.TranslationError`): server-side
-state (``previous_response_id``, ``store: true``, ``conversation``, ``background``, stored ``prompt``
-templates, server-side context management), hosted tools, unknown fields and unknown item types. Errors are
-OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}``.
+- Kept: every response made with ``store`` left out or true, per rollout attempt
+  (:mod:`.response_store`); read back on ``GET /v1/responses/{response_id}``, ``DELETE`` and
+  ``GET /v1/responses/{response_id}/input_items``, routes the proxy answers itself (:mod:`.stored_responses`).
+
+Refused with a 400 naming the field (:class:`~aglverl.proxy.api.translator.TranslationError`): conversations
+(``conversation``), ``background``, stored ``prompt`` templates, server-side context management, hosted tools,
+unknown fields and unknown item types; an unknown ``previous_response_id`` as OpenAI refuses it (400,
+``code: "previous_response_not_found"``). Errors are OpenAI-shaped: ``{"error": {"message", "type", "param",
+"code"}}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 import orjson
 
 from ..sse import sse_event
+from .response_store import StoredResponse
+from .stored_responses import (
+    continued,
+    delete,
+    input_items,
+    keep,
+    listed_input,
+    refuse_duplicates,
+    retrieve,
+)
 from .translator import (
     Block,
     Exchange,
     Fields,
     Route,
+    TranslationError,
     bad_field,
     copy_sampling,
     function_tool,
@@ -48,21 +67,52 @@ _ERROR_TYPES: Mapping[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
-_INCLUDES = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
+#: The ``include`` values OpenAI takes; only the logprobs one is honoured (the others name outputs the proxy
+#: never produces, and are ignored).
+_INCLUDES = frozenset(
+    {
+        "message.output_text.logprobs",
+        "reasoning.encrypted_content",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+    }
+)
 _INPUT_TEXT = frozenset({"input_text", "output_text", "text"})
+
+
+def _answered(read: Callable[[Exchange], bytes]) -> Callable[[Exchange], tuple[int, bytes]]:
+    """A route the proxy answers itself from the stored responses: ``read``'s body, or its refusal in the API's
+    error shape."""
+
+    def answer(ex: Exchange) -> tuple[int, bytes]:
+        try:
+            return 200, read(ex)
+        except TranslationError as exc:
+            return exc.status, ResponsesApi.error_body(exc.status, exc.message, exc.param, exc.code)
+
+    return answer
 
 
 class ResponsesApi:
     """OpenAI's Responses API, one call's part (see the module docstring)."""
 
     name: ClassVar[str] = "responses"
-    routes: ClassVar[tuple[Route, ...]] = (Route("responses"),)
+    routes: ClassVar[tuple[Route, ...]] = (
+        Route("responses"),
+        Route("responses/{response_id}", method="GET", answer=_answered(retrieve)),
+        Route("responses/{response_id}", method="DELETE", answer=_answered(delete)),
+        Route("responses/{response_id}/input_items", method="GET", answer=_answered(input_items)),
+    )
     credential_header: ClassVar[str | None] = None
 
     def __init__(self, exchange: Exchange) -> None:
@@ -70,24 +120,31 @@ class ResponsesApi:
         self.id = new_id("resp")
         self._echo: dict[str, Any] = {}
         self._seq = 0
+        self._store = False  # keep the response once whole
+        self._previous: StoredResponse | None = None
+        self._input: tuple[dict[str, Any], ...] = ()
 
     @staticmethod
-    def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
         kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}})
+        return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
     # ------------------------------------------------------------------ request
     def to_chat(self, body: Fields) -> dict[str, Any]:
         for key, why in (
-            ("previous_response_id", "stored responses are not kept: send the whole conversation in 'input'"),
-            ("conversation", "conversations are not kept: send the whole conversation in 'input'"),
+            (
+                "conversation",
+                "conversations are not kept: continue a response with 'previous_response_id', or send the "
+                "whole conversation in 'input'",
+            ),
             ("prompt", "stored prompt templates are not available: send 'instructions' and 'input'"),
             ("background_options", "background responses are not supported"),
             ("context_management", "server-side context management is not supported"),
         ):
             body.refuse(key, why)
-        body.refuse("store", "responses are not stored: omit 'store' or set it to false", False)
         body.refuse("background", "background responses are not supported", False)
+        previous_id = body.get("previous_response_id", str)
+        self._store = body.get("store", bool) is not False and self.ex.responses is not None
         body.refuse("truncation", "only 'disabled' truncation is supported", "disabled")
         body.ignore(
             "metadata", "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
@@ -103,6 +160,11 @@ class ResponsesApi:
         if instructions is not None:
             messages.append({"role": "system", "content": text_of(instructions, "instructions", _INPUT_TEXT)})
         raw_input = body.get("input", (str, list), required=True)
+        if previous_id is not None:  # its conversation first: earlier inputs and answers, as they were made
+            self._previous = continued(self.ex, previous_id)
+            refuse_duplicates(self._previous, raw_input)
+            for earlier in self._previous.conversation():
+                self._input_item(Fields(earlier, "previous_response_id"), messages)
         if isinstance(raw_input, str):
             messages.append({"role": "user", "content": raw_input})
         else:
@@ -130,7 +192,11 @@ class ResponsesApi:
         self._reasoning(body, chat)
         self._logprob_options(body, chat)
         body.done(chat)
+        if self._store:
+            self._input = listed_input(raw_input)
         self._echo = {
+            "previous_response_id": previous_id,
+            "store": self._store,
             "instructions": instructions,
             "max_output_tokens": limit,
             "metadata": body.obj.get("metadata") or {},
@@ -145,7 +211,8 @@ class ResponsesApi:
 
     def _input_item(self, item: Fields, messages: list[dict[str, Any]]) -> None:
         kind = item.get("type", str) or "message"
-        item.ignore("id", "status")
+        item.get("id", str)  # an item's own id: listed back, never sent to the backend
+        item.ignore("status")
         if kind == "message":
             role = item.get("role", str, required=True)
             if role not in ("user", "assistant", "system", "developer"):
@@ -306,7 +373,6 @@ class ResponsesApi:
             "incomplete_details": None,
             "model": self.ex.backend_model or self.ex.model or "",
             "output": output,
-            "store": False,
             "truncation": "disabled",
             "usage": None,
             **self._echo,
@@ -365,7 +431,11 @@ class ResponsesApi:
         ]  # an empty answer: an empty message
         item_status = "incomplete" if status == "incomplete" else "completed"
         output = [self._item(b, item_status) for b in blocks]
-        return self._response(status, output, incomplete_details=details, usage=self._usage_out())
+        response = self._response(status, output, incomplete_details=details, usage=self._usage_out())
+        if self._store:  # whole now: a later call may continue it, the agent may read it back
+            self._store = False
+            keep(self.ex, response, self._input, self._previous)
+        return response
 
     # ------------------------------------------------------------------ events
     def _emit(self, kind: str, **fields: Any) -> bytes:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
 import orjson
 
 from ..sse import EventCut, payloads
+from .response_store import UNATTRIBUTED, AttemptKey, ResponseStore
 
 __all__ = [
     "CHAT_TARGET",
@@ -80,26 +82,34 @@ ERROR_BODY_LIMIT = 64 << 10
 class Route:
     """Where an API is served and where its call's model and stream flag come from.
 
-    ``pattern``: the path after ``/v1/`` (POST), its ``{name}`` parts path parameters (one path segment each,
+    ``pattern``: the path after ``/v1/``, its ``{name}`` parts path parameters (one path segment each,
     ``models/{model}:generateContent``); the call's parameters reach its :class:`AgentApi` as
-    :attr:`Exchange.params`. ``model``: the path parameter that names the model (``None``: the body's ``model``
-    field). ``stream``: whether the route streams its answer (``None``: the body's ``stream`` field says).
+    :attr:`Exchange.params`. ``method``: the HTTP method it is served on. ``model``: the path parameter that names
+    the model (``None``: the body's ``model`` field). ``stream``: whether the route streams its answer (``None``:
+    the body's ``stream`` field says). ``answer``: for a route the proxy answers itself from what it keeps (a
+    stored response read back), never forwarded: its ``(status, JSON body)`` for the call's :class:`Exchange`
+    (its path parameters, query string and the attempt's stored responses); ``None``: a call translated into
+    a chat completion.
     """
 
     pattern: str
     model: str | None = None
     stream: bool | None = None
+    method: str = "POST"
+    answer: Callable[[Exchange], tuple[int, bytes]] | None = None
 
 
 class TranslationError(Exception):
     """A body that cannot be translated: ``status`` (400 for the agent's, 502 for the backend's), a message
-    naming what was wrong, and ``param``, the offending field's dotted path when there is one."""
+    naming what was wrong, ``param``, the offending field's dotted path when there is one, and ``code``, the
+    API's own error code when it has one (OpenAI's ``previous_response_not_found``)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # the API's machine-readable error code, when it has one
 
 
 def backend_error(body: bytes, status: int, limit: int = 2000) -> tuple[str, str | None]:
@@ -275,6 +285,10 @@ class Exchange:
     logprobs: bool = False  # the agent asked for them (the proxy may ask the backend for its own reasons)
     stops: list[str] = field(default_factory=list)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    query: str = ""  # the raw query string (a route the proxy answers itself reads it)
+    # what the proxy keeps for the call's attempt (the Responses API's stored responses; None: nothing kept)
+    responses: ResponseStore | None = None
+    attempt: AttemptKey = UNATTRIBUTED
     # the answer
     blocks: list[Block] = field(default_factory=list)
     finish: str | None = None
@@ -309,8 +323,9 @@ class AgentApi(Protocol):
     def __init__(self, exchange: Exchange) -> None: ...
 
     @staticmethod
-    def error_body(status: int, message: str, param: str | None = None) -> bytes:
-        """The JSON body this API answers ``status`` with."""
+    def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+        """The JSON body this API answers ``status`` with (``code``: the API's error code; an API without codes
+        may leave the parameter out)."""
         ...
 
     def to_chat(self, body: Fields) -> dict[str, Any]:
@@ -403,9 +418,21 @@ class Translator:
             chat["stream_options"] = {"include_usage": True}  # usage for the final event
         return orjson.dumps(chat)
 
-    def error(self, status: int, message: str, param: str | None = None) -> bytes:
-        """This API's error body."""
-        return self.api.error_body(status, message, param)
+    def error(self, status: int, message: str, param: str | None = None, code: str | None = None) -> bytes:
+        """This API's error body (an API without error codes is never handed one)."""
+        if code is None:
+            return self.api.error_body(status, message, param)
+        return self.api.error_body(status, message, param, code)
+
+    @property
+    def local(self) -> bool:
+        """Whether the call's route is answered by the proxy itself (:attr:`Route.answer`), never forwarded."""
+        return self._route is not None and self._route.answer is not None
+
+    def answer(self) -> tuple[int, bytes]:
+        """The ``(status, JSON body)`` of a call whose route the proxy answers itself (:attr:`local`)."""
+        assert self._route is not None and self._route.answer is not None
+        return self._route.answer(self.exchange)
 
     # ------------------------------------------------------------------ whole answers
     def whole(self, status: int, body: bytes) -> bytes:
