@@ -205,10 +205,13 @@ async def test_the_task_server_answers_in_milliseconds_while_an_update_runs(
     first_run: dict[str, Any],
 ) -> None:
     update = max(r["metrics"]["timing_s/update_actor"] for r in first_run["steps"].values())
-    assert update > 1.0  # slow enough that a blocked event loop would show
+    # a loop blocked by the update would answer one probe after the whole update: the bound is half of it (and
+    # 0.5 s at most), however quick the machine makes the update
+    bound = min(0.5, update / 2)
+    assert update > 0.2, update
     latencies = first_run["latencies"]
     assert len(latencies) > 50
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    assert max(latencies) < bound, (update, sorted(latencies)[-5:])
     print(f"healthz during training: n={len(latencies)} max={max(latencies) * 1000:.1f} ms")
 
 
