@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from helpers.overlay import Overlay
 
 #: The Agent Lightning tier's Python (``make test-agl`` sets it): Python 3.12 with ``agentlightning==1.0.2``.
 AGL_PYTHON_ENV = "AGL_PYTHON"
@@ -65,3 +69,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             os.environ.pop(HOME_ENV, None)
         else:
             os.environ[HOME_ENV] = old
+
+
+@pytest.fixture(scope="session")
+def agent_framework(tmp_path_factory: pytest.TempPathFactory) -> Overlay:
+    """Microsoft Agent Framework added beside Agent Lightning 0.3 with the constraints file, in an overlay venv of
+    .venv-agl03 (``helpers.overlay``): built once per session for the ``agl03`` tests that use it (needs PyPI,
+    ~50 s on a fresh machine); ``installed`` says whether pip added it."""
+    from helpers.overlay import framework_overlay
+
+    return framework_overlay(tmp_path_factory.mktemp("agent-framework") / "overlay")
