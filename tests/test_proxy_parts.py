@@ -344,6 +344,69 @@ def test_capture_reports_logprobs_only_as_one_number_per_id() -> None:
         assert ids == [1, 2] and lps == expected and all(type(v) is float for v in lps or ())
 
 
+@pytest.mark.parametrize(
+    ("ids", "logprobs"),
+    [
+        ([1, 2], [-1.0, -0.5]),
+        ([1, 2], [-1, -0.5]),
+        ([1, 2], [-1.0, None]),
+        ([1, 2], [-1.0, True]),
+        ([1, 2.0], [-1.0, -0.5]),
+        ([1, True], [-1.0, -0.5]),
+        ([1, -1], [-1.0, -0.5]),
+        ([1, 2**63], [-1.0, -0.5]),
+        ([1, 2**63 - 1], [-1.0, -0.5]),
+        ([1, 999], [-1.0, -0.5]),
+        ([1, 1000], [-1.0, -0.5]),
+        ([1, "2"], [-1.0, -0.5]),
+        ([1, [2]], [-1.0, -0.5]),
+        (7, [-1.0]),
+        ([], []),
+    ],
+)
+def test_capture_checks_ids_and_logprobs_as_checked_token_ids_does_whichever_decoder_reads_them(
+    ids: object, logprobs: list[object]
+) -> None:
+    """The checked decoder (ids typed as token ids, log-probs as numbers) and the fallback for what it refuses
+    record the same: each id list as :func:`checked_token_ids` judges it (the vocabulary's bound too), log-probs
+    only as one float per id; whole or streamed, a later event that the checked decoder refuses included."""
+    from aglverl.models import checked_token_ids
+
+    def recorded(capture: Capture) -> tuple[object, object]:  # as the recorder takes a choice
+        [(_, _, got, lps)] = capture.result()
+        checked = capture.token_ids(got, 1000)
+        return checked, lps if checked is not None else None
+
+    def expected(ids: object, logprobs: list[object]) -> tuple[object, object]:
+        checked = checked_token_ids(ids, 1000)
+        numbers = all(type(v) in (int, float) for v in logprobs)
+        if checked is None or len(logprobs) != len(checked) or not numbers:
+            return checked, None
+        return checked, [float(v) for v in logprobs]
+
+    def entries(logprobs: list[object]) -> dict[str, object]:
+        return {
+            "content": [{"token": "x", "logprob": v, "bytes": [120], "top_logprobs": []} for v in logprobs]
+        }
+
+    choice = {"index": 0, "message": {"content": "xx"}, "token_ids": ids, "logprobs": entries(logprobs)}
+    whole = Capture("chat")
+    assert whole.take_body(orjson.dumps({"prompt_token_ids": ids, "choices": [choice]}))
+    assert recorded(whole) == expected(ids, logprobs)
+    assert whole.token_ids(whole.prompt_ids, 1000) == checked_token_ids(ids, 1000)
+
+    first = {"index": 0, "delta": {"content": "a"}, "token_ids": [3], "logprobs": entries([-0.25])}
+    later = {"index": 0, "delta": {"content": "b"}, "token_ids": ids, "logprobs": entries(logprobs)}
+    streamed = Capture("chat")
+    streamed.take_events(
+        b"".join(b"data: " + orjson.dumps({"choices": [c]}) + b"\n\n" for c in (first, later))
+    )
+    if isinstance(ids, list):
+        assert recorded(streamed) == expected([3, *ids], [-0.25, *logprobs])
+    else:  # not a list of ids at all: the stream's ids cannot be trusted
+        assert streamed.broken and recorded(streamed) == (None, None)
+
+
 def test_the_proxys_keywords_are_its_configs_fields_one_for_one() -> None:
     """``ProxySettings`` (the keywords of ``LLMProxy``, and ``AgentDaemon``'s through ``ProxyPolicySettings``)
     names each field of ``ProxyConfig`` once, and the old names of renamed ones: a new setting is one field and

@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from ..models import checked_token_ids
 from ..store import LLMCall
 from .call import Call, error_message
 from .meters import Meters
@@ -178,7 +177,7 @@ class Recorder:
         vocab = self.store.vocab_size
         choices = capture.result() if capture is not None else []
         if not choices:
-            prompt = checked_token_ids(capture.prompt_ids, vocab) if capture is not None else None
+            prompt = capture.token_ids(capture.prompt_ids, vocab) if capture is not None else None
             if ok:
                 self.meters.no_ids.inc()
             return [LLMCall(**common, prompt_token_ids=prompt, limit=call.limit)]
@@ -187,7 +186,7 @@ class Recorder:
             prompt = choice.prompt_ids if choice.prompt_ids is not None else capture.prompt_ids  # type: ignore[union-attr]
             # Whatever a backend sends as ids must be valid int64 ids below the vocabulary size, or it is
             # recorded as "no ids": one malformed answer must not reach (and break) a training batch.
-            prompt, ids = checked_token_ids(prompt, vocab), checked_token_ids(ids, vocab)
+            prompt, ids = capture.token_ids(prompt, vocab), capture.token_ids(ids, vocab)  # type: ignore[union-attr]
             if ids is None:
                 logprobs = None
             if not ok:
