@@ -142,7 +142,8 @@ async def test_the_sdks_wait_out_retry_after_and_get_their_answer(sdk: str) -> N
 
 async def test_a_late_loop_with_few_calls_in_flight_or_refusing_off_sheds_nothing() -> None:
     """The default ``min_in_flight``: a loop made late with no call in flight (a stall of the process, other
-    work on its loop) has nothing to shed; ``refuse=False`` admits everything and still reports the lag."""
+    work on its loop) has nothing to shed; ``refuse=False`` admits everything and still reports the lag of a
+    loop held while a call is in flight."""
     async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
         proxy.reconfigure(overload=OverloadPolicy(max_lag=0.05))
         _, _, base = claim(proxy, store)
@@ -150,11 +151,42 @@ async def test_a_late_loop_with_few_calls_in_flight_or_refusing_off_sheds_nothin
         async with http.post(f"{base}/chat/completions", json=CHAT) as response:
             quiet = response.status
         proxy.reconfigure(overload=OverloadPolicy(max_lag=0.05, min_in_flight=0, refuse=False))
-        await stall(proxy.overload, 0.3)
-        async with http.post(f"{base}/chat/completions", json=CHAT) as response:
-            off = response.status
+        mock.latency = 1.0  # the next call stays in flight while the loop is held
+        async with anyio.create_task_group() as tg:
+            statuses: list[int] = []
+
+            async def post() -> None:
+                async with http.post(f"{base}/chat/completions", json=CHAT) as response:
+                    statuses.append(response.status)
+
+            tg.start_soon(post)
+            await mock.wait_until(lambda m: m.active == 1)
+            await stall(proxy.overload, 0.3)
         statistics = proxy.overload.statistics()
-    assert (quiet, off) == (200, 200) and statistics.shed == 0 and statistics.overloaded_seconds > 0
+    assert (quiet, *statuses) == (200, 200) and statistics.shed == 0 and statistics.overloaded_seconds > 0
+
+
+async def test_the_probe_rests_while_no_call_is_in_flight_and_a_call_wakes_it() -> None:
+    """An idle proxy's loop is not woken by the probe: once a probe finds no call in flight none follows, a
+    stall then is not measured, and the next call's admission starts the probe again, the lag decayed over
+    the rest as if the idle loop had been on time."""
+    async with MockVLLM() as mock, proxied(mock.url) as (proxy, store), aiohttp.ClientSession() as http:
+        overload = proxy.overload
+        proxy.reconfigure(overload=OverloadPolicy(max_lag=0.05, probe_interval=0.01))
+        overload.start()  # its next probe at the new interval
+        _, _, base = claim(proxy, store)
+        async with http.post(f"{base}/chat/completions", json=CHAT) as response:
+            assert response.status == 200
+        for _ in range(3):  # the call's end has run, and a probe since, with nothing in flight: it rests
+            await stall(overload, 0.0)
+        resting = overload.statistics()
+        await stall(overload, 0.3)
+        await anyio.sleep(0.05)
+        assert overload.statistics().probes == resting.probes and overload.lag < 0.05
+        async with http.post(f"{base}/chat/completions", json=CHAT) as response:
+            assert response.status == 200
+        await stall(overload, 0.0)
+        assert overload.statistics().probes > resting.probes
 
 
 def test_past_the_limit_a_share_of_new_calls_is_turned_away_that_grows_with_the_excess() -> None:

@@ -88,8 +88,8 @@ of theirs, which the agent has not seen, is made again from the start under the 
 (``proxy/regenerated``); a stream of theirs, already partly sent, ends the same way as above, with the
 reason. Unattributed ``/v1`` calls are relayed as they are, abort included.
 
-Overload (:mod:`~aglverl.proxy.overload`): the proxy measures how late its event loop runs (a probe every 50 ms,
-averaged over 0.5 s; ``proxy.overload.lag``, ``aglverl_proxy_loop_lag_seconds``, ``proxy/loop_lag_seconds``) and,
+Overload (:mod:`~aglverl.proxy.overload`): the proxy measures how late its event loop runs (a probe every 50 ms
+while calls are in flight, averaged over 0.5 s; ``proxy.overload.lag``, ``aglverl_proxy_loop_lag_seconds``, ``proxy/loop_lag_seconds``) and,
 past :class:`OverloadPolicy`'s ``max_lag`` (0.1 s) with at least ``min_in_flight`` calls in flight, answers a
 share of the first calls of new conversations, all of them at twice the limit, with a 429 and ``Retry-After`` in
 the agent's API (the openai and anthropic SDKs wait and retry); a call of a rollout attempt under way (one of

@@ -127,7 +127,7 @@ class Admission:
         responses: ResponseStore | None = None,
     ) -> None:
         #: The event loop's lag and the 429 for new calls while it is over its limit (``config.overload``).
-        self.overload = Overload(meters.registry, config.overload)
+        self.overload = Overload(meters.registry, config.overload, lambda: gate.in_flight)
         self.config = config
         self.sampling_of = sampling_of
         self.store = store
