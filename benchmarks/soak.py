@@ -193,7 +193,8 @@ def _internals(daemon: Any) -> dict[str, int]:
         "store_leases_heap": len(store._leases),
         "store_tombstones": len(store._tombstones),
         "proxy_sticky_rollouts": len(proxy._pool._sticky),
-        "proxy_handlers": len(proxy._handlers),
+        "proxy_connections": proxy.connections,
+        "proxy_in_flight": proxy.in_flight,
         "collector_open_steps": len(daemon.collector.steps),
     }
 
