@@ -33,6 +33,10 @@ exact body; streams are written in small pieces so SSE events straddle network c
 
 Per-request CPU is kept low (one ``orjson.dumps`` per body or event, no per-request parsing beyond the body)
 because the proxy benchmark uses this mock as its backend.
+
+This module is the server (routes, faults, records); its parts are :mod:`.mock_tokens` (the prompt ids and
+what the mock generates), :mod:`.mock_answers` (the JSON bodies and SSE events) and :mod:`.mock_replay` (the
+recorded cases). The names tests import from here are re-exported.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import random
 import shutil
 import tempfile
@@ -58,6 +61,20 @@ from anyio.abc import TaskStatus
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from .._net import HttpListener
+from .mock_answers import Generation, error_body
+from .mock_replay import ReplayCase, load_replay_cases, replay_key, send_case
+from .mock_tokens import (
+    JINJA_TEMPLATES,
+    VOCAB_SIZE,
+    Template,
+    completion_token_ids,
+    forced_tool,
+    prompt_token_ids,
+    render_chat,
+    token_logprob,
+    tool_arguments,
+    write_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -75,230 +92,16 @@ __all__ = [
     "write_tokenizer",
 ]
 
-#: Token ids the mock produces are in ``range(VOCAB_SIZE)``.
-VOCAB_SIZE = 50_000
 DEFAULT_MODEL = "mock"
 #: vLLM runs on uvicorn, whose idle keep-alive timeout is 5 s; the mock mirrors it so a proxy's pool is tested
 #: against the same server-side close.
 KEEPALIVE_SECONDS = 5.0
-#: Bytes per write when replaying a recorded stream: smaller than one event, so events split across chunks.
-REPLAY_PIECE = 64
 #: How long stop() lets the aiohttp runner close idle connections.
 _CLOSE_TIMEOUT = 1.0
 _SSE_TYPE = "text/event-stream; charset=utf-8"
 _JSON_TYPE = "application/json"
-_DONE = b"data: [DONE]\n\n"
 
 FaultKind = Literal["error", "throttle", "stall", "break", "no_ids", "abort"]
-
-
-# ---------------------------------------------------------------------------------------------- token ids
-#: The mock's chat templates: ``plain`` renders every message alike; ``think`` renders a conversation's final
-#: assistant message (no generation prompt after it) with an empty ``<think></think>`` block before its content,
-#: the way Qwen3's template renders a last assistant turn differently from earlier ones; ``mistral`` renders the
-#: tool list before, and a leading system message inside, the LAST user turn (Mistral-7B-Instruct-v0.3's way:
-#: not append-only, an earlier user turn renders otherwise once a later one comes).
-Template = Literal["plain", "think", "mistral"]
-
-
-def _tool_call_text(call: Any) -> str:
-    """A tool call as the template writes it: its name and its arguments as a JSON object (parsed from the
-    string the agent sent, written as Jinja's ``tojson`` writes it)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    function = function if isinstance(function, dict) else {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            pass
-    spelled = {"name": function.get("name"), "arguments": {} if arguments is None else arguments}
-    return "<tool_call>" + json.dumps(spelled, ensure_ascii=False) + "</tool_call>"
-
-
-def _content_text(content: Any) -> str:
-    """A message's content as vLLM hands it to a template: text parts joined with ``"\n"``."""
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
-
-
-def render_chat(
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    tools: Any = None,
-    template: Template = "plain",
-) -> str:
-    """The prompt text the mock "tokenizes" for chat messages (one byte = one token id): the tools' names, then
-    ``<|role|>content`` + tool calls + ``"\n"`` per message (``"\n"`` ends a turn), then ``<|assistant|>``
-    when ``add_generation_prompt``. :data:`JINJA_TEMPLATES` renders the same text."""
-    parts = []
-    listed = ""
-    if isinstance(tools, list) and tools:
-        names = [str((t.get("function") or {}).get("name", "")) for t in tools if isinstance(t, dict)]
-        listed = f"<|tools|>{','.join(names)}\n"
-    system, last_user = None, -1
-    if template == "mistral":
-        if messages and messages[0].get("role") == "system":
-            system = _content_text(messages[0].get("content"))
-        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
-    else:
-        parts.append(listed)
-    last = len(messages) - 1
-    for i, message in enumerate(messages):
-        content = _content_text(message.get("content"))
-        role = message.get("role", "")
-        if system is not None and i == 0:
-            continue  # on the last user turn
-        if i == last_user:
-            parts.append(listed)
-            content = (f"{system}\n\n" if system is not None else "") + content
-        calls = "".join(_tool_call_text(c) for c in message.get("tool_calls") or ())
-        final = template == "think" and role == "assistant" and i == last and not add_generation_prompt
-        parts.append(f"<|{role}|>{'<think></think>' if final else ''}{content}{calls}\n")
-    if add_generation_prompt:
-        parts.append("<|assistant|>")
-    return "".join(parts)
-
-
-def _jinja(template: Template) -> str:
-    final = (
-        "{% if loop.last and m['role'] == 'assistant' and not add_generation_prompt %}<think></think>{% endif %}"
-        if template == "think"
-        else ""
-    )
-    listed = (
-        "{% if tools %}<|tools|>{% for t in tools %}{% if not loop.first %},{% endif %}"
-        "{{ t['function']['name'] }}{% endfor %}{{ '\\n' }}{% endif %}"
-    )
-    head, system, last = listed, "", ""
-    if template == "mistral":  # the tool list and the system prompt go with the last user turn
-        head = (
-            "{%- set ns = namespace(last=-1, system=none) %}"
-            "{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}"
-            "{%- if loop.first and m['role'] == 'system' %}{% set ns.system = m.get('content') or '' %}{% endif %}"
-            "{%- endfor %}"
-        )
-        system = (
-            "{%- if not (loop.first and ns.system is not none) %}{% if loop.index0 == ns.last %}"
-            + listed
-            + "{% endif %}"
-        )
-        last = (
-            "{% if loop.index0 == ns.last and ns.system is not none %}{{ ns.system ~ '\\n\\n' }}{% endif %}"
-        )
-    return (
-        head
-        + "{%- for m in messages %}"
-        + system
-        + "{{ '<|' ~ m['role'] ~ '|>' }}"
-        + final
-        + last
-        + "{{ m.get('content') or '' }}"
-        "{%- for c in (m.get('tool_calls') or []) %}<tool_call>"
-        "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
-        "{%- endfor %}{{ '\\n' }}" + ("{% endif %}" if template == "mistral" else "") + "{% endfor %}"
-        "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-
-
-#: The mock's templates in Jinja, as a Hugging Face tokenizer renders them (:func:`write_tokenizer`).
-JINJA_TEMPLATES: Mapping[str, str] = {name: _jinja(name) for name in ("plain", "think", "mistral")}
-
-
-def _byte_chars() -> list[str]:
-    """The printable character byte-level tokenizers write each byte as (the GPT-2 convention)."""
-    kept = {
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\u00a1"), ord("\u00ac") + 1),
-        *range(ord("\u00ae"), 256),
-    }
-    chars, shifted = [], 0
-    for byte in range(256):
-        if byte in kept:
-            chars.append(chr(byte))
-        else:
-            chars.append(chr(256 + shifted))
-            shifted += 1
-    return chars
-
-
-def write_tokenizer(target: str | Path, template: Template = "plain") -> Path:
-    """A Hugging Face tokenizer at ``target`` (a directory, made if missing) that tokenizes text as the mock
-    does (one UTF-8 byte, one id: the byte's value) and whose chat template renders as :func:`render_chat`;
-    returns ``target``. Written with ``tokenizers`` alone; ``transformers.AutoTokenizer`` loads it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    root = Path(target)
-    root.mkdir(parents=True, exist_ok=True)
-    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.save(str(root / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    (root / "chat_template.jinja").write_text(JINJA_TEMPLATES[template])
-    return root
-
-
-def prompt_token_ids(body: Mapping[str, Any], template: Template = "plain") -> list[list[int]]:
-    """The prompt ids the mock assigns to a request: one list per prompt (chat has exactly one).
-
-    Text is tokenized as its UTF-8 bytes; a completions prompt given as token ids is taken as it is.
-    """
-    if "messages" in body:
-        text = render_chat(
-            body["messages"],
-            add_generation_prompt=body.get("add_generation_prompt") is not False,
-            tools=body.get("tools"),
-            template=template,
-        )
-        return [list(text.encode())]
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, str):
-        return [list(prompt.encode())]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [list(prompt)]
-    return [list(p.encode()) if isinstance(p, str) else list(p) for p in prompt]
-
-
-def completion_token_ids(prompt_ids: Sequence[int], index: int, count: int) -> list[int]:
-    """The ids the mock generates for choice ``index`` of a prompt: a fixed function of both."""
-    base = (sum(prompt_ids) + 7919 * index) % VOCAB_SIZE
-    return [(base + 104_729 * (k + 1)) % VOCAB_SIZE for k in range(count)]
-
-
-def token_logprob(token_id: int) -> float:
-    """The logprob the mock reports for a generated token (a fixed function of the id)."""
-    return -((token_id % 97) + 1) / 100
-
-
-def _text(token_id: int) -> str:
-    return f" t{token_id}"
-
-
-def tool_arguments(ids: Sequence[int]) -> list[str]:
-    """The pieces, one per generated id, of the arguments of a tool call the mock makes; joined, a JSON object."""
-    if not ids:
-        return ['{"value": ""}']
-    pieces = ['{"value": "' + f"t{ids[0]}", *(f" t{t}" for t in ids[1:])]
-    pieces[-1] += '"}'
-    return pieces
-
-
-def _forced_tool(body: Mapping[str, Any]) -> str | None:
-    """The function a chat request makes the model call: ``tool_choice`` "required" (the first tool) or named."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if not isinstance(tools, list) or not tools:
-        return None
-    if choice == "required":
-        return str(tools[0].get("function", {}).get("name", ""))
-    if isinstance(choice, dict):
-        return str(choice.get("function", {}).get("name", ""))
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -321,256 +124,6 @@ class _Fault:
     retry_after: float = 0.0
     after_events: int = 1  # "break": stream events sent first; "abort": tokens generated first
     release: anyio.Event | None = None  # "abort": a stream sends the abort once this is set
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayCase:
-    """One recorded vLLM exchange (``NAME.request.json`` + ``NAME.response.*`` + ``NAME.meta.json``)."""
-
-    name: str
-    method: str
-    path: str
-    body: dict[str, Any]
-    status: int
-    content_type: str
-    response: bytes
-
-    @property
-    def streamed(self) -> bool:
-        return self.content_type.startswith("text/event-stream")
-
-
-def load_replay_cases(directory: str | Path) -> dict[str, ReplayCase]:
-    """Every recorded case in ``directory``, by name. Raises ``FileNotFoundError`` for a missing directory."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise FileNotFoundError(f"replay directory {root} does not exist")
-    cases = {}
-    for request_file in sorted(root.glob("*.request.json")):
-        name = request_file.name.removesuffix(".request.json")
-        request = orjson.loads(request_file.read_bytes())
-        meta = orjson.loads((root / f"{name}.meta.json").read_bytes())
-        [response_file] = [p for p in root.glob(f"{name}.response.*")]
-        cases[name] = ReplayCase(
-            name=name,
-            method=request["method"],
-            path=request["path"],
-            body=request["body"],
-            status=int(meta["status"]),
-            content_type=meta["content_type"],
-            response=response_file.read_bytes(),
-        )
-    return cases
-
-
-def _replay_key(method: str, path: str, body: Any) -> tuple[str, str, bytes]:
-    if isinstance(body, dict):
-        body = {k: v for k, v in body.items() if k != "return_token_ids"}
-    return method, path, orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
-
-
-def _error_body(status: int, message: str, type_: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}})
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-# ---------------------------------------------------------------------------------------------- generation
-@dataclass(slots=True)
-class _Choice:
-    index: int
-    prompt: list[int]
-    ids: list[int]
-    finish: str
-    stop_reason: int | None = (
-        None  # the stop token id the choice ended on (kept in its ids, as vLLM keeps it)
-    )
-
-
-#: How many tokens a choice gets for its prompt, and why it stopped ("stop" or "length").
-Budget = Callable[[Sequence[int]], tuple[int, str]]
-
-
-class _Generation:
-    """What one generation request asks for and the deterministic answer to it."""
-
-    def __init__(
-        self,
-        kind: str,
-        body: Mapping[str, Any],
-        budget: Budget,
-        with_ids: bool,
-        model: str,
-        template: Template = "plain",
-        prompt: list[int] | None = None,
-    ) -> None:
-        self.kind = kind
-        self.body = body
-        self.with_ids = with_ids
-        self.model = model
-        self.created = int(time.time())
-        n = int(body.get("n") or 1)
-        prompts = [prompt] if prompt is not None else prompt_token_ids(body, template)
-        self.prompts = prompts
-        self.choices = []
-        for p, prompt in enumerate(prompts):
-            count, finish = budget(prompt)
-            self.choices += [
-                _Choice(p * n + j, prompt, completion_token_ids(prompt, p * n + j, count), finish)
-                for j in range(n)
-            ]
-        stops = body.get("stop_token_ids")
-        if isinstance(stops, list) and stops:  # as vLLM: the first stop id ends the choice, kept in its ids
-            for c in self.choices:
-                at = next((k for k, t in enumerate(c.ids) if t in stops), None)
-                if at is not None:
-                    c.ids, c.finish, c.stop_reason = c.ids[: at + 1], "stop", c.ids[at]
-        raw_lp = body.get("logprobs")
-        self.logprobs = bool(raw_lp) if kind == "chat" else raw_lp is not None and raw_lp is not False
-        stream_options = body.get("stream_options") or {}
-        self.include_usage = bool(stream_options.get("include_usage"))
-        self.tool = _forced_tool(body) if kind == "chat" else None
-        if self.tool is not None:
-            for c in self.choices:
-                c.finish = "tool_calls" if c.finish == "stop" else c.finish
-
-    def abort_after(self, tokens: int) -> None:
-        """Every choice cut after ``tokens`` ids with finish reason ``"abort"`` (a weight update)."""
-        for c in self.choices:
-            c.ids, c.finish = c.ids[:tokens], "abort"
-
-    def _call_id(self, c: _Choice) -> str:
-        return f"chatcmpl-tool-{c.index}{sum(c.prompt) % 10**8:08d}"
-
-    def usage(self) -> dict[str, int]:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
-
-    def _chat_logprobs(self, ids: Sequence[int]) -> dict[str, Any] | None:
-        if not self.logprobs:
-            return None
-        content = []
-        for t in ids:
-            text = _text(t)
-            content.append(
-                {"token": text, "logprob": token_logprob(t), "bytes": list(text.encode()), "top_logprobs": []}
-            )
-        return {"content": content}
-
-    def _completion_logprobs(self, ids: Sequence[int], offset: int) -> dict[str, Any] | None:
-        if not self.logprobs:
-            return None
-        tokens = [_text(t) for t in ids]
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
-        lps = [token_logprob(t) for t in ids]
-        return {
-            "text_offset": offsets,
-            "token_logprobs": lps,
-            "tokens": tokens,
-            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps, strict=False)],
-        }
-
-    # ------------------------------------------------------------------ whole responses
-    def response(self, request_id: str) -> bytes:
-        choices = [
-            self._chat_choice(c) if self.kind == "chat" else self._completion_choice(c) for c in self.choices
-        ]
-        obj: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
-        if self.kind == "chat":
-            obj["prompt_token_ids"] = self.prompts[0] if self.with_ids else None
-        return orjson.dumps(obj)
-
-    def _chat_choice(self, c: _Choice) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(map(_text, c.ids))}
-        if self.tool is not None:
-            function = {"name": self.tool, "arguments": "".join(tool_arguments(c.ids))}
-            message = {"role": "assistant", "content": None}
-            message["tool_calls"] = [{"id": self._call_id(c), "type": "function", "function": function}]
-        return {
-            "index": c.index,
-            "message": message,
-            "logprobs": self._chat_logprobs(c.ids),
-            "finish_reason": c.finish,
-            "stop_reason": c.stop_reason,
-            "token_ids": c.ids if self.with_ids else None,
-        }
-
-    def _completion_choice(self, c: _Choice) -> dict[str, Any]:
-        return {
-            "index": c.index,
-            "text": "".join(map(_text, c.ids)),
-            "logprobs": self._completion_logprobs(c.ids, 0),
-            "finish_reason": c.finish,
-            "stop_reason": c.stop_reason,
-            "token_ids": c.ids if self.with_ids else None,
-            "prompt_token_ids": c.prompt if self.with_ids else None,
-        }
-
-    # ------------------------------------------------------------------ streams
-    def events(self, request_id: str) -> list[bytes]:
-        """Every SSE event of the streamed answer, ``[DONE]`` included, in the order vLLM sends them."""
-        head: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
-            "created": self.created,
-            "model": self.model,
-        }
-        events = []
-        if self.kind == "chat":
-            for c in self.choices:
-                first = {"index": c.index, "delta": {"role": "assistant", "content": ""}}
-                first |= {"logprobs": None, "finish_reason": None}
-                obj = {**head, "choices": [first]}
-                if self.with_ids:
-                    obj["prompt_token_ids"] = c.prompt
-                events.append(_sse(obj))
-        steps = max((len(c.ids) for c in self.choices), default=0)
-        offsets = [0] * len(self.choices)
-        for k in range(steps):
-            for i, c in enumerate(self.choices):
-                if k < len(c.ids):
-                    last = k == len(c.ids) - 1
-                    choice = self._chunk_choice(c, k, last, offsets[i])
-                    offsets[i] += len(_text(c.ids[k]))
-                    events.append(_sse({**head, "choices": [choice]}))
-        if self.include_usage:
-            events.append(_sse({**head, "choices": [], "usage": self.usage()}))
-        events.append(_DONE)
-        return events
-
-    def _tool_delta(self, c: _Choice, k: int) -> dict[str, Any]:
-        call: dict[str, Any] = {"index": 0, "function": {"arguments": tool_arguments(c.ids)[k]}}
-        if k == 0:  # the first piece also names the call, as vLLM's parsers send it
-            call |= {"id": self._call_id(c), "type": "function"}
-            call["function"] = {"name": self.tool, **call["function"]}
-        return {"tool_calls": [call]}
-
-    def _chunk_choice(self, c: _Choice, k: int, last: bool, offset: int) -> dict[str, Any]:
-        t = c.ids[k]
-        choice: dict[str, Any] = {"index": c.index}
-        if self.kind == "chat":
-            choice["delta"] = {"content": _text(t)} if self.tool is None else self._tool_delta(c, k)
-            choice["logprobs"] = self._chat_logprobs([t])
-        else:
-            choice["text"] = _text(t)
-            choice["logprobs"] = self._completion_logprobs([t], offset)
-        choice["finish_reason"] = c.finish if last else None
-        choice["stop_reason"] = c.stop_reason if last else None
-        if self.with_ids:
-            if self.kind == "completion":
-                choice["prompt_token_ids"] = c.prompt if k == 0 else None
-            choice["token_ids"] = [t]
-        return choice
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -650,7 +203,7 @@ class MockVLLM:
         self.latency_jitter = latency_jitter
         self._rng = random.Random(seed)
         self.replay_cases = load_replay_cases(replay_dir) if replay_dir is not None else {}
-        self._replay = {_replay_key(c.method, c.path, c.body): c for c in self.replay_cases.values()}
+        self._replay = {replay_key(c.method, c.path, c.body): c for c in self.replay_cases.values()}
         #: Every request received, in arrival order (when ``record_requests``).
         self.requests: list[SeenRequest] = []
         #: Generation calls the client abandoned (disconnected) before the mock finished answering.
@@ -719,7 +272,7 @@ class MockVLLM:
         kind = "chat" if "messages" in body else "completion"
         prompt = self._given_prompt(body)[0] if kind == "chat" else None
         budget = functools.partial(self._budget, body)
-        gen = _Generation(kind, body, budget, True, self.model, self.template, prompt)
+        gen = Generation(kind, body, budget, True, self.model, self.template, prompt)
         return [(c.prompt, c.ids) for c in gen.choices]
 
     async def wait_until(self, predicate: Callable[[MockVLLM], bool]) -> None:
@@ -910,7 +463,7 @@ class MockVLLM:
             return refusal
         with_ids = body.get("return_token_ids") is True and (fault is None or fault.kind == "abort")
         budget = functools.partial(self._budget, body)
-        gen = _Generation(kind, body, budget, with_ids, self.model, self.template, prompt)
+        gen = Generation(kind, body, budget, with_ids, self.model, self.template, prompt)
         release = None
         if fault is not None and fault.kind == "abort":
             gen.abort_after(fault.after_events)
@@ -965,7 +518,7 @@ class MockVLLM:
                 "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of token ids below the "
                 f"vocabulary size ({VOCAB_SIZE})"
             )
-            error = orjson.loads(_error_body(400, message, "BadRequestError"))
+            error = orjson.loads(error_body(400, message, "BadRequestError"))
             error["error"]["param"] = "kv_transfer_params.prompt_token_ids"
             return None, web.Response(status=400, body=orjson.dumps(error), content_type=_JSON_TYPE)
         return ids, None
@@ -1003,7 +556,7 @@ class MockVLLM:
             await anyio.sleep_forever()
         # "break": a stream loses its connection after some events, anything else before any answer.
         if isinstance(body, dict) and body.get("stream") is True:
-            gen = _Generation(
+            gen = Generation(
                 "chat" if "messages" in body else "completion",
                 body,
                 functools.partial(self._budget, body),
@@ -1027,22 +580,10 @@ class MockVLLM:
         await anyio.sleep_forever()
 
     async def _replay_answer(self, request: web.Request, body: Any) -> web.StreamResponse:
-        case = self._replay.get(_replay_key(request.method, request.path, body))
+        case = self._replay.get(replay_key(request.method, request.path, body))
         if case is None:
             return _json_error(404, "no recorded response matches this request", "NotFoundError")
-        headers = {"Content-Type": case.content_type}
-        if not case.streamed:
-            return web.Response(status=case.status, body=case.response, headers=headers)
-        data = case.response
-        pieces = [data[i : i + REPLAY_PIECE] for i in range(0, len(data), REPLAY_PIECE)]
-        response = web.StreamResponse(status=case.status, headers=headers)
-        await response.prepare(request)
-        for i, piece in enumerate(pieces):
-            if i and self.chunk_latency > 0:
-                await anyio.sleep(self.chunk_latency)
-            await response.write(piece)
-        await response.write_eof()
-        return response
+        return await send_case(request, case, self.chunk_latency)
 
     # ------------------------------------------------------------------ the render route (vLLM --enable-scale-out)
     def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
@@ -1082,7 +623,7 @@ class MockVLLM:
         if limit is None and self.max_model_len is not None:
             limit = self.max_model_len - len(ids)
         logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-        forced = _forced_tool(body)
+        forced = forced_tool(body)
         sampling = {
             "n": 1,
             "temperature": body.get("temperature", 1.0),
@@ -1112,5 +653,5 @@ class MockVLLM:
 
 def _json_error(status: int, message: str, type_: str) -> web.Response:
     return web.Response(
-        status=status, body=_error_body(status, message, type_), headers={"Content-Type": _JSON_TYPE}
+        status=status, body=error_body(status, message, type_), headers={"Content-Type": _JSON_TYPE}
     )
