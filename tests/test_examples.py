@@ -43,7 +43,7 @@ def test_one_word_example_trains_quietly(tmp_path: Path) -> None:
     """Three steps: the console shows the bar and a few lines; verl's ~200 metrics a step go to the log file,
     every step's metrics to metrics.jsonl. Its learning (0.9 within its 25 default steps) is the demo's: the same
     task and settings (``aglverl demo``; ``make demo`` in CI fails unless the reward reaches 0.9, and
-    ``test_learning.py`` trains it 15 steps)."""
+    ``test_learning.py`` trains it 20 steps)."""
     done = _run("one_word.py", "--steps", "3", cwd=tmp_path)
     final = float(re.search(r"final training reward: (\d\.\d{3})", done.stdout).group(1))  # type: ignore[union-attr]
     assert 0.0 <= final <= 1.0, done.stdout

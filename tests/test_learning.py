@@ -1,6 +1,6 @@
-"""The demo's task trained for 15 steps on CPU (verl's V1 trainer, the embedded engine, agents over HTTP): the
-reward ends far above where it started, a bound no untrained model meets (it answers "yes" about 1% of the
-time) and that a learning run clears with room to spare (it passes 0.5 around step 11 and 0.9 around 15)."""
+"""The demo's task trained for 20 steps on CPU (verl's V1 trainer, the embedded engine, agents over HTTP): the
+reward ends far above where it started, a bound no untrained model meets (it answers "yes" in about one answer
+of 500) and that a learning run clears with room to spare (it passes 0.4 around step 10 and 0.9 around 14)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,21 @@ MULTITURN_STEPS = 16
 MULTITURN_END = 0.15
 
 
-async def test_the_demo_task_learns_in_fifteen_steps(tmp_path: Path, tiny_model: Path) -> None:
-    summary = await run_demo(steps=15, out=tmp_path, json_lines=True)
+#: The one-word task's run: its steps, and a mean reward over the last three no untrained model meets. Learning
+#: starts at the first step with a "yes" among its 128 answers: step 1 or 2 in five runs out of five (then 0.4
+#: at steps 9-11), but about one step in three has none, and one CI run saw none until step 6 (then 0.24 at
+#: step 15, four steps behind the others): 20 steps leave room for a start as late as step 10.
+DEMO_STEPS = 20
+DEMO_END = 0.4
+
+
+async def test_the_demo_task_learns_in_twenty_steps(tmp_path: Path, tiny_model: Path) -> None:
+    summary = await run_demo(steps=DEMO_STEPS, out=tmp_path, json_lines=True)
     rewards = [row["reward"] for row in _rows(tmp_path / "metrics.jsonl")]
-    assert len(rewards) == 15
+    assert len(rewards) == DEMO_STEPS
     start, end = max(rewards[:2]), sum(rewards[-3:]) / 3
     assert start < 0.1, rewards
-    assert end > 0.4, rewards
+    assert end > DEMO_END, rewards
     assert summary["final_reward"] == rewards[-1]
     assert (tmp_path / "reward.png").stat().st_size > 0
 
