@@ -120,6 +120,7 @@ def test_messages_name_only_keys_the_user_set_and_never_a_secret() -> None:
         ({"agl_base_url": "https://x:1"}, r"agl_base_url must be http://host:port"),
         ({"agl_base_url": "http://x:1/api"}, r"agl_base_url must be http://host:port"),
         ({"rollout_timeout_seconds": 0}, r"rollout_timeout_seconds must be a number >= 1"),
+        ({"reward_fillna_value": 1e39}, r"reward_fillna_value 1e\+39: not a finite float32 number"),
         ({"trace_aggregator": {"level": "turn"}}, r"level must be 'trajectory' or 'transition'"),
         (
             {"k8s": {"job_template_path": "/nonexistent/job.j2"}},

@@ -334,6 +334,7 @@ def test_token_id_that_is_not_an_int64_integer_raises_naming_the_turn(bad_id: ob
         ("pad_token_id", -1),
         ("reward_fill_value", float("nan")),
         ("reward_fill_value", float("inf")),
+        ("reward_fill_value", 1e39),  # finite as a Python float, infinity as the rows' float32
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:

@@ -305,6 +305,7 @@ def test_env_map_reads_the_input_as_agent_lightning_does() -> None:
         ({"command": []}, "command must be"),
         ({"timeout_seconds": 0}, "timeout_seconds must be"),
         ({"reward_fillna_value": float("nan")}, "reward_fillna_value must be"),
+        ({"reward_fillna_value": -1e39}, r"must be a finite number or null: .*-1e\+39: not a finite float32"),
         ({"env_map": {"A": 1}}, "env_map must map"),
         ({"commnd": "x"}, "unknown key 'commnd'"),
     ],

@@ -21,7 +21,7 @@ from aiohttp import web
 from aglverl._net import bind_listener, url_of
 from aglverl.algorithm import compose_config
 from aglverl.engine.server import WEIGHT_VERSION_HEADER, InferenceServer
-from aglverl.verl_plugin.rollout import RETRY_DELAYS, EmbeddedRollout, EmbeddedServerHandle
+from aglverl.verl_plugin.rollout import RETRY_DELAYS, EmbeddedRollout, EmbeddedServerHandle, rollout_seed
 
 pytestmark = pytest.mark.anyio
 
@@ -277,3 +277,49 @@ async def test_a_failing_weight_iterator_loads_nothing(rollout: EmbeddedRollout)
     after = dict(rollout.server.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert rollout.server.weight_version == 0
+
+
+# ---------------------------------------------------------------------------------------------- seed
+SAMPLED = {"temperature": 1.0, "ignore_eos": True}
+
+
+async def _sampled(rollout: EmbeddedRollout, count: int = 4) -> list[list[int]]:
+    handle = Handle(
+        [],
+        rollout.address,
+        rollout.server.served_model_name,
+        prompt_length=PROMPT_LENGTH,
+        response_length=RESPONSE_LENGTH,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    try:
+        return [(await handle.generate(_prompt(6), SAMPLED)).token_ids for _ in range(count)]
+    finally:
+        await handle.close()
+
+
+async def test_the_engine_samples_from_verls_rollout_seed_plus_the_replicas_rank(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl seeds vLLM's engine with ``rollout.seed`` + the replica's rank; the embedded engine the same: two
+    servers of one seed and rank sample the same tokens for the same unseeded requests, another seed or rank
+    others (the default seed, 42, is verl's)."""
+    runs: dict[tuple[int, str], list[list[int]]] = {}
+    for seed, rank in ((7, "0"), (7, "0"), (8, "0"), (7, "3")):
+        monkeypatch.setenv("RANK", rank)
+        config, _ = compose_config(
+            {"actor_rollout_ref": {"model": {"path": str(tiny_model)}, "rollout": {"seed": seed}}}
+        )
+        rollout = EmbeddedRollout(config.actor_rollout_ref.rollout, config.actor_rollout_ref.model, None)
+        try:
+            tokens = await _sampled(rollout)
+        finally:
+            rollout.shutdown()
+        if (seed, rank) in runs:
+            assert tokens == runs[(seed, rank)]  # the same seed and rank: the same samples
+        runs[(seed, rank)] = tokens
+    assert len({str(t) for t in runs.values()}) == 3, {k: v[0][:4] for k, v in runs.items()}
+    # sampled, not greedy: the requests differ among themselves
+    assert len({str(t) for t in runs[(7, "0")]}) > 1
+    default, _ = compose_config({"actor_rollout_ref": {"model": {"path": str(tiny_model)}}})
+    assert rollout_seed(default.actor_rollout_ref.rollout) == 42 + 3  # RANK is 3 still

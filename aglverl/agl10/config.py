@@ -43,6 +43,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..config_errors import ConfigError, unknown_key_message
+from ..models import check_reward
 from .cursor import MAX_FINISHED_ROLLOUTS, TERMINAL_GRACE_SECONDS
 from .events import MAX_EVENT_BYTES, MAX_EVENT_BYTES_PER_ROLLOUT, MAX_EVENTS_PER_ROLLOUT
 from .wire import RolloutConfig, RolloutK8sConfig, RolloutLocalConfig
@@ -232,6 +233,11 @@ def map_section(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], str | Non
     if local.get("env_map"):
         _put(user, "aglverl.processes.env_map", dict(local["env_map"]), "agentlightning.local.env_map")
     fillna = _number(agl["reward_fillna_value"], "reward_fillna_value", low=-math.inf, nullable=True)
+    if fillna is not None:
+        try:
+            check_reward(fillna, "agentlightning.reward_fillna_value")  # finite as float32, as every reward
+        except ValueError as exc:
+            raise _error(str(exc)) from None
     place = _put if "reward_fillna_value" in given else _default
     place(user, "aglverl.processes.reward_fillna_value", fillna, "agentlightning.reward_fillna_value")
     _map_trace_aggregator(user, agl["trace_aggregator"] or {}, given.get("trace_aggregator") or {})

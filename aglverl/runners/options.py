@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from ..models import check_reward
+
 __all__ = [
     "AGENT_CLASS_SHIM",
     "DEFAULT_ENV_ALLOW",
@@ -169,10 +171,13 @@ class ProcessOptions:
             values.get("kill_grace_seconds", 10.0), "kill_grace_seconds", low=None
         )
         fillna = values.get("reward_fillna_value")
-        if fillna is not None and (
-            isinstance(fillna, bool) or not isinstance(fillna, (int, float)) or not math.isfinite(fillna)
-        ):
-            raise ValueError(f"reward_fillna_value must be a finite number or null, got {fillna!r}")
+        if fillna is not None:
+            if isinstance(fillna, bool) or not isinstance(fillna, (int, float)):
+                raise ValueError(f"reward_fillna_value must be a finite number or null, got {fillna!r}")
+            try:
+                check_reward(fillna, "reward_fillna_value")  # finite as float32, as every reward
+            except ValueError as exc:
+                raise ValueError(f"reward_fillna_value must be a finite number or null: {exc}") from None
         for key in ("log_dir", "python", "cwd"):
             value = values.get(key)
             if value is not None and not isinstance(value, (str, os.PathLike)):

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from ..models import check_reward
 from .chains import Chains, find_chains
 from .rollouts import (
     FinishedRollout,
@@ -114,8 +114,7 @@ class BatchConfig:
                 raise TypeError(
                     f"BatchConfig.reward_fill_value must be a float or None, got {type(fill).__name__}"
                 )
-            if not math.isfinite(fill):
-                raise ValueError(f"BatchConfig.reward_fill_value must be finite, got {fill}")
+            check_reward(fill, "BatchConfig.reward_fill_value")
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
@@ -38,7 +39,14 @@ from ..engine.server import KEEPALIVE_SECONDS, WEIGHT_VERSION_HEADER, InferenceS
 from ..engine.thread import InferenceServerThread
 from . import ROLLOUT_NAME
 
-__all__ = ["ROLLOUT_NAME", "EmbeddedReplica", "EmbeddedRollout", "EmbeddedServerHandle", "local_rollout"]
+__all__ = [
+    "ROLLOUT_NAME",
+    "EmbeddedReplica",
+    "EmbeddedRollout",
+    "EmbeddedServerHandle",
+    "local_rollout",
+    "rollout_seed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,16 @@ def local_rollout() -> EmbeddedRollout:
     return _LOCAL[-1]
 
 
+def rollout_seed(config: Any) -> int | None:
+    """The seed of the embedded engine's sampling, as verl seeds vLLM's: ``rollout.seed`` plus the replica's rank
+    (one model copy per worker here, so the worker's ``RANK``); ``None`` (sampling seeded from the OS) when the
+    config sets no seed. A request's own ``seed`` still wins for its sequences."""
+    seed = getattr(config, "seed", None)
+    if seed is None:
+        return None
+    return int(seed) + int(os.environ.get("RANK", "0"))
+
+
 class EmbeddedRollout(BaseRollout):
     """verl's rollout interface over an in-process :class:`InferenceServer`.
 
@@ -88,6 +106,7 @@ class EmbeddedRollout(BaseRollout):
             served_model_name=str(self.model_config.path),
             max_model_len=int(max_model_len),
             max_batch_size=int(self.config.max_num_seqs),
+            seed=rollout_seed(self.config),
         )
         self._thread = InferenceServerThread(self.server)
         self.address = self._thread.start().removeprefix("http://")
