@@ -85,6 +85,10 @@ test-agl: venv venv-agl
 # - litellm refuses a keyless proxy unless LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY is set: aglverl's
 #   VERL never starts Agent Lightning's LiteLLM proxy (aglverl's proxy records the token ids), and sets it for
 #   a user's own LLMProxy (aglverl.agl03.verl).
+# - Room for the frameworks users add with the constraints file (below): the recipe pins what it solves, so a
+#   framework's upper bound must hold at solve time or pip refuses the framework later. AGL03_ROOM holds those
+#   bounds: agent-framework-core 1.23 (the tier's agent-framework tests) needs msgspec < 0.23, and msgspec 0.23.0
+#   (new in the registry on 2026-11-29) otherwise comes in with aglverl's side.
 GVENV := .venv-agl03
 GBIN  := $(GVENV)/bin
 AGL03 := agentlightning==0.3.0 agentops==0.4.21
@@ -94,17 +98,18 @@ AGL03_OTEL := opentelemetry-api==1.44.0 opentelemetry-sdk==1.44.0 opentelemetry-
   opentelemetry-exporter-otlp-proto-grpc==1.44.0 opentelemetry-exporter-otlp-proto-common==1.44.0 \
   opentelemetry-semantic-conventions==0.65b0 opentelemetry-instrumentation==0.65b0 \
   opentelemetry-exporter-prometheus==0.65b0
+AGL03_ROOM := "msgspec>=0.20,<0.23"
 
 $(GVENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(GVENV)
 	$(GBIN)/pip install --quiet torch==2.13.0
-	$(GBIN)/pip install --quiet torch==2.13.0 -e ".[dev]" $(AGL03_OTEL)
+	$(GBIN)/pip install --quiet torch==2.13.0 -e ".[dev]" $(AGL03_OTEL) $(AGL03_ROOM)
 	$(GBIN)/pip install --quiet --no-deps $(AGL03)
 	$(GBIN)/python -c 'import sys, importlib.metadata as m; from packaging.requirements import Requirement; \
 	  reqs = [Requirement(r) for d in ("agentlightning", "agentops") for r in m.requires(d) or ()]; \
 	  print("\n".join(str(r) for r in reqs if r.name.lower() not in sys.argv[1:] and (r.marker is None or r.marker.evaluate({"extra": ""}))))' \
 	  $(AGL03_SKIP) > $(GVENV)/agl03-requirements.txt
-	$(GBIN)/pip install --quiet torch==2.13.0 -r $(GVENV)/agl03-requirements.txt $(AGL03_OTEL)
+	$(GBIN)/pip install --quiet torch==2.13.0 -r $(GVENV)/agl03-requirements.txt $(AGL03_OTEL) $(AGL03_ROOM)
 	touch $@
 
 # What the recipe solved, pinned: every distribution in .venv-agl03 at its version (aglverl, editable, apart). A
