@@ -140,8 +140,10 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
             first = await sdk.chat.completions.create(model=llm.model, messages=messages)
             answers.append(first.choices[0].finish_reason)
             parts = []
+            # to the response length, never an early end of sequence: the stream must still be generating when the
+            # update aborts the engine (a short answer can end before it: a race this test must not run)
             async for chunk in await sdk.chat.completions.create(
-                model=llm.model, messages=messages, stream=True
+                model=llm.model, messages=messages, stream=True, extra_body={"ignore_eos": True}
             ):
                 streaming.set()
                 if chunk.choices and chunk.choices[0].finish_reason:
@@ -170,6 +172,7 @@ async def test_an_agent_whose_rollout_spans_a_weight_update_finishes_and_its_row
         await producer.wait_changed(before, 1)
         await producer.flush()
     assert len(answers) == 3 and set(answers) <= {"length", "stop"}  # the agent never saw an abort
+    assert answers[1] == "length"  # the streamed call ran to the response length (ignore_eos)
     keys = [
         key
         for key, tag in (await anyio.to_thread.run_sync(tq.kv_list, "train")).get("train", {}).items()
