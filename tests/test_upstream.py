@@ -64,6 +64,38 @@ async def test_a_chunked_body_cut_anywhere_is_put_back_together_extensions_and_t
     assert server.connections == 1
 
 
+@pytest.mark.parametrize(
+    "trailers",
+    [[b"X-Trailer: " + b"v" * 4096] * 40, [b"X-T: 1\r\n" * 512] * 40],
+    ids=["one-long-value", "many-lines"],
+)
+async def test_trailers_past_the_head_limit_are_a_protocol_error_before_the_deadline(
+    trailers: list[bytes],
+) -> None:
+    """llhttp holds a trailer's value until its line ends: without a bound a backend could grow the proxy by
+    whatever it sends until the request's deadline."""
+    from aglverl.proxy.upstream import MAX_HEAD
+
+    answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n"]
+    answer += trailers
+    assert sum(map(len, trailers)) > 2 * MAX_HEAD
+    async with RawServer(lambda _: answer).running() as server, client(request_timeout=60) as upstream:
+        response = await upstream.request("GET", server.url, "/")
+        with pytest.raises(RemoteProtocolError, match="trailers longer than"), anyio.fail_after(5):
+            await response.read()
+        with anyio.fail_after(5):
+            await server.closed.wait()
+
+
+async def test_many_small_chunks_whose_framing_passes_the_head_limit_arrive_whole() -> None:
+    body = bytes(range(256)) * 80  # 20,480 one-byte chunks: 120 KiB of framing in all
+    wire = b"".join(b"1\r\n%s\r\n" % body[i : i + 1] for i in range(len(body))) + b"0\r\nX-End: 1\r\n\r\n"
+    answer: list[bytes | None] = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    answer += [wire[i : i + 8192] for i in range(0, len(wire), 8192)]
+    async with RawServer(lambda _: answer).running() as server, client() as upstream:
+        assert await (await upstream.request("GET", server.url, "/")).read() == body
+
+
 async def test_chunks_arrive_one_by_one_as_a_stream() -> None:
     events = [b"data: %d\n\n" % i for i in range(5)]
     answer: list[bytes | None] = [

@@ -24,10 +24,11 @@ keeps what a pool needs (connections, deadlines, back pressure) and leaves the f
   (no connection could be made), :class:`ReadError` (the connection closed or broke before the response's
   end: before its head, a kept connection the server had just closed, typically; mid-body, a truncated answer),
   :class:`RemoteProtocolError` (what came is not a well-formed HTTP/1.1 response: a bad status line, header,
-  ``Content-Length``, chunk size, a transfer coding other than ``chunked``, a head over ``MAX_HEAD`` bytes, a
-  switch of protocols, bytes the client did not ask for); all are :class:`UpstreamError`. A response whose
-  head is well-formed but whose body is not raises when read; one that broke before :meth:`Upstream.request`
-  returned raises there (nothing of it can have reached the agent yet).
+  ``Content-Length``, chunk size, a transfer coding other than ``chunked``, a head or trailers over
+  ``MAX_HEAD`` bytes, a switch of protocols, bytes the client did not ask for); all are
+  :class:`UpstreamError`. A response whose head is well-formed but whose body is not raises when read; one
+  that broke before :meth:`Upstream.request` returned raises there (nothing of it can have reached the agent
+  yet).
 - Deadlines: ``request_timeout`` bounds each request from its send to its body's end: past it, whatever waits
   on the response raises :class:`TimeoutError` and the connection is closed. Cancellation while a response is
   unfinished: the caller closes it (:meth:`Response.close`); a request cancelled before its head closes its
@@ -125,6 +126,7 @@ class _Connection(asyncio.Protocol):
         "_headers",
         "_keep",
         "_reason",
+        "_since_chunk_head",
         "_until_close",
         "idle_since",
         "origin",
@@ -149,6 +151,7 @@ class _Connection(asyncio.Protocol):
         self._head_only = False
         self._keep = True
         self._until_close = False
+        self._since_chunk_head: int | None = None
 
     # ------------------------------------------------------------------ the pool's side
     def start(self, response: Response, message: bytes, head_only: bool) -> None:
@@ -159,6 +162,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._reason = ""
         self._head_bytes = 0
+        self._since_chunk_head = None
         self._head_only = head_only
         self.transport.write(message)
 
@@ -201,6 +205,10 @@ class _Connection(asyncio.Protocol):
         elif state is not State.BODY:  # nothing was asked: a server that talks out of turn is not reused
             self._fail(RemoteProtocolError("the backend sent bytes that were not asked for"))
             return
+        elif (
+            self._since_chunk_head is not None
+        ):  # the last chunk's trailers, maybe (llhttp keeps their values)
+            self._since_chunk_head += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -215,6 +223,8 @@ class _Connection(asyncio.Protocol):
             return
         if self.state is State.HEAD and self._head_bytes > MAX_HEAD:
             self._fail(RemoteProtocolError(f"a response head longer than {MAX_HEAD} bytes"))
+        elif self.state is State.BODY and self._since_chunk_head and self._since_chunk_head > MAX_HEAD:
+            self._fail(RemoteProtocolError(f"trailers longer than {MAX_HEAD} bytes after the last chunk"))
 
     def eof_received(self) -> bool:
         return False  # close the transport: a half-closed backend connection is of no further use
@@ -293,10 +303,14 @@ class _Connection(asyncio.Protocol):
             response._finish()
             self._end()
 
+    def on_chunk_header(self) -> None:
+        self._since_chunk_head = 0
+
     def on_body(self, data: bytes) -> None:
         response = self.response
         if response is None:
             self._out_of_turn()
+        self._since_chunk_head = None
         response._push(data)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
