@@ -281,16 +281,16 @@ def main() -> None:
     args = parser.parse_args()
 
     config = config_fast() if args.config == "fast" else deepcopy(CONFIG)
-    data_dir = Path(tempfile.mkdtemp(prefix="sql-agents-"))
-    db_path = data_dir / "shop.sqlite"
-    make_database(db_path)
     questions = make_questions(64)
     algorithm = agl.VERL(config)
     trainer = agl.Trainer(
         n_runners=args.runners, algorithm=algorithm, adapter={"agent_match": args.active_agent}
     )
     print("Adapter agent match acknowledged:", trainer.adapter.agent_match)  # type: ignore[attr-defined]
-    trainer.fit(LitSQLAgent(str(db_path)), train_dataset=questions[:56], val_dataset=questions[56:])
+    with tempfile.TemporaryDirectory(prefix="sql-agents-") as data_dir:  # the shop's database, for this run
+        db_path = Path(data_dir) / "shop.sqlite"
+        make_database(db_path)
+        trainer.fit(LitSQLAgent(str(db_path)), train_dataset=questions[:56], val_dataset=questions[56:])
     metrics = getattr(algorithm, "metrics", {})  # aglverl's VERL keeps the last step's metrics
     print(
         f"final training reward: {metrics.get('training/reward', float('nan')):.3f}, calls trained: "
