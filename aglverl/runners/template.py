@@ -32,6 +32,7 @@ import anyio.to_thread
 import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from .channel import open_channel
 from .seam import Launch, LaunchFailed
 from .supervised import SupervisedProcess, TemplateGone, TemplateStale, describe, read_line
 
@@ -146,7 +147,7 @@ class Template:
         finally:
             theirs.close()
         self._process, self.pid = process, process.pid
-        self._control = await anyio.abc.UNIXSocketStream.from_socket(ours)
+        self._control = await open_channel(ours)
         self._reader = BufferedByteReceiveStream(self._control)
         tg.start_soon(self._watch, process, name=f"template {self.name}")
         with anyio.move_on_after(START_SECONDS):
@@ -205,7 +206,7 @@ class Template:
         if "forked" in answer:
             return SupervisedProcess(
                 int(answer["forked"]),
-                await anyio.abc.UNIXSocketStream.from_socket(ours),
+                await open_channel(ours),
                 name,
                 grace=float(request.get("grace", 5.0)),
             )
